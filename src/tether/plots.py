@@ -1,0 +1,67 @@
+"""PNG plots of a run: training curves and score against KL (matplotlib, headless)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+_PANELS = [
+    ("objective/scores", "score (mean)"),
+    ("objective/kl", "KL, nats per sequence"),
+    ("objective/kl_coef", "kl_coef (beta)"),
+    ("objective/rlhf_reward", "score - beta KL"),
+    ("objective/entropy", "entropy, nats per token"),
+    ("response/length", "response length, tokens"),
+]
+
+
+def plot_training(history: list[dict], out: Path, kl_target: float | None = None) -> Path:
+    """Six panels against step: score, KL (with the target), beta, RLHF reward, entropy, length."""
+    steps = [r["step"] for r in history]
+    fig, axes = plt.subplots(2, 3, figsize=(13, 6.5))
+    for ax, (key, label) in zip(axes.flat, _PANELS):
+        ys = [r.get(key) for r in history]
+        pts = [(s, y) for s, y in zip(steps, ys) if isinstance(y, (int, float))]
+        if pts:
+            ax.plot(*zip(*pts), marker=".", lw=1)
+        if key == "objective/kl":
+            exact = [(s, r["objective/kl_exact"]) for s, r in zip(steps, history)
+                     if isinstance(r.get("objective/kl_exact"), (int, float))]
+            if exact:
+                ax.plot(*zip(*exact), lw=1, alpha=0.7, label="exact (full vocab)")
+            if kl_target is not None:
+                ax.axhline(kl_target, ls="--", c="gray", label="target")
+            ax.legend(fontsize=7)
+        ax.set_title(label, fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def plot_score_vs_kl(history: list[dict], out: Path, evals: list[dict] | None = None) -> Path:
+    """Training score against KL (nats per sequence), colored by step; held-out points on top."""
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    pts = [(r["objective/kl"], r["objective/scores"], r["step"]) for r in history
+           if isinstance(r.get("objective/kl"), (int, float))]
+    if pts:
+        kl, sc, st = zip(*pts)
+        s = ax.scatter(kl, sc, c=st, cmap="viridis", s=18, label="training batches")
+        fig.colorbar(s, ax=ax, label="step")
+    for e in evals or []:
+        ax.errorbar(e["kl"], e["score_mean"], yerr=e["score_se"], fmt="s", c="crimson", capsize=3)
+        ax.annotate(e["name"], (e["kl"], e["score_mean"]), textcoords="offset points", xytext=(5, 5), fontsize=8)
+    ax.set_xlabel("KL(pi_theta || pi_ref), nats per sequence")
+    ax.set_ylabel("score")
+    ax.set_title("score against KL")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -1,0 +1,195 @@
+"""Rollouts: tokenize prompts, sample responses, score them with policy and reference.
+
+This is the only math-adjacent module that talks to models. Everything it returns is a tensor
+whose shape is written beside it; masks follow the glossary (``response_mask`` True = counts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from tether.logprobs import entropy_from_logits, logprobs_from_logits, response_mask_from_tokens
+from tether.models import PolicyWithValue, position_ids_from_mask, tail_logits
+
+
+@dataclass
+class Rollout:
+    """One batch of prompts and sampled responses.
+
+    Attributes:
+        prompts: B prompt strings.
+        prompt_ids: (B, P) long, left-padded.
+        prompt_mask: (B, P) long, 0 on padding.
+        response_ids: (B, R) long; slots after the first EOS hold the pad token.
+        response_mask: (B, R) bool, True up to and including the first EOS.
+        responses: B decoded responses (up to, not including, EOS).
+    """
+
+    prompts: list[str]
+    prompt_ids: Tensor
+    prompt_mask: Tensor
+    response_ids: Tensor
+    response_mask: Tensor
+    responses: list[str]
+
+    @property
+    def input_ids(self) -> Tensor:
+        """(B, P + R - 1): prompt and response without its last token (it predicts nothing)."""
+        return torch.cat([self.prompt_ids, self.response_ids], dim=1)[:, :-1]
+
+    @property
+    def attention_mask(self) -> Tensor:
+        """(B, P + R - 1): prompt padding masked; response slots all attend (a post-EOS slot
+        comes after every valid token, so causal attention keeps it out of their logits)."""
+        ones = torch.ones_like(self.response_ids)
+        return torch.cat([self.prompt_mask, ones], dim=1)[:, :-1]
+
+    def select(self, idx: Tensor) -> "Rollout":
+        """Rows ``idx`` of this rollout (for minibatches)."""
+        rows = idx.tolist()
+        return Rollout(
+            prompts=[self.prompts[i] for i in rows],
+            prompt_ids=self.prompt_ids[idx],
+            prompt_mask=self.prompt_mask[idx],
+            response_ids=self.response_ids[idx],
+            response_mask=self.response_mask[idx],
+            responses=[self.responses[i] for i in rows],
+        )
+
+
+def tokenize_prompts(tokenizer, prompts: list[str], max_prompt_tokens: int) -> tuple[Tensor, Tensor]:
+    """Left-padded prompt ids and mask, (B, P) each.
+
+    Raises:
+        ValueError: a prompt is empty after tokenization or longer than ``max_prompt_tokens``
+            (the prompt is quoted; fix: shorten it or raise ``rollout.max_prompt_tokens``).
+    """
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=True)
+    lengths = enc["attention_mask"].sum(-1)
+    for p, n in zip(prompts, lengths.tolist()):
+        if n == 0:
+            raise ValueError(f"prompt {p!r} is empty after tokenization")
+        if n > max_prompt_tokens:
+            raise ValueError(
+                f"prompt {p[:60]!r} has {n} tokens > rollout.max_prompt_tokens={max_prompt_tokens}; "
+                "shorten it or raise rollout.max_prompt_tokens"
+            )
+    return enc["input_ids"], enc["attention_mask"]
+
+
+@torch.no_grad()
+def generate(
+    lm: nn.Module,
+    tokenizer,
+    prompts: list[str],
+    max_new_tokens: int,
+    temperature: float,
+    max_prompt_tokens: int = 64,
+) -> Rollout:
+    """Sample one response per prompt from ``lm`` at ``temperature`` (no top-k, no top-p).
+
+    Pure ancestral sampling from softmax(logits / temperature), so the log-probabilities that
+    :func:`score_logprobs` computes at the same temperature are those of the sampling
+    distribution. Uses the global torch RNG (seed it for reproducibility).
+    """
+    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, max_prompt_tokens)
+    eos = tokenizer.eos_token_id
+    out = lm.generate(
+        input_ids=prompt_ids,
+        attention_mask=prompt_mask,
+        do_sample=True,
+        temperature=temperature,
+        top_k=0,
+        top_p=1.0,
+        min_p=None,
+        repetition_penalty=1.0,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    response_ids = out[:, prompt_ids.shape[1] :]  # (B, R<=max_new_tokens)
+    response_mask = response_mask_from_tokens(response_ids, eos)  # (B, R)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    response_ids = torch.where(response_mask, response_ids, torch.full_like(response_ids, pad))
+    texts = [
+        tokenizer.decode(ids[m & (ids != eos)] if eos is not None else ids[m], skip_special_tokens=True)
+        for ids, m in zip(response_ids, response_mask)
+    ]
+    return Rollout(prompts, prompt_ids, prompt_mask, response_ids, response_mask, texts)
+
+
+def response_forward(
+    model: nn.Module, rollout: Rollout, with_values: bool = False
+) -> tuple[Tensor, Tensor | None]:
+    """Logits (B, R, V) predicting each response token, and values (B, R) if asked.
+
+    Works for a :class:`PolicyWithValue` and for a bare causal LM (the reference). Position ids
+    start at 0 on each row's first real prompt token, so a row scores the same inside a padded
+    batch as alone.
+    """
+    input_ids, attention_mask = rollout.input_ids, rollout.attention_mask  # (B, L)
+    position_ids = position_ids_from_mask(attention_mask)
+    R = rollout.response_ids.shape[1]
+    if isinstance(model, PolicyWithValue):
+        return model(input_ids, attention_mask, position_ids, n_keep=R, with_values=with_values)
+    return tail_logits(model, input_ids, attention_mask, position_ids, R)[0], None
+
+
+@dataclass
+class Scored:
+    """Per-token quantities of one model on a rollout, all (B, R) float32."""
+
+    logprobs: Tensor
+    values: Tensor | None = None
+    entropy: Tensor | None = None
+    logits: Tensor | None = None
+    """(B, R, V) kept only when asked (exact KL)."""
+
+
+def score_logprobs(
+    model: nn.Module,
+    rollout: Rollout,
+    temperature: float,
+    with_values: bool = False,
+    with_entropy: bool = False,
+    keep_logits: bool = False,
+) -> Scored:
+    """log pi(y_t | x, y_<t) of the rollout's responses at the sampling temperature.
+
+    The same call serves policy, old policy and reference, so temperature and precision agree.
+    """
+    logits, values = response_forward(model, rollout, with_values=with_values)
+    return Scored(
+        logprobs=logprobs_from_logits(logits, rollout.response_ids, temperature),
+        values=values,
+        entropy=entropy_from_logits(logits, temperature) if with_entropy else None,
+        logits=logits if keep_logits else None,
+    )
+
+
+def rollout_from_responses(
+    tokenizer, prompts: list[str], responses: list[Tensor], max_prompt_tokens: int = 64
+) -> Rollout:
+    """A :class:`Rollout` of given response token ids (e.g. DPO's chosen or rejected).
+
+    Args:
+        prompts: B prompt strings.
+        responses: B 1-D long tensors, each a response (ending with EOS if it ended there).
+
+    Returns:
+        Rollout with responses right-padded with the pad token and ``response_mask`` True on
+        each response's own tokens.
+    """
+    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, max_prompt_tokens)
+    R = max(1, max(len(r) for r in responses))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    ids = torch.full((len(responses), R), pad, dtype=torch.long)
+    mask = torch.zeros((len(responses), R), dtype=torch.bool)
+    for i, r in enumerate(responses):
+        ids[i, : len(r)] = r
+        mask[i, : len(r)] = True
+    texts = tokenizer.batch_decode([r for r in responses], skip_special_tokens=True)
+    return Rollout(list(prompts), prompt_ids, prompt_mask, ids, mask, texts)

@@ -1,0 +1,98 @@
+"""Scorers (reward models): any ``Callable[[list[str]], list[float]]``.
+
+Built in:
+    ``vader``: VADER compound sentiment of the completion, in [-1, 1] (Hutto & Gilbert 2014,
+        ``vaderSentiment`` package, MIT). A proxy reward that is easy to game.
+    ``module.path:function``: any importable callable ``list[str] -> list[float]``.
+    ``hf:FOLDER[#LABEL]``: a local Hugging Face sequence classifier; the score is the logit of
+        ``LABEL`` (an index or a label name; default: the last label).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from typing import Callable, Sequence
+
+Scorer = Callable[[list[str]], Sequence[float]]
+
+
+def vader_scorer() -> Scorer:
+    """VADER compound score, [-1, 1], of each text."""
+    from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
+
+    analyzer = SentimentIntensityAnalyzer()
+
+    def score(texts: list[str]) -> list[float]:
+        return [analyzer.polarity_scores(t)["compound"] for t in texts]
+
+    return score
+
+
+def hf_classifier_scorer(spec: str, batch_size: int = 32) -> Scorer:
+    """A local Hugging Face sequence classifier as a scorer (logit of one label)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    folder, _, label = spec.partition("#")
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    n_labels = model.config.num_labels
+    if not label:
+        idx = n_labels - 1
+    elif label.isdigit():
+        idx = int(label)
+    else:
+        idx = model.config.label2id[label]
+
+    @torch.no_grad()
+    def score(texts: list[str]) -> list[float]:
+        out = []
+        for i in range(0, len(texts), batch_size):
+            enc = tok(texts[i : i + batch_size], return_tensors="pt", padding=True, truncation=True)
+            out.extend(model(**enc).logits[:, idx].float().tolist())
+        return out
+
+    return score
+
+
+def make_scorer(spec: str | Scorer) -> Scorer:
+    """A scorer from a name (``vader``), ``hf:FOLDER[#LABEL]``, ``module:function``, or a callable.
+
+    Raises:
+        ValueError: the spec names nothing tether can build.
+    """
+    if callable(spec):
+        return spec
+    if spec == "vader":
+        return vader_scorer()
+    if spec.startswith("hf:"):
+        return hf_classifier_scorer(spec[3:])
+    if ":" in spec:
+        module, _, attr = spec.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"reward.scorer={spec!r}: cannot import ({e})") from None
+        if not callable(fn):
+            raise ValueError(f"reward.scorer={spec!r} is not callable")
+        return fn
+    raise ValueError(
+        f"reward.scorer={spec!r} is unknown; use 'vader', 'hf:FOLDER[#LABEL]' or 'module:function'"
+    )
+
+
+def checked_scores(scorer: Scorer, texts: list[str], step: int) -> list[float]:
+    """Call ``scorer`` and validate its output: one finite float per text.
+
+    Raises:
+        ValueError: wrong count, or a NaN/inf score; the message names the step and the texts.
+    """
+    scores = [float(s) for s in scorer(texts)]
+    if len(scores) != len(texts):
+        raise ValueError(f"step {step}: the scorer returned {len(scores)} scores for {len(texts)} texts")
+    bad = [(t, s) for t, s in zip(texts, scores) if not math.isfinite(s)]
+    if bad:
+        shown = "; ".join(f"{s} for {t[:60]!r}" for t, s in bad[:3])
+        raise ValueError(f"step {step}: the scorer returned non-finite scores: {shown}")
+    return scores

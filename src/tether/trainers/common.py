@@ -1,0 +1,166 @@
+"""What every trainer shares: building a run (models, data, scorer, run dir) and scoring rollouts."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from tether.config import Config, dump_config
+from tether.data import DEFAULT_PROMPTS, movie_prompts, read_prompt_file, split_prompts
+from tether.kl import exact_kl_from_logits
+from tether.metrics import RunWriter
+from tether.models import (
+    PolicyWithValue,
+    check_reference,
+    fingerprint,
+    load_causal_lm,
+    load_tokenizer,
+    make_reference,
+    resolve_model_path,
+)
+from tether.rollout import Rollout, score_logprobs
+from tether.scorers import Scorer, make_scorer
+
+log = logging.getLogger(__name__)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def default_run_dir(algo: str) -> Path:
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"{algo}-{stamp}"
+
+
+def load_prompts(config: Config) -> tuple[list[str], list[str]]:
+    """(train, heldout) prompts for ``config.data``."""
+    d = config.data
+    if d.prompts == DEFAULT_PROMPTS:
+        return movie_prompts(config.train.seed, d.min_words, d.max_words, d.heldout_fraction)
+    return split_prompts(read_prompt_file(d.prompts), d.heldout_fraction)
+
+
+def freeze_lower_layers(lm: nn.Module, trainable_layers: int | None) -> None:
+    """Keep only the last ``trainable_layers`` blocks (and the final norm) trainable."""
+    if trainable_layers is None:
+        return
+    trunk = getattr(lm, lm.base_model_prefix)
+    for p in lm.parameters():
+        p.requires_grad_(False)
+    layers = trunk.layers
+    for block in list(layers)[len(layers) - trainable_layers :] if trainable_layers else []:
+        for p in block.parameters():
+            p.requires_grad_(True)
+    if trainable_layers and hasattr(trunk, "norm"):
+        for p in trunk.norm.parameters():
+            p.requires_grad_(True)
+
+
+@dataclass
+class Run:
+    """Everything a trainer needs, built from a validated :class:`Config`."""
+
+    config: Config
+    policy: PolicyWithValue
+    reference: nn.Module | None
+    """None when no KL is used or monitored (kl_coef 0 and kl.monitor false)."""
+    tokenizer: object
+    scorer: Scorer
+    train_prompts: list[str]
+    heldout_prompts: list[str]
+    writer: RunWriter
+    reference_fingerprint: str | None
+    reference_forwards: list[int]
+    """[count] of reference forward passes (a pre-hook increments it)."""
+
+
+def build_run(config: Config, scorer: Scorer | None = None) -> Run:
+    """Load model, reference, tokenizer, prompts and scorer; create the run directory.
+
+    The config is validated before this is called; data and scorer load before the model so a
+    bad prompt file or scorer fails in seconds, not after the model loads.
+    """
+    if config.train.threads:
+        torch.set_num_threads(config.train.threads)
+    seed_everything(config.train.seed)
+    train_prompts, heldout = load_prompts(config)
+    scorer = scorer if scorer is not None else make_scorer(config.reward.scorer)
+    run_dir = Path(config.train.output_dir) if config.train.output_dir else default_run_dir(config.train.algo)
+    if (run_dir / "metrics.jsonl").exists():
+        raise FileExistsError(f"train.output_dir={run_dir} already holds a run; choose another directory")
+    writer = RunWriter(run_dir)
+    dump_config(config, run_dir / "config.yaml")
+
+    for w in config.placement.warnings:
+        log.warning("tether: warning: %s", w)
+    path = resolve_model_path(config.model.name)
+    tokenizer = load_tokenizer(path)
+    lm = load_causal_lm(path)
+    needs_reference = config.placement.needs_reference or config.train.algo == "dpo"
+    reference = make_reference(lm) if needs_reference else None
+    forwards = [0]
+    if reference is not None:
+        reference.register_forward_pre_hook(lambda module, args: forwards.__setitem__(0, forwards[0] + 1))
+    freeze_lower_layers(lm, config.model.trainable_layers)
+    policy = PolicyWithValue(lm)
+    if reference is not None:
+        check_reference(policy, reference)
+    return Run(config, policy, reference, tokenizer, scorer, train_prompts, heldout, writer,
+               fingerprint(reference) if reference is not None else None, forwards)
+
+
+@dataclass
+class ScoredBatch:
+    """No-grad quantities of a rollout, each (B, R) float32."""
+
+    old_logprobs: Tensor
+    ref_logprobs: Tensor | None
+    """None when no reference model is built."""
+    values: Tensor | None
+    entropy: Tensor
+    exact_kl: Tensor | None
+
+
+@torch.no_grad()
+def score_rollout(
+    policy: nn.Module,
+    reference: nn.Module | None,
+    rollout: Rollout,
+    temperature: float,
+    row_chunks: list[Tensor],
+    with_values: bool,
+    exact_kl: bool,
+    exact_chunk_size: int = 256,
+) -> ScoredBatch:
+    """Policy and reference log-probabilities (and values, entropy, exact KL) of a rollout.
+
+    Rows are scored in the groups ``row_chunks`` (index tensors covering every row once), so the
+    first PPO minibatch sees exactly the inputs its old log-probabilities came from and the
+    ratio at step 0 is exactly 1. Logits are held for one group at a time only.
+    """
+    B, R = rollout.response_ids.shape
+    exact_kl = exact_kl and reference is not None
+    out = {k: torch.zeros(B, R) for k in ("old", "ref", "values", "entropy", "exact")}
+    for idx in row_chunks:
+        part = rollout.select(idx)
+        pol = score_logprobs(policy, part, temperature, with_values=with_values, with_entropy=True,
+                             keep_logits=exact_kl)
+        out["old"][idx], out["entropy"][idx] = pol.logprobs, pol.entropy
+        if with_values:
+            out["values"][idx] = pol.values
+        if reference is not None:
+            ref = score_logprobs(reference, part, temperature, keep_logits=exact_kl)
+            out["ref"][idx] = ref.logprobs
+            if exact_kl:
+                out["exact"][idx] = exact_kl_from_logits(pol.logits, ref.logits, temperature, exact_chunk_size)
+    return ScoredBatch(out["old"], out["ref"] if reference is not None else None,
+                       out["values"] if with_values else None, out["entropy"],
+                       out["exact"] if exact_kl else None)

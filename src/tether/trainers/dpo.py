@@ -1,0 +1,197 @@
+"""DPO: offline preference pairs, beta as the implicit KL leash (Rafailov et al. 2023).
+
+Pairs come from a JSONL file (``prompt``, ``chosen``, ``rejected``, the TRL convention) or, by
+default as in the DPO paper's sentiment task, are sampled: for each training prompt, draw
+``dpo.candidates`` completions from the reference, score them with the run's scorer and pair the
+best against the worst. Each step:
+
+1. take the next ``rollout.batch_size`` pairs;
+2. epochs of minibatches: policy sequence log-probs of chosen and rejected, DPO loss, update;
+3. sample the policy on held-out prompts and measure its real KL(pi || pi_ref) and score, so DPO
+   runs land on the same reward-against-KL axes as PPO, GRPO and RLOO;
+4. metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from tether.data import PromptSampler
+from tether.kl import estimate_kl, exact_kl_from_logits, kl_stats, masked_mean, masked_sum, sequence_kl
+from tether.losses import dpo_loss
+from tether.rollout import generate, rollout_from_responses, score_logprobs
+from tether.scorers import checked_scores
+from tether.shaping import shape_rewards
+from tether.trainers.base import Experience
+from tether.trainers.common import Run
+
+
+class Pairs(NamedTuple):
+    prompts: list[str]
+    chosen: list[Tensor]
+    """response token ids (1-D long), EOS included where the response ended."""
+    rejected: list[Tensor]
+    ref_chosen: Tensor
+    """(N,) reference sequence log-probs of chosen, nats."""
+    ref_rejected: Tensor
+
+
+def read_pair_file(path: str | Path, tokenizer) -> tuple[list[str], list[Tensor], list[Tensor]]:
+    """Pairs from JSONL lines ``{"prompt", "chosen", "rejected"}``; responses get EOS appended.
+
+    Raises:
+        FileNotFoundError, ValueError: missing file, bad JSON or a missing field (line named).
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"dpo.pairs: no file {path}")
+    prompts, chosen, rejected = [], [], []
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"dpo.pairs: {path}:{i} is not valid JSON ({e.msg})") from None
+        if not all(isinstance(obj.get(k), str) and obj.get(k) for k in ("prompt", "chosen", "rejected")):
+            raise ValueError(f'dpo.pairs: {path}:{i} needs non-empty "prompt", "chosen" and "rejected" strings')
+        prompts.append(obj["prompt"])
+        for text, out in ((obj["chosen"], chosen), (obj["rejected"], rejected)):
+            out.append(torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"] + eos, dtype=torch.long))
+    if not prompts:
+        raise ValueError(f"dpo.pairs: {path} holds no pairs")
+    return prompts, chosen, rejected
+
+
+class DPOTrainer:
+    name = "dpo"
+
+    def __init__(self, run: Run):
+        self.run = run
+        c = self.cfg = run.config
+        self.params = [p for p in run.policy.lm.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=c.optim.lr, weight_decay=c.optim.weight_decay)
+        self.generator = torch.Generator().manual_seed(c.train.seed)
+        self.pairs = self.build_pairs()
+        self.position = 0
+        self.last_experience: Experience | None = None
+
+    # ---- pairs -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def build_pairs(self) -> Pairs:
+        c, run = self.cfg, self.run
+        if c.dpo.pairs == "sampled":
+            prompts, chosen, rejected = self.sample_pairs()
+        else:
+            prompts, chosen, rejected = read_pair_file(c.dpo.pairs, run.tokenizer)
+        ref_c, ref_r = [], []
+        for s in range(0, len(prompts), c.rollout.forward_batch_size):
+            sl = slice(s, s + c.rollout.forward_batch_size)
+            ref_c.append(self.sequence_logps(run.reference, prompts[sl], chosen[sl]))
+            ref_r.append(self.sequence_logps(run.reference, prompts[sl], rejected[sl]))
+        return Pairs(prompts, chosen, rejected, torch.cat(ref_c), torch.cat(ref_r))
+
+    def sample_pairs(self) -> tuple[list[str], list[Tensor], list[Tensor]]:
+        """Best-vs-worst of ``dpo.candidates`` reference samples per prompt, ties skipped."""
+        c, run = self.cfg, self.run
+        k = c.dpo.candidates
+        sampler = PromptSampler(run.train_prompts, c.train.seed + 1)
+        prompts, chosen, rejected = [], [], []
+        per_call = max(1, c.eval.batch_size // k)
+        while len(prompts) < c.dpo.n_pairs:
+            batch = sampler.next_batch(per_call)
+            ro = generate(run.reference, run.tokenizer, [p for p in batch for _ in range(k)],
+                          c.rollout.max_new_tokens, c.rollout.temperature, c.rollout.max_prompt_tokens)
+            scores = torch.tensor(checked_scores(run.scorer, ro.responses, step=-1)).view(-1, k)
+            for g, prompt in enumerate(batch):
+                best, worst = int(scores[g].argmax()), int(scores[g].argmin())
+                if scores[g, best] == scores[g, worst]:
+                    continue
+                rows = (g * k + best, g * k + worst)
+                (cb, cw) = (ro.response_ids[r][ro.response_mask[r]] for r in rows)
+                prompts.append(prompt)
+                chosen.append(cb)
+                rejected.append(cw)
+        n = c.dpo.n_pairs
+        return prompts[:n], chosen[:n], rejected[:n]
+
+    def sequence_logps(self, model, prompts: list[str], responses: list[Tensor]) -> Tensor:
+        ro = rollout_from_responses(self.run.tokenizer, prompts, responses, self.cfg.rollout.max_prompt_tokens)
+        lp = score_logprobs(model, ro, self.cfg.rollout.temperature).logprobs
+        return masked_sum(lp, ro.response_mask, dim=-1)  # (N,)
+
+    # ---- the step --------------------------------------------------------------------------
+    def step(self, step: int) -> dict:
+        c, run, P = self.cfg, self.run, self.pairs
+        t0 = time.perf_counter()
+        # 1. the next batch of pairs (cycling)
+        N, B = len(P.prompts), c.rollout.batch_size
+        batch = torch.tensor([(self.position + i) % N for i in range(min(B, N))])
+        self.position = (self.position + len(batch)) % N
+        # 2. DPO epochs
+        stats: dict[str, list[float]] = {}
+        for _ in range(c.optim.epochs):
+            perm = batch[torch.randperm(len(batch), generator=self.generator)]
+            for idx in perm.split(c.optim.minibatch_size):
+                rows = idx.tolist()
+                prompts = [P.prompts[i] for i in rows]
+                out = dpo_loss(
+                    self.sequence_logps(run.policy, prompts, [P.chosen[i] for i in rows]),
+                    self.sequence_logps(run.policy, prompts, [P.rejected[i] for i in rows]),
+                    P.ref_chosen[idx], P.ref_rejected[idx], c.dpo.beta)
+                self.optimizer.zero_grad(set_to_none=True)
+                out.loss.backward()
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.params, c.optim.max_grad_norm)
+                if not torch.isfinite(grad_norm):
+                    raise FloatingPointError(f"non-finite gradient norm {float(grad_norm)} in the DPO update")
+                self.optimizer.step()
+                for k, v in (("dpo/loss", out.loss), ("dpo/margin", out.margin), ("dpo/accuracy", out.accuracy),
+                             ("dpo/chosen_reward", out.chosen_rewards.mean()),
+                             ("dpo/rejected_reward", out.rejected_rewards.mean()), ("policy/grad_norm", grad_norm)):
+                    stats.setdefault(k, []).append(float(v.detach()))
+        t_update = time.perf_counter()
+        # 3. the real KL and score of the policy's own samples on held-out prompts
+        probe = self.probe(step)
+        t_probe = time.perf_counter()
+        # 4. metrics
+        row = {"step": step, "samples": (step + 1) * len(batch), "objective/kl_coef": c.dpo.beta, **probe,
+               **{k: sum(v) / len(v) for k, v in stats.items()},
+               "time/step": t_probe - t0, "time/update": t_update - t0, "time/probe": t_probe - t_update}
+        return row
+
+    @torch.no_grad()
+    def probe(self, step: int) -> dict:
+        c, run = self.cfg, self.run
+        prompts = run.heldout_prompts[: c.dpo.kl_eval_prompts] or run.train_prompts[: c.dpo.kl_eval_prompts]
+        if not prompts:
+            return {}
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(c.eval.seed + step)
+            ro = generate(run.policy.lm, run.tokenizer, prompts, c.rollout.max_new_tokens, c.rollout.temperature,
+                          c.rollout.max_prompt_tokens)
+        pol = score_logprobs(run.policy, ro, c.rollout.temperature, with_entropy=True, keep_logits=c.kl.exact)
+        ref = score_logprobs(run.reference, ro, c.rollout.temperature, keep_logits=c.kl.exact)
+        mask = ro.response_mask
+        kl = estimate_kl(pol.logprobs, ref.logprobs, c.kl.estimator)
+        scores = torch.tensor(checked_scores(run.scorer, ro.responses, step))
+        kls = kl_stats(kl, mask)
+        shaped = shape_rewards(scores, kl, c.dpo.beta, mask)
+        self.last_experience = Experience(ro, scores, pol.logprobs, ref.logprobs, None, kl, shaped.rewards,
+                                          shaped.non_score_reward, torch.zeros_like(kl), None, [])
+        non_score = -c.dpo.beta * sequence_kl(kl, mask)
+        row = {"objective/kl": kls["kl_per_sequence"], "objective/kl_per_token": kls["kl_per_token"],
+               "objective/scores": scores.mean(), "objective/non_score_reward": non_score.mean(),
+               "objective/rlhf_reward": (scores + non_score).mean(),
+               "objective/entropy": masked_mean(pol.entropy, mask),
+               "response/length": mask.sum(-1).float().mean()}
+        if c.kl.exact:
+            exact = exact_kl_from_logits(pol.logits, ref.logits, c.rollout.temperature, c.kl.exact_chunk_size)
+            row["objective/kl_exact"] = sequence_kl(exact, mask).mean()
+        return row

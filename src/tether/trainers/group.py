@@ -1,0 +1,64 @@
+"""GRPO and RLOO: G completions per prompt, a baseline from the group, no value head.
+
+* GRPO (Shao et al. 2024, arXiv 2402.03300): group-normalized outcome advantages
+  ``(r - mean_g) / (std_g + eps)``, clipped surrogate, KL in the loss by default
+  (``k3+``: k3's value, k2's gradient; see docs/kl.md).
+* RLOO (Ahmadian et al. 2024, arXiv 2402.14740): leave-one-out baseline over the k completions,
+  KL in the reward by default: each sequence's reward is ``score - kl_coef * sum_t k1_t``.
+
+The step is :class:`tether.trainers.base.OnPolicyTrainer`'s. Advantages are per sequence and
+broadcast to every valid token; the loss is a token-level mean over ``response_mask``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from tether.advantages import group_normalized_advantages, rloo_advantages
+from tether.kl import masked_sum
+from tether.losses import ppo_policy_loss
+from tether.rollout import Rollout, score_logprobs
+from tether.trainers.base import Experience, OnPolicyTrainer
+from tether.trainers.common import ScoredBatch
+
+
+class GroupTrainer(OnPolicyTrainer):
+    """Shared by GRPO and RLOO; subclasses choose the sequence advantage."""
+
+    def sequence_advantages(self, sequence_rewards: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def advantages(self, rewards: Tensor, scored: ScoredBatch, mask: Tensor) -> tuple[Tensor, None]:
+        seq_rewards = masked_sum(rewards, mask, dim=-1)  # (B,) score (- beta * KL if in the reward)
+        adv = self.sequence_advantages(seq_rewards)  # (B,)
+        return torch.where(mask, adv[:, None], 0.0), None  # (B, R)
+
+    def minibatch_loss(self, exp: Experience, idx: Tensor, part: Rollout, kl_coef: float) -> tuple[Tensor, dict]:
+        c, mask = self.cfg, part.response_mask
+        new = score_logprobs(self.run.policy, part, c.rollout.temperature)
+        pl = ppo_policy_loss(new.logprobs, exp.old_logprobs[idx], exp.advantages[idx], mask, c.ppo.clip_eps)
+        loss = pl.loss
+        ref = exp.ref_logprobs[idx] if exp.ref_logprobs is not None else None
+        kl_term = self.leash.loss(new.logprobs, ref, kl_coef, mask, exp.old_logprobs[idx])
+        if kl_term is not None:
+            loss = loss + kl_term
+        stats = {"policy/loss": pl.loss, "policy/clipfrac": pl.clipfrac, "policy/approx_kl": pl.approx_kl,
+                 "_ratio_dev": torch.where(mask, (pl.ratio - 1).abs(), 0.0).max()}
+        if kl_term is not None:
+            stats["policy/kl_loss"] = kl_term
+        return loss, stats
+
+
+class GRPOTrainer(GroupTrainer):
+    name = "grpo"
+
+    def sequence_advantages(self, sequence_rewards: Tensor) -> Tensor:
+        return group_normalized_advantages(sequence_rewards, self.group_size, self.cfg.grpo.scale_by_std)
+
+
+class RLOOTrainer(GroupTrainer):
+    name = "rloo"
+
+    def sequence_advantages(self, sequence_rewards: Tensor) -> Tensor:
+        return rloo_advantages(sequence_rewards, self.group_size)

@@ -1,0 +1,45 @@
+"""PPO with the KL leash in the reward (Ziegler et al. 2019; Stiennon et al. 2020).
+
+The step is :class:`tether.trainers.base.OnPolicyTrainer`'s; PPO adds a value head, GAE
+advantages (step 6) and the clipped surrogate plus clipped value loss (step 7). Sources:
+Schulman et al. 2017 (arXiv 1707.06347), Schulman et al. 2016 (GAE, arXiv 1506.02438).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from tether.advantages import gae, whiten
+from tether.losses import clipped_value_loss, ppo_policy_loss
+from tether.rollout import Rollout, score_logprobs
+from tether.trainers.base import Experience, OnPolicyTrainer
+from tether.trainers.common import ScoredBatch
+
+
+class PPOTrainer(OnPolicyTrainer):
+    uses_values = True
+    name = "ppo"
+
+    def advantages(self, rewards: Tensor, scored: ScoredBatch, mask: Tensor) -> tuple[Tensor, Tensor]:
+        p = self.cfg.ppo
+        out = gae(rewards, scored.values, mask, p.gamma, p.gae_lambda)
+        adv = whiten(out.advantages, mask) if p.whiten_advantages else out.advantages
+        return adv, out.returns
+
+    def minibatch_loss(self, exp: Experience, idx: Tensor, part: Rollout, kl_coef: float) -> tuple[Tensor, dict]:
+        c, mask = self.cfg, part.response_mask
+        new = score_logprobs(self.run.policy, part, c.rollout.temperature, with_values=True)
+        pl = ppo_policy_loss(new.logprobs, exp.old_logprobs[idx], exp.advantages[idx], mask, c.ppo.clip_eps)
+        vl = clipped_value_loss(new.values, exp.values[idx], exp.returns[idx], mask, c.ppo.clip_eps_value)
+        loss = pl.loss + c.ppo.vf_coef * vl.loss
+        ref = exp.ref_logprobs[idx] if exp.ref_logprobs is not None else None
+        kl_term = self.leash.loss(new.logprobs, ref, kl_coef, mask, exp.old_logprobs[idx])
+        if kl_term is not None:
+            loss = loss + kl_term
+        stats = {"policy/loss": pl.loss, "policy/clipfrac": pl.clipfrac, "policy/approx_kl": pl.approx_kl,
+                 "value/loss": vl.loss, "value/clipfrac": vl.clipfrac,
+                 "_ratio_dev": torch.where(mask, (pl.ratio - 1).abs(), 0.0).max()}
+        if kl_term is not None:
+            stats["policy/kl_loss"] = kl_term
+        return loss, stats

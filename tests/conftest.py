@@ -1,0 +1,78 @@
+"""Shared fixtures: a tiny random Llama and a tiny byte-level tokenizer, built in the test.
+
+Nothing here downloads anything; a 2-layer Llama with hidden size 32 loads in milliseconds.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+CORPUS = [
+    "the movie was great and the acting was wonderful",
+    "a terrible boring film with awful dialogue",
+    "i loved this story, a delightful and moving picture",
+    "the plot is weak but the music is good",
+    "worst movie ever, bad bad bad",
+    "an excellent, charming and funny comedy",
+] * 4
+
+
+def make_tokenizer():
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(CORPUS, vocab_size=300, min_frequency=1, special_tokens=["<eos>"])
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>", pad_token="<eos>")
+    tok.padding_side = "left"
+    return tok
+
+
+def make_tiny_llama(vocab_size: int, seed: int = 0, **overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+               tie_word_embeddings=True, eos_token_id=0, pad_token_id=0, bos_token_id=None)
+    cfg.update(overrides)
+    model = LlamaForCausalLM(LlamaConfig(**cfg))
+    model.eval()
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tiny_tokenizer) -> Path:
+    """A saved tiny Llama + tokenizer folder, usable as ``model.name``."""
+    out = tmp_path_factory.mktemp("tiny-llama")
+    model = make_tiny_llama(len(tiny_tokenizer), eos_token_id=tiny_tokenizer.eos_token_id,
+                            pad_token_id=tiny_tokenizer.pad_token_id)
+    model.save_pretrained(out)
+    tiny_tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture()
+def tiny_lm(tiny_tokenizer):
+    return make_tiny_llama(len(tiny_tokenizer), eos_token_id=tiny_tokenizer.eos_token_id,
+                           pad_token_id=tiny_tokenizer.pad_token_id)
+
+
+@pytest.fixture()
+def prompt_file(tmp_path) -> Path:
+    lines = [f"the movie number {i} was" for i in range(40)] + [f"a film {i} that" for i in range(40)]
+    p = tmp_path / "prompts.txt"
+    p.write_text("\n".join(lines) + "\n")
+    return p

@@ -1,0 +1,156 @@
+"""Tests for tether.advantages: GAE and whitening."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tether.advantages import WHITEN_EPS, gae, whiten
+
+F64 = torch.float64
+
+
+def _t(rows):
+    return torch.tensor(rows, dtype=F64)
+
+
+def test_gae_hand_gamma1_lambda1():
+    # rewards [0, 0, 1], values [0.5, 0.6, 0.7], gamma = lambda = 1, V after the end = 0
+    # t=2: delta = 1 + 0   - 0.7 = 0.3;  A2 = 0.3
+    # t=1: delta = 0 + 0.7 - 0.6 = 0.1;  A1 = 0.1 + 0.3 = 0.4
+    # t=0: delta = 0 + 0.6 - 0.5 = 0.1;  A0 = 0.1 + 0.4 = 0.5
+    # (check: with gamma = lambda = 1, A_t = sum_{k>=t} r_k - V_t = 1 - V_t)
+    # returns = A + V = [1.0, 1.0, 1.0]
+    out = gae(_t([[0.0, 0.0, 1.0]]), _t([[0.5, 0.6, 0.7]]), torch.ones(1, 3, dtype=torch.bool), 1.0, 1.0)
+    torch.testing.assert_close(out.advantages, _t([[0.5, 0.4, 0.3]]), rtol=0, atol=1e-12)
+    torch.testing.assert_close(out.returns, _t([[1.0, 1.0, 1.0]]), rtol=0, atol=1e-12)
+
+
+def test_gae_hand_gamma09_lambda05_with_padding():
+    # rewards [1, 0, 2 | pad], values [0.5, 1.0, 1.5 | pad], gamma 0.9, lambda 0.5 (gl = 0.45)
+    # t=2: delta = 2 + 0.9*0   - 1.5 = 0.5;              A2 = 0.5
+    # t=1: delta = 0 + 0.9*1.5 - 1.0 = 1.35 - 1.0 = 0.35; A1 = 0.35 + 0.45*0.5   = 0.575
+    # t=0: delta = 1 + 0.9*1.0 - 0.5 = 1.4;              A0 = 1.4  + 0.45*0.575 = 1.65875
+    # returns = A + V = [2.15875, 1.575, 2.0]; the padded slot is 0
+    # The pad slot holds reward 100 and value 1e9: neither may reach slot 2 (V_3 must be 0).
+    mask = torch.tensor([[1, 1, 1, 0]], dtype=torch.bool)
+    out = gae(_t([[1.0, 0.0, 2.0, 100.0]]), _t([[0.5, 1.0, 1.5, 1e9]]), mask, 0.9, 0.5)
+    torch.testing.assert_close(out.advantages, _t([[1.65875, 0.575, 0.5, 0.0]]), rtol=0, atol=1e-12)
+    torch.testing.assert_close(out.returns, _t([[2.15875, 1.575, 2.0, 0.0]]), rtol=0, atol=1e-12)
+
+
+def _gae_loop(rewards, values, lengths, gamma, lam):
+    """Per-row Python loop over the valid prefix, float64 Python floats."""
+    B, T = rewards.shape
+    adv = [[0.0] * T for _ in range(B)]
+    ret = [[0.0] * T for _ in range(B)]
+    for b in range(B):
+        n = lengths[b]
+        r = rewards[b, :n].tolist()
+        v = values[b, :n].tolist()
+        last = 0.0
+        for t in reversed(range(n)):
+            v_next = v[t + 1] if t + 1 < n else 0.0
+            delta = r[t] + gamma * v_next - v[t]
+            last = delta + gamma * lam * last
+            adv[b][t] = last
+            ret[b][t] = last + v[t]
+    return torch.tensor(adv, dtype=F64), torch.tensor(ret, dtype=F64)
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 0.95), (0.99, 0.9), (0.5, 0.0), (1.0, 1.0), (0.0, 0.7)])
+def test_gae_matches_python_loop_random_prefix_masks(gamma, lam):
+    g = torch.Generator().manual_seed(int(gamma * 100 + lam * 10))
+    B, T = 6, 7
+    rewards = torch.randn(B, T, generator=g, dtype=F64)
+    values = torch.randn(B, T, generator=g, dtype=F64)
+    lengths = [0, 1, T, 3, 5, T - 1]  # includes an empty and a full row
+    mask = torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]
+    out = gae(rewards, values, mask, gamma, lam)
+    want_adv, want_ret = _gae_loop(rewards, values, lengths, gamma, lam)
+    assert out.advantages.dtype == F64
+    torch.testing.assert_close(out.advantages, want_adv, rtol=0, atol=1e-12)
+    torch.testing.assert_close(out.returns, want_ret, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("fill", [1e9, -1e12, float("inf"), float("nan")])
+def test_gae_masked_slots_do_not_leak(fill):
+    g = torch.Generator().manual_seed(3)
+    B, T = 4, 6
+    rewards = torch.randn(B, T, generator=g, dtype=F64)
+    values = torch.randn(B, T, generator=g, dtype=F64)
+    lengths = torch.tensor([2, 6, 4, 1])
+    mask = torch.arange(T)[None, :] < lengths[:, None]
+    clean = gae(rewards.masked_fill(~mask, 0.0), values.masked_fill(~mask, 0.0), mask, 0.9, 0.8)
+    dirty = gae(rewards.masked_fill(~mask, fill), values.masked_fill(~mask, fill), mask, 0.9, 0.8)
+    assert torch.equal(dirty.advantages, clean.advantages)
+    assert torch.equal(dirty.returns, clean.returns)
+    assert (dirty.advantages[~mask] == 0).all() and (dirty.returns[~mask] == 0).all()
+
+
+def test_gae_float32_input():
+    # float32 in, float32 out, to float32 precision
+    out = gae(torch.tensor([[0.0, 0.0, 1.0]]), torch.tensor([[0.5, 0.6, 0.7]]), torch.ones(1, 3, dtype=torch.bool), 1.0, 1.0)
+    assert out.advantages.dtype == torch.float32
+    torch.testing.assert_close(out.advantages, torch.tensor([[0.5, 0.4, 0.3]]), rtol=0, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# whiten
+# ---------------------------------------------------------------------------------------------
+
+
+def _mask_and_values(seed):
+    g = torch.Generator().manual_seed(seed)
+    B, T = 4, 6
+    values = torch.randn(B, T, generator=g, dtype=F64) * 3 + 2
+    lengths = torch.tensor([6, 3, 1, 5])
+    mask = torch.arange(T)[None, :] < lengths[:, None]
+    return values, mask
+
+
+def test_whiten_zero_mean_unit_variance_over_valid_slots():
+    values, mask = _mask_and_values(0)
+    values = values.masked_fill(~mask, float("nan"))  # pads must not matter
+    out = whiten(values, mask)
+    valid = out[mask]
+    assert valid.mean().item() == pytest.approx(0.0, abs=1e-12)
+    # independent reference: (x - mean) / sqrt(unbiased var + eps) over the valid slots
+    x = values[mask]
+    var = x.var(unbiased=True).item()
+    torch.testing.assert_close(valid, (x - x.mean()) / math.sqrt(var + WHITEN_EPS), rtol=0, atol=1e-12)
+    # unbiased variance of the result is var / (var + eps) = 1 up to eps / var ~ 1e-9
+    assert valid.var(unbiased=True).item() == pytest.approx(1.0, abs=1e-7)
+    assert (out[~mask] == 0).all()
+
+
+def test_whiten_without_shift_keeps_mean():
+    values, mask = _mask_and_values(1)
+    out = whiten(values, mask, shift_mean=False)
+    x = values[mask]
+    assert out[mask].mean().item() == pytest.approx(x.mean().item(), abs=1e-12)
+    assert out[mask].var(unbiased=True).item() == pytest.approx(1.0, abs=1e-7)
+    assert (out[~mask] == 0).all()
+
+
+def test_whiten_hand_values():
+    # valid [1, 2, 3]: mean 2, unbiased var ((1)^2 + 0 + 1^2) / 2 = 1
+    # out = [-1, 0, 1] / sqrt(1 + 1e-8) = [-1, 0, 1] * (1 - 5e-9)
+    out = whiten(_t([[1.0, 2.0, 3.0, 99.0]]), torch.tensor([[1, 1, 1, 0]], dtype=torch.bool))
+    s = 1.0 / math.sqrt(1.0 + 1e-8)
+    torch.testing.assert_close(out, _t([[-s, 0.0, s, 0.0]]), rtol=0, atol=1e-15)
+
+
+def test_whiten_constant_input_gives_zero_not_nan():
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]], dtype=torch.bool)
+    for dtype in (F64, torch.float32):
+        out = whiten(torch.full((2, 3), 3.7, dtype=dtype), mask)
+        assert torch.isfinite(out).all()
+        assert out.abs().max().item() <= 1e-3  # float32: 3.7 - 3.7 rounds to 0 exactly or ~1e-7 * 1e4
+    out = whiten(torch.full((2, 3), 3.7, dtype=F64), mask)
+    assert out.abs().max().item() == 0.0
+    # a single valid token: n - 1 clamped to 1, var 0 -> 0
+    single = whiten(_t([[5.0, 1.0]]), torch.tensor([[1, 0]], dtype=torch.bool))
+    assert single.tolist() == [[0.0, 0.0]]

@@ -1,0 +1,134 @@
+"""End to end through the CLI on a tiny random Llama: every file of the run directory appears."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tether.cli import main
+
+
+def _tiny_args(tiny_model_dir, prompt_file, out):
+    return [
+        "train",
+        f"model.name={tiny_model_dir}",
+        f"data.prompts={prompt_file}",
+        "data.heldout_fraction=0.2",
+        "rollout.batch_size=4",
+        "rollout.max_new_tokens=6",
+        "optim.minibatch_size=2",
+        "optim.epochs=2",
+        "train.steps=3",
+        "train.sample_every=2",
+        "eval.n_prompts=4",
+        "train.progress=false",
+        f"train.output_dir={out}",
+    ]
+
+
+def test_ppo_cli_end_to_end(tiny_model_dir, prompt_file, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(_tiny_args(tiny_model_dir, prompt_file, out)) == 0
+    for name in ("config.yaml", "metrics.jsonl", "samples.jsonl", "eval.json", "training.png",
+                 "score_vs_kl.png", "policy/config.json", "policy/value_head.safetensors"):
+        assert (out / name).exists(), name
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for key in ("objective/kl", "objective/kl_per_token", "objective/kl_coef", "objective/scores",
+                "objective/non_score_reward", "objective/rlhf_reward", "objective/entropy",
+                "response/length", "policy/clipfrac", "policy/approx_kl", "value/loss", "time/step",
+                "objective/kl_exact"):
+        assert key in rows[0], key
+    # step 0: policy == reference, so every KL is exactly 0 and the first PPO ratio is exactly 1
+    assert rows[0]["objective/kl"] == 0.0 and rows[0]["objective/kl_exact"] == 0.0
+    assert rows[0]["policy/ratio_max_dev_first"] == 0.0
+    # the logged non-score reward is -kl_coef * the logged KL (same numbers in reward and log)
+    for r in rows:
+        assert r["objective/non_score_reward"] == pytest.approx(-r["objective/kl_coef"] * r["objective/kl"], abs=1e-6)
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert {s["step"] for s in samples} == {0, 2}
+    assert set(samples[0]) >= {"prompt", "response", "score", "kl", "reward"}
+    ev = json.loads((out / "eval.json").read_text())
+    assert ev["n_prompts"] == 4 and "gain" in ev
+
+
+def test_cli_config_error_names_field(capsys):
+    assert main(["train", "kl.kl_coef=-1"]) == 2
+    err = capsys.readouterr().err
+    assert "kl.kl_coef" in err and ">= 0" in err
+
+
+def test_cli_refuses_to_overwrite_a_run(tiny_model_dir, prompt_file, tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 0}\n')
+    assert main(_tiny_args(tiny_model_dir, prompt_file, out)) == 1
+    assert "already holds a run" in capsys.readouterr().err
+    assert (out / "metrics.jsonl").read_text() == '{"step": 0}\n'  # nothing written is lost
+
+
+def test_cli_bad_prompt_file(tiny_model_dir, tmp_path, capsys):
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"prompt": "fine"}\n{not json}\n')
+    assert main(_tiny_args(tiny_model_dir, bad, tmp_path / "r")) == 1
+    assert "p.jsonl:2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("algo", ["grpo", "rloo", "dpo"])
+def test_other_trainers_cli_end_to_end(algo, tiny_model_dir, prompt_file, tmp_path):
+    out = tmp_path / algo
+    args = _tiny_args(tiny_model_dir, prompt_file, out) + [f"train.algo={algo}", "rollout.group_size=2"]
+    if algo == "dpo":
+        args = [a for a in args if not a.startswith("rollout.group_size")]
+        args += ["dpo.n_pairs=6", "dpo.candidates=2", "dpo.kl_eval_prompts=4"]
+    assert main(args) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3
+    assert all("objective/kl" in r and "objective/scores" in r for r in rows)
+    assert rows[0]["objective/kl"] == 0.0 or algo == "dpo"  # DPO's probe runs after its first update
+    if algo == "grpo":
+        assert rows[-1]["kl/applied_in_loss"] > 0 and rows[-1]["kl/applied_in_reward"] == 0
+    if algo == "rloo":
+        assert rows[-1]["kl/applied_in_reward"] == 3 and rows[-1]["kl/applied_in_loss"] == 0
+    if algo == "dpo":
+        assert {"dpo/loss", "dpo/margin", "dpo/accuracy"} <= set(rows[0])
+    assert (out / "training.png").exists() and (out / "eval.json").exists()
+
+
+def test_zero_beta_builds_no_reference(tiny_model_dir, prompt_file, tmp_path):
+    """kl_coef 0 and no monitoring: no reference model, zero reference forwards, no KL logged."""
+    import torch
+
+    from tether.config import load_config
+    from tether.losses import ppo_policy_loss
+    from tether.rollout import score_logprobs
+    from tether.trainers.common import build_run
+    from tether.trainers.group import GRPOTrainer
+
+    args = _tiny_args(tiny_model_dir, prompt_file, tmp_path / "z")[1:] + [
+        "train.algo=grpo", "rollout.group_size=2", "kl.kl_coef=0", "kl.monitor=false", "eval.n_prompts=0"]
+    run = build_run(load_config(None, args))
+    assert run.reference is None
+    trainer = GRPOTrainer(run)
+    row = trainer.step(0)
+    assert run.reference_forwards == [0] and trainer.leash.counts == {"reward": 0, "loss": 0}
+    assert "objective/kl" not in row and not any(isinstance(v, float) and v != v for v in row.values())
+    # the minibatch loss is bit-identical to the pure clipped policy-gradient loss
+    exp = trainer.last_experience
+    idx = exp.minibatches[0]
+    part = exp.rollout.select(idx)
+    loss, _ = trainer.minibatch_loss(exp, idx, part, kl_coef=0.0)
+    new = score_logprobs(run.policy, part, run.config.rollout.temperature)
+    pure = ppo_policy_loss(new.logprobs, exp.old_logprobs[idx], exp.advantages[idx], part.response_mask,
+                           run.config.ppo.clip_eps).loss
+    assert torch.equal(loss, pure)
+
+
+def test_zero_beta_with_monitoring_still_logs_kl(tiny_model_dir, prompt_file, tmp_path):
+    out = tmp_path / "m"
+    args = _tiny_args(tiny_model_dir, prompt_file, out) + ["train.algo=grpo", "rollout.group_size=2", "kl.kl_coef=0"]
+    assert main(args) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all("objective/kl" in r for r in rows)
+    assert rows[-1]["kl/applied_in_loss"] == 0  # beta 0: nothing applied

@@ -1,0 +1,188 @@
+"""KL placement: expected gradients by exact enumeration, the placement matrix, and the baselines.
+
+Expected gradients are sums over the whole (tiny) vocabulary, in float64: equalities, not
+sampling luck. For a loss-placement surrogate L(y; theta) evaluated on samples y ~ pi_old, the
+expected gradient is sum_y pi_old(y) * dL(y; theta)/dtheta (on-policy: pi_old = pi_theta).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tether.advantages import group_normalized_advantages, rloo_advantages
+from tether.leash import KLLeash
+from tether.losses import kl_loss_terms
+from tether.placement import check_placement
+
+F64 = torch.float64
+
+
+def exact_kl(theta: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    logp = torch.log_softmax(theta, -1)
+    return (logp.exp() * (logp - ref_logp)).sum()
+
+
+def expected_loss_grad(theta, ref_logp, estimator, old_logp=None):
+    """sum_y pi_sample(y) * grad_theta L(y; theta), pi_sample = pi_old (or pi_theta, held fixed)."""
+    theta = theta.clone().requires_grad_(True)
+    logp = torch.log_softmax(theta, -1)  # (V,) log pi_theta of every token
+    sample_logp = (old_logp if old_logp is not None else logp).detach()
+    terms = kl_loss_terms(logp[None], ref_logp[None], estimator,
+                          old_logprobs=sample_logp[None] if estimator == "k3_is" else None)[0]
+    (sample_logp.exp() * terms).sum().backward()
+    return theta.grad
+
+
+def expected_reward_grad(theta, ref_logp, estimator):
+    """Policy-gradient (score-function) gradient of E[-kl(y)] with kl in the reward."""
+    from tether.kl import estimate_kl
+
+    theta = theta.clone().requires_grad_(True)
+    logp = torch.log_softmax(theta, -1)
+    kl = estimate_kl(logp.detach()[None], ref_logp[None], estimator)[0]  # a reward: no pathwise grad
+    (logp.exp().detach() * logp * kl).sum().backward()  # E[grad log pi * kl]
+    return theta.grad
+
+
+def test_two_token_case_by_hand():
+    theta = torch.zeros(2, dtype=F64)  # pi = [0.5, 0.5]
+    ref_logp = torch.tensor([0.8, 0.2], dtype=F64).log()
+    # KL = 0.5 ln(0.5/0.8) + 0.5 ln(0.5/0.2) = 0.5 (-0.470004) + 0.5 (0.916291) = 0.223144
+    kl = exact_kl(theta, ref_logp)
+    assert kl.item() == pytest.approx(0.223144, abs=1e-6)
+    # dKL/dtheta_i = pi_i (log(pi_i / ref_i) - KL) = 0.5 (-0.470004 - 0.223144) = -0.346574
+    th = theta.clone().requires_grad_(True)
+    exact_kl(th, ref_logp).backward()
+    torch.testing.assert_close(th.grad, torch.tensor([-0.346574, 0.346574], dtype=F64), atol=1e-6, rtol=0)
+    for est in ("k2", "k3+", "k3_is"):
+        torch.testing.assert_close(expected_loss_grad(theta, ref_logp, est), th.grad, atol=1e-6, rtol=0)
+    # k1 as a loss: E[grad log pi] = 0
+    torch.testing.assert_close(expected_loss_grad(theta, ref_logp, "k1"), torch.zeros(2, dtype=F64),
+                               atol=1e-12, rtol=0)
+    # k3 as a loss: pi - ref = [0.5 - 0.8, 0.5 - 0.2] = [-0.3, +0.3], the forward-KL gradient
+    torch.testing.assert_close(expected_loss_grad(theta, ref_logp, "k3"),
+                               torch.tensor([-0.3, 0.3], dtype=F64), atol=1e-12, rtol=0)
+
+
+def test_random_16_token_case():
+    g = torch.Generator().manual_seed(0)
+    theta = torch.randn(16, generator=g, dtype=F64)
+    ref_logp = torch.log_softmax(torch.randn(16, generator=g, dtype=F64), -1)
+    th = theta.clone().requires_grad_(True)
+    exact_kl(th, ref_logp).backward()
+    true = th.grad
+    for est in ("k2", "k3+", "k3_is"):
+        torch.testing.assert_close(expected_loss_grad(theta, ref_logp, est), true, atol=1e-10, rtol=0)
+    # k3_is stays exact off-policy: samples from another pi_old
+    old = torch.log_softmax(torch.randn(16, generator=g, dtype=F64), -1)
+    torch.testing.assert_close(expected_loss_grad(theta, ref_logp, "k3_is", old_logp=old), true,
+                               atol=1e-10, rtol=0)
+    # ... while k3+ off-policy is not
+    assert (expected_loss_grad(theta, ref_logp, "k3+", old_logp=old) - true).abs().max() > 1e-3
+    assert (expected_loss_grad(theta, ref_logp, "k1") - true).abs().max() > 1e-3
+    assert (expected_loss_grad(theta, ref_logp, "k3") - true).abs().max() > 1e-3
+    # in the reward, k1's score-function gradient is exactly grad KL; k3's is not
+    torch.testing.assert_close(expected_reward_grad(theta, ref_logp, "k1"), true, atol=1e-10, rtol=0)
+    assert (expected_reward_grad(theta, ref_logp, "k3") - true).abs().max() > 1e-3
+
+
+def test_k3_plus_logs_k3_value():
+    lp = torch.tensor([[-1.0, -2.0]], dtype=F64)
+    ref = torch.tensor([[-1.5, -1.0]], dtype=F64)
+    r = ref - lp  # [-0.5, 1.0]
+    want = torch.exp(r) - 1 - r  # k3 = [0.106531, 0.718282]
+    torch.testing.assert_close(kl_loss_terms(lp, ref, "k3+"), want)
+
+
+# ---- the placement matrix: one 2-token response, score 1.0, per-token KL [0.2, 0.1], beta 0.05
+SCORES = torch.tensor([1.0], dtype=F64)
+KL = torch.tensor([[0.2, 0.1]], dtype=F64)
+MASK = torch.tensor([[True, True]])
+BETA = 0.05
+# log-ratios whose k2 = 0.5 r^2 equals [0.2, 0.1]: r = sqrt(0.4), sqrt(0.2)
+LP = torch.tensor([[math.sqrt(0.4), math.sqrt(0.2)]], dtype=F64)
+REF = torch.zeros(1, 2, dtype=F64)
+
+
+def _apply(leash: KLLeash):
+    rewards = leash.reward(SCORES, KL, BETA, MASK).rewards
+    loss = leash.loss(LP, REF, BETA, MASK, old_logprobs=LP)
+    return rewards, loss
+
+
+def test_placement_off_off():
+    leash = KLLeash(False, False, "k2")
+    rewards, loss = _apply(leash)
+    assert rewards.tolist() == [[0.0, 1.0]] and loss is None
+    assert leash.counts == {"reward": 0, "loss": 0}
+    p = check_placement(False, False, "k1", "k2", kl_coef=BETA, monitor_kl=False)
+    assert not p.needs_reference  # zero reference forwards
+
+
+def test_placement_reward_on():
+    leash = KLLeash(True, False, "k2")
+    rewards, loss = _apply(leash)
+    # [-0.05 * 0.2, 1.0 - 0.05 * 0.1] = [-0.01, 0.995]
+    torch.testing.assert_close(rewards, torch.tensor([[-0.01, 0.995]], dtype=F64))
+    assert loss is None and leash.counts == {"reward": 1, "loss": 0}
+
+
+def test_placement_loss_on():
+    leash = KLLeash(False, True, "k2")
+    rewards, loss = _apply(leash)
+    assert rewards.tolist() == [[0.0, 1.0]]
+    # beta * mean(k2) = 0.05 * (0.2 + 0.1) / 2 = 0.0075, added once
+    assert loss.item() == pytest.approx(0.0075, abs=1e-12)
+    assert leash.counts == {"reward": 0, "loss": 1}
+
+
+def test_placement_both_refused_without_override():
+    with pytest.raises(ValueError, match="counted twice"):
+        check_placement(True, True, "k1", "k2", kl_coef=BETA)
+    p = check_placement(True, True, "k1", "k2", kl_coef=BETA, allow_double_kl=True)
+    assert p.warnings and "counted twice" in p.warnings[0]
+
+
+@pytest.mark.parametrize("reward_on, est, field", [(True, "k3", "kl.estimator"), (False, "k1", "kl.loss_estimator"),
+                                                  (False, "k3", "kl.loss_estimator")])
+def test_biased_estimators_refused_with_reason(reward_on, est, field):
+    args = (True, False, est, "k2") if reward_on else (False, True, "k1", est)
+    with pytest.raises(ValueError) as e:
+        check_placement(*args, kl_coef=BETA)
+    assert field in str(e.value) and "2506.09477" in str(e.value)
+    assert check_placement(*args, kl_coef=BETA, allow_biased_estimator=True).warnings
+
+
+def test_zero_beta_adds_nothing_to_the_loss():
+    leash = KLLeash(False, True, "k3+")
+    assert leash.loss(LP, REF, 0.0, MASK) is None and leash.counts["loss"] == 0
+
+
+# ---- group baselines: vectorized against a Python loop
+def test_grpo_and_rloo_match_loops():
+    g = torch.Generator().manual_seed(1)
+    G, n = 4, 5
+    r = torch.randn(G * n, generator=g, dtype=F64)
+    grpo, rloo = group_normalized_advantages(r, G), rloo_advantages(r, G)
+    for i in range(G * n):
+        group = r[(i // G) * G : (i // G + 1) * G].tolist()
+        mean = sum(group) / G
+        std = math.sqrt(sum((x - mean) ** 2 for x in group) / (G - 1))
+        assert grpo[i].item() == pytest.approx((r[i].item() - mean) / (std + 1e-4), abs=1e-12)
+        others = [x for j, x in enumerate(group) if (i // G) * G + j != i]
+        assert rloo[i].item() == pytest.approx(r[i].item() - sum(others) / (G - 1), abs=1e-12)
+
+
+def test_group_baselines_by_hand():
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0], dtype=F64)
+    # RLOO, k = 2: [1 - 0, 0 - 1, 0 - 1, 1 - 0]
+    assert rloo_advantages(r, 2).tolist() == [1.0, -1.0, -1.0, 1.0]
+    # GRPO, G = 4: mean 0.5, std sqrt(4 * 0.25 / 3) = 0.57735; (1 - 0.5) / 0.57745 = 0.865876
+    got = group_normalized_advantages(r, 4)
+    assert got[0].item() == pytest.approx(0.5 / (math.sqrt(1 / 3) + 1e-4), abs=1e-12)
+    assert group_normalized_advantages(torch.ones(4, dtype=F64), 4).tolist() == [0.0] * 4
+    with pytest.raises(ValueError):
+        rloo_advantages(r, 3)

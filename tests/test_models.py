@@ -1,0 +1,146 @@
+"""Model-level guards on a tiny random Llama: dropout, frozen reference, padding, temperature."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tether.logprobs import response_mask_from_tokens
+from tether.models import (
+    PolicyWithValue,
+    check_reference,
+    disable_dropout,
+    fingerprint,
+    freeze,
+    make_reference,
+    position_ids_from_mask,
+)
+from tether.rollout import Rollout, generate, score_logprobs, tokenize_prompts
+
+from .conftest import make_tiny_llama
+
+PROMPTS = ["the movie was", "a terrible boring film with", "good"]
+
+
+def _rollout(tok, lm, prompts=PROMPTS, n=6, temperature=1.0, seed=0) -> Rollout:
+    torch.manual_seed(seed)
+    return generate(lm, tok, prompts, max_new_tokens=n, temperature=temperature)
+
+
+def test_dropout_in_config_scores_twice_identically(tiny_tokenizer):
+    lm = make_tiny_llama(len(tiny_tokenizer), attention_dropout=0.5, eos_token_id=0, pad_token_id=0)
+    ro = _rollout(tiny_tokenizer, lm)
+    lm.train()  # even in train mode, dropout must be off once tether prepared the model
+    with torch.no_grad():
+        a = score_logprobs(lm, ro, 1.0).logprobs
+        b = score_logprobs(lm, ro, 1.0).logprobs
+    assert not torch.equal(a, b), "the test model must really drop out before disable_dropout"
+    disable_dropout(lm)
+    with torch.no_grad():
+        a = score_logprobs(lm, ro, 1.0).logprobs
+        b = score_logprobs(lm, ro, 1.0).logprobs
+    assert torch.equal(a, b)
+    assert lm.config.attention_dropout == 0.0
+
+
+def test_reference_is_frozen_across_an_optimizer_step(tiny_tokenizer, tiny_lm):
+    policy = PolicyWithValue(tiny_lm)
+    reference = make_reference(tiny_lm)
+    check_reference(policy, reference)
+    ro = _rollout(tiny_tokenizer, tiny_lm)
+    with torch.no_grad():
+        ref_before = score_logprobs(reference, ro, 1.0).logprobs.clone()
+        pol_before = score_logprobs(policy, ro, 1.0).logprobs.clone()
+    fp_before = fingerprint(reference)
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+    out = score_logprobs(policy, ro, 1.0, with_values=True)
+    (out.logprobs.sum() + out.values.sum()).backward()
+    opt.step()
+    with torch.no_grad():
+        ref_after = score_logprobs(reference, ro, 1.0).logprobs
+        pol_after = score_logprobs(policy, ro, 1.0).logprobs
+    assert torch.equal(ref_before, ref_after)  # bit-identical
+    assert not torch.equal(pol_before, pol_after)  # while the policy did move
+    assert fingerprint(reference) == fp_before
+    assert all(not p.requires_grad for p in reference.parameters())
+
+
+def test_policy_as_reference_is_refused(tiny_lm):
+    policy = PolicyWithValue(tiny_lm)
+    with pytest.raises(ValueError, match="policy object itself"):
+        check_reference(policy, policy.lm)
+    with pytest.raises(ValueError, match="policy object itself"):
+        check_reference(policy, policy)
+
+
+def test_reference_sharing_storage_is_refused(tiny_lm):
+    policy = PolicyWithValue(tiny_lm)
+    ref = freeze(copy.deepcopy(tiny_lm))
+    ref.model.layers[0].mlp.up_proj.weight.data = tiny_lm.model.layers[0].mlp.up_proj.weight.data
+    with pytest.raises(ValueError, match="share storage"):
+        check_reference(policy, ref)
+    good = make_reference(tiny_lm)
+    trainable = {p.data_ptr() for p in policy.parameters() if p.requires_grad}
+    assert not any(p.data_ptr() in trainable for p in good.parameters())
+
+
+def test_unfrozen_reference_is_refused(tiny_lm):
+    with pytest.raises(ValueError, match="trainable"):
+        check_reference(PolicyWithValue(tiny_lm), copy.deepcopy(tiny_lm))
+
+
+def test_completion_scores_the_same_padded_or_alone(tiny_tokenizer, tiny_lm):
+    ro = _rollout(tiny_tokenizer, tiny_lm, n=8)
+    assert ro.prompt_mask.sum(-1).unique().numel() > 1, "prompts must need different padding"
+    with torch.no_grad():
+        batch = score_logprobs(tiny_lm, ro, 0.7).logprobs
+        for i, p in enumerate(PROMPTS):
+            ids, mask = tokenize_prompts(tiny_tokenizer, [p], 64)
+            alone = Rollout([p], ids, mask, ro.response_ids[i : i + 1], ro.response_mask[i : i + 1], [""])
+            single = score_logprobs(tiny_lm, alone, 0.7).logprobs
+            m = ro.response_mask[i]
+            torch.testing.assert_close(single[0][m], batch[i][m], rtol=0, atol=1e-5)
+
+
+def test_position_ids_start_at_first_real_token():
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    assert position_ids_from_mask(mask).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]]
+
+
+def test_scoring_uses_the_sampling_temperature(tiny_tokenizer, tiny_lm):
+    ro = _rollout(tiny_tokenizer, tiny_lm, temperature=0.7)
+    reference = make_reference(tiny_lm)
+    with torch.no_grad():
+        logits = tiny_lm(input_ids=ro.input_ids, attention_mask=ro.attention_mask,
+                         position_ids=position_ids_from_mask(ro.attention_mask)).logits
+        R = ro.response_ids.shape[1]
+        want = torch.log_softmax(logits[:, -R:] / 0.7, -1).gather(-1, ro.response_ids[..., None])[..., 0]
+        untempered = torch.log_softmax(logits[:, -R:], -1).gather(-1, ro.response_ids[..., None])[..., 0]
+        for model in (tiny_lm, PolicyWithValue(tiny_lm), reference):
+            got = score_logprobs(model, ro, 0.7).logprobs
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+            assert not torch.allclose(got, untempered, atol=1e-3)
+
+
+def test_generate_masks_after_first_eos(tiny_tokenizer, tiny_lm):
+    eos = tiny_tokenizer.eos_token_id
+    bias = torch.zeros(len(tiny_tokenizer))
+    bias[eos] = 4.0  # make EOS likely so that rows end early
+    tiny_lm.lm_head.register_forward_hook(lambda module, inputs, out: out + bias)
+    ro = _rollout(tiny_tokenizer, tiny_lm, prompts=PROMPTS * 4, n=10, seed=3)
+    ended = ro.response_mask.sum(-1) < ro.response_ids.shape[1]
+    assert ended.any(), "the test needs rows that stopped at EOS"
+    expected = response_mask_from_tokens(ro.response_ids, eos)
+    assert torch.equal(ro.response_mask, expected)
+    # after the first EOS every slot holds the pad token
+    assert torch.all(ro.response_ids[~ro.response_mask] == tiny_tokenizer.pad_token_id)
+
+
+def test_fingerprint_sees_a_changed_weight(tiny_lm):
+    ref = make_reference(tiny_lm)
+    fp = fingerprint(ref)
+    with torch.no_grad():
+        next(ref.parameters()).view(-1)[0] += 1e-3
+    assert fingerprint(ref) != fp
