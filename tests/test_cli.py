@@ -22,6 +22,9 @@ def _tiny_args(tiny_model_dir, prompt_file, out):
         "train.steps=3",
         "train.sample_every=2",
         "eval.n_prompts=4",
+        "eval.judge=tests.conftest:length_judge",
+        "eval.every=2",
+        "eval.periodic_prompts=4",
         "train.progress=false",
         f"train.output_dir={out}",
     ]
@@ -50,7 +53,11 @@ def test_ppo_cli_end_to_end(tiny_model_dir, prompt_file, tmp_path, capsys):
     assert {s["step"] for s in samples} == {0, 2}
     assert set(samples[0]) >= {"prompt", "response", "score", "kl", "reward"}
     ev = json.loads((out / "eval.json").read_text())
-    assert ev["n_prompts"] == 4 and "gain" in ev
+    assert ev["n_prompts"] == 4 and "gain" in ev and "gold_gain" in ev
+    # periodic held-out evaluation with the gold judge, at steps 0 and 2 (eval.every=2)
+    assert [r["step"] for r in rows if "eval/gold_score" in r] == [0, 2]
+    assert all("eval/proxy_score" in r and "eval/kl" in r for r in rows if "eval/gold_score" in r)
+    assert (out / "warnings.jsonl").exists()
 
 
 def test_cli_config_error_names_field(capsys):

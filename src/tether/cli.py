@@ -16,6 +16,24 @@ def _parser() -> argparse.ArgumentParser:
                                    "kl.kl_coef=0.1 optim.lr=2e-5 train.steps=10")
     t.add_argument("--config", help="YAML config file (see configs/)")
     t.add_argument("overrides", nargs="*", help="section.field=value")
+    fr = sub.add_parser("frontier", help="sweep runs and best-of-N; plot proxy and gold score against KL",
+                        description="Each sweep entry is ALGO:KL_COEF. Overrides apply to every run.")
+    fr.add_argument("--config", help="YAML config file for every run")
+    fr.add_argument("--out", default="runs/frontier", help="output folder (default runs/frontier)")
+    fr.add_argument("--sweep", default="ppo:0.01,ppo:0.05,ppo:0.2,grpo:0.05",
+                    help="comma-separated ALGO:KL_COEF runs (default ppo:0.01,ppo:0.05,ppo:0.2,grpo:0.05)")
+    fr.add_argument("--bon", default="1,2,4,8,16", help="best-of-N values (default 1,2,4,8,16)")
+    fr.add_argument("--bon-prompts", type=int, default=48, help="held-out prompts for best-of-N")
+    fr.add_argument("overrides", nargs="*", help="section.field=value for every run")
+    rp = sub.add_parser("report", help="write a self-contained HTML report of a run directory")
+    rp.add_argument("run_dir")
+    rp.add_argument("--out", help="output file (default RUN_DIR/report.html)")
+    r = sub.add_parser("reward", help="reward models fitted on human preferences")
+    rsub = r.add_subparsers(dest="reward_command", required=True)
+    f = rsub.add_parser("fit", help="fit a Bradley-Terry head on MiniLM embeddings of ICWSM-2014 human ratings")
+    f.add_argument("--out", help="output folder (default: the cached default judge, ~/.cache/tether/reward_models/minilm-bt)")
+    f.add_argument("--min-gap", type=float, default=2.0, help="minimum difference of mean human ratings in a pair")
+    f.add_argument("--seed", type=int, default=0)
     return p
 
 
@@ -23,21 +41,76 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    if args.command == "reward":
+        return _reward_fit(args)
+    if args.command == "report":
+        from tether.report import write_report
+
+        try:
+            out = write_report(args.run_dir, args.out)
+        except FileNotFoundError as e:
+            print(f"tether: error: {e}", file=sys.stderr)
+            return 1
+        print(f"tether: report written to {out}")
+        return 0
     from tether.config import ConfigError, load_config
 
+    overrides = list(args.overrides)
+    if args.command == "frontier":  # short runs with periodic held-out evaluation, unless overridden
+        overrides = ["train.steps=12", "eval.every=3", "eval.n_prompts=0", *overrides]
     try:
-        config = load_config(args.config, args.overrides)
+        config = load_config(args.config, overrides)
+        sweep = _parse_sweep(args.sweep) if args.command == "frontier" else []
     except (ConfigError, FileNotFoundError) as e:
         print(f"tether: config error: {e}", file=sys.stderr)
         return 2
-    if args.command == "train":
-        from tether.train import train
+    try:
+        if args.command == "train":
+            from tether.train import train
 
-        try:
             train(config)
-        except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as e:
-            print(f"tether: error: {e}", file=sys.stderr)
-            return 1
+        elif args.command == "frontier":
+            from pathlib import Path
+
+            from tether.frontier import frontier
+
+            out = frontier(config, sweep, [int(n) for n in args.bon.split(",")], Path(args.out), args.bon_prompts)
+            print(f"tether: frontier written to {out / 'frontier.png'} and {out / 'frontier.csv'}")
+    except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as e:
+        print(f"tether: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _parse_sweep(text: str) -> list[tuple[str, float]]:
+    from tether.config import ALGOS, ConfigError
+
+    out = []
+    for item in text.split(","):
+        algo, _, beta = item.strip().partition(":")
+        if algo not in ALGOS or algo == "dpo":
+            raise ConfigError(f"--sweep entry {item!r}: ALGO must be one of ppo, grpo, rloo")
+        try:
+            out.append((algo, float(beta)))
+        except ValueError:
+            raise ConfigError(f"--sweep entry {item!r}: KL_COEF must be a number, e.g. ppo:0.05") from None
+    return out
+
+
+def _reward_fit(args) -> int:
+    import json
+
+    from tether.reward_model import default_rm_dir, fit_reward_model
+
+    out = args.out or default_rm_dir()
+    report = fit_reward_model(out, min_gap=args.min_gap, seed=args.seed)
+    rm, vd = report["reward_model"], report["vader"]
+    print(json.dumps(report, indent=2))
+    print(f"tether: held-out pairs (human ratings differ >= {args.min_gap}): "
+          f"reward model accuracy {rm['pairwise_accuracy']:.3f}, VADER {vd['pairwise_accuracy']:.3f}; "
+          f"Pearson r with human ratings: reward model {rm['pearson_with_human']:.3f}, "
+          f"VADER {vd['pearson_with_human']:.3f}")
+    print(f"tether: saved to {out} (use it as reward.scorer=rm:{out} or eval.judge=rm:{out})")
     return 0
 
 

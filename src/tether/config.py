@@ -17,6 +17,7 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 
 from tether.controllers import ControllerName
+from tether.health import HealthThresholds
 from tether.kl import KLEstimator
 
 
@@ -106,7 +107,8 @@ class KLConfig:
     kl_coef: float = 0.05
     """beta: initial (or fixed) coefficient, reward units per nat."""
     controller: ControllerName = "adaptive"
-    """'fixed' or 'adaptive' (Ziegler et al. 2019)."""
+    """'fixed', 'adaptive' (Ziegler et al. 2019, holds kl.target) or 'budget' (projected dual
+    ascent on beta, holds KL <= kl.budget)."""
     target: float = 6.0
     """Adaptive controller's KL target, in ``target_unit``."""
     target_unit: Literal["nats_per_sequence", "nats_per_token"] = "nats_per_sequence"
@@ -114,6 +116,10 @@ class KLConfig:
     token-weighted mean per token."""
     horizon: float = 10_000
     """Adaptive controller time constant, in samples (> 0)."""
+    budget: float = 6.0
+    """KL budget epsilon of kl.controller=budget, in ``target_unit`` (nats per sequence by default)."""
+    budget_eta: float = 0.01
+    """Dual step size of the budget controller: beta += budget_eta * (KL - budget), beta >= 0."""
     exact: bool = True
     """Also log the exact full-vocabulary KL (objective/kl_exact), chunked."""
     exact_chunk_size: int = 256
@@ -143,6 +149,8 @@ class KLConfig:
         _check(self.target_unit in ("nats_per_sequence", "nats_per_token"), "kl.target_unit",
                self.target_unit, "choose nats_per_sequence or nats_per_token")
         _check(self.horizon > 0, "kl.horizon", self.horizon, "must be > 0 (samples)")
+        _check(self.budget > 0, "kl.budget", self.budget, f"must be > 0 ({self.target_unit})")
+        _check(self.budget_eta > 0, "kl.budget_eta", self.budget_eta, "must be > 0")
         _check(self.exact_chunk_size >= 1, "kl.exact_chunk_size", self.exact_chunk_size, "must be >= 1")
 
 
@@ -221,6 +229,13 @@ class DPOConfig:
 class EvalConfig:
     n_prompts: int = 128
     """Held-out prompts scored before and after training (0 disables)."""
+    judge: str = "minilm-rm"
+    """Gold judge, independent of the training scorer: any scorer spec (see reward.scorer), or
+    'none'. The default is the reward model fitted on human ratings (fitted once, ~2 min)."""
+    every: int = 5
+    """Every N steps, log eval/proxy_score, eval/gold_score and eval/kl on held-out prompts (0 = off)."""
+    periodic_prompts: int = 48
+    """Held-out prompts of each periodic evaluation."""
     seed: int = 1234
     """Sampling seed of the evaluation (the same for reference and policy)."""
     batch_size: int = 64
@@ -229,13 +244,15 @@ class EvalConfig:
     def __post_init__(self) -> None:
         _check(self.n_prompts >= 0, "eval.n_prompts", self.n_prompts, "must be >= 0")
         _check(self.batch_size >= 1, "eval.batch_size", self.batch_size, "must be >= 1")
+        _check(self.every >= 0, "eval.every", self.every, "must be >= 0 (0 = off)")
+        _check(self.periodic_prompts >= 1, "eval.periodic_prompts", self.periodic_prompts, "must be >= 1")
 
 
 @dataclass
 class TrainConfig:
     algo: Literal["ppo", "grpo", "rloo", "dpo"] = "ppo"
     """Trainer: ppo, grpo, rloo or dpo."""
-    steps: int = 20
+    steps: int = 16
     """Rollout batches (optimizer phases) to run."""
     seed: int = 0
     """Seed of torch, the prompt order and the prompt prefixes."""
@@ -249,6 +266,8 @@ class TrainConfig:
     """torch threads; None keeps torch's default."""
     progress: bool = True
     """Show a progress bar."""
+    tensorboard: bool = False
+    """Also write every metric as TensorBoard event files in <run>/tensorboard (needs tensorboard)."""
 
     def __post_init__(self) -> None:
         _check(self.algo in ALGOS, "train.algo", self.algo, f"choose one of {list(ALGOS)}")
@@ -268,6 +287,7 @@ class Config:
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    health: HealthThresholds = field(default_factory=HealthThresholds)
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def __post_init__(self) -> None:
@@ -370,7 +390,12 @@ def _build(cls: type, data: dict, prefix: str) -> Any:
             kwargs[f.name] = _build(tp, value, f"{prefix}{f.name}.")
         else:
             kwargs[f.name] = _coerce(value, tp, prefix + f.name)
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except ValueError as e:  # validation in a dataclass outside this module (e.g. health)
+        raise ConfigError(str(e)) from None
 
 
 def _set_dotted(tree: dict, key: str, value: Any) -> None:

@@ -1,4 +1,4 @@
-"""KL coefficient controllers: fixed and adaptive. Torch free, pure Python scalars.
+"""KL coefficient controllers: fixed, adaptive and budget. Torch free, pure Python scalars.
 
 A controller holds ``kl_coef`` (beta) and updates it from the measured KL once per rollout
 batch. The measured KL's unit must match the target's unit; the trainer passes the number
@@ -6,7 +6,8 @@ named by ``kl.target_unit`` in the config (nats per sequence by default, as in Z
 
 Source: Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences",
 arXiv 1909.08593, section 2.2: e_t = clip(KL_t / KL_target - 1, -0.2, 0.2),
-beta_{t+1} = beta_t (1 + K_beta e_t), K_beta = n_steps / horizon.
+beta_{t+1} = beta_t (1 + K_beta e_t), K_beta = n_steps / horizon (adaptive); the Lagrangian
+dual of ``max E[r] s.t. KL <= epsilon`` (budget, see :class:`BudgetKLController`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Literal, Protocol
 
-ControllerName = Literal["fixed", "adaptive"]
+ControllerName = Literal["fixed", "adaptive", "budget"]
 
 # The proportional error is clipped to +-0.2, as in Ziegler et al. 2019, section 2.2.
 ADAPTIVE_ERROR_CLIP = 0.2
@@ -89,13 +90,99 @@ class AdaptiveKLController:
         return asdict(self)
 
 
+@dataclass
+class BudgetKLController:
+    """Projected dual ascent on beta for the KL-constrained objective ``max E[r] s.t. KL <= budget``.
+
+    The constrained problem ``max_pi E_pi[r]`` subject to ``KL(pi || pi_ref) <= epsilon`` has the
+    Lagrangian ``L(pi, beta) = E_pi[r] - beta * (KL(pi || pi_ref) - epsilon)`` with ``beta >= 0``.
+    For a fixed beta the inner maximization is the usual KL-regularized objective
+    ``J = E[r] - beta * KL`` that the trainers optimize; its dual function
+    ``g(beta) = max_pi L(pi, beta)`` is convex in beta with (sub)gradient
+    ``dg/dbeta = epsilon - KL(pi_beta || pi_ref)``. Projected (sub)gradient descent on g, i.e.
+    ascent on the constraint violation, projected onto ``beta >= 0``::
+
+        beta <- max(0, beta + eta * (KL - epsilon))
+
+    raises beta while the measured KL is over budget and lowers it (never below 0) while it is
+    under. At a fixed point with beta > 0 the measured KL equals epsilon (complementary
+    slackness); beta = 0 means the budget is not binding. Source: Boyd & Vandenberghe,
+    "Convex Optimization" (2004), section 5.2 (the Lagrange dual) and the projected subgradient
+    method; applied to the KL-constrained RLHF objective as in the constrained-policy-optimization
+    literature (e.g. Tessler et al. 2019, "Reward Constrained Policy Optimization",
+    arXiv 1805.11074, which updates the multiplier the same way).
+
+    Unlike :class:`AdaptiveKLController` the step does not scale with the number of samples:
+    ``n_steps`` is accepted for the :class:`KLController` protocol and ignored, so one call is
+    one dual step of size ``eta`` per rollout batch.
+
+    Attributes:
+        kl_coef: current beta (>= 0), reward units per nat.
+        budget: epsilon (> 0), the KL the run may spend, in the same unit as the measured KL
+            passed to :meth:`update` (nats per sequence or nats per token).
+        eta: dual step size (> 0), in beta units per unit of KL error (reward units per nat^2).
+
+    Example:
+        kl_coef 0.1, budget 1.0, eta 0.1: measured 1.5 gives max(0, 0.1 + 0.1 * 0.5) = 0.15;
+        measured 0.0 afterwards gives max(0, 0.15 + 0.1 * (-1.0)) = max(0, 0.05) = 0.05; measured
+        0.0 again gives max(0, 0.05 - 0.1) = 0 (projected).
+    """
+
+    kl_coef: float
+    budget: float
+    eta: float = 0.1
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.budget) and self.budget > 0):
+            raise ValueError(f"kl budget must be finite and > 0, got {self.budget}")
+        if not (math.isfinite(self.eta) and self.eta > 0):
+            raise ValueError(f"budget controller eta must be finite and > 0, got {self.eta}")
+        if not (math.isfinite(self.kl_coef) and self.kl_coef >= 0):
+            raise ValueError(f"kl_coef must be finite and >= 0, got {self.kl_coef}")
+
+    def update(self, kl: float, n_steps: int) -> float:
+        """One projected dual step; ``n_steps`` is ignored (one step per call).
+
+        Args:
+            kl: measured KL in the unit of ``budget``; may be negative (a sampled k1 mean).
+            n_steps: samples behind ``kl``; unused, kept for the :class:`KLController` protocol.
+
+        Returns:
+            The new kl_coef (>= 0).
+
+        Raises:
+            ValueError: if ``kl`` is not finite.
+        """
+        if not math.isfinite(kl):
+            raise ValueError(f"measured KL is {kl}; the budget controller needs a finite KL")
+        self.kl_coef = max(0.0, self.kl_coef + self.eta * (kl - self.budget))
+        return self.kl_coef
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+
 def make_controller(
-    name: ControllerName, kl_coef: float, target: float | None = None, horizon: float = 10_000
+    name: ControllerName,
+    kl_coef: float,
+    target: float | None = None,
+    horizon: float = 10_000,
+    budget: float | None = None,
+    eta: float = 0.1,
 ) -> KLController:
-    """Build a controller by name (``"fixed"`` or ``"adaptive"``).
+    """Build a controller by name (``"fixed"``, ``"adaptive"`` or ``"budget"``).
+
+    Args:
+        name: which controller.
+        kl_coef: initial (or fixed) beta, >= 0.
+        target: adaptive only, the KL target (> 0).
+        horizon: adaptive only, time constant in samples (> 0).
+        budget: budget only, epsilon (> 0), same unit as the measured KL.
+        eta: budget only, dual step size (> 0).
 
     Raises:
-        ValueError: unknown name, or ``"adaptive"`` without a positive target.
+        ValueError: unknown name, ``"adaptive"`` without a positive target, ``"budget"``
+            without a positive budget, or any invalid parameter.
     """
     if name == "fixed":
         return FixedKLController(kl_coef=kl_coef)
@@ -103,4 +190,8 @@ def make_controller(
         if target is None:
             raise ValueError("kl.controller=adaptive needs kl.target (> 0)")
         return AdaptiveKLController(kl_coef=kl_coef, target=target, horizon=horizon)
-    raise ValueError(f"unknown KL controller {name!r}; choose 'fixed' or 'adaptive'")
+    if name == "budget":
+        if budget is None:
+            raise ValueError("kl.controller=budget needs a KL budget (epsilon > 0)")
+        return BudgetKLController(kl_coef=kl_coef, budget=budget, eta=eta)
+    raise ValueError(f"unknown KL controller {name!r}; choose 'fixed', 'adaptive' or 'budget'")

@@ -1,9 +1,9 @@
-"""Held-out evaluation: score and KL of a policy on prompts it never trained on."""
+"""Held-out evaluation: proxy score, gold score and KL of a policy on prompts it never trained on."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -13,78 +13,81 @@ from tether.rollout import generate, score_logprobs
 from tether.scorers import Scorer, checked_scores
 
 
+def mean_se(xs: list[float]) -> tuple[float, float]:
+    """Mean and its standard error (sample std / sqrt(n)); (nan, nan) for an empty list."""
+    n = len(xs)
+    if n == 0:
+        return float("nan"), float("nan")
+    m = sum(xs) / n
+    return m, math.sqrt(sum((x - m) ** 2 for x in xs) / max(n - 1, 1) / n)
+
+
 @dataclass
 class EvalResult:
     name: str
-    scores: list[float]
-    kl_per_sequence: list[float]
-    """k1 per sequence (nats) of each sample, against the reference."""
     responses: list[str]
-
-    @property
-    def score_mean(self) -> float:
-        return sum(self.scores) / len(self.scores)
-
-    @property
-    def score_se(self) -> float:
-        n = len(self.scores)
-        m = self.score_mean
-        return math.sqrt(sum((s - m) ** 2 for s in self.scores) / max(n - 1, 1) / n)
+    kl_per_sequence: list[float]
+    """k1 per sequence (nats) of each sample against the reference; empty without a reference."""
+    scores: dict[str, list[float]] = field(default_factory=dict)
+    """scorer name ('proxy', 'gold') -> one score per response."""
 
     @property
     def kl(self) -> float:
-        return sum(self.kl_per_sequence) / len(self.kl_per_sequence)
+        return mean_se(self.kl_per_sequence)[0] if self.kl_per_sequence else float("nan")
 
     def summary(self) -> dict:
-        return {"name": self.name, "n": len(self.scores), "score_mean": self.score_mean,
-                "score_se": self.score_se, "kl": self.kl}
+        out = {"name": self.name, "n": len(self.responses), "kl": self.kl}
+        for key, xs in self.scores.items():
+            m, se = mean_se(xs)
+            out[f"{key}_mean"], out[f"{key}_se"] = m, se
+        return out
 
 
 @torch.no_grad()
 def evaluate(
     name: str,
     lm: nn.Module,
-    reference: nn.Module,
+    reference: nn.Module | None,
     tokenizer,
     prompts: list[str],
-    scorer: Scorer,
+    scorers: dict[str, Scorer],
     max_new_tokens: int,
     temperature: float,
     seed: int,
     batch_size: int = 64,
     max_prompt_tokens: int = 64,
 ) -> EvalResult:
-    """Sample one response per held-out prompt with a fixed seed and score it.
+    """Sample one response per held-out prompt with a fixed seed; score it with every scorer.
 
     The global torch RNG is forked, so evaluation never changes the training stream. KL is the
-    k1 estimate per sequence (unbiased) against ``reference`` on the evaluated samples.
+    k1 estimate per sequence (unbiased) against ``reference`` on the evaluated samples, with the
+    sampling settings of training.
     """
-    scores, kls, texts = [], [], []
+    result = EvalResult(name, [], [], {k: [] for k in scorers})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         for i in range(0, len(prompts), batch_size):
             ro = generate(lm, tokenizer, prompts[i : i + batch_size], max_new_tokens, temperature, max_prompt_tokens)
-            lp = score_logprobs(lm, ro, temperature).logprobs
-            ref_lp = lp if reference is lm else score_logprobs(reference, ro, temperature).logprobs
-            kls += sequence_kl(estimate_kl(lp, ref_lp, "k1"), ro.response_mask).tolist()
-            scores += checked_scores(scorer, ro.responses, step=-1)
-            texts += ro.responses
-    return EvalResult(name, scores, kls, texts)
+            if reference is not None:
+                lp = score_logprobs(lm, ro, temperature).logprobs
+                ref_lp = lp if reference is lm else score_logprobs(reference, ro, temperature).logprobs
+                result.kl_per_sequence += sequence_kl(estimate_kl(lp, ref_lp, "k1"), ro.response_mask).tolist()
+            for key, scorer in scorers.items():
+                result.scores[key] += checked_scores(scorer, ro.responses, step=-1)
+            result.responses += ro.responses
+    return result
 
 
 def compare(before: EvalResult, after: EvalResult) -> dict:
-    """Score gain after - before on the same prompts, with paired and unpaired standard errors."""
-    diffs = [a - b for a, b in zip(after.scores, before.scores)]
-    n = len(diffs)
-    gain = sum(diffs) / n
-    paired_se = math.sqrt(sum((d - gain) ** 2 for d in diffs) / max(n - 1, 1) / n)
-    unpaired_se = math.sqrt(before.score_se**2 + after.score_se**2)
-    return {
-        "n_prompts": n,
-        "reference": before.summary(),
-        "policy": after.summary(),
-        "gain": gain,
-        "gain_se_paired": paired_se,
-        "gain_se_unpaired": unpaired_se,
-        "gain_z_unpaired": gain / unpaired_se if unpaired_se > 0 else float("inf"),
-    }
+    """Score gains after - before on the same prompts, per scorer, with standard errors."""
+    out = {"n_prompts": len(before.responses), "reference": before.summary(), "policy": after.summary()}
+    for key in before.scores:
+        diffs = [a - b for a, b in zip(after.scores[key], before.scores[key])]
+        gain, paired_se = mean_se(diffs)
+        unpaired_se = math.sqrt(mean_se(before.scores[key])[1] ** 2 + mean_se(after.scores[key])[1] ** 2)
+        prefix = "" if key == "proxy" else f"{key}_"
+        out[f"{prefix}gain"] = gain
+        out[f"{prefix}gain_se_paired"] = paired_se
+        out[f"{prefix}gain_se_unpaired"] = unpaired_se
+        out[f"{prefix}gain_z_unpaired"] = gain / unpaired_se if unpaired_se > 0 else float("inf")
+    return out

@@ -28,6 +28,12 @@ def plot_training(history: list[dict], out: Path, kl_target: float | None = None
         pts = [(s, y) for s, y in zip(steps, ys) if isinstance(y, (int, float))]
         if pts:
             ax.plot(*zip(*pts), marker=".", lw=1)
+        if key == "objective/scores":
+            for ekey, elabel in (("eval/proxy_score", "held-out proxy"), ("eval/gold_score", "held-out gold")):
+                ev = [(s, r[ekey]) for s, r in zip(steps, history) if isinstance(r.get(ekey), (int, float))]
+                if ev:
+                    ax.plot(*zip(*ev), marker="s", lw=1, label=elabel)
+            ax.legend(fontsize=7)
         if key == "objective/kl":
             exact = [(s, r["objective/kl_exact"]) for s, r in zip(steps, history)
                      if isinstance(r.get("objective/kl_exact"), (int, float))]
@@ -55,8 +61,11 @@ def plot_score_vs_kl(history: list[dict], out: Path, evals: list[dict] | None = 
         s = ax.scatter(kl, sc, c=st, cmap="viridis", s=18, label="training batches")
         fig.colorbar(s, ax=ax, label="step")
     for e in evals or []:
-        ax.errorbar(e["kl"], e["score_mean"], yerr=e["score_se"], fmt="s", c="crimson", capsize=3)
-        ax.annotate(e["name"], (e["kl"], e["score_mean"]), textcoords="offset points", xytext=(5, 5), fontsize=8)
+        for key, color in (("proxy", "crimson"), ("gold", "goldenrod")):
+            if f"{key}_mean" in e and e["kl"] == e["kl"]:
+                ax.errorbar(e["kl"], e[f"{key}_mean"], yerr=e[f"{key}_se"], fmt="s", c=color, capsize=3)
+                ax.annotate(f"{e['name']} ({key}, held out)", (e["kl"], e[f"{key}_mean"]),
+                            textcoords="offset points", xytext=(5, 5), fontsize=8)
     ax.set_xlabel("KL(pi_theta || pi_ref), nats per sequence")
     ax.set_ylabel("score")
     ax.set_title("score against KL")

@@ -3,6 +3,9 @@
 Built in:
     ``vader``: VADER compound sentiment of the completion, in [-1, 1] (Hutto & Gilbert 2014,
         ``vaderSentiment`` package, MIT). A proxy reward that is easy to game.
+    ``minilm-rm``: the Bradley-Terry reward model fitted on ICWSM-2014 human ratings
+        (:mod:`tether.reward_model`; fitted on first use, then cached); ``rm:FOLDER`` for
+        another one saved by ``tether reward fit --out FOLDER``.
     ``module.path:function``: any importable callable ``list[str] -> list[float]``.
     ``hf:FOLDER[#LABEL]``: a local Hugging Face sequence classifier; the score is the logit of
         ``LABEL`` (an index or a label name; default: the last label).
@@ -66,6 +69,10 @@ def make_scorer(spec: str | Scorer) -> Scorer:
         return spec
     if spec == "vader":
         return vader_scorer()
+    if spec == "minilm-rm" or spec.startswith("rm:"):
+        from tether.reward_model import load_reward_model
+
+        return load_reward_model(spec[3:] if spec.startswith("rm:") else None)
     if spec.startswith("hf:"):
         return hf_classifier_scorer(spec[3:])
     if ":" in spec:
@@ -73,12 +80,13 @@ def make_scorer(spec: str | Scorer) -> Scorer:
         try:
             fn = getattr(importlib.import_module(module), attr)
         except (ImportError, AttributeError) as e:
-            raise ValueError(f"reward.scorer={spec!r}: cannot import ({e})") from None
+            raise ValueError(f"scorer {spec!r}: cannot import ({e})") from None
         if not callable(fn):
-            raise ValueError(f"reward.scorer={spec!r} is not callable")
+            raise ValueError(f"scorer {spec!r} is not callable")
         return fn
     raise ValueError(
-        f"reward.scorer={spec!r} is unknown; use 'vader', 'hf:FOLDER[#LABEL]' or 'module:function'"
+        f"scorer {spec!r} is unknown; use 'vader', 'minilm-rm', 'rm:FOLDER', 'hf:FOLDER[#LABEL]' "
+        "or 'module:function'"
     )
 
 

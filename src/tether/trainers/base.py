@@ -58,7 +58,8 @@ class OnPolicyTrainer:
         c = self.cfg = run.config
         self.group_size = c.rollout.group_size
         self.sampler = PromptSampler(run.train_prompts, c.train.seed)
-        self.controller = make_controller(c.kl.controller, c.kl.kl_coef, c.kl.target, c.kl.horizon)
+        self.controller = make_controller(c.kl.controller, c.kl.kl_coef, c.kl.target, c.kl.horizon,
+                                          budget=c.kl.budget, eta=c.kl.budget_eta)
         self.leash = KLLeash(c.kl.kl_in_reward, c.kl.kl_in_loss, c.kl.loss_estimator)
         self.params = [p for p in run.policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=c.optim.lr, weight_decay=c.optim.weight_decay)

@@ -1,0 +1,208 @@
+"""The reward-against-KL frontier: a sweep of RL runs and best-of-N, proxy and gold, one picture.
+
+``tether frontier`` trains several short runs (kl_coef values x trainers), each logging held-out
+``eval/proxy_score``, ``eval/gold_score`` and ``eval/kl`` every ``eval.every`` steps, samples
+best-of-N from the reference for N = 1, 2, 4, 8, 16, and plots proxy and gold score against
+KL (nats per sequence) with the functional forms of Gao et al. 2022 ("Scaling Laws for Reward
+Model Overoptimization", arXiv 2210.10760, eq. 1-2) fitted, d = sqrt(KL):
+
+* best-of-N: ``R(d) = d (a - b d)``
+* RL:        ``R(d) = d (a - b log d)``
+
+where R is the score gain over the reference. Points go to ``frontier.csv``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from tether.config import Config
+from tether.scorers import Scorer, checked_scores
+
+
+# ---- best-of-N (pure) ------------------------------------------------------------------------
+def bon_kl_bound(n: int) -> float:
+    """The usual analytic value log N - (N - 1) / N, nats; an upper bound (Beirami et al. 2024)."""
+    return math.log(n) - (n - 1) / n
+
+
+def bon_rank_probs(n: int, m: int) -> torch.Tensor:
+    """P(best-of-n picks the item of rank k) among m equally likely items, ranks 1..m ascending.
+
+    Draws are with replacement from the m items: ``P(k) = (k/m)^n - ((k-1)/m)^n``. Ties in the
+    score are broken by rank order (a fixed total order). Shape (m,), float64, sums to 1.
+    """
+    k = torch.arange(1, m + 1, dtype=torch.float64)
+    return (k / m) ** n - ((k - 1) / m) ** n
+
+
+def bon_kl_empirical(n: int, m: int) -> float:
+    """Exact KL(best-of-n || uniform) on an m-sample empirical reference, nats.
+
+    ``sum_k P(k) log(P(k) * m)``; tends to the bound from below as m grows.
+    """
+    p = bon_rank_probs(n, m)
+    return float(torch.where(p > 0, p * torch.log(p * m), torch.zeros_like(p)).sum())
+
+
+def bon_scores(proxy: torch.Tensor, gold: torch.Tensor, n: int) -> tuple[float, float]:
+    """Expected proxy and gold score of best-of-n (by proxy) over each prompt's m samples.
+
+    Args:
+        proxy: (P, m) proxy scores of m reference samples per prompt.
+        gold: (P, m) gold scores of the same samples.
+        n: best-of-n, drawing n of the m samples with replacement.
+
+    Returns:
+        (mean proxy, mean gold) of the best-of-n pick, exact over the draws, averaged over prompts.
+    """
+    P, m = proxy.shape
+    order = torch.argsort(proxy.double(), dim=-1, stable=True)  # ascending: rank k at order[:, k-1]
+    w = bon_rank_probs(n, m)  # (m,)
+    p_sorted = torch.gather(proxy.double(), 1, order)
+    g_sorted = torch.gather(gold.double(), 1, order)
+    return float((p_sorted * w).sum(-1).mean()), float((g_sorted * w).sum(-1).mean())
+
+
+def fit_gao(kl: list[float], gain: list[float], form: str) -> tuple[float, float]:
+    """Least-squares (a, b) of ``d (a - b d)`` ("bon") or ``d (a - b log d)`` ("rl"), d = sqrt(KL).
+
+    Points with KL <= 0 carry no information about (a, b) (both forms are 0 at d = 0) and are
+    dropped; fewer than 2 usable points give (nan, nan).
+    """
+    rows = [(math.sqrt(k), g) for k, g in zip(kl, gain) if k > 0]
+    if len(rows) < 2:
+        return float("nan"), float("nan")
+    d = torch.tensor([r[0] for r in rows], dtype=torch.float64)
+    y = torch.tensor([r[1] for r in rows], dtype=torch.float64)
+    second = -d * d if form == "bon" else -d * torch.log(d)
+    X = torch.stack([d, second], dim=1)  # (n, 2)
+    sol = torch.linalg.lstsq(X, y[:, None]).solution[:, 0]
+    return float(sol[0]), float(sol[1])
+
+
+def gao_curve(a: float, b: float, form: str, kl: torch.Tensor) -> torch.Tensor:
+    d = kl.clamp(min=1e-12).sqrt()
+    return d * (a - b * d) if form == "bon" else d * (a - b * torch.log(d))
+
+
+# ---- the sweep -------------------------------------------------------------------------------
+def best_of_n_points(config: Config, proxy: Scorer, gold: Scorer, ns: list[int], n_prompts: int) -> list[dict]:
+    """Sample max(ns) reference completions per held-out prompt; best-of-N points for every N."""
+    from tether.rollout import generate
+    from tether.trainers.common import load_prompts
+    from tether.models import load_causal_lm, load_tokenizer, resolve_model_path
+
+    c = config
+    _, held = load_prompts(c)
+    prompts = held[:n_prompts]
+    path = resolve_model_path(c.model.name)
+    tok, lm = load_tokenizer(path), load_causal_lm(path)
+    m = max(ns)
+    P, G = [], []
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(c.eval.seed)
+        per = max(1, c.eval.batch_size // m)
+        for i in range(0, len(prompts), per):
+            batch = [p for p in prompts[i : i + per] for _ in range(m)]
+            with torch.no_grad():
+                ro = generate(lm, tok, batch, c.rollout.max_new_tokens, c.rollout.temperature, c.rollout.max_prompt_tokens)
+            P.append(torch.tensor(checked_scores(proxy, ro.responses, -1)).view(-1, m))
+            G.append(torch.tensor(checked_scores(gold, ro.responses, -1)).view(-1, m))
+    proxy_t, gold_t = torch.cat(P), torch.cat(G)
+    points = []
+    for n in ns:
+        ps, gs = bon_scores(proxy_t, gold_t, n)
+        points.append({"method": "best-of-N", "run": f"bon-{n}", "N": n, "step": "", "kl": bon_kl_empirical(n, m),
+                       "kl_bound": bon_kl_bound(n), "proxy": ps, "gold": gs})
+    return points
+
+
+def run_points(run_dir: Path, label: str) -> list[dict]:
+    """Held-out (KL, proxy, gold) points of one run: every periodic eval, and eval.json's end point."""
+    pts = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if "eval/gold_score" in r and "eval/kl" in r:
+            pts.append({"method": "RL", "run": label, "N": "", "step": r["step"], "kl": max(r["eval/kl"], 0.0),
+                        "kl_bound": "", "proxy": r["eval/proxy_score"], "gold": r["eval/gold_score"]})
+    return pts
+
+
+def frontier(
+    base: Config,
+    sweep: list[tuple[str, float]],
+    ns: list[int],
+    out: Path,
+    bon_prompts: int = 48,
+) -> Path:
+    """Run the sweep ``[(algo, kl_coef), ...]`` and best-of-N; write frontier.csv and frontier.png."""
+    from tether.scorers import make_scorer
+    from tether.train import train
+
+    out.mkdir(parents=True, exist_ok=True)
+    proxy, gold = make_scorer(base.reward.scorer), make_scorer(base.eval.judge)
+    points = best_of_n_points(base, proxy, gold, ns, bon_prompts)
+    ref_proxy, ref_gold = points[0]["proxy"], points[0]["gold"]  # N = 1 is the reference
+    for algo, beta in sweep:
+        label = f"{algo} beta={beta:g}"
+        c = replace(base, train=replace(base.train, algo=algo, output_dir=str(out / f"{algo}-beta{beta:g}"),
+                                        save_model=False),
+                    kl=replace(base.kl, kl_coef=beta, controller="fixed", kl_in_reward=None, kl_in_loss=None),
+                    rollout=replace(base.rollout, group_size=None))
+        c.__post_init__()  # re-resolve the per-trainer defaults and re-check the placement
+        run_dir = train(c, scorer=proxy, judge=gold)
+        points += run_points(run_dir, label)
+        _write_csv(points, out / "frontier.csv")
+    _write_csv(points, out / "frontier.csv")
+    plot_frontier(points, ref_proxy, ref_gold, out / "frontier.png")
+    return out
+
+
+def _write_csv(points: list[dict], path: Path) -> None:
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["method", "run", "N", "step", "kl", "kl_bound", "proxy", "gold"])
+        w.writeheader()
+        w.writerows(points)
+
+
+def plot_frontier(points: list[dict], ref_proxy: float, ref_gold: float, out: Path) -> Path:
+    """Proxy and gold score against KL for every run and best-of-N, with the Gao et al. fits."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharex=True)
+    runs = list(dict.fromkeys(p["run"] for p in points if p["method"] == "RL"))
+    cmap = plt.get_cmap("tab10")
+    for ax, key, ref in ((axes[0], "proxy", ref_proxy), (axes[1], "gold", ref_gold)):
+        bon = [p for p in points if p["method"] == "best-of-N"]
+        ax.plot([p["kl"] for p in bon], [p[key] for p in bon], "k--o", label="best-of-N (reference)")
+        for n_pt in bon:
+            ax.annotate(f"N={n_pt['N']}", (n_pt["kl"], n_pt[key]), textcoords="offset points", xytext=(3, -10), fontsize=7)
+        for i, run in enumerate(runs):
+            pts = sorted((p for p in points if p["run"] == run), key=lambda p: p["step"])
+            ax.plot([p["kl"] for p in pts], [p[key] for p in pts], "-o", color=cmap(i), ms=4, label=run)
+        all_kl = [p["kl"] for p in points]
+        grid = torch.linspace(1e-3, max(all_kl + [1.0]) * 1.05, 200, dtype=torch.float64)
+        for form, pts, style in (("bon", bon, "k:"), ("rl", [p for p in points if p["method"] == "RL"], "r:")):
+            a, b = fit_gao([p["kl"] for p in pts], [p[key] - ref for p in pts], form)
+            if a == a:
+                label = f"fit {'d(a-bd)' if form == 'bon' else 'd(a-b log d)'}: a={a:.3f}, b={b:.3f}"
+                ax.plot(grid, ref + gao_curve(a, b, form, grid), style, lw=1.5, label=label)
+        ax.set_xlabel("KL(pi || pi_ref), nats per sequence (held out)")
+        ax.set_ylabel(f"{key} score")
+        ax.set_title(f"{key} score against KL")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

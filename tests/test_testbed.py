@@ -1,0 +1,468 @@
+"""The tabular test bed: tether's trainers against the exact optimum pi* = pi_ref exp(r / beta) / Z.
+
+Every run samples rollouts from a table policy and goes through tether's own pure functions
+(estimate_kl, KLLeash, gae, whiten, group/RLOO advantages, ppo_policy_loss, clipped_value_loss,
+dpo_loss, the controllers); the distance to pi* is then computed exactly by enumeration.
+Distances are printed (run with ``-s`` to see them) and repeated in every assertion message.
+
+Tolerances, stated once:
+
+* bandit, correct configurations: KL(pi || pi*) < 1e-3 nats after the stated number of
+  batches, hence ``J(pi*) - J(pi) = beta * KL(pi || pi*) < 1e-3`` reward units (beta = 1);
+* the logged KL (pooled per-sequence estimates of the last 20 batches) within 3 standard errors
+  of the exact KL of the policies that sampled them;
+* sequence bed (V = 5, T = 3): PPO and RLOO KL(pi || pi*) < 1e-3, DPO < 1e-2, GRPO within 5e-3
+  of its own, computed fixed point (it is not pi*: see the xfail tests and the module
+  docstring of tether.testbed).
+
+All runs are seeded and use one torch thread (restored afterwards).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+
+from tether import testbed as tb
+from tether.controllers import BudgetKLController, FixedKLController, make_controller
+
+F64 = torch.float64
+REF = [0.4, 0.3, 0.2, 0.1]
+REWARDS = [0.0, 1.0, 2.0, 3.0]
+BETA = 1.0
+G = 64  # GRPO / RLOO group size on the bandit: 16 groups per batch of 1024
+LAST = 20  # batches pooled for the logged-KL check
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # tiny tensors: a second thread only adds contention on a shared 2-core machine
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# ---- exact quantities ---------------------------------------------------------------------------
+def bed_bandit(scale: float = 1.0) -> tb.TabularBed:
+    return tb.bandit(REF, [scale * r for r in REWARDS])
+
+
+def ref_logp(bed: tb.TabularBed) -> torch.Tensor:
+    return tb.sequence_logprobs(bed.ref_logits, bed.vocab, bed.length)
+
+
+def pi_star(bed: tb.TabularBed, beta: float) -> torch.Tensor:
+    return tb.optimal_logprobs(ref_logp(bed), bed.rewards, beta)
+
+
+def J(bed: tb.TabularBed, table: torch.Tensor, beta: float) -> float:
+    return float(tb.objective(tb.sequence_logprobs(table, bed.vocab, bed.length), ref_logp(bed), bed.rewards, beta))
+
+
+def test_bandit_optimum_by_hand():
+    bed = bed_bandit()
+    # pi_ref * e^r = [0.4 * 1, 0.3 * 2.718282, 0.2 * 7.389056, 0.1 * 20.085537]
+    #             = [0.4, 0.815485, 1.477811, 2.008554];  Z = 4.701849
+    # pi* = [0.4 / Z, 0.815485 / Z, 1.477811 / Z, 2.008554 / Z]
+    #     = [0.085073, 0.173439, 0.314304, 0.427184]
+    star = pi_star(bed, BETA).exp()
+    torch.testing.assert_close(star, torch.tensor([0.085073, 0.173439, 0.314304, 0.427184], dtype=F64),
+                               atol=1e-6, rtol=0)
+    # E_pi*[r] = 0.173439 + 2 * 0.314304 + 3 * 0.427184 = 2.083599
+    # KL(pi* || pi_ref) = sum pi* log(pi* / pi_ref) = 0.535643; J(pi*) = 2.083599 - 0.535643
+    #                   = 1.547956 = beta * log Z = log 4.701849
+    kl_star = float(tb.exact_kl(star.log(), ref_logp(bed)))
+    assert kl_star == pytest.approx(0.535643, abs=1e-6)
+    assert J(bed, star.log()[None], BETA) == pytest.approx(1.547956, abs=1e-6)
+    assert J(bed, star.log()[None], BETA) == pytest.approx(math.log(4.7018494606), abs=1e-9)
+    # J(pi*) - J(pi) = beta * KL(pi || pi*) for any pi; at pi = pi_ref both sides are
+    # 1.547956 - (0 + 0.4*0 + 0.3*1 + 0.2*2 + 0.1*3 = 1.0) = 0.547956
+    gap = J(bed, star.log()[None], BETA) - J(bed, bed.ref_logits, BETA)
+    assert gap == pytest.approx(0.547956, abs=1e-6)
+    assert gap == pytest.approx(BETA * float(tb.exact_kl(ref_logp(bed), star.log())), abs=1e-12)
+
+
+def test_indexing_by_hand():
+    # V = 5, T = 3: prefixes 1 + 5 + 25 = 31, offsets [0, 1, 6]
+    assert tb.num_prefixes(5, 3) == 31 and tb.prefix_offsets(5, 3) == [0, 1, 6]
+    # y = [2, 4, 1]: rows [0, 1 + 2, 6 + (2 * 5 + 4)] = [0, 3, 20]; code 2*25 + 4*5 + 1 = 71
+    y = torch.tensor([[2, 4, 1]])
+    assert tb.prefix_indices(y, 5).tolist() == [[0, 3, 20]]
+    assert tb.sequence_index(y, 5).tolist() == [71]
+    seqs = tb.all_sequences(5, 3)
+    assert seqs.shape == (125, 3) and seqs[71].tolist() == [2, 4, 1]
+    assert torch.equal(tb.sequence_index(seqs, 5), torch.arange(125))
+    # every prefix row is used by exactly the sequences that share the prefix: row 3 by 25
+    assert int((tb.prefix_indices(seqs, 5) == 3).sum()) == 25
+
+
+def test_sequence_bed_optimum_is_a_table_policy():
+    bed = tb.random_sequence_bed(seed=0, reward_scale=2.0)
+    beta = 0.5
+    star = pi_star(bed, beta)
+    table = tb.optimal_table(bed, beta)
+    # the soft-value recursion gives pi* exactly, as a table policy
+    torch.testing.assert_close(tb.sequence_logprobs(table, 5, 3), star, atol=1e-12, rtol=0)
+    assert float(star.exp().sum()) == pytest.approx(1.0, abs=1e-12)
+    # J(pi*) - J(pi) = beta * KL(pi || pi*) for an arbitrary table policy
+    other = torch.randn(31, 5, generator=torch.Generator().manual_seed(1), dtype=F64)
+    gap = J(bed, table, beta) - J(bed, other, beta)
+    assert gap == pytest.approx(beta * tb.kl_to(other, bed, star), abs=1e-12)
+    assert gap > 0.01  # an arbitrary policy is worse
+    # for T = 1 the per-token fixed point with scale c is pi*(beta / c)
+    band = bed_bandit()
+    torch.testing.assert_close(tb.per_token_kl_in_loss_fixed_point(band, BETA, 0.5),
+                               tb.optimal_table(band, BETA / 0.5), atol=1e-12, rtol=0)
+
+
+def test_sampler_matches_the_table():
+    bed = tb.random_sequence_bed(seed=0)
+    n = 40_000
+    tokens = tb.sample(bed.ref_logits, 5, 3, n, torch.Generator().manual_seed(0))
+    freq = torch.bincount(tb.sequence_index(tokens, 5), minlength=125).to(F64) / n
+    p = ref_logp(bed).exp()
+    se = (p * (1 - p) / n).sqrt()
+    worst = float(((freq - p).abs() / se).max())
+    assert worst < 4.5, f"a sequence frequency is {worst:.2f} standard errors from its probability"
+
+
+# ---- convergence on the bandit ------------------------------------------------------------------
+BANDIT = tb.TrainSettings(steps=100, batch_size=1024, group_size=G)
+BANDIT_DPO = tb.TrainSettings(steps=100, batch_size=4096)  # labels are noisy: 4096 fresh pairs per batch
+
+
+@functools.lru_cache(maxsize=None)
+def bandit_run(name: str) -> tb.RunLog:
+    """Runs by name, each at most once per session. Dr. GRPO (no std scaling): see the xfail test."""
+    bed = bed_bandit()
+    runs = {
+        # correct configurations
+        "ppo": lambda: tb.train_ppo(bed, BETA, BANDIT),
+        "grpo-k2": lambda: tb.train_group(bed, "grpo", BETA, BANDIT, loss_estimator="k2", scale_by_std=False),
+        "grpo-k3+": lambda: tb.train_group(bed, "grpo", BETA, BANDIT, loss_estimator="k3+", scale_by_std=False),
+        "grpo-k3_is": lambda: tb.train_group(bed, "grpo", BETA, BANDIT, loss_estimator="k3_is", scale_by_std=False),
+        "rloo": lambda: tb.train_group(bed, "rloo", BETA, BANDIT),
+        "dpo": lambda: tb.train_dpo(bed, BETA, BANDIT_DPO),
+        # biased configurations
+        "grpo k1 in the loss": lambda: tb.train_group(bed, "grpo", BETA, BANDIT, loss_estimator="k1",
+                                                      scale_by_std=False),
+        "rloo k3 in the reward": lambda: tb.train_group(bed, "rloo", BETA, BANDIT, estimator="k3"),
+        "ppo k3 in the reward": lambda: tb.train_ppo(bed, BETA, BANDIT, estimator="k3"),
+        "rloo KL twice": lambda: tb.train_group(bed, "rloo", BETA, BANDIT, kl_in_loss=True),
+        "grpo KL twice": lambda: tb.train_group(bed, "grpo", BETA, BANDIT, kl_in_reward=True, scale_by_std=False),
+        "ppo KL twice": lambda: tb.train_ppo(bed, BETA, BANDIT, kl_in_loss=True),
+    }
+    return runs[name]()
+
+
+def logged_vs_exact(log: tb.RunLog) -> tuple[float, float, float]:
+    """(mean logged per-sequence KL, its standard error, mean exact KL) over the last LAST batches."""
+    est = torch.cat(log.kl_estimates[-LAST:]).to(F64)
+    return float(est.mean()), float(est.std() / math.sqrt(est.numel())), sum(log.exact_kls[-LAST:]) / LAST
+
+
+CORRECT = ["ppo", "grpo-k2", "grpo-k3+", "grpo-k3_is", "rloo", "dpo"]
+
+
+@pytest.mark.parametrize("name", CORRECT)
+def test_bandit_trainer_reaches_the_optimum(name):
+    bed = bed_bandit()
+    log = bandit_run(name)
+    star = pi_star(bed, BETA)
+    dist = tb.kl_to(log.table, bed, star)
+    j, j_star = J(bed, log.table, BETA), J(bed, tb.optimal_table(bed, BETA), BETA)
+    est, se, exact = logged_vs_exact(log)
+    steps = (BANDIT_DPO if name == "dpo" else BANDIT).steps
+    msg = (f"{name}: after {steps} batches KL(pi || pi*) = {dist:.3e} nats, J = {j:.6f} vs J* = {j_star:.6f}, "
+           f"logged KL {est:.4f} +- {se:.4f} vs exact {exact:.4f}")
+    print(msg)
+    assert dist < 1e-3, msg
+    assert abs(j - j_star) < 1e-3, msg  # = beta * dist
+    assert abs(est - exact) < 3 * se, msg
+    assert exact > 0.4, msg  # the leash is not trivially slack: KL(pi* || pi_ref) = 0.5356
+
+
+@pytest.mark.parametrize("name", ["grpo-k2", "grpo-k3+", "grpo-k3_is"])
+def test_dr_grpo_fixed_point_is_beta_times_g_over_g_minus_1(name):
+    # Mean-centered advantages r_i - mean_g(r) include r_i itself, so the policy-gradient term is
+    # (G - 1) / G of the unbiased one while the loss-placed KL keeps its full weight: the fixed
+    # point is pi*(beta * G / (G - 1)) = pi*(64 / 63), at KL 1.15e-4 from pi*(1) (well inside
+    # the 1e-3 tolerance above, but measurable: with seeds 0-4 the runs land 1e-6 .. 2.2e-5 from
+    # it and 1.4e-4 .. 1.9e-4 from pi*).
+    bed = bed_bandit()
+    log = bandit_run(name)
+    to_fp = tb.kl_to(log.table, bed, pi_star(bed, BETA * G / (G - 1)))
+    to_star = tb.kl_to(log.table, bed, pi_star(bed, BETA))
+    msg = f"{name}: KL(pi || pi*(beta G/(G-1))) = {to_fp:.2e}, KL(pi || pi*(beta)) = {to_star:.2e}"
+    print(msg)
+    assert to_fp < 5e-5 and to_star > 3 * to_fp, msg
+
+
+def test_leash_counts_each_placement():
+    # correct runs: the KL enters once per batch (reward) or once per minibatch (loss), never both
+    steps, updates = BANDIT.steps, BANDIT.steps * BANDIT.epochs * BANDIT.minibatches
+    assert bandit_run("ppo").counts == {"reward": steps, "loss": 0}
+    assert bandit_run("rloo").counts == {"reward": steps, "loss": 0}
+    assert bandit_run("grpo-k3+").counts == {"reward": 0, "loss": updates}
+    # the double count is visible in the counts
+    assert bandit_run("ppo KL twice").counts == {"reward": steps, "loss": updates}
+
+
+# ---- biased configurations ----------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "name,correct,floor",
+    [
+        # k1 in the loss pulls nothing in expectation: the policy runs to the best action
+        ("grpo k1 in the loss", "grpo-k3+", 0.1),
+        # k3 in the reward: the score-function gradient of k3 is not grad KL
+        ("rloo k3 in the reward", "rloo", 0.1),
+        ("ppo k3 in the reward", "ppo", 0.1),
+        # KL in the reward and in the loss: beta counted twice -> pi*(2 beta), KL 0.1376 from pi*
+        ("rloo KL twice", "rloo", 0.1),
+        ("grpo KL twice", "grpo-k3+", 0.1),
+        # PPO whitens its advantages: the reward-placed KL is divided by the batch's advantage
+        # std, the loss-placed one is not, so their ratio depends on the batch; near pi* the
+        # advantages shrink and the loss copy loses weight. Farther than correct PPO by orders
+        # of magnitude, but not by the 0.1 of the other double counts.
+        ("ppo KL twice", "ppo", 1e-4),
+    ],
+)
+def test_biased_configuration_lands_away_from_the_optimum(name, correct, floor):
+    bed = bed_bandit()
+    star = pi_star(bed, BETA)
+    dist = tb.kl_to(bandit_run(name).table, bed, star)
+    good = tb.kl_to(bandit_run(correct).table, bed, star)
+    probs = torch.softmax(bandit_run(name).table[0], -1).tolist()
+    msg = (f"{name}: KL(pi || pi*) = {dist:.3e} vs {good:.3e} for {correct}; "
+           f"pi = [{', '.join(f'{p:.4f}' for p in probs)}]")
+    print(msg)
+    assert dist > floor and dist > 10 * good, msg
+
+
+@pytest.mark.parametrize("name", ["rloo KL twice", "grpo KL twice"])
+def test_kl_counted_twice_is_the_optimum_for_twice_beta(name):
+    # pi*(2) = pi_ref e^(r/2) / Z_2: [0.4, 0.494616, 0.543656, 0.448169] / 1.886442
+    #        = [0.212039, 0.262195, 0.288191, 0.237574], at KL 0.1376 from pi*(1)
+    bed = bed_bandit()
+    star2 = pi_star(bed, 2 * BETA)
+    torch.testing.assert_close(star2.exp(), torch.tensor([0.212039, 0.262195, 0.288191, 0.237574], dtype=F64),
+                               atol=1e-6, rtol=0)
+    # GRPO's mean-centering makes its fixed point pi*(2 G / (G - 1)) (see above): 2e-4 slack
+    dist = tb.kl_to(bandit_run(name).table, bed, star2)
+    msg = f"{name}: KL(pi || pi*(2 beta)) = {dist:.2e}"
+    print(msg)
+    assert dist < 2e-4, msg
+
+
+def test_convergence_check_catches_a_flipped_kl_sign(monkeypatch):
+    # the same RLOO run with the KL estimate negated (non_score_reward = +beta * kl): the policy
+    # is pushed away from pi_ref; both checks of test_bandit_trainer_reaches_the_optimum fail
+    monkeypatch.setattr(tb, "estimate_kl", lambda lp, ref, est="k1": -(lp - ref).to(F64))
+    bed = bed_bandit()
+    log = tb.train_group(bed, "rloo", BETA, tb.TrainSettings(steps=40, group_size=G))
+    dist = tb.kl_to(log.table, bed, pi_star(bed, BETA))
+    est, se, exact = logged_vs_exact(log)
+    print(f"flipped sign: KL(pi || pi*) = {dist:.3f}, logged {est:.3f} vs exact {exact:.3f}")
+    assert dist > 0.1 and abs(est - exact) > 3 * se
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "GRPO with scale_by_std=True (tether's default) and the KL in the loss: advantages are "
+    "divided by the group reward std while the KL term is not, so beta acts in units of the "
+    "reward's std, not reward units. (4 r, 4 beta) has the same pi* as (r, beta) but gets the "
+    "same advantages with 4x the leash."))
+def test_grpo_std_scaling_keeps_beta_in_reward_units():
+    bed = bed_bandit(scale=4.0)
+    log = tb.train_group(bed, "grpo", 4 * BETA, BANDIT, scale_by_std=True)
+    dist = tb.kl_to(log.table, bed, pi_star(bed, 4 * BETA))  # = pi*(r, beta) of the bandit
+    print(f"GRPO (std-scaled) on (4 r, 4 beta): KL(pi || pi*) = {dist:.3f}")
+    assert dist < 1e-3, f"GRPO (std-scaled) on (4 r, 4 beta): KL(pi || pi*) = {dist:.3f}"
+
+
+# ---- the sequence bed ---------------------------------------------------------------------------
+SEQ_BETA = 0.5
+SEQ = tb.TrainSettings(steps=150, batch_size=1024, group_size=G)
+SEQ_DPO = tb.TrainSettings(steps=150, batch_size=2048)
+
+
+def seq_bed() -> tb.TabularBed:
+    # V = 5, T = 3, reference logits N(0, 1), rewards U(0, 2) over the 125 sequences, seed 0
+    return tb.random_sequence_bed(seed=0, reward_scale=2.0)
+
+
+@functools.lru_cache(maxsize=None)
+def seq_run(name: str) -> tb.RunLog:
+    bed = seq_bed()
+    runs = {
+        "ppo": lambda: tb.train_ppo(bed, SEQ_BETA, SEQ),
+        "rloo": lambda: tb.train_group(bed, "rloo", SEQ_BETA, SEQ),
+        "grpo-k3+": lambda: tb.train_group(bed, "grpo", SEQ_BETA, SEQ, loss_estimator="k3+", scale_by_std=False),
+        "grpo-k3_is": lambda: tb.train_group(bed, "grpo", SEQ_BETA, SEQ, loss_estimator="k3_is",
+                                             scale_by_std=False),
+        "dpo": lambda: tb.train_dpo(bed, SEQ_BETA, SEQ_DPO),
+    }
+    return runs[name]()
+
+
+@pytest.mark.parametrize("name,tol", [("ppo", 1e-3), ("rloo", 1e-3), ("dpo", 1e-2)])
+def test_sequence_bed_trainer_reaches_the_optimum(name, tol):
+    bed = seq_bed()
+    star = pi_star(bed, SEQ_BETA)
+    log = seq_run(name)
+    dist = tb.kl_to(log.table, bed, star)
+    est, se, exact = logged_vs_exact(log)
+    msg = (f"sequence bed {name}: KL(pi || pi*) = {dist:.3e} (KL(pi* || pi_ref) = "
+           f"{float(tb.exact_kl(star, ref_logp(bed))):.4f}), logged KL {est:.4f} +- {se:.4f} vs exact {exact:.4f}")
+    print(msg)
+    assert dist < tol, msg
+    assert abs(est - exact) < 3 * se, msg
+
+
+@pytest.mark.parametrize("name", ["grpo-k3+", "grpo-k3_is"])
+def test_sequence_grpo_reaches_its_per_token_fixed_point(name):
+    # A per-token KL surrogate in the loss charges each token only its own position's KL, not the
+    # KL its choice causes later, so GRPO's fixed point is the myopic table of
+    # tb.per_token_kl_in_loss_fixed_point (with Dr. GRPO's (G - 1) / G score scale), which on
+    # this bed is 0.048 nats from pi*. The runs land on it.
+    bed = seq_bed()
+    fixed = tb.sequence_logprobs(tb.per_token_kl_in_loss_fixed_point(bed, SEQ_BETA, (G - 1) / G), 5, 3)
+    star = pi_star(bed, SEQ_BETA)
+    gap = float(tb.exact_kl(fixed, star))
+    to_fixed = tb.kl_to(seq_run(name).table, bed, fixed)
+    to_star = tb.kl_to(seq_run(name).table, bed, star)
+    msg = (f"sequence bed {name}: KL(pi || per-token fixed point) = {to_fixed:.2e}, "
+           f"KL(pi || pi*) = {to_star:.3e}, KL(fixed point || pi*) = {gap:.3e}")
+    print(msg)
+    assert gap > 1e-2, msg  # the bed tells the two apart
+    assert to_fixed < 5e-3 and to_star > 1e-2, msg
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "GRPO's KL in the loss (k2, k3+, k3_is per token) omits the score-function term of the "
+    "sequence KL, E[grad log pi(y_s) * sum_{t > s} kl_t]: on multi-token responses it does not "
+    "maximize J = E[r] - beta KL(pi || pi_ref). See test_sequence_grpo_reaches_its_per_token_fixed_point."))
+def test_sequence_grpo_reaches_the_optimum():
+    bed = seq_bed()
+    dist = tb.kl_to(seq_run("grpo-k3+").table, bed, pi_star(bed, SEQ_BETA))
+    assert dist < 1e-2, f"sequence bed GRPO: KL(pi || pi*) = {dist:.3e}"
+
+
+# ---- the budget controller ----------------------------------------------------------------------
+def test_budget_update_rule_by_hand():
+    c = BudgetKLController(kl_coef=0.1, budget=1.0, eta=0.1)
+    # 0.1 + 0.1 * (1.5 - 1.0) = 0.1 + 0.05 = 0.15 (over budget: beta rises)
+    assert c.update(1.5, 256) == pytest.approx(0.15, abs=1e-15)
+    # 0.15 + 0.1 * (0.0 - 1.0) = 0.15 - 0.1 = 0.05 (under budget: beta falls)
+    assert c.update(0.0, 256) == pytest.approx(0.05, abs=1e-15)
+    # 0.05 + 0.1 * (0.0 - 1.0) = -0.05 -> projected to 0
+    assert c.update(0.0, 256) == 0.0
+    # at 0 and under budget it stays 0: max(0, 0 + 0.1 * (0.2 - 1.0)) = max(0, -0.08) = 0
+    assert c.update(0.2, 1) == 0.0
+    # a negative measured k1 mean is a valid (noisy) KL: max(0, 0 + 0.1 * (-0.5 - 1)) = 0
+    assert c.update(-0.5, 1) == 0.0
+    # exactly on budget: unchanged; n_steps does not matter: 0 + 0.1 * (3.0 - 1.0) = 0.2
+    assert c.update(1.0, 10**6) == 0.0
+    assert c.update(3.0, 1) == pytest.approx(0.2, abs=1e-15)
+    assert c.update(3.0, 10**6) == pytest.approx(0.4, abs=1e-15)
+    assert c.state_dict() == {"kl_coef": c.kl_coef, "budget": 1.0, "eta": 0.1}
+
+
+def test_budget_controller_validation_and_factory():
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(ValueError, match="finite"):
+            BudgetKLController(kl_coef=0.1, budget=1.0).update(bad, 1)
+    for kw, match in (({"budget": 0.0}, "budget"), ({"budget": -1.0}, "budget"), ({"budget": float("nan")}, "budget"),
+                      ({"budget": 1.0, "eta": 0.0}, "eta"), ({"budget": 1.0, "eta": -0.1}, "eta"),
+                      ({"budget": 1.0, "kl_coef": -0.1}, "kl_coef")):
+        with pytest.raises(ValueError, match=match):
+            BudgetKLController(**{"kl_coef": 0.1, **kw})
+    c = make_controller("budget", 0.2, budget=0.3, eta=0.5)
+    assert isinstance(c, BudgetKLController) and (c.kl_coef, c.budget, c.eta) == (0.2, 0.3, 0.5)
+    assert make_controller("budget", 0.2, budget=0.3).eta == 0.1
+    with pytest.raises(ValueError, match="budget"):
+        make_controller("budget", 0.2)
+    # existing positional call sites keep working
+    assert isinstance(make_controller("fixed", 0.1, 6.0, 10_000), FixedKLController)
+
+
+def beta_for_budget(bed: tb.TabularBed, eps: float) -> float:
+    """beta with KL(pi*(beta) || pi_ref) = eps, by bisection (the KL falls as beta grows)."""
+    lo, hi = 1e-3, 1e3
+    for _ in range(200):
+        mid = math.sqrt(lo * hi)
+        if float(tb.exact_kl(pi_star(bed, mid), ref_logp(bed))) > eps:
+            lo = mid
+        else:
+            hi = mid
+    return mid
+
+
+def test_budget_controller_holds_the_kl_on_the_bandit():
+    bed, eps = bed_bandit(), 0.3  # nats per sequence; unconstrained KL at beta 1 is 0.5356
+    beta_star = beta_for_budget(bed, eps)  # 1.36867
+    c = BudgetKLController(kl_coef=1.0, budget=eps, eta=0.2)
+    settings = tb.TrainSettings(steps=150, batch_size=1024, group_size=G, lr_final_fraction=0.2)
+    log = tb.train_on_policy(bed, "rloo", c, settings)
+    half = settings.steps // 2
+    measured = torch.tensor([float(k.mean()) for k in log.kl_estimates[half:]])  # what the controller saw
+    exact = torch.tensor(log.exact_kls[half:])
+    mean_dev = abs(float(measured.mean()) - eps) / eps
+    exact_dev = float((exact - eps).abs().max()) / eps
+    batch_dev = float((measured - eps).abs().max()) / eps
+    msg = (f"budget {eps}: last half measured KL mean {float(measured.mean()):.4f} ({mean_dev:.1%} off), "
+           f"exact KL in [{float(exact.min()):.4f}, {float(exact.max()):.4f}] (max {exact_dev:.1%} off), "
+           f"single-batch estimates up to {batch_dev:.1%} off (sampling noise, SE ~8%); "
+           f"beta {c.kl_coef:.4f} vs beta*(eps) {beta_star:.4f}")
+    print(msg)
+    assert beta_star == pytest.approx(1.36867, abs=1e-4)
+    assert mean_dev < 0.10, msg
+    assert exact_dev < 0.10, msg
+    assert abs(c.kl_coef - beta_star) / beta_star < 0.05, msg
+
+
+# ---- best-of-N ----------------------------------------------------------------------------------
+def test_best_of_n_by_hand_and_tie_break():
+    bed = bed_bandit()
+    # rewards 0 < 1 < 2 < 3: F = [0.4, 0.7, 0.9, 1.0]; N = 2: p = F^2 - F_<^2
+    # = [0.16, 0.49 - 0.16, 0.81 - 0.49, 1 - 0.81] = [0.16, 0.33, 0.32, 0.19]
+    p2 = tb.best_of_n_logprobs(ref_logp(bed), bed.rewards, 2).exp()
+    torch.testing.assert_close(p2, torch.tensor([0.16, 0.33, 0.32, 0.19], dtype=F64), atol=1e-12, rtol=0)
+    # KL = 0.16 ln 0.4 + 0.33 ln 1.1 + 0.32 ln 1.6 + 0.19 ln 1.9
+    #    = -0.146607 + 0.031452 + 0.150401 + 0.121952 = 0.157199;  bound ln 2 - 1/2 = 0.193147
+    row = tb.best_of_n_kl_table(ref_logp(bed), bed.rewards, [2])[0]
+    assert row.kl == pytest.approx(0.157199, abs=1e-6) and row.bound == pytest.approx(0.193147, abs=1e-6)
+    # ties: rewards [1, 1, 0], pi_ref [0.2, 0.3, 0.5]; the lower index wins a tie, so the order
+    # worst..best is [2, 1, 0] with F = [0.5, 0.8, 1.0]; N = 2:
+    # p[2] = 0.25, p[1] = 0.64 - 0.25 = 0.39, p[0] = 1 - 0.64 = 0.36
+    tie = tb.best_of_n_logprobs(torch.tensor([0.2, 0.3, 0.5], dtype=F64).log(), torch.tensor([1.0, 1.0, 0.0]), 2)
+    torch.testing.assert_close(tie.exp(), torch.tensor([0.36, 0.39, 0.25], dtype=F64), atol=1e-12, rtol=0)
+
+
+def test_best_of_n_matches_simulation():
+    bed = tb.random_sequence_bed(seed=0)
+    ref = ref_logp(bed)
+    n, draws = 4, 20_000
+    g = torch.Generator().manual_seed(0)
+    idx = torch.multinomial(ref.exp(), draws * n, replacement=True, generator=g).view(draws, n)
+    best = idx.gather(1, bed.rewards[idx].argmax(1, keepdim=True))[:, 0]  # rewards are distinct
+    freq = torch.bincount(best, minlength=125).to(F64) / draws
+    p = tb.best_of_n_logprobs(ref, bed.rewards, n).exp()
+    worst = float(((freq - p).abs() / (p * (1 - p) / draws).sqrt()).max())
+    assert worst < 4.5, f"best-of-{n} frequency {worst:.2f} standard errors off"
+
+
+@pytest.mark.parametrize("which", ["bandit", "sequence bed"])
+def test_best_of_n_kl_is_below_the_bound(which):
+    bed = bed_bandit() if which == "bandit" else tb.random_sequence_bed(seed=0)
+    rows = tb.best_of_n_kl_table(ref_logp(bed), bed.rewards, range(1, 17))
+    print(f"\nbest-of-N on the {which}:  N  exact KL  log N - (N-1)/N")
+    for r in rows:  # N = 1 is 0 up to rounding (+-1e-17); printed as 0
+        print(f"  {r.n:2d}  {0.0 if abs(r.kl) < 1e-15 else r.kl:.6f}  {r.bound:.6f}")
+    assert rows[0].n == 1 and rows[0].kl == pytest.approx(0.0, abs=1e-15) and rows[0].bound == 0.0
+    assert all(r.kl <= r.bound + 1e-12 for r in rows), rows
+    assert all(r.kl < r.bound for r in rows[1:]), rows  # strictly below for a discrete reward
+    assert all(b.kl > a.kl for a, b in zip(rows, rows[1:])), rows  # grows with N
