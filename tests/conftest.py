@@ -81,3 +81,19 @@ def prompt_file(tmp_path) -> Path:
 def length_judge(texts: list[str]) -> list[float]:
     """A cheap stand-in gold judge for tests: response length in characters / 100."""
     return [len(t) / 100 for t in texts]
+
+
+def slow_length_scorer(texts: list[str]) -> list[float]:
+    """A scorer that takes 0.3 s per call, so a test can kill a run between two steps."""
+    import time
+
+    time.sleep(0.3)
+    return [len(t) / 100 for t in texts]
+
+
+def constant_scorer(texts: list[str]) -> list[float]:
+    return [0.5 for _ in texts]
+
+
+def broken_scorer(texts: list[str]) -> list[float]:
+    raise KeyError("scorer service down")

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from tether.frontier import bon_kl_bound, bon_kl_empirical, bon_rank_probs, bon_scores, fit_gao, gao_curve
+from tether.bestofn import bon_kl_bound, bon_kl_empirical, bon_rank_probs, bon_scores
+from tether.frontier import fit_gao, gao_curve
 
 
 def test_bon_rank_probs_by_hand():

@@ -14,7 +14,9 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a policy (PPO) against a scorer with a KL penalty",
                        description="Override any config field with section.field=value, e.g. "
                                    "kl.kl_coef=0.1 optim.lr=2e-5 train.steps=10")
-    t.add_argument("--config", help="YAML config file (see configs/)")
+    t.add_argument("--config", help="YAML config file")
+    t.add_argument("--resume", metavar="RUN_DIR",
+                   help="continue RUN_DIR from its last checkpoint (its config.yaml; overrides may extend train.steps)")
     t.add_argument("overrides", nargs="*", help="section.field=value")
     fr = sub.add_parser("frontier", help="sweep runs and best-of-N; plot proxy and gold score against KL",
                         description="Each sweep entry is ALGO:KL_COEF. Overrides apply to every run.")
@@ -48,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             out = write_report(args.run_dir, args.out)
-        except FileNotFoundError as e:
+        except (FileNotFoundError, ValueError) as e:
             print(f"tether: error: {e}", file=sys.stderr)
             return 1
         print(f"tether: report written to {out}")
@@ -58,6 +60,15 @@ def main(argv: list[str] | None = None) -> int:
     overrides = list(args.overrides)
     if args.command == "frontier":  # short runs with periodic held-out evaluation, unless overridden
         overrides = ["train.steps=12", "eval.every=3", "eval.n_prompts=0", *overrides]
+    resume = getattr(args, "resume", None)
+    if resume:
+        from pathlib import Path
+
+        if args.config:
+            print("tether: config error: --resume uses RUN_DIR/config.yaml; drop --config", file=sys.stderr)
+            return 2
+        args.config = str(Path(resume) / "config.yaml")
+        overrides.append(f"train.output_dir={resume}")
     try:
         config = load_config(args.config, overrides)
         sweep = _parse_sweep(args.sweep) if args.command == "frontier" else []
@@ -68,15 +79,27 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             from tether.train import train
 
-            train(config)
+            from tether.train import Interrupted
+
+            try:
+                train(config, resume=bool(resume))
+            except Interrupted:
+                return 130
         elif args.command == "frontier":
             from pathlib import Path
 
             from tether.frontier import frontier
 
-            out = frontier(config, sweep, [int(n) for n in args.bon.split(",")], Path(args.out), args.bon_prompts)
+            from tether.train import Interrupted
+
+            try:
+                out = frontier(config, sweep, [int(n) for n in args.bon.split(",")], Path(args.out), args.bon_prompts)
+            except Interrupted as e:
+                print(f"tether: frontier stopped; the interrupted run is resumable: tether train --resume {e}",
+                      file=sys.stderr)
+                return 130
             print(f"tether: frontier written to {out / 'frontier.png'} and {out / 'frontier.csv'}")
-    except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError, RuntimeError, FloatingPointError) as e:
         print(f"tether: error: {e}", file=sys.stderr)
         return 1
     return 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -60,6 +61,7 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _check(0 < self.heldout_fraction < 1, "data.heldout_fraction", self.heldout_fraction, "must be in (0, 1)")
+        _check(self.max_words >= 1, "data.max_words", self.max_words, "must be >= 1")
         _check(1 <= self.min_words <= self.max_words, "data.min_words", self.min_words,
                f"must satisfy 1 <= data.min_words <= data.max_words={self.max_words}")
 
@@ -82,7 +84,9 @@ class RolloutConfig:
     max_prompt_tokens: int = 64
     """Longest prompt accepted, tokens; a longer prompt is an error naming it."""
     forward_batch_size: int = 32
-    """Rows per no-grad scoring forward (bounds memory of the (B, R, V) logits)."""
+    """Rows per no-grad scoring forward of DPO's reference and pair sampling (bounds the memory
+    of the (B, R, V) logits). PPO, GRPO and RLOO score in optim.minibatch_size groups instead,
+    the same groups as the first update epoch, so the first PPO ratio is exactly 1."""
     group_size: int | None = None
     """Completions per prompt (GRPO's G, RLOO's k); None = the trainer's default
     (PPO 1, GRPO and RLOO 4). Must divide batch_size."""
@@ -266,6 +270,9 @@ class TrainConfig:
     """torch threads; None keeps torch's default."""
     progress: bool = True
     """Show a progress bar."""
+    checkpoint_every: int = 10
+    """Write an atomic checkpoint every N steps (0 = only on Ctrl-C / SIGTERM); resume with
+    ``tether train --resume RUN_DIR``. Only the newest checkpoint is kept."""
     tensorboard: bool = False
     """Also write every metric as TensorBoard event files in <run>/tensorboard (needs tensorboard)."""
 
@@ -273,6 +280,8 @@ class TrainConfig:
         _check(self.algo in ALGOS, "train.algo", self.algo, f"choose one of {list(ALGOS)}")
         _check(self.steps >= 1, "train.steps", self.steps, "must be >= 1")
         _check(self.sample_every >= 1, "train.sample_every", self.sample_every, "must be >= 1")
+        _check(self.threads is None or self.threads >= 1, "train.threads", self.threads, "must be >= 1 or null")
+        _check(self.checkpoint_every >= 0, "train.checkpoint_every", self.checkpoint_every, "must be >= 0 (0 = on signal only)")
 
 
 @dataclass
@@ -299,19 +308,37 @@ class Config:
         try:
             self.placement = check_placement(
                 self.kl.kl_in_reward, self.kl.kl_in_loss, self.kl.estimator, self.kl.loss_estimator,
-                self.kl.kl_coef, self.kl.monitor, self.kl.allow_double_kl, self.kl.allow_biased_estimator)
+                # the budget controller raises beta from 0, so it needs the reference like a positive
+                # beta (the adaptive one multiplies beta, so from 0 it stays 0)
+                self.kl.kl_coef if self.kl.controller != "budget" else max(self.kl.kl_coef, 1.0),
+                self.kl.monitor, self.kl.allow_double_kl, self.kl.allow_biased_estimator)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         if self.train.algo == "dpo":
-            _check(not (self.kl.kl_in_reward or self.kl.kl_in_loss), "kl.kl_in_reward",
-                   self.kl.kl_in_reward, "DPO has no reward or KL loss term: its leash is dpo.beta; "
-                   "leave kl.kl_in_reward and kl.kl_in_loss unset")
+            for name in ("kl_in_reward", "kl_in_loss"):
+                _check(not getattr(self.kl, name), f"kl.{name}", getattr(self.kl, name),
+                       "DPO has no reward or KL loss term: its leash is dpo.beta; leave it unset")
+        elif not (self.kl.kl_in_reward or self.kl.kl_in_loss) and (self.kl.kl_coef > 0 or self.kl.controller == "budget"):
+            raise ConfigError(
+                f"kl.kl_in_reward and kl.kl_in_loss are both false, so kl.kl_coef={self.kl.kl_coef} and "
+                f"kl.controller={self.kl.controller} act on nothing; place the KL (one of them true) or run "
+                "without a leash: kl.kl_coef=0 (and not kl.controller=budget)")
+        if self.kl.controller == "adaptive":
+            _check(self.rollout.batch_size <= 5 * self.kl.horizon, "kl.horizon", self.kl.horizon,
+                   f"must be >= rollout.batch_size / 5 = {self.rollout.batch_size / 5} or kl_coef could turn negative")
         if self.train.algo in ("grpo", "rloo"):
             _check(self.rollout.group_size >= 2, "rollout.group_size", self.rollout.group_size,
                    f"{self.train.algo} needs >= 2 completions per prompt")
 
     def resolve_defaults(self) -> None:
-        """Fill the per-trainer defaults left as None (group size, KL placement)."""
+        """Fill the per-trainer defaults left as None (group size, KL placement).
+
+        The values as given are kept (``unresolved``), so the saved config.yaml still says
+        "the trainer's default" and reloads correctly with another ``train.algo``.
+        """
+        if not hasattr(self, "unresolved"):
+            self.unresolved = {"rollout.group_size": self.rollout.group_size,
+                               "kl.kl_in_reward": self.kl.kl_in_reward, "kl.kl_in_loss": self.kl.kl_in_loss}
         algo = self.train.algo
         if self.rollout.group_size is None:
             self.rollout.group_size = 1 if algo in ("ppo", "dpo") else 4
@@ -322,13 +349,31 @@ class Config:
         if self.kl.kl_in_loss is None:
             self.kl.kl_in_loss = algo == "grpo" and not self.kl.kl_in_reward
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+    def to_dict(self, resolved: bool = True) -> dict:
+        """Plain nested dict; ``resolved=False`` keeps per-trainer defaults as None."""
+        d = dataclasses.asdict(self)
+        if not resolved:
+            for key, value in getattr(self, "unresolved", {}).items():
+                section, name = key.split(".")
+                d[section][name] = value
+        return d
+
+
+class _Raw(str):
+    """An override's text as typed: a str field takes it verbatim, other fields parse it as YAML."""
 
 
 def _coerce(value: Any, tp: Any, name: str) -> Any:
     """Convert a YAML/CLI value to the annotated field type, or raise ConfigError."""
     origin = get_origin(tp)
+    if isinstance(value, _Raw):
+        args = get_args(tp) if origin in (typing.Union, types.UnionType) else (tp,)
+        if str in args and not (type(None) in args and value.strip().lower() in ("null", "none", "~", "")):
+            return str(value)  # model.name=007 stays '007'
+        try:
+            value = yaml.safe_load(value) if value != "" else ""
+        except yaml.YAMLError:
+            value = str(value)
     if origin in (typing.Union, types.UnionType):
         args = get_args(tp)
         if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
@@ -357,13 +402,17 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
         if isinstance(value, bool):
             raise ConfigError(f"{name}={value!r} is invalid: expected a number")
         try:
+            f = float(value)
+            if not math.isfinite(f):
+                raise ConfigError(f"{name}={value!r} is invalid: must be a finite number")
             if tp is int:
-                f = float(value)
                 if f != int(f):
                     raise ValueError
                 return int(f)
-            return float(value)
-        except (TypeError, ValueError):
+            return f
+        except ConfigError:
+            raise
+        except (TypeError, ValueError, OverflowError):
             raise ConfigError(f"{name}={value!r} is invalid: expected {'an integer' if tp is int else 'a number'}") from None
     if tp is str:
         return str(value)
@@ -422,21 +471,22 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         p = Path(path)
         if not p.exists():
             raise FileNotFoundError(f"--config: no file {p}")
+        if not p.is_file():
+            raise ConfigError(f"--config {p} is not a file")
         try:
-            tree = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"--config {p}: not valid YAML ({e})") from None
+            tree = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            raise ConfigError(f"--config {p}: not valid UTF-8 YAML ({e})") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"--config {p} must hold a mapping of sections (model:, kl:, ...), "
+                              f"not a {type(tree).__name__}")
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like section.field=value (e.g. optim.lr=1e-5)")
         key, _, raw = item.partition("=")
         if "." not in key:
             raise ConfigError(f"override {item!r}: the key needs a section, e.g. kl.kl_coef=0.1")
-        try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError:
-            value = raw
-        _set_dotted(tree, key.strip(), value)
+        _set_dotted(tree, key.strip(), _Raw(raw))
     try:
         return _build(Config, tree, "")
     except TypeError as e:  # a section given a scalar, etc.
@@ -445,7 +495,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 def dump_config(config: Config, path: Path) -> None:
     """Write the resolved config as YAML (and it loads back to an equal Config)."""
-    path.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    path.write_text(yaml.safe_dump(config.to_dict(resolved=False), sort_keys=False))
 
 
 def config_json(config: Config) -> str:

@@ -168,3 +168,12 @@ class PromptSampler:
             batch.append(self.prompts[self.order[self.position]])
             self.position += 1
         return batch
+
+    def state_dict(self) -> dict:
+        """Data position: the epoch's order, the position in it and the shuffling RNG."""
+        return {"order": list(self.order), "position": self.position, "rng": self.rng.getstate()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.order, self.position = list(state["order"]), int(state["position"])
+        rng = state["rng"]
+        self.rng.setstate((rng[0], tuple(rng[1]), rng[2]))

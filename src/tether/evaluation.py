@@ -35,6 +35,14 @@ class EvalResult:
     def kl(self) -> float:
         return mean_se(self.kl_per_sequence)[0] if self.kl_per_sequence else float("nan")
 
+    def to_json(self) -> dict:
+        return {"name": self.name, "responses": self.responses, "kl_per_sequence": self.kl_per_sequence,
+                "scores": self.scores}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "EvalResult":
+        return cls(d["name"], d["responses"], d["kl_per_sequence"], d["scores"])
+
     def summary(self) -> dict:
         out = {"name": self.name, "n": len(self.responses), "kl": self.kl}
         for key, xs in self.scores.items():
@@ -73,7 +81,7 @@ def evaluate(
                 ref_lp = lp if reference is lm else score_logprobs(reference, ro, temperature).logprobs
                 result.kl_per_sequence += sequence_kl(estimate_kl(lp, ref_lp, "k1"), ro.response_mask).tolist()
             for key, scorer in scorers.items():
-                result.scores[key] += checked_scores(scorer, ro.responses, step=-1)
+                result.scores[key] += checked_scores(scorer, ro.responses, f"held-out evaluation ({name}, {key} scorer)")
             result.responses += ro.responses
     return result
 

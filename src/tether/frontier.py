@@ -22,52 +22,9 @@ from pathlib import Path
 
 import torch
 
+from tether.bestofn import bon_kl_bound, bon_kl_empirical, bon_scores
 from tether.config import Config
 from tether.scorers import Scorer, checked_scores
-
-
-# ---- best-of-N (pure) ------------------------------------------------------------------------
-def bon_kl_bound(n: int) -> float:
-    """The usual analytic value log N - (N - 1) / N, nats; an upper bound (Beirami et al. 2024)."""
-    return math.log(n) - (n - 1) / n
-
-
-def bon_rank_probs(n: int, m: int) -> torch.Tensor:
-    """P(best-of-n picks the item of rank k) among m equally likely items, ranks 1..m ascending.
-
-    Draws are with replacement from the m items: ``P(k) = (k/m)^n - ((k-1)/m)^n``. Ties in the
-    score are broken by rank order (a fixed total order). Shape (m,), float64, sums to 1.
-    """
-    k = torch.arange(1, m + 1, dtype=torch.float64)
-    return (k / m) ** n - ((k - 1) / m) ** n
-
-
-def bon_kl_empirical(n: int, m: int) -> float:
-    """Exact KL(best-of-n || uniform) on an m-sample empirical reference, nats.
-
-    ``sum_k P(k) log(P(k) * m)``; tends to the bound from below as m grows.
-    """
-    p = bon_rank_probs(n, m)
-    return float(torch.where(p > 0, p * torch.log(p * m), torch.zeros_like(p)).sum())
-
-
-def bon_scores(proxy: torch.Tensor, gold: torch.Tensor, n: int) -> tuple[float, float]:
-    """Expected proxy and gold score of best-of-n (by proxy) over each prompt's m samples.
-
-    Args:
-        proxy: (P, m) proxy scores of m reference samples per prompt.
-        gold: (P, m) gold scores of the same samples.
-        n: best-of-n, drawing n of the m samples with replacement.
-
-    Returns:
-        (mean proxy, mean gold) of the best-of-n pick, exact over the draws, averaged over prompts.
-    """
-    P, m = proxy.shape
-    order = torch.argsort(proxy.double(), dim=-1, stable=True)  # ascending: rank k at order[:, k-1]
-    w = bon_rank_probs(n, m)  # (m,)
-    p_sorted = torch.gather(proxy.double(), 1, order)
-    g_sorted = torch.gather(gold.double(), 1, order)
-    return float((p_sorted * w).sum(-1).mean()), float((g_sorted * w).sum(-1).mean())
 
 
 def fit_gao(kl: list[float], gain: list[float], form: str) -> tuple[float, float]:
@@ -113,8 +70,8 @@ def best_of_n_points(config: Config, proxy: Scorer, gold: Scorer, ns: list[int],
             batch = [p for p in prompts[i : i + per] for _ in range(m)]
             with torch.no_grad():
                 ro = generate(lm, tok, batch, c.rollout.max_new_tokens, c.rollout.temperature, c.rollout.max_prompt_tokens)
-            P.append(torch.tensor(checked_scores(proxy, ro.responses, -1)).view(-1, m))
-            G.append(torch.tensor(checked_scores(gold, ro.responses, -1)).view(-1, m))
+            P.append(torch.tensor(checked_scores(proxy, ro.responses, "best-of-N (proxy)")).view(-1, m))
+            G.append(torch.tensor(checked_scores(gold, ro.responses, "best-of-N (gold)")).view(-1, m))
     proxy_t, gold_t = torch.cat(P), torch.cat(G)
     points = []
     for n in ns:
@@ -146,6 +103,8 @@ def frontier(
     from tether.scorers import make_scorer
     from tether.train import train
 
+    if base.eval.judge == "none":
+        raise ValueError("tether frontier plots a gold score: eval.judge cannot be none (default minilm-rm)")
     out.mkdir(parents=True, exist_ok=True)
     proxy, gold = make_scorer(base.reward.scorer), make_scorer(base.eval.judge)
     points = best_of_n_points(base, proxy, gold, ns, bon_prompts)
@@ -156,7 +115,6 @@ def frontier(
                                         save_model=False),
                     kl=replace(base.kl, kl_coef=beta, controller="fixed", kl_in_reward=None, kl_in_loss=None),
                     rollout=replace(base.rollout, group_size=None))
-        c.__post_init__()  # re-resolve the per-trainer defaults and re-check the placement
         run_dir = train(c, scorer=proxy, judge=gold)
         points += run_points(run_dir, label)
         _write_csv(points, out / "frontier.csv")

@@ -181,8 +181,13 @@ def masked_sum(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
         dim: reduce this dimension only (``-1``: per sequence), or all if None.
 
     Returns:
-        Reduced float32 tensor.
+        Reduced tensor (float32, or float64 for float64 input).
+
+    Raises:
+        ValueError: ``mask`` and ``values`` differ in shape (no silent broadcasting).
     """
+    if mask.shape != values.shape:
+        raise ValueError(f"mask {tuple(mask.shape)} must have the shape of values {tuple(values.shape)}")
     values = at_least_fp32(values)
     kept = torch.where(mask.bool(), values, torch.zeros((), dtype=values.dtype, device=values.device))  # (B, T); masked inf/NaN -> 0
     return kept.sum() if dim is None else kept.sum(dim=dim)

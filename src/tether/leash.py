@@ -65,5 +65,10 @@ class KLLeash:
         if not self.kl_in_loss or kl_coef == 0 or ref_logprobs is None:
             return None
         self.counts["loss"] += 1
+        mask = response_mask.bool()
+        # masked slots may hold -inf/NaN; neutral values there keep them out of every gradient
+        logprobs = torch.where(mask, logprobs, 0.0)
+        ref_logprobs = torch.where(mask, ref_logprobs, 0.0)
+        old_logprobs = torch.where(mask, old_logprobs, 0.0) if old_logprobs is not None else None
         terms = kl_loss_terms(logprobs, ref_logprobs, self.loss_estimator, old_logprobs)
         return kl_coef * masked_mean(terms, response_mask)

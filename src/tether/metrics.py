@@ -30,6 +30,16 @@ class RunWriter:
         self.samples_path = self.run_dir / "samples.jsonl"
         self.history: list[dict] = []
 
+    def truncate_after(self, step: int) -> None:
+        """Drop rows of steps after ``step`` from metrics, samples and warnings (on resume)."""
+        for name in ("metrics.jsonl", "samples.jsonl", "warnings.jsonl"):
+            path = self.run_dir / name
+            if path.exists():
+                rows = [line for line in path.read_text().splitlines() if line.strip()]
+                keep = [line for line in rows if json.loads(line).get("step", -1) <= step]
+                path.write_text("".join(line + "\n" for line in keep))
+        self.history = [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
+
     def log(self, row: dict) -> None:
         row = {k: _clean(v) for k, v in row.items()}
         self.history.append(row)

@@ -112,6 +112,9 @@ def load_tokenizer(path: str | Path):
 
     tok = AutoTokenizer.from_pretrained(path)
     tok.padding_side = "left"
+    if tok.eos_token_id is None:
+        raise ValueError(f"model.name={str(path)!r}: the tokenizer has no EOS token; responses could never end "
+                         "and could not be masked (set eos_token in its tokenizer_config.json)")
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok

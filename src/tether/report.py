@@ -18,7 +18,15 @@ def _img(path: Path) -> str:
 def _rows(path: Path) -> list[dict]:
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for i, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            raise ValueError(f"{path}:{i} is not valid JSON (a run killed mid-write?)") from None
+    return rows
 
 
 def _table(rows: list[dict], cols: list[str]) -> str:
@@ -43,6 +51,8 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
         raise FileNotFoundError(f"{run} is not a tether run directory (no metrics.jsonl)")
     out = Path(out) if out else run / "report.html"
     metrics = _rows(run / "metrics.jsonl")
+    if not metrics:
+        raise ValueError(f"{run / 'metrics.jsonl'} holds no steps yet")
     samples = _rows(run / "samples.jsonl")
     warnings = _rows(run / "warnings.jsonl")
     ev = json.loads((run / "eval.json").read_text()) if (run / "eval.json").exists() else None

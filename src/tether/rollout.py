@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from transformers import GenerationConfig
 
 from tether.logprobs import entropy_from_logits, logprobs_from_logits, response_mask_from_tokens
 from tether.models import PolicyWithValue, position_ids_from_mask, tail_logits
@@ -26,6 +27,7 @@ class Rollout:
         response_ids: (B, R) long; slots after the first EOS hold the pad token.
         response_mask: (B, R) bool, True up to and including the first EOS.
         responses: B decoded responses (up to, not including, EOS).
+        ended: (B,) bool, True where the response ended with EOS (not cut at the length cap).
     """
 
     prompts: list[str]
@@ -34,6 +36,7 @@ class Rollout:
     response_ids: Tensor
     response_mask: Tensor
     responses: list[str]
+    ended: Tensor | None = None
 
     @property
     def input_ids(self) -> Tensor:
@@ -57,6 +60,7 @@ class Rollout:
             response_ids=self.response_ids[idx],
             response_mask=self.response_mask[idx],
             responses=[self.responses[i] for i in rows],
+            ended=self.ended[idx] if self.ended is not None else None,
         )
 
 
@@ -97,19 +101,18 @@ def generate(
     """
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, max_prompt_tokens)
     eos = tokenizer.eos_token_id
-    out = lm.generate(
-        input_ids=prompt_ids,
-        attention_mask=prompt_mask,
-        do_sample=True,
-        temperature=temperature,
-        top_k=0,
-        top_p=1.0,
-        min_p=None,
-        repetition_penalty=1.0,
-        max_new_tokens=max_new_tokens,
-        eos_token_id=eos,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    # A fresh GenerationConfig, not the model folder's: a saved generation_config.json may carry
+    # suppress_tokens, repetition penalties, top-k ... that would make the samples differ from
+    # softmax(logits / temperature), the distribution every log-probability is computed under.
+    # transformers fills unset fields of a passed config from the model's own, so the model's is
+    # swapped out for the call.
+    gen = GenerationConfig(do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
+                           max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
+    saved, lm.generation_config = lm.generation_config, gen
+    try:
+        out = lm.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen)
+    finally:
+        lm.generation_config = saved
     response_ids = out[:, prompt_ids.shape[1] :]  # (B, R<=max_new_tokens)
     response_mask = response_mask_from_tokens(response_ids, eos)  # (B, R)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
@@ -118,7 +121,8 @@ def generate(
         tokenizer.decode(ids[m & (ids != eos)] if eos is not None else ids[m], skip_special_tokens=True)
         for ids, m in zip(response_ids, response_mask)
     ]
-    return Rollout(prompts, prompt_ids, prompt_mask, response_ids, response_mask, texts)
+    ended = ((response_ids == eos) & response_mask).any(-1) if eos is not None else torch.zeros(len(prompts), dtype=torch.bool)
+    return Rollout(prompts, prompt_ids, prompt_mask, response_ids, response_mask, texts, ended)
 
 
 def response_forward(

@@ -38,6 +38,10 @@ def hf_classifier_scorer(spec: str, batch_size: int = 32) -> Scorer:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     folder, _, label = spec.partition("#")
+    from pathlib import Path
+
+    if not Path(folder).is_dir():
+        raise ValueError(f"scorer hf:{folder}: no such local folder (a saved sequence classifier)")
     tok = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
     n_labels = model.config.num_labels
@@ -90,17 +94,26 @@ def make_scorer(spec: str | Scorer) -> Scorer:
     )
 
 
-def checked_scores(scorer: Scorer, texts: list[str], step: int) -> list[float]:
+def checked_scores(scorer: Scorer, texts: list[str], step: int | str) -> list[float]:
     """Call ``scorer`` and validate its output: one finite float per text.
+
+    ``step`` names where the call happens in messages: a training step number, or a phrase
+    such as ``"held-out evaluation"``.
 
     Raises:
         ValueError: wrong count, or a NaN/inf score; the message names the step and the texts.
     """
-    scores = [float(s) for s in scorer(texts)]
+    where = f"step {step}" if isinstance(step, int) else step
+    try:
+        raw = scorer(texts)
+        scores = [float(s) for s in raw]
+    except Exception as e:  # a user's scorer: report it with the step, never a bare traceback
+        raise ValueError(f"{where}: the scorer failed on {len(texts)} texts "
+                         f"({type(e).__name__}: {e}); it must return one float per text") from e
     if len(scores) != len(texts):
-        raise ValueError(f"step {step}: the scorer returned {len(scores)} scores for {len(texts)} texts")
+        raise ValueError(f"{where}: the scorer returned {len(scores)} scores for {len(texts)} texts")
     bad = [(t, s) for t, s in zip(texts, scores) if not math.isfinite(s)]
     if bad:
         shown = "; ".join(f"{s} for {t[:60]!r}" for t, s in bad[:3])
-        raise ValueError(f"step {step}: the scorer returned non-finite scores: {shown}")
+        raise ValueError(f"{where}: the scorer returned non-finite scores: {shown}")
     return scores

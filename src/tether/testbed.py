@@ -46,6 +46,7 @@ import torch
 from torch import Tensor
 
 from tether.advantages import gae, group_normalized_advantages, rloo_advantages, whiten
+from tether.bestofn import bon_kl_bound
 from tether.controllers import FixedKLController, KLController
 from tether.kl import KLEstimator, estimate_kl, kl_stats, masked_sum, sequence_kl
 from tether.leash import KLLeash
@@ -353,16 +354,6 @@ def best_of_n_logprobs(ref_logp: Tensor, rewards: Tensor, n: int) -> Tensor:
     return p_n.log()
 
 
-def best_of_n_kl_bound(n: int) -> float:
-    """``log n - (n - 1) / n`` nats: the often-quoted KL of best-of-n to pi_ref.
-
-    It is the exact KL when the reward has a continuous distribution under pi_ref and an upper
-    bound otherwise (Beirami et al. 2024, "Theoretical guarantees on the best-of-n alignment
-    policy", arXiv 2401.01879; Stiennon et al. 2020, appendix).
-    """
-    return math.log(n) - (n - 1) / n
-
-
 class BestOfNRow(NamedTuple):
     n: int
     kl: float
@@ -378,7 +369,7 @@ def best_of_n_kl_table(ref_logp: Tensor, rewards: Tensor, ns: range | list[int] 
         ref_logp: (N,) log pi_ref over all outcomes. rewards: (N,). ns: the n to tabulate.
     """
     ref = ref_logp.to(F64)
-    return [BestOfNRow(n, float(exact_kl(best_of_n_logprobs(ref, rewards, n), ref)), best_of_n_kl_bound(n))
+    return [BestOfNRow(n, float(exact_kl(best_of_n_logprobs(ref, rewards, n), ref)), bon_kl_bound(n))
             for n in ns]
 
 

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import signal
 import time
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
+from tether.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from tether.config import Config
-from tether.evaluation import compare, evaluate
-from tether.health import HealthMonitor
+from tether.evaluation import EvalResult, compare, evaluate
+from tether.health import Alarm, HealthMonitor
+from tether.models import fingerprint
 from tether.metrics import sample_table
 from tether.plots import plot_score_vs_kl, plot_training
 from tether.scorers import Scorer, make_scorer
@@ -55,34 +59,51 @@ class Evaluator:
         return {k: v for k, v in row.items() if v == v}  # drop NaN (no reference)
 
 
-def train(config: Config, scorer: Scorer | None = None, judge: Scorer | None = None) -> Path:
-    """Run ``config`` end to end; returns the run directory.
+class Interrupted(Exception):
+    """Raised after Ctrl-C / SIGTERM once the checkpoint is written."""
+
+
+def train(config: Config, scorer: Scorer | None = None, judge: Scorer | None = None,
+          resume: bool = False) -> Path:
+    """Run ``config`` end to end (or continue it from its last checkpoint); returns the run directory.
 
     Writes into the run directory: ``config.yaml``, ``metrics.jsonl``, ``samples.jsonl``,
     ``eval.json`` (held-out proxy and gold scores of reference and final policy),
-    ``warnings.jsonl`` (health alarms), ``training.png``, ``score_vs_kl.png`` and ``policy/``.
+    ``warnings.jsonl`` (health alarms), ``training.png``, ``score_vs_kl.png``, ``checkpoints/``
+    and ``policy/``.
+
+    Raises:
+        Interrupted: after Ctrl-C or SIGTERM, once a checkpoint is written.
+        RuntimeError: on resume, the reference no longer matches its recorded fingerprint.
     """
     t_start = time.perf_counter()
     c = config
     if judge is None and c.eval.judge != "none" and (c.eval.n_prompts or c.eval.every):
         judge = make_scorer(c.eval.judge)  # before the model loads: a bad judge fails fast
-    run = build_run(config, scorer)
+    run = build_run(config, scorer, resume=resume)
     w, show = run.writer, c.train.progress
-    _say(f"tether: run directory {w.run_dir}", show)
-    _say(f"tether: {len(run.train_prompts)} training prompts, {len(run.heldout_prompts)} held out", show)
     trainer = TRAINERS[c.train.algo](run)
     evaluator = Evaluator(run, judge)
     monitor = HealthMonitor(c.health, w.run_dir / "warnings.jsonl")
+    start = _resume(run, trainer, monitor) if resume else _start(run)
+    _say(f"tether: run directory {w.run_dir}" + (f", resuming after step {start - 1}" if resume else ""), show)
+    _say(f"tether: {len(run.train_prompts)} training prompts, {len(run.heldout_prompts)} held out", show)
     tb = _tensorboard(w.run_dir) if c.train.tensorboard else None
 
-    before = evaluator("reference", evaluator.heldout) if evaluator.heldout else None
-    if before:
-        s = before.summary()
-        _say(f"tether: reference held-out proxy score {s['proxy_mean']:.3f} ± {s['proxy_se']:.3f}"
-             + (f", gold {s['gold_mean']:.3f} ± {s['gold_se']:.3f}" if "gold_mean" in s else "")
-             + f" (n={len(evaluator.heldout)})", show)
+    before = _reference_eval(evaluator, w.run_dir, show)
+    stop, previous_handlers = _install_signal_handlers()
+    try:
+        _loop(run, trainer, evaluator, monitor, tb, start, stop)
+    finally:
+        for sig, h in previous_handlers.items():
+            signal.signal(sig, h)
+    return _finish(run, evaluator, monitor, tb, before, t_start)
 
-    bar = tqdm(range(c.train.steps), desc=f"tether {c.train.algo}", disable=not show, unit="step")
+
+def _loop(run: Run, trainer, evaluator: Evaluator, monitor: HealthMonitor, tb, start: int, stop: list[str]) -> None:
+    c, w, show = run.config, run.writer, run.config.train.progress
+    bar = tqdm(range(start, c.train.steps), desc=f"tether {c.train.algo}", disable=not show, unit="step",
+               initial=start, total=c.train.steps)
     for step in bar:
         row = trainer.step(step)
         if c.eval.every and (step % c.eval.every == 0 or step == c.train.steps - 1):
@@ -105,7 +126,18 @@ def train(config: Config, scorer: Scorer | None = None, judge: Scorer | None = N
                     r["gold"] = float(g)
             w.samples(step, rows)
             _say(f"\nstep {step}\n" + sample_table(rows[:4]), show)
+        every = c.train.checkpoint_every
+        # also after the last step, so that --resume with a larger train.steps extends the run
+        if stop or (every and ((step + 1) % every == 0 or step + 1 == c.train.steps)):
+            path = _checkpoint(run, trainer, step)
+            if stop:
+                _say(f"tether: stopped by {stop[0]} after step {step}; checkpoint {path}. "
+                     f"Continue with: tether train --resume {w.run_dir}", show)
+                raise Interrupted(str(w.run_dir))
 
+
+def _finish(run: Run, evaluator: Evaluator, monitor: HealthMonitor, tb, before, t_start: float) -> Path:
+    c, w, show = run.config, run.writer, run.config.train.progress
     evals = [before.summary()] if before else []
     if before:
         after = evaluator("policy", evaluator.heldout)
@@ -130,6 +162,78 @@ def train(config: Config, scorer: Scorer | None = None, judge: Scorer | None = N
         _say(f"tether: {len(monitor.fired)} health warning(s), see {w.run_dir / 'warnings.jsonl'}", show)
     _say(f"tether: done in {time.perf_counter() - t_start:.0f} s; plots and metrics in {w.run_dir}", show)
     return w.run_dir
+
+
+def _start(run: Run) -> int:
+    (run.writer.run_dir / "reference.json").write_text(json.dumps({"fingerprint": run.reference_fingerprint}))
+    return 0
+
+
+def _resume(run: Run, trainer, monitor: HealthMonitor) -> int:
+    """Restore the newest checkpoint; check the rebuilt reference against its fingerprint."""
+    w = run.writer
+    path = latest_checkpoint(w.run_dir)
+    if path is None:
+        raise FileNotFoundError(f"--resume {w.run_dir}: no complete checkpoint in {w.run_dir / 'checkpoints'}")
+    recorded = json.loads((w.run_dir / "reference.json").read_text())["fingerprint"]
+    if recorded != run.reference_fingerprint:
+        raise RuntimeError(f"--resume {w.run_dir}: the reference rebuilt from {run.config.model.name} does not match "
+                           f"the fingerprint recorded when the run started ({recorded[:12]}... vs "
+                           f"{str(run.reference_fingerprint)[:12]}...): the reference would have moved")
+    meta, state = load_checkpoint(path, run.policy)
+    trainer.load_state_dict(state["trainer"])
+    set_rng_state(state["rng"])
+    run.reference_forwards[0] = state["reference_forwards"]
+    w.truncate_after(meta["step"])
+    monitor.fired = [Alarm(**a) for a in map(json.loads, (w.run_dir / "warnings.jsonl").read_text().splitlines())] \
+        if (w.run_dir / "warnings.jsonl").exists() else []
+    return meta["step"] + 1
+
+
+def _checkpoint(run: Run, trainer, step: int) -> Path:
+    if run.reference is not None and fingerprint(run.reference) != run.reference_fingerprint:
+        raise RuntimeError(f"step {step}: the reference model's weights changed since the run started; "
+                           "stopping (the last checkpoint is kept)")
+    return save_checkpoint(run.writer.run_dir, step, run.policy,
+                           {"trainer": trainer.state_dict(), "rng": rng_state(),
+                            "reference_forwards": run.reference_forwards[0]}, run.reference_fingerprint)
+
+
+def _reference_eval(evaluator: Evaluator, run_dir: Path, show: bool):
+    """The reference's held-out evaluation, computed once and kept in eval_reference.json."""
+    if not evaluator.heldout:
+        return None
+    path = run_dir / "eval_reference.json"
+    if path.exists():
+        return EvalResult.from_json(json.loads(path.read_text()))
+    before = evaluator("reference", evaluator.heldout)  # evaluate() forks the RNG
+    path.write_text(json.dumps(before.to_json()))
+    s = before.summary()
+    _say(f"tether: reference held-out proxy score {s['proxy_mean']:.3f} ± {s['proxy_se']:.3f}"
+         + (f", gold {s['gold_mean']:.3f} ± {s['gold_se']:.3f}" if "gold_mean" in s else "")
+         + f" (n={len(evaluator.heldout)})", show)
+    return before
+
+
+def _install_signal_handlers() -> tuple[list[str], dict]:
+    """On SIGINT / SIGTERM, finish the current step, checkpoint, and stop (the list gets the name).
+
+    Returns the stop list and the previous handlers, which ``train`` restores when it returns.
+    """
+    stop: list[str] = []
+    previous: dict = {}
+
+    def handler(signum, frame):
+        if stop:  # a second signal: stop now
+            raise KeyboardInterrupt
+        stop.append(signal.Signals(signum).name)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            previous[sig] = signal.signal(sig, handler)
+        except ValueError:  # not the main thread
+            pass
+    return stop, previous
 
 
 def _tensorboard(run_dir: Path):

@@ -109,6 +109,21 @@ class OnPolicyTrainer:
         self.last_experience = exp
         return row
 
+    # ---- checkpointing ---------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Optimizer, controller, minibatch RNG and data position (see :mod:`tether.checkpoint`)."""
+        return {"optimizer": self.optimizer.state_dict(), "controller": self.controller.state_dict(),
+                "generator": self.generator.get_state(), "sampler": self.sampler.state_dict(),
+                "leash_counts": dict(self.leash.counts)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        for k, v in state["controller"].items():
+            setattr(self.controller, k, v)
+        self.generator.set_state(state["generator"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.leash.counts.update(state["leash_counts"])
+
     # ---- to override -----------------------------------------------------------------------
     def advantages(self, rewards: Tensor, scored: ScoredBatch, mask: Tensor) -> tuple[Tensor, Tensor | None]:
         raise NotImplementedError
@@ -159,7 +174,7 @@ class OnPolicyTrainer:
             "objective/rlhf_reward": (exp.scores + non_score).mean(),
             "objective/entropy": masked_mean(scored.entropy, mask),
             "response/length": mask.sum(-1).float().mean(),
-            "response/eos_fraction": (mask.sum(-1) < mask.shape[1]).float().mean(),
+            "response/eos_fraction": exp.rollout.ended.float().mean(),
             "kl/applied_in_reward": self.leash.counts["reward"],
             "kl/applied_in_loss": self.leash.counts["loss"],
             "kl/reference_forwards": self.run.reference_forwards[0],

@@ -55,13 +55,32 @@ def freeze_lower_layers(lm: nn.Module, trainable_layers: int | None) -> None:
     trunk = getattr(lm, lm.base_model_prefix)
     for p in lm.parameters():
         p.requires_grad_(False)
-    layers = trunk.layers
+    layers = getattr(trunk, "layers", None) or getattr(trunk, "h", None)
+    if layers is None:
+        raise ValueError(f"model.trainable_layers: cannot find the transformer blocks of {type(lm).__name__} "
+                         "(no .layers or .h); leave model.trainable_layers unset")
     for block in list(layers)[len(layers) - trainable_layers :] if trainable_layers else []:
         for p in block.parameters():
             p.requires_grad_(True)
     if trainable_layers and hasattr(trunk, "norm"):
         for p in trunk.norm.parameters():
             p.requires_grad_(True)
+
+
+def check_prompt_lengths(tokenizer, prompts: list[str], max_prompt_tokens: int) -> None:
+    """Refuse, before training starts, any prompt that is empty or longer than the limit.
+
+    Raises:
+        ValueError: naming the prompt and the field to change.
+    """
+    for start in range(0, len(prompts), 2048):
+        chunk = prompts[start : start + 2048]
+        lengths = [len(ids) for ids in tokenizer(chunk, add_special_tokens=True)["input_ids"]]
+        for i, (p, n) in enumerate(zip(chunk, lengths)):
+            if n == 0 or n > max_prompt_tokens:
+                raise ValueError(
+                    f"prompt {start + i + 1} ({p[:60]!r}) has {n} tokens; rollout.max_prompt_tokens="
+                    f"{max_prompt_tokens} (shorten the prompt or raise rollout.max_prompt_tokens)")
 
 
 @dataclass
@@ -82,7 +101,7 @@ class Run:
     """[count] of reference forward passes (a pre-hook increments it)."""
 
 
-def build_run(config: Config, scorer: Scorer | None = None) -> Run:
+def build_run(config: Config, scorer: Scorer | None = None, resume: bool = False) -> Run:
     """Load model, reference, tokenizer, prompts and scorer; create the run directory.
 
     The config is validated before this is called; data and scorer load before the model so a
@@ -94,21 +113,29 @@ def build_run(config: Config, scorer: Scorer | None = None) -> Run:
     train_prompts, heldout = load_prompts(config)
     scorer = scorer if scorer is not None else make_scorer(config.reward.scorer)
     run_dir = Path(config.train.output_dir) if config.train.output_dir else default_run_dir(config.train.algo)
-    if (run_dir / "metrics.jsonl").exists():
-        raise FileExistsError(f"train.output_dir={run_dir} already holds a run; choose another directory")
+    if not resume and run_dir.exists() and any(run_dir.iterdir()):
+        hint = f" or continue it with: tether train --resume {run_dir}" if (run_dir / "checkpoints").exists() else ""
+        raise FileExistsError(f"train.output_dir={run_dir} already holds a run (it is not empty); "
+                              f"choose another directory{hint}")
+    if resume and not (run_dir / "config.yaml").exists():
+        raise FileNotFoundError(f"--resume {run_dir}: not a tether run directory (no config.yaml)")
     writer = RunWriter(run_dir)
-    dump_config(config, run_dir / "config.yaml")
+    if not resume:
+        dump_config(config, run_dir / "config.yaml")
 
     for w in config.placement.warnings:
         log.warning("tether: warning: %s", w)
     path = resolve_model_path(config.model.name)
     tokenizer = load_tokenizer(path)
+    check_prompt_lengths(tokenizer, train_prompts + heldout, config.rollout.max_prompt_tokens)
     lm = load_causal_lm(path)
     needs_reference = config.placement.needs_reference or config.train.algo == "dpo"
     reference = make_reference(lm) if needs_reference else None
     forwards = [0]
     if reference is not None:
-        reference.register_forward_pre_hook(lambda module, args: forwards.__setitem__(0, forwards[0] + 1))
+        # count on the trunk: every path (scoring, generation) runs it exactly once per forward
+        trunk = getattr(reference, reference.base_model_prefix)
+        trunk.register_forward_pre_hook(lambda module, args: forwards.__setitem__(0, forwards[0] + 1))
     freeze_lower_layers(lm, config.model.trainable_layers)
     policy = PolicyWithValue(lm)
     if reference is not None:

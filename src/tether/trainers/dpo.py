@@ -60,7 +60,8 @@ def read_pair_file(path: str | Path, tokenizer) -> tuple[list[str], list[Tensor]
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"dpo.pairs: {path}:{i} is not valid JSON ({e.msg})") from None
-        if not all(isinstance(obj.get(k), str) and obj.get(k) for k in ("prompt", "chosen", "rejected")):
+        if not isinstance(obj, dict) or not all(isinstance(obj.get(k), str) and obj.get(k)
+                                                for k in ("prompt", "chosen", "rejected")):
             raise ValueError(f'dpo.pairs: {path}:{i} needs non-empty "prompt", "chosen" and "rejected" strings')
         prompts.append(obj["prompt"])
         for text, out in ((obj["chosen"], chosen), (obj["rejected"], rejected)):
@@ -77,6 +78,8 @@ class DPOTrainer:
         self.run = run
         c = self.cfg = run.config
         self.params = [p for p in run.policy.lm.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("model.trainable_layers=0 leaves DPO nothing to train; raise it or leave it unset")
         self.optimizer = torch.optim.AdamW(self.params, lr=c.optim.lr, weight_decay=c.optim.weight_decay)
         self.generator = torch.Generator().manual_seed(c.train.seed)
         self.pairs = self.build_pairs()
@@ -105,11 +108,18 @@ class DPOTrainer:
         sampler = PromptSampler(run.train_prompts, c.train.seed + 1)
         prompts, chosen, rejected = [], [], []
         per_call = max(1, c.eval.batch_size // k)
+        tried = 0
         while len(prompts) < c.dpo.n_pairs:
+            if tried >= 4 * c.dpo.n_pairs + 64:
+                raise ValueError(
+                    f"dpo.pairs=sampled: only {len(prompts)} of {c.dpo.n_pairs} prompts gave candidates with "
+                    f"different scores after {tried} tries (ties are skipped); raise dpo.candidates or "
+                    "rollout.max_new_tokens, use a finer-grained reward.scorer, or give a pairs file")
+            tried += per_call
             batch = sampler.next_batch(per_call)
             ro = generate(run.reference, run.tokenizer, [p for p in batch for _ in range(k)],
                           c.rollout.max_new_tokens, c.rollout.temperature, c.rollout.max_prompt_tokens)
-            scores = torch.tensor(checked_scores(run.scorer, ro.responses, step=-1)).view(-1, k)
+            scores = torch.tensor(checked_scores(run.scorer, ro.responses, "DPO pair sampling")).view(-1, k)
             for g, prompt in enumerate(batch):
                 best, worst = int(scores[g].argmax()), int(scores[g].argmin())
                 if scores[g, best] == scores[g, worst]:
@@ -126,6 +136,15 @@ class DPOTrainer:
         ro = rollout_from_responses(self.run.tokenizer, prompts, responses, self.cfg.rollout.max_prompt_tokens)
         lp = score_logprobs(model, ro, self.cfg.rollout.temperature).logprobs
         return masked_sum(lp, ro.response_mask, dim=-1)  # (N,)
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "generator": self.generator.get_state(),
+                "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.generator.set_state(state["generator"])
+        self.position = state["position"]
 
     # ---- the step --------------------------------------------------------------------------
     def step(self, step: int) -> dict:

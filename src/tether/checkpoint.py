@@ -1,0 +1,102 @@
+"""Atomic checkpoints of a run, and resuming from them.
+
+Layout inside the run directory::
+
+    checkpoints/step-000010/   policy.safetensors, value_head.safetensors, trainer.pt, meta.json
+    checkpoints/LATEST         the name of the newest complete checkpoint
+
+A checkpoint is written to a temporary folder, which is renamed into place when complete, and only
+then is ``LATEST`` replaced (write to a temporary file, then ``os.replace``). A process killed at
+any moment therefore leaves ``LATEST`` naming a complete checkpoint (or no checkpoint at all);
+older checkpoints are deleted only after ``LATEST`` moved on.
+
+The reference model is never saved here: on resume it is rebuilt from its original source and
+its fingerprint compared with the one recorded when the run started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import torch
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_checkpoint(run_dir: Path, step: int, policy, trainer_state: dict, reference_fingerprint: str | None) -> Path:
+    """Write checkpoint ``step`` atomically and point ``LATEST`` at it; returns its folder.
+
+    Args:
+        run_dir: the run directory.
+        step: the last completed step.
+        policy: the :class:`tether.models.PolicyWithValue` (weights saved as safetensors).
+        trainer_state: optimizer, controller, RNG and data states (``torch.save``-able).
+        reference_fingerprint: recorded for the integrity check on resume.
+    """
+    from safetensors.torch import save_file
+
+    root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"step-{step:06d}"
+    tmp = root / f".{name}.tmp{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    lm_state = {k: v.detach().contiguous().clone() for k, v in policy.lm.state_dict().items()}
+    # tied weights share storage; safetensors refuses shared tensors, so each is cloned above
+    save_file(lm_state, str(tmp / "policy.safetensors"))
+    save_file({k: v.contiguous() for k, v in policy.value_head.state_dict().items()},
+              str(tmp / "value_head.safetensors"))
+    torch.save(trainer_state, tmp / "trainer.pt")
+    (tmp / "meta.json").write_text(json.dumps({"step": step, "reference_fingerprint": reference_fingerprint}))
+    final = root / name
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _atomic_write_text(root / "LATEST", name)
+    for old in root.iterdir():  # older complete checkpoints and stale temporaries
+        if old.name not in (name, "LATEST") and old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The folder ``LATEST`` names, or None when the run has no complete checkpoint."""
+    pointer = Path(run_dir) / "checkpoints" / "LATEST"
+    if not pointer.exists():
+        return None
+    path = pointer.parent / pointer.read_text().strip()
+    return path if (path / "meta.json").exists() else None
+
+
+def load_checkpoint(path: Path, policy) -> tuple[dict, dict]:
+    """Load policy weights into ``policy``; return (meta, trainer_state)."""
+    from safetensors.torch import load_file
+
+    lm_state = load_file(str(path / "policy.safetensors"))
+    missing, unexpected = policy.lm.load_state_dict(lm_state, strict=False)
+    if unexpected or [k for k in missing if "lm_head" not in k]:  # lm_head may be tied
+        raise RuntimeError(f"checkpoint {path} does not match the model: missing {missing[:3]}, "
+                           f"unexpected {unexpected[:3]}")
+    policy.value_head.load_state_dict(load_file(str(path / "value_head.safetensors")))
+    meta = json.loads((path / "meta.json").read_text())
+    return meta, torch.load(path / "trainer.pt", weights_only=False)
+
+
+def rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "python": random.getstate()}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])

@@ -1,0 +1,111 @@
+"""Guards found by trying to break tether: each test reproduces a way it once went wrong."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tether.cli import main
+from tether.config import ConfigError, dump_config, load_config
+from tether.leash import KLLeash
+from tether.kl import masked_mean
+
+from .test_cli import _tiny_args
+
+
+def test_partial_run_folder_is_refused(tiny_model_dir, prompt_file, tmp_path, capsys):
+    out = tmp_path / "r"
+    out.mkdir()
+    (out / "eval_reference.json").write_text("{}")  # left by a run that failed before step 0
+    assert main(_tiny_args(tiny_model_dir, prompt_file, out)) == 1
+    assert "not empty" in capsys.readouterr().err
+    assert (out / "eval_reference.json").read_text() == "{}"
+
+
+def test_dpo_with_only_ties_stops_with_a_reason(tiny_model_dir, prompt_file, tmp_path, capsys):
+    args = _tiny_args(tiny_model_dir, prompt_file, tmp_path / "d") + [
+        "train.algo=dpo", "dpo.n_pairs=4", "dpo.candidates=2", "reward.scorer=tests.conftest:constant_scorer"]
+    assert main(args) == 1
+    assert "dpo.candidates" in capsys.readouterr().err
+
+
+def test_model_generation_config_does_not_change_sampling(tiny_tokenizer, tiny_lm):
+    from tether.rollout import generate
+
+    tiny_lm.generation_config.suppress_tokens = list(range(10, len(tiny_tokenizer)))
+    tiny_lm.generation_config.top_k = 5
+    torch.manual_seed(0)
+    ro = generate(tiny_lm, tiny_tokenizer, ["the movie was"] * 8, 8, 1.0)
+    assert (ro.response_ids >= 10).any()  # plain softmax sampling, not the folder's settings
+
+
+def test_reference_forwards_are_counted(tiny_model_dir, prompt_file, tmp_path):
+    out = tmp_path / "c"
+    assert main(_tiny_args(tiny_model_dir, prompt_file, out)) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    counts = [r["kl/reference_forwards"] for r in rows]
+    assert counts[0] > 0 and counts == sorted(counts) and counts[-1] > counts[0]
+
+
+def test_eos_fraction_counts_responses_that_ended(tiny_tokenizer, tiny_lm):
+    from tether.rollout import generate
+
+    eos = tiny_tokenizer.eos_token_id
+    bias = torch.zeros(len(tiny_tokenizer))
+    bias[eos] = 6.0
+    tiny_lm.lm_head.register_forward_hook(lambda m, i, o: o + bias)
+    torch.manual_seed(1)
+    ro = generate(tiny_lm, tiny_tokenizer, ["the movie was"] * 8, 6, 1.0)
+    want = torch.tensor([bool((ids[m] == eos).any()) for ids, m in zip(ro.response_ids, ro.response_mask)])
+    assert torch.equal(ro.ended, want) and ro.ended.any()
+
+
+def test_scorer_that_raises_names_the_step(tiny_model_dir, prompt_file, tmp_path, capsys):
+    args = _tiny_args(tiny_model_dir, prompt_file, tmp_path / "s") + ["reward.scorer=tests.conftest:broken_scorer",
+                                                                   "eval.n_prompts=0"]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert "step 0" in err and "scorer failed" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("text", ["- 1\n- 2\n", "3\n"])
+def test_yaml_that_is_not_a_mapping(tmp_path, text):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(p, ["kl.kl_coef=0.1"])
+
+
+def test_text_fields_are_taken_verbatim():
+    c = load_config(None, ["model.name=007", "data.prompts=a: b.txt", "train.output_dir=null"])
+    assert c.model.name == "007" and c.data.prompts == "a: b.txt" and c.train.output_dir is None
+
+
+def test_saved_config_reloads_with_another_trainer(tmp_path):
+    path = tmp_path / "c.yaml"
+    dump_config(load_config(None, []), path)  # a PPO run's config.yaml
+    c = load_config(path, ["train.algo=grpo"])
+    assert c.rollout.group_size == 4 and c.kl.kl_in_loss and not c.kl.kl_in_reward
+
+
+def test_kl_in_the_loss_keeps_masked_nan_out_of_gradients():
+    lp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    ref = torch.tensor([[-1.5, float("nan")]])
+    mask = torch.tensor([[True, False]])
+    for est in ("k2", "k3+", "k3_is"):
+        lp.grad = None
+        KLLeash(False, True, est).loss(lp, ref, 0.1, mask, old_logprobs=lp.detach()).backward()
+        assert torch.isfinite(lp.grad).all() and lp.grad[0, 1] == 0, est
+
+
+def test_broadcast_mask_is_refused():
+    with pytest.raises(ValueError, match="shape"):
+        masked_mean(torch.ones(2, 3), torch.ones(3))
+
+
+def test_non_finite_config_values_are_refused():
+    for o in ("kl.kl_coef=inf", "optim.lr=nan", "rollout.temperature=.inf"):
+        with pytest.raises(ConfigError, match="finite"):
+            load_config(None, [o])
