@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
 
     overrides = list(args.overrides)
     if args.command == "frontier":  # short runs with periodic held-out evaluation, unless overridden
-        overrides = ["train.steps=12", "eval.every=3", "eval.n_prompts=0", *overrides]
+        overrides = ["train.steps=8", "eval.every=2", "eval.n_prompts=0", "train.checkpoint_every=0", *overrides]
     resume = getattr(args, "resume", None)
     if resume:
         from pathlib import Path

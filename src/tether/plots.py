@@ -27,7 +27,7 @@ def plot_training(history: list[dict], out: Path, kl_target: float | None = None
         ys = [r.get(key) for r in history]
         pts = [(s, y) for s, y in zip(steps, ys) if isinstance(y, (int, float))]
         if pts:
-            ax.plot(*zip(*pts), marker=".", lw=1)
+            ax.plot(*zip(*pts), marker=".", lw=1, label="training batch")
         if key == "objective/scores":
             for ekey, elabel in (("eval/proxy_score", "held-out proxy"), ("eval/gold_score", "held-out gold")):
                 ev = [(s, r[ekey]) for s, r in zip(steps, history) if isinstance(r.get(ekey), (int, float))]
@@ -59,15 +59,24 @@ def plot_score_vs_kl(history: list[dict], out: Path, evals: list[dict] | None = 
     if pts:
         kl, sc, st = zip(*pts)
         s = ax.scatter(kl, sc, c=st, cmap="viridis", s=18, label="training batches")
-        fig.colorbar(s, ax=ax, label="step")
+        fig.colorbar(s, ax=ax, label="step", pad=0.16)  # room for the gold axis
+    gold_ax = None
     for e in evals or []:
-        for key, color in (("proxy", "crimson"), ("gold", "goldenrod")):
-            if f"{key}_mean" in e and e["kl"] == e["kl"]:
-                ax.errorbar(e["kl"], e[f"{key}_mean"], yerr=e[f"{key}_se"], fmt="s", c=color, capsize=3)
-                ax.annotate(f"{e['name']} ({key}, held out)", (e["kl"], e[f"{key}_mean"]),
-                            textcoords="offset points", xytext=(5, 5), fontsize=8)
+        if e["kl"] != e["kl"]:  # no reference: no KL
+            continue
+        ax.errorbar(e["kl"], e["proxy_mean"], yerr=e["proxy_se"], fmt="s", c="crimson", capsize=3)
+        ax.annotate(f"{e['name']} (held out)", (e["kl"], e["proxy_mean"]), textcoords="offset points",
+                    xytext=(-10, 8), fontsize=8, color="crimson")
+        if "gold_mean" in e:  # the gold judge has its own scale: a second y axis
+            gold_ax = gold_ax or ax.twinx()
+            gold_ax.errorbar(e["kl"], e["gold_mean"], yerr=e["gold_se"], fmt="D", c="goldenrod", capsize=3)
+            gold_ax.annotate(f"{e['name']} (gold)", (e["kl"], e["gold_mean"]), textcoords="offset points",
+                             xytext=(-10, -14), fontsize=8, color="goldenrod")
+    if gold_ax is not None:
+        gold_ax.set_ylabel("gold score, held out (diamonds)", color="goldenrod")
+    ax.margins(x=0.15, y=0.1)
     ax.set_xlabel("KL(pi_theta || pi_ref), nats per sequence")
-    ax.set_ylabel("score")
+    ax.set_ylabel("proxy score (dots: training batches; squares: held out)")
     ax.set_title("score against KL")
     ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -114,7 +114,12 @@ def load_reward_model(path: str | Path | None = None, progress: bool = True) -> 
     if not (path / "head.safetensors").exists():
         if path != default_rm_dir():
             raise FileNotFoundError(f"no reward model at {path}; fit one with `tether reward fit --out {path}`")
-        fit_reward_model(path, progress=progress)
+        print(f"tether: fitting the gold judge (Bradley-Terry on MiniLM embeddings of 23,699 human-rated "
+              f"sentences) once, about 2 minutes; cached in {path}", flush=True)
+        report = fit_reward_model(path, progress=progress)
+        rm, vd = report["reward_model"], report["vader"]
+        print(f"tether: gold judge held-out pairwise accuracy {rm['pairwise_accuracy']:.3f} "
+              f"(VADER {vd['pairwise_accuracy']:.3f})", flush=True)
     return RewardModel.load(path)
 
 

@@ -28,7 +28,7 @@ from tether.kl import estimate_kl, kl_stats, masked_mean, sequence_kl
 from tether.leash import KLLeash
 from tether.rollout import Rollout, generate
 from tether.scorers import checked_scores
-from tether.trainers.common import Run, ScoredBatch, score_rollout
+from tether.trainers.common import Run, ScoredBatch, optimizer_step, score_rollout
 
 
 class Experience(NamedTuple):
@@ -132,6 +132,16 @@ class OnPolicyTrainer:
         raise NotImplementedError
 
     # ---- shared pieces ---------------------------------------------------------------------
+    def add_kl_loss(self, loss: Tensor, stats: dict, logprobs: Tensor, exp: Experience, idx: Tensor,
+                    mask: Tensor, kl_coef: float) -> Tensor:
+        """``loss + kl_coef * KL surrogate`` when the KL is placed in the loss (logged once)."""
+        ref = exp.ref_logprobs[idx] if exp.ref_logprobs is not None else None
+        kl_term = self.leash.loss(logprobs, ref, kl_coef, mask, exp.old_logprobs[idx])
+        if kl_term is None:
+            return loss
+        stats["policy/kl_loss"] = kl_term
+        return loss + kl_term
+
     def minibatch_indices(self) -> list[Tensor]:
         B, mb = self.cfg.rollout.batch_size, self.cfg.optim.minibatch_size
         return list(torch.randperm(B, generator=self.generator).split(mb))
@@ -144,13 +154,8 @@ class OnPolicyTrainer:
             for i, idx in enumerate(groups):
                 part = exp.rollout.select(idx)
                 loss, parts = self.minibatch_loss(exp, idx, part, kl_coef)
-                self.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.params, c.optim.max_grad_norm)
-                if not torch.isfinite(grad_norm):
-                    raise FloatingPointError(f"non-finite gradient norm {float(grad_norm)} in the {self.name} update")
-                self.optimizer.step()
-                parts["policy/grad_norm"] = grad_norm
+                parts["policy/grad_norm"] = optimizer_step(self.optimizer, self.params, loss,
+                                                           c.optim.max_grad_norm, self.name)
                 if epoch == 0 and i == 0 and "_ratio_dev" in parts:
                     # before any update the ratio must be exactly 1 (same inputs, same weights)
                     stats["policy/ratio_max_dev_first"] = [float(parts["_ratio_dev"])]

@@ -144,6 +144,24 @@ def build_run(config: Config, scorer: Scorer | None = None, resume: bool = False
                fingerprint(reference) if reference is not None else None, forwards)
 
 
+def optimizer_step(optimizer: torch.optim.Optimizer, params: list, loss: Tensor, max_grad_norm: float,
+                   name: str) -> Tensor:
+    """Backward, clip the global gradient norm, refuse a non-finite one, step; returns the norm.
+
+    Raises:
+        FloatingPointError: the gradient norm is NaN or inf (the step is not taken, so the
+            weights and the last checkpoint stay good).
+    """
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    if not torch.isfinite(grad_norm):
+        raise FloatingPointError(f"non-finite gradient norm {float(grad_norm)} in the {name} update "
+                                 f"(loss {float(loss.detach())}); stopping before the weights change")
+    optimizer.step()
+    return grad_norm
+
+
 @dataclass
 class ScoredBatch:
     """No-grad quantities of a rollout, each (B, R) float32."""

@@ -29,7 +29,7 @@ from tether.rollout import generate, rollout_from_responses, score_logprobs
 from tether.scorers import checked_scores
 from tether.shaping import shape_rewards
 from tether.trainers.base import Experience
-from tether.trainers.common import Run
+from tether.trainers.common import Run, optimizer_step
 
 
 class Pairs(NamedTuple):
@@ -165,12 +165,7 @@ class DPOTrainer:
                     self.sequence_logps(run.policy, prompts, [P.chosen[i] for i in rows]),
                     self.sequence_logps(run.policy, prompts, [P.rejected[i] for i in rows]),
                     P.ref_chosen[idx], P.ref_rejected[idx], c.dpo.beta)
-                self.optimizer.zero_grad(set_to_none=True)
-                out.loss.backward()
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.params, c.optim.max_grad_norm)
-                if not torch.isfinite(grad_norm):
-                    raise FloatingPointError(f"non-finite gradient norm {float(grad_norm)} in the DPO update")
-                self.optimizer.step()
+                grad_norm = optimizer_step(self.optimizer, self.params, out.loss, c.optim.max_grad_norm, "DPO")
                 for k, v in (("dpo/loss", out.loss), ("dpo/margin", out.margin), ("dpo/accuracy", out.accuracy),
                              ("dpo/chosen_reward", out.chosen_rewards.mean()),
                              ("dpo/rejected_reward", out.rejected_rewards.mean()), ("policy/grad_norm", grad_norm)):

@@ -38,16 +38,9 @@ class GroupTrainer(OnPolicyTrainer):
         c, mask = self.cfg, part.response_mask
         new = score_logprobs(self.run.policy, part, c.rollout.temperature)
         pl = ppo_policy_loss(new.logprobs, exp.old_logprobs[idx], exp.advantages[idx], mask, c.ppo.clip_eps)
-        loss = pl.loss
-        ref = exp.ref_logprobs[idx] if exp.ref_logprobs is not None else None
-        kl_term = self.leash.loss(new.logprobs, ref, kl_coef, mask, exp.old_logprobs[idx])
-        if kl_term is not None:
-            loss = loss + kl_term
         stats = {"policy/loss": pl.loss, "policy/clipfrac": pl.clipfrac, "policy/approx_kl": pl.approx_kl,
                  "_ratio_dev": torch.where(mask, (pl.ratio - 1).abs(), 0.0).max()}
-        if kl_term is not None:
-            stats["policy/kl_loss"] = kl_term
-        return loss, stats
+        return self.add_kl_loss(pl.loss, stats, new.logprobs, exp, idx, mask, kl_coef), stats
 
 
 class GRPOTrainer(GroupTrainer):

@@ -32,14 +32,8 @@ class PPOTrainer(OnPolicyTrainer):
         new = score_logprobs(self.run.policy, part, c.rollout.temperature, with_values=True)
         pl = ppo_policy_loss(new.logprobs, exp.old_logprobs[idx], exp.advantages[idx], mask, c.ppo.clip_eps)
         vl = clipped_value_loss(new.values, exp.values[idx], exp.returns[idx], mask, c.ppo.clip_eps_value)
-        loss = pl.loss + c.ppo.vf_coef * vl.loss
-        ref = exp.ref_logprobs[idx] if exp.ref_logprobs is not None else None
-        kl_term = self.leash.loss(new.logprobs, ref, kl_coef, mask, exp.old_logprobs[idx])
-        if kl_term is not None:
-            loss = loss + kl_term
         stats = {"policy/loss": pl.loss, "policy/clipfrac": pl.clipfrac, "policy/approx_kl": pl.approx_kl,
                  "value/loss": vl.loss, "value/clipfrac": vl.clipfrac,
                  "_ratio_dev": torch.where(mask, (pl.ratio - 1).abs(), 0.0).max()}
-        if kl_term is not None:
-            stats["policy/kl_loss"] = kl_term
+        loss = self.add_kl_loss(pl.loss + c.ppo.vf_coef * vl.loss, stats, new.logprobs, exp, idx, mask, kl_coef)
         return loss, stats
