@@ -141,3 +141,18 @@ def test_zero_beta_with_monitoring_still_logs_kl(tiny_model_dir, prompt_file, tm
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all("objective/kl" in r for r in rows)
     assert rows[-1]["kl/applied_in_loss"] == 0  # beta 0: nothing applied
+
+
+def test_dpo_from_a_pairs_file(tiny_model_dir, prompt_file, tmp_path):
+    """TRL's convention: one {"prompt", "chosen", "rejected"} object per line."""
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": f"the movie number {i} was", "chosen": "great and fun",
+                                         "rejected": "bad and dull"}) + "\n" for i in range(6)))
+    out = tmp_path / "dpo-file"
+    args = _tiny_args(tiny_model_dir, prompt_file, out) + [
+        "train.algo=dpo", f"dpo.pairs={pairs}", "dpo.kl_eval_prompts=4", "optim.epochs=3"]
+    assert main(args) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    # the same pair every step: the policy learns to prefer "chosen", so the margin grows
+    assert rows[-1]["dpo/margin"] > rows[0]["dpo/margin"]
+    assert rows[-1]["dpo/accuracy"] == 1.0
