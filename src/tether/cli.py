@@ -25,7 +25,8 @@ def _parser() -> argparse.ArgumentParser:
     fr.add_argument("--sweep", default="ppo:0.01,ppo:0.05,ppo:0.2,grpo:0.05",
                     help="comma-separated ALGO:KL_COEF runs (default ppo:0.01,ppo:0.05,ppo:0.2,grpo:0.05)")
     fr.add_argument("--bon", default="1,2,4,8,16", help="best-of-N values (default 1,2,4,8,16)")
-    fr.add_argument("--bon-prompts", type=int, default=48, help="held-out prompts for best-of-N")
+    fr.add_argument("--bon-prompts", type=int, default=None,
+                    help="held-out prompts for best-of-N (default eval.periodic_prompts, the RL runs' prompts)")
     fr.add_argument("overrides", nargs="*", help="section.field=value for every run")
     rp = sub.add_parser("report", help="write a self-contained HTML report of a run directory")
     rp.add_argument("run_dir")

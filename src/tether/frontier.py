@@ -97,7 +97,7 @@ def frontier(
     sweep: list[tuple[str, float]],
     ns: list[int],
     out: Path,
-    bon_prompts: int = 48,
+    bon_prompts: int | None = None,
 ) -> Path:
     """Run the sweep ``[(algo, kl_coef), ...]`` and best-of-N; write frontier.csv and frontier.png."""
     from tether.scorers import make_scorer
@@ -107,7 +107,8 @@ def frontier(
         raise ValueError("tether frontier plots a gold score: eval.judge cannot be none (default minilm-rm)")
     out.mkdir(parents=True, exist_ok=True)
     proxy, gold = make_scorer(base.reward.scorer), make_scorer(base.eval.judge)
-    points = best_of_n_points(base, proxy, gold, ns, bon_prompts)
+    # the same held-out prompts as the runs' periodic evaluations, so both share one baseline
+    points = best_of_n_points(base, proxy, gold, ns, bon_prompts or base.eval.periodic_prompts)
     ref_proxy, ref_gold = points[0]["proxy"], points[0]["gold"]  # N = 1 is the reference
     for algo, beta in sweep:
         label = f"{algo} beta={beta:g}"
