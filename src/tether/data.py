@@ -81,7 +81,8 @@ def read_ground_truth(path: Path) -> list[Rated]:
     return rows
 
 
-def _is_heldout(text: str, heldout_fraction: float) -> bool:
+def is_heldout(text: str, heldout_fraction: float) -> bool:
+    """True for a fixed ``heldout_fraction`` of texts, chosen by a SHA-256 hash of the text."""
     # A hash of the whole snippet decides its split, so the split never depends on the seed,
     # on file order or on the prefix length drawn: a held-out prompt is never trained on.
     h = int(hashlib.sha256(text.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
@@ -103,7 +104,7 @@ def movie_prompts(
         words = r.text.replace("''", '"').split()
         n = rng.randint(min_words, max_words)
         prompt = " ".join(words[:n])
-        (heldout if _is_heldout(r.text, heldout_fraction) else train).append(prompt)
+        (heldout if is_heldout(r.text, heldout_fraction) else train).append(prompt)
     held = list(dict.fromkeys(heldout))
     held_set = set(held)
     train = [p for p in dict.fromkeys(train) if p not in held_set]
@@ -141,8 +142,8 @@ def read_prompt_file(path: str | Path) -> list[str]:
 
 def split_prompts(prompts: list[str], heldout_fraction: float) -> tuple[list[str], list[str]]:
     """Hash-based (train, heldout) split of a user's prompts, stable across runs and seeds."""
-    held = [p for p in prompts if _is_heldout(p, heldout_fraction)]
-    train = [p for p in prompts if not _is_heldout(p, heldout_fraction)]
+    held = [p for p in prompts if is_heldout(p, heldout_fraction)]
+    train = [p for p in prompts if not is_heldout(p, heldout_fraction)]
     if not train:
         raise ValueError("data.prompts: no training prompts left after the held-out split; "
                          "lower data.heldout_fraction")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from tether.data import icwsm_file, read_ground_truth
+from tether.data import icwsm_file, is_heldout, read_ground_truth
 from tether.models import cache_dir
 
 ICWSM_FILES = (
@@ -123,10 +123,6 @@ def load_reward_model(path: str | Path | None = None, progress: bool = True) -> 
     return RewardModel.load(path)
 
 
-def _heldout(text: str, fraction: float) -> bool:
-    return int(hashlib.sha256(text.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF < fraction
-
-
 def rated_sentences() -> list[tuple[str, float]]:
     rows = []
     icwsm_file()  # downloads and extracts the archive once
@@ -205,8 +201,8 @@ def fit_reward_model(
         rows = random.Random(seed).sample(rows, min(max_sentences, len(rows)))
     texts, ratings = [t for t, _ in rows], [r for _, r in rows]
     emb = embeddings_cached(texts, progress)  # (N, 384)
-    test_idx = [i for i, t in enumerate(texts) if _heldout(t, heldout_fraction)]
-    train_idx = [i for i, t in enumerate(texts) if not _heldout(t, heldout_fraction)]
+    test_idx = [i for i, t in enumerate(texts) if is_heldout(t, heldout_fraction)]
+    train_idx = [i for i, t in enumerate(texts) if not is_heldout(t, heldout_fraction)]
     train_pairs = preference_pairs(ratings, train_idx, min_gap, n_pairs, rng)
     test_pairs = preference_pairs(ratings, test_idx, min_gap, 20_000, rng)
 
