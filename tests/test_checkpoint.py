@@ -104,3 +104,10 @@ def test_resume_without_checkpoint_is_a_clear_error(tiny_model_dir, prompt_file,
     assert main(_args(tiny_model_dir, prompt_file, out, steps=1) + ["train.checkpoint_every=0"]) == 0
     assert main(["train", "--resume", str(out)]) == 1
     assert "no complete checkpoint" in capsys.readouterr().err
+
+
+def test_resume_of_a_folder_that_is_not_a_run(tmp_path, capsys):
+    from tether.cli import main
+
+    assert main(["train", "--resume", str(tmp_path / "nothing")]) == 1
+    assert "not a tether run directory" in capsys.readouterr().err

@@ -69,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
             print("tether: config error: --resume uses RUN_DIR/config.yaml; drop --config", file=sys.stderr)
             return 2
         args.config = str(Path(resume) / "config.yaml")
+        if not Path(args.config).is_file():
+            print(f"tether: error: --resume {resume}: not a tether run directory (no config.yaml)", file=sys.stderr)
+            return 1
         overrides.append(f"train.output_dir={resume}")
     try:
         config = load_config(args.config, overrides)
