@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from tether.kl import K3_LOG_RATIO_CLAMP, masked_mean
+from tether.placement import LOSS_ESTIMATOR_OK
 
 
 class PolicyLoss(NamedTuple):
@@ -113,14 +114,8 @@ def clipped_value_loss(
 # the reverse KL(pi_theta || pi_ref). Tang & Munos 2025, "On a few pitfalls in KL divergence
 # gradient estimation for RL", arXiv 2506.09477; Schulman 2020. Exact checks by enumeration are
 # in tests/test_kl_placement.py and the table in docs/kl.md.
+# Which of them are allowed, and why the others are refused: tether.placement.
 KLLossEstimator = Literal["k2", "k3+", "k3_is", "k1", "k3"]
-ALLOWED_LOSS_ESTIMATORS = ("k2", "k3+", "k3_is")
-REFUSED_LOSS_ESTIMATORS = {
-    "k1": "k1 as a loss has expected gradient 0 on-policy (E[grad log pi] = 0): the leash does "
-          "nothing (Tang & Munos 2025, arXiv 2506.09477)",
-    "k3": "k3 as a loss differentiates to the gradient of the forward KL(pi_ref || pi_theta), "
-          "not the reverse KL the objective names (Tang & Munos 2025, arXiv 2506.09477)",
-}
 
 
 def kl_loss_terms(
@@ -167,7 +162,7 @@ def kl_loss_terms(
         return log_ratio
     if estimator == "k3":
         return k3
-    raise ValueError(f"unknown kl.loss_estimator {estimator!r}; choose one of {list(ALLOWED_LOSS_ESTIMATORS)}")
+    raise ValueError(f"unknown kl.loss_estimator {estimator!r}; choose one of {list(LOSS_ESTIMATOR_OK)}")
 
 
 class DPOLoss(NamedTuple):

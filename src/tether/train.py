@@ -15,6 +15,7 @@ from tether.checkpoint import latest_checkpoint, load_checkpoint, rng_state, sav
 from tether.config import Config
 from tether.evaluation import EvalResult, compare, evaluate
 from tether.health import Alarm, HealthMonitor
+from tether.kl import masked_sum, sequence_kl
 from tether.models import fingerprint
 from tether.metrics import sample_table
 from tether.plots import plot_score_vs_kl, plot_training
@@ -247,8 +248,8 @@ def _tensorboard(run_dir: Path):
 def sample_rows(exp) -> list[dict]:
     """One dict per sample: prompt, response, score, kl (nats/seq), reward (score - beta KL)."""
     mask = exp.rollout.response_mask
-    kl_seq = torch.where(mask, exp.kl, 0.0).sum(-1) if exp.kl is not None else torch.zeros(len(mask))
-    rew_seq = torch.where(mask, exp.rewards, 0.0).sum(-1)
+    kl_seq = sequence_kl(exp.kl, mask) if exp.kl is not None else torch.zeros(len(mask))
+    rew_seq = masked_sum(exp.rewards, mask, dim=-1)
     return [
         {"prompt": p, "response": r, "score": float(s), "kl": float(k), "reward": float(rw)}
         for p, r, s, k, rw in zip(exp.rollout.prompts, exp.rollout.responses, exp.scores, kl_seq, rew_seq)

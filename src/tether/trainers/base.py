@@ -165,33 +165,53 @@ class OnPolicyTrainer:
         return {k: sum(v) / len(v) for k, v in stats.items()}
 
     def metrics(self, step: int, exp: Experience, scored: ScoredBatch, update: dict, kl_coef: float) -> dict:
-        mask = exp.rollout.response_mask
-        # the objective's two terms per sequence, whatever the placement: J = score - beta * KL
-        non_score = (-kl_coef * sequence_kl(exp.kl, mask) if exp.kl is not None
-                     else torch.zeros_like(exp.scores))  # (B,)
         row = {
             "step": step,
             "samples": (step + 1) * self.cfg.rollout.batch_size,
-            "objective/kl_coef": kl_coef,
-            "objective/scores": exp.scores.mean(),
-            "objective/scores_std": exp.scores.std() if len(exp.scores) > 1 else 0.0,
-            "objective/non_score_reward": non_score.mean(),
-            "objective/rlhf_reward": (exp.scores + non_score).mean(),
-            "objective/entropy": masked_mean(scored.entropy, mask),
-            "response/length": mask.sum(-1).float().mean(),
-            "response/eos_fraction": exp.rollout.ended.float().mean(),
+            **sample_metrics(exp.rollout, exp.scores, exp.kl, scored.entropy, scored.exact_kl, kl_coef,
+                             self.cfg.kl.estimator),
             "kl/applied_in_reward": self.leash.counts["reward"],
             "kl/applied_in_loss": self.leash.counts["loss"],
             "kl/reference_forwards": self.run.reference_forwards[0],
         }
-        if exp.kl is not None:
-            kls = kl_stats(exp.kl, mask)
-            row["objective/kl"] = kls["kl_per_sequence"]
-            row["objective/kl_per_token"] = kls["kl_per_token"]
-            if self.cfg.kl.estimator == "k1":
-                row["objective/k1_negative_fraction"] = masked_mean((exp.kl < 0).float(), mask)
-        if scored.exact_kl is not None:
-            row["objective/kl_exact"] = sequence_kl(scored.exact_kl, mask).mean()
-            row["objective/kl_exact_per_token"] = masked_mean(scored.exact_kl, mask)
         row.update(update)
         return row
+
+
+def sample_metrics(rollout: Rollout, scores: Tensor, kl: Tensor | None, entropy: Tensor,
+                   exact_kl: Tensor | None, kl_coef: float, estimator: str) -> dict:
+    """The ``objective/*`` and ``response/*`` metrics of a batch of the policy's samples.
+
+    Args:
+        rollout: the samples; its ``response_mask`` (B, T) masks every per-token value.
+        scores: (B,) scorer values.
+        kl: (B, T) per-token KL estimate (nats), or None without a reference.
+        entropy: (B, T) policy entropy, nats.
+        exact_kl: (B, T) exact per-token KL, or None.
+        kl_coef: beta of this step.
+        estimator: name of the estimator behind ``kl``.
+    """
+    mask = rollout.response_mask
+    # the objective's two terms per sequence, whatever the placement: J = score - beta * KL
+    non_score = -kl_coef * sequence_kl(kl, mask) if kl is not None else torch.zeros_like(scores)  # (B,)
+    row = {
+        "objective/kl_coef": kl_coef,
+        "objective/scores": scores.mean(),
+        "objective/scores_std": scores.std() if len(scores) > 1 else 0.0,
+        "objective/non_score_reward": non_score.mean(),
+        "objective/rlhf_reward": (scores + non_score).mean(),
+        "objective/entropy": masked_mean(entropy, mask),
+        "response/length": mask.sum(-1).float().mean(),
+    }
+    if rollout.ended is not None:
+        row["response/eos_fraction"] = rollout.ended.float().mean()
+    if kl is not None:
+        kls = kl_stats(kl, mask)
+        row["objective/kl"] = kls["kl_per_sequence"]
+        row["objective/kl_per_token"] = kls["kl_per_token"]
+        if estimator == "k1":
+            row["objective/k1_negative_fraction"] = masked_mean((kl < 0).float(), mask)
+    if exact_kl is not None:
+        row["objective/kl_exact"] = sequence_kl(exact_kl, mask).mean()
+        row["objective/kl_exact_per_token"] = masked_mean(exact_kl, mask)
+    return row

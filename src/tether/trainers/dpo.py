@@ -23,12 +23,12 @@ import torch
 from torch import Tensor
 
 from tether.data import PromptSampler
-from tether.kl import estimate_kl, exact_kl_from_logits, kl_stats, masked_mean, masked_sum, sequence_kl
+from tether.kl import estimate_kl, exact_kl_from_logits, masked_sum
 from tether.losses import dpo_loss
 from tether.rollout import generate, rollout_from_responses, score_logprobs
 from tether.scorers import checked_scores
 from tether.shaping import shape_rewards
-from tether.trainers.base import Experience
+from tether.trainers.base import Experience, sample_metrics
 from tether.trainers.common import Run, optimizer_step
 
 
@@ -195,17 +195,10 @@ class DPOTrainer:
         mask = ro.response_mask
         kl = estimate_kl(pol.logprobs, ref.logprobs, c.kl.estimator)
         scores = torch.tensor(checked_scores(run.scorer, ro.responses, step))
-        kls = kl_stats(kl, mask)
         shaped = shape_rewards(scores, kl, c.dpo.beta, mask)
         self.last_experience = Experience(ro, scores, pol.logprobs, ref.logprobs, None, kl, shaped.rewards,
                                           shaped.non_score_reward, torch.zeros_like(kl), None, [])
-        non_score = -c.dpo.beta * sequence_kl(kl, mask)
-        row = {"objective/kl": kls["kl_per_sequence"], "objective/kl_per_token": kls["kl_per_token"],
-               "objective/scores": scores.mean(), "objective/non_score_reward": non_score.mean(),
-               "objective/rlhf_reward": (scores + non_score).mean(),
-               "objective/entropy": masked_mean(pol.entropy, mask),
-               "response/length": mask.sum(-1).float().mean()}
-        if c.kl.exact:
-            exact = exact_kl_from_logits(pol.logits, ref.logits, c.rollout.temperature, c.kl.exact_chunk_size)
-            row["objective/kl_exact"] = sequence_kl(exact, mask).mean()
-        return row
+        exact = (exact_kl_from_logits(pol.logits, ref.logits, c.rollout.temperature, c.kl.exact_chunk_size)
+                 if c.kl.exact else None)
+        # beta is DPO's leash; the row's objective/kl_coef is set by the caller to the same beta
+        return sample_metrics(ro, scores, kl, pol.entropy, exact, c.dpo.beta, c.kl.estimator)
