@@ -48,10 +48,16 @@ def main() -> int:
         a1.plot(steps, [r["objective/kl_exact"] for r in rows], ":", label=f"{name}: exact KL")
         a2.plot(steps, [r["objective/kl_coef"] for r in rows], "-o", ms=3, label=name)
         half = rows[len(rows) // 2 :]
-        mean_kl = sum(r["objective/kl"] for r in half) / len(half)
+        kls = [r["objective/kl"] for r in half]
+        mean_kl = sum(kls) / len(kls)
+        se = (sum((k - mean_kl) ** 2 for k in kls) / (len(kls) - 1) / len(kls)) ** 0.5
         mean_exact = sum(r["objective/kl_exact"] for r in half) / len(half)
-        print(f"{name:>8}: last-half mean measured KL {mean_kl:.3f} nats/seq (exact {mean_exact:.3f}), "
-              f"target {args.kl}: {100 * (mean_kl / args.kl - 1):+.1f}%; final beta {rows[-1]['objective/kl_coef']:.4f}")
+        within = sum(abs(k / args.kl - 1) <= 0.10 for k in kls)
+        print(f"{name:>8}: steps {half[0]['step']}-{half[-1]['step']}: mean measured KL {mean_kl:.3f} +- {se:.3f} "
+              f"nats/seq (exact {mean_exact:.3f}), target {args.kl}: {100 * (mean_kl / args.kl - 1):+.1f}% "
+              f"(exact {100 * (mean_exact / args.kl - 1):+.1f}%); {within}/{len(kls)} single steps within 10%; "
+              f"beta {min(r['objective/kl_coef'] for r in half):.4f}..{max(r['objective/kl_coef'] for r in half):.4f}, "
+              f"final {rows[-1]['objective/kl_coef']:.4f}")
     a1.axhline(args.kl, ls="--", c="gray", label="budget = target")
     a1.set(xlabel="step", ylabel="KL, nats per sequence", title="KL against step")
     a2.set(xlabel="step", ylabel="kl_coef (beta)", title="beta against step")

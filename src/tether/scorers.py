@@ -94,6 +94,10 @@ def make_scorer(spec: str | Scorer) -> Scorer:
     )
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+"""Largest finite float32: scores beyond it would become inf in the reward tensors."""
+
+
 def checked_scores(scorer: Scorer, texts: list[str], step: int | str) -> list[float]:
     """Call ``scorer`` and validate its output: one finite float per text.
 
@@ -101,7 +105,8 @@ def checked_scores(scorer: Scorer, texts: list[str], step: int | str) -> list[fl
     such as ``"held-out evaluation"``.
 
     Raises:
-        ValueError: wrong count, or a NaN/inf score; the message names the step and the texts.
+        ValueError: wrong count, a NaN/inf score, or one beyond float32's range; the message names
+            the step and the texts.
     """
     where = f"step {step}" if isinstance(step, int) else step
     try:
@@ -116,4 +121,10 @@ def checked_scores(scorer: Scorer, texts: list[str], step: int | str) -> list[fl
     if bad:
         shown = "; ".join(f"{s} for {t[:60]!r}" for t, s in bad[:3])
         raise ValueError(f"{where}: the scorer returned non-finite scores: {shown}")
+    # rewards are float32 tensors: a finite Python float above float32's max would become inf there
+    big = [(t, s) for t, s in zip(texts, scores) if abs(s) > FLOAT32_MAX]
+    if big:
+        shown = "; ".join(f"{s} for {t[:60]!r}" for t, s in big[:3])
+        raise ValueError(f"{where}: the scorer returned scores beyond float32's range (+-{FLOAT32_MAX:.4g}), "
+                         f"which would be inf as rewards: {shown}")
     return scores

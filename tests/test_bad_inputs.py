@@ -1,0 +1,165 @@
+"""Every bad input the CLI refuses, as a table: the input, the exit code, and the words the error
+must contain (the field or line, the value, the fix). Config errors exit 2 before anything loads;
+errors found while running exit 1. Run with ``-s`` to print the table as markdown.
+
+The scorer cases fail at step 2, after the checkpoint of step 1: that checkpoint must still load,
+and the rows already written to metrics.jsonl must stay.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tether.checkpoint import latest_checkpoint
+from tether.cli import main
+
+_CALLS = {"n": 0}
+
+
+def _scorer_failing_late(bad):
+    """A scorer that is fine for the first 3 calls (steps 0 and 1 of a 4-prompt run, and the
+    held-out evaluation is off), then returns ``bad(texts)``."""
+
+    def score(texts):
+        _CALLS["n"] += 1
+        return [float(len(t)) for t in texts] if _CALLS["n"] <= 2 else bad(texts)
+
+    return score
+
+
+wrong_count = _scorer_failing_late(lambda t: [1.0] * (len(t) - 1))
+nan_score = _scorer_failing_late(lambda t: [float("nan")] + [1.0] * (len(t) - 1))
+inf_score = _scorer_failing_late(lambda t: [float("inf")] * len(t))
+huge_score = _scorer_failing_late(lambda t: [1e39] * len(t))  # finite in Python, inf in float32
+text_score = _scorer_failing_late(lambda t: ["good"] * len(t))
+
+
+def _base(tiny_model_dir, prompts, out):
+    return ["train", f"model.name={tiny_model_dir}", f"data.prompts={prompts}", "data.heldout_fraction=0.2",
+            "rollout.batch_size=4", "rollout.max_new_tokens=6", "optim.minibatch_size=2", "train.steps=4",
+            "train.checkpoint_every=1", "eval.n_prompts=0", "eval.every=0", "eval.judge=tests.conftest:length_judge",
+            "train.progress=false",
+            "train.save_model=false", f"train.output_dir={out}"]
+
+
+# (case, overrides, exit code, substrings of the error)
+CONFIG_CASES = [
+    ("negative kl_coef", ["kl.kl_coef=-0.1"], 2, ["kl.kl_coef=-0.1", ">= 0"]),
+    ("KL target <= 0", ["kl.target=0"], 2, ["kl.target=0.0", "> 0"]),
+    ("KL budget <= 0", ["kl.controller=budget", "kl.budget=-1"], 2, ["kl.budget"]),
+    ("temperature <= 0", ["rollout.temperature=0"], 2, ["rollout.temperature"]),
+    ("unknown estimator", ["kl.estimator=k9"], 2, ["kl.estimator='k9'", "k1"]),
+    ("unknown trainer", ["train.algo=a2c"], 2, ["train.algo='a2c'", "ppo"]),
+    ("unknown controller", ["kl.controller=pid"], 2, ["kl.controller='pid'", "budget"]),
+    ("batch not divisible by group size", ["train.algo=grpo", "rollout.batch_size=6", "rollout.group_size=4"], 2,
+     ["rollout.batch_size=6", "rollout.group_size=4"]),
+    ("minibatch not dividing the batch", ["optim.minibatch_size=3"], 2, ["optim.minibatch_size=3", "divide"]),
+    ("NaN learning rate", ["optim.lr=nan"], 2, ["optim.lr", "finite"]),
+    ("misspelled key", ["kl.kl_coeff=0.1"], 2, ["kl.kl_coeff", "kl_coef"]),
+    ("KL in reward and loss", ["kl.kl_in_reward=true", "kl.kl_in_loss=true"], 2,
+     ["counted twice", "kl.allow_double_kl"]),
+    ("k3 in the reward (biased)", ["kl.estimator=k3"], 2, ["kl.estimator='k3'", "kl.allow_biased_estimator"]),
+    ("k1 in the loss (biased)", ["train.algo=grpo", "rollout.group_size=2", "kl.loss_estimator=k1"], 2,
+     ["kl.loss_estimator='k1'", "allow_biased_estimator"]),
+    ("held-out fraction >= 1", ["data.heldout_fraction=1.5"], 2, ["data.heldout_fraction=1.5"]),
+    ("zero response length", ["rollout.max_new_tokens=0"], 2, ["rollout.max_new_tokens=0", ">= 1"]),
+    ("negative LoRA rank", ["model.lora_r=-1"], 2, ["model.lora_r=-1"]),
+    ("override without a section", ["kl_coef=0.1"], 2, ["kl_coef"]),
+]
+
+
+@pytest.mark.parametrize("case,overrides,code,words", CONFIG_CASES, ids=[c[0] for c in CONFIG_CASES])
+def test_config_errors(case, overrides, code, words, tiny_model_dir, prompt_file, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(_base(tiny_model_dir, prompt_file, out) + overrides) == code
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    print(f"\n| {case} | `{' '.join(overrides)}` | {code} | {err} |")
+    for w in words:
+        assert w in err, (w, err)
+    assert not out.exists()  # refused before anything was written
+
+
+def _prompt_files(tmp_path: Path) -> dict[str, tuple[Path, list[str]]]:
+    files = {}
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    files["empty prompt file"] = (empty, ["empty.txt", "no prompts"])
+    bad_json = tmp_path / "p.jsonl"
+    bad_json.write_text('{"prompt": "fine"}\n{not json}\n')
+    files["malformed JSONL"] = (bad_json, ["p.jsonl:2", "not valid JSON"])
+    no_key = tmp_path / "q.jsonl"
+    no_key.write_text('{"prompt": "fine"}\n{"text": "no prompt key"}\n')
+    files["JSONL line without a prompt"] = (no_key, ["q.jsonl:2", '"prompt"'])
+    long = tmp_path / "long.txt"
+    long.write_text("\n".join([f"short prompt {i}" for i in range(20)] + ["word " * 400]) + "\n")
+    files["prompt longer than the context"] = (long, ["rollout.max_prompt_tokens"])
+    files["missing prompt file"] = (tmp_path / "nope.txt", ["data.prompts", "nope.txt"])
+    return files
+
+
+@pytest.mark.parametrize("case", ["empty prompt file", "malformed JSONL", "JSONL line without a prompt",
+                                  "prompt longer than the context", "missing prompt file"])
+def test_prompt_file_errors(case, tiny_model_dir, tmp_path, capsys):
+    path, words = _prompt_files(tmp_path)[case]
+    out = tmp_path / "run"
+    assert main(_base(tiny_model_dir, path, out) + ["data.heldout_fraction=0.05"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    print(f"\n| {case} | `data.prompts={path.name}` | 1 | {err} |")
+    for w in words:
+        assert w in err, (w, err)
+
+
+SCORER_CASES = [
+    ("scorer returns the wrong count", "wrong_count", ["step 2", "3 scores for 4 texts"]),
+    ("scorer returns NaN", "nan_score", ["step 2", "non-finite", "nan for"]),
+    ("scorer returns inf", "inf_score", ["step 2", "non-finite", "inf for"]),
+    ("scorer returns 1e39 (inf in float32)", "huge_score", ["step 2", "float32"]),
+    ("scorer returns text", "text_score", ["step 2", "scorer failed", "one float per text"]),
+]
+
+
+@pytest.mark.parametrize("case,fn,words", SCORER_CASES, ids=[c[0] for c in SCORER_CASES])
+def test_scorer_errors_keep_the_last_checkpoint(case, fn, words, tiny_model_dir, prompt_file, tmp_path, capsys):
+    _CALLS["n"] = 0
+    out = tmp_path / "run"
+    assert main(_base(tiny_model_dir, prompt_file, out) + [f"reward.scorer=tests.test_bad_inputs:{fn}"]) == 1
+    err = capsys.readouterr().err
+    line = next(line for line in err.splitlines() if "step 2" in line)
+    print(f"\n| {case} | `reward.scorer=...:{fn}` | 1 | {line.strip()} |")
+    for w in words:
+        assert w in err, (w, err)
+    assert "Traceback" not in err
+    ckpt = latest_checkpoint(out)
+    assert ckpt is not None and ckpt.name == "step-000001"  # steps 0 and 1 were checkpointed
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]  # nothing already written is lost
+    # and the run resumes from it (with a good scorer): steps 2 and 3 are appended
+    assert main(["train", "--resume", str(out), "reward.scorer=tests.conftest:length_judge"]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+
+
+def test_run_directory_errors(tiny_model_dir, prompt_file, tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 0}\n')
+    assert main(_base(tiny_model_dir, prompt_file, out)) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    print(f"\n| output folder holds a run | `train.output_dir=run` | 1 | {err} |")
+    assert "already holds a run" in err
+    assert (out / "metrics.jsonl").read_text() == '{"step": 0}\n'
+    assert main(["train", "--resume", str(tmp_path / "nothing")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    print(f"| resume of a folder that is not a run | `--resume nothing` | 1 | {err} |")
+    assert "not a tether run directory" in err
+    assert main(_base("/nonexistent-model", prompt_file, tmp_path / "m")) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    print(f"| model folder that does not exist | `model.name=/nonexistent-model` | 1 | {err} |")
+    assert "model.name" in err and "/nonexistent-model" in err
+    assert main(_base(tiny_model_dir, prompt_file, tmp_path / "s") + ["reward.scorer=nonsense"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    print(f"| unknown scorer | `reward.scorer=nonsense` | 1 | {err} |")
+    assert "nonsense" in err and "module:function" in err
