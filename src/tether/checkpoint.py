@@ -3,6 +3,9 @@
 Layout inside the run directory::
 
     checkpoints/step-000010/   policy.safetensors, value_head.safetensors, trainer.pt, meta.json
+
+``policy.safetensors`` holds the LM's tensors, or for a LoRA run (``model.lora_r`` or
+``model.adapter``) only the trainable adapter's: the frozen base is never saved here.
     checkpoints/LATEST         the name of the newest complete checkpoint
 
 A checkpoint is written to a temporary folder, which is renamed into place when complete, and only
@@ -52,7 +55,8 @@ def save_checkpoint(run_dir: Path, step: int, policy, trainer_state: dict, refer
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    lm_state = {k: v.detach().contiguous().clone() for k, v in policy.lm.state_dict().items()}
+    # a LoRA policy saves its adapter only; the frozen base is rebuilt and fingerprinted on resume
+    lm_state = {k: v.detach().contiguous().clone() for k, v in policy.lm_checkpoint_state().items()}
     # tied weights share storage; safetensors refuses shared tensors, so each is cloned above
     save_file(lm_state, str(tmp / "policy.safetensors"))
     save_file({k: v.contiguous() for k, v in policy.value_head.state_dict().items()},
@@ -84,8 +88,10 @@ def load_checkpoint(path: Path, policy) -> tuple[dict, dict]:
     from safetensors.torch import load_file
 
     lm_state = load_file(str(path / "policy.safetensors"))
+    expected = set(policy.lm_checkpoint_state())
     missing, unexpected = policy.lm.load_state_dict(lm_state, strict=False)
-    if unexpected or [k for k in missing if "lm_head" not in k]:  # lm_head may be tied
+    missing = [k for k in missing if k in expected]  # a LoRA checkpoint holds the adapter only
+    if unexpected or [k for k in missing if "lm_head" not in k or ".lora_" in k]:  # lm_head may be tied
         raise RuntimeError(f"checkpoint {path} does not match the model: missing {missing[:3]}, "
                            f"unexpected {unexpected[:3]}")
     policy.value_head.load_state_dict(load_file(str(path / "value_head.safetensors")))

@@ -23,6 +23,8 @@ from tether.kl import KLEstimator
 
 
 ALGOS = ("ppo", "grpo", "rloo", "dpo")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""Default ``model.lora_target_modules``: every attention and MLP projection of a Llama block."""
 
 
 class ConfigError(ValueError):
@@ -42,10 +44,41 @@ class ModelConfig:
     trainable_layers: int | None = None
     """Train only the last N transformer blocks (plus final norm and value head); None = all.
     The reference is always the full frozen starting model."""
+    lora_r: int = 0
+    """LoRA rank (peft): train rank-r adapters on ``lora_target_modules`` (plus the value head)
+    and keep the base weights frozen; 0 = full fine-tune. The reference is then the same base
+    model with the adapters disabled, not a second copy. LoRA dropout is always 0."""
+    lora_alpha: float = 16.0
+    """LoRA scaling numerator: the adapter adds ``(lora_alpha / lora_r) * B @ A`` to a weight."""
+    lora_target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    """Module names (peft ``target_modules``) that get adapters; default the attention and MLP
+    projections of Llama-style blocks (SmolLM2)."""
+    adapter: str | None = None
+    """Folder of a trained peft LoRA adapter (``save_pretrained``) to start from; implies LoRA,
+    with rank, alpha and target modules from its adapter_config.json (lora_r must stay 0). The
+    policy trains a copy of it; the reference is base + this adapter, frozen."""
 
     def __post_init__(self) -> None:
         _check(self.trainable_layers is None or self.trainable_layers >= 0,
                "model.trainable_layers", self.trainable_layers, "must be >= 0 or null (all)")
+        _check(self.lora_r >= 0, "model.lora_r", self.lora_r, "must be >= 0 (0 = full fine-tune)")
+        _check(self.lora_alpha > 0, "model.lora_alpha", self.lora_alpha, "must be > 0")
+        if isinstance(self.lora_target_modules, str):  # lora_target_modules=q_proj,v_proj on the CLI
+            self.lora_target_modules = [m.strip() for m in self.lora_target_modules.split(",")]
+        _check(isinstance(self.lora_target_modules, list) and len(self.lora_target_modules) > 0
+               and all(isinstance(m, str) and m for m in self.lora_target_modules),
+               "model.lora_target_modules", self.lora_target_modules,
+               "must be a non-empty list of module names, e.g. [q_proj, v_proj]")
+        _check(self.adapter is None or self.lora_r == 0, "model.lora_r", self.lora_r,
+               f"must be 0 with model.adapter={self.adapter!r}: the adapter's own adapter_config.json "
+               "sets the rank")
+        _check(self.trainable_layers is None or not self.lora, "model.trainable_layers", self.trainable_layers,
+               "must be null with LoRA (model.lora_r > 0 or model.adapter): LoRA already freezes the base")
+
+    @property
+    def lora(self) -> bool:
+        """True when the policy trains LoRA adapters (``lora_r > 0`` or a starting ``adapter``)."""
+        return self.lora_r > 0 or self.adapter is not None
 
 
 @dataclass
@@ -500,3 +533,29 @@ def dump_config(config: Config, path: Path) -> None:
 
 def config_json(config: Config) -> str:
     return json.dumps(config.to_dict(), sort_keys=True)
+
+
+def check_world_size(config: Config, world: int) -> None:
+    """Refuse a config whose global batch cannot be split evenly over ``world`` processes.
+
+    ``rollout.batch_size`` and ``optim.minibatch_size`` are global; each process takes a
+    contiguous shard of the step's prompts and ``minibatch_size / world`` rows of every
+    minibatch, and a GRPO/RLOO group (``rollout.group_size`` consecutive rows) is never split
+    over two processes. See docs/distributed.md.
+
+    Raises:
+        ConfigError: naming the field and the fix.
+    """
+    if world <= 1:
+        return
+    c = config
+    _check(c.optim.minibatch_size % world == 0, "optim.minibatch_size", c.optim.minibatch_size,
+           f"must be a multiple of the number of processes ({world}): it is the global minibatch, "
+           f"split evenly over the processes")
+    groups = c.rollout.batch_size // c.rollout.group_size
+    _check(groups % world == 0, "rollout.batch_size", c.rollout.batch_size,
+           f"must hold a multiple of {world} (processes) groups of rollout.group_size={c.rollout.group_size}: "
+           f"each process samples whole groups (now {groups} groups)")
+    if c.train.algo == "dpo":
+        _check(c.dpo.kl_eval_prompts % world == 0, "dpo.kl_eval_prompts", c.dpo.kl_eval_prompts,
+               f"must be a multiple of the number of processes ({world}): each probes an equal share")

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from tether.kl import estimate_kl, sequence_kl
-from tether.rollout import generate, score_logprobs
+from tether.rollout import generate, sample_seeds, score_logprobs
 from tether.scorers import Scorer, checked_scores
 
 
@@ -67,7 +67,9 @@ def evaluate(
 ) -> EvalResult:
     """Sample one response per held-out prompt with a fixed seed; score it with every scorer.
 
-    The global torch RNG is forked, so evaluation never changes the training stream. KL is the
+    Prompt ``i`` is sampled with the seed ``sample_seeds(seed, 0, [i])``, whatever the batching,
+    so reference and policy see the same random numbers on each prompt; the global torch RNG is
+    forked (a scorer may draw from it), so evaluation never changes the training stream. KL is the
     k1 estimate per sequence (unbiased) against ``reference`` on the evaluated samples, with the
     sampling settings of training.
     """
@@ -75,7 +77,9 @@ def evaluate(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         for i in range(0, len(prompts), batch_size):
-            ro = generate(lm, tokenizer, prompts[i : i + batch_size], max_new_tokens, temperature, max_prompt_tokens)
+            batch = prompts[i : i + batch_size]
+            ro = generate(lm, tokenizer, batch, max_new_tokens, temperature, max_prompt_tokens,
+                          seeds=sample_seeds(seed, 0, range(i, i + len(batch))))
             if reference is not None:
                 lp = score_logprobs(lm, ro, temperature).logprobs
                 ref_lp = lp if reference is lm else score_logprobs(reference, ro, temperature).logprobs

@@ -6,11 +6,13 @@ whose shape is written beside it; masks follow the glossary (``response_mask`` T
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from torch import Tensor, nn
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from tether.logprobs import entropy_from_logits, logprobs_from_logits, response_mask_from_tokens
 from tether.models import PolicyWithValue, position_ids_from_mask, tail_logits
@@ -84,6 +86,52 @@ def tokenize_prompts(tokenizer, prompts: list[str], max_prompt_tokens: int) -> t
     return enc["input_ids"], enc["attention_mask"]
 
 
+def sample_seeds(seed: int, step: int, indices: Sequence[int]) -> Tensor:
+    """One sampling seed per sample: a hash of (run seed, step, global sample index).
+
+    A sample's random stream then depends only on which sample it is, not on how the step's
+    batch is split over processes or generate calls (``tests/test_distributed.py``).
+
+    Returns:
+        (len(indices),) long, each in [0, 2**63).
+    """
+    def one(i: int) -> int:
+        digest = hashlib.blake2b(f"tether:{seed}:{step}:{i}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") & (2**63 - 1)
+
+    return torch.tensor([one(int(i)) for i in indices], dtype=torch.long)
+
+
+def gumbel_noise(generators: list[torch.Generator], vocab_size: int) -> Tensor:
+    """(B, V) float64 i.i.d. Gumbel(0, 1) noise, row b drawn from ``generators[b]``.
+
+    ``g = -log(-log(u))`` with ``u ~ U[0, 1)`` in float64 (53-bit resolution: ``u == 0``, which
+    gives ``-inf``, has probability 2**-53 per draw, against 2**-24 in float32).
+    """
+    u = torch.stack([torch.rand(vocab_size, dtype=torch.float64, generator=g) for g in generators])
+    return -torch.log(-torch.log(u))
+
+
+class GumbelMaxSampler(LogitsProcessor):
+    """Turns greedy decoding into exact sampling from softmax(logits / temperature), per-row seeded.
+
+    Gumbel-max trick: if ``g_v`` are i.i.d. Gumbel(0, 1), ``argmax_v (z_v + g_v)`` is distributed
+    exactly as ``softmax(z)`` (Gumbel 1954; Maddison et al. 2014, "A* Sampling", section 2). Here
+    ``z = logits / temperature``: the temperature is applied once, in this processor, and nothing
+    else touches the logits (greedy decoding adds no warper). Row ``b`` draws its noise from its
+    own generator seeded with ``seeds[b]``, one vocabulary-sized draw per decoding step, so a row's
+    sample does not depend on the other rows of the batch.
+    """
+
+    def __init__(self, seeds: Sequence[int], temperature: float):
+        self.generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
+        self.temperature = temperature
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        z = scores.to(torch.float64) / self.temperature  # (B, V)
+        return z + gumbel_noise(self.generators, scores.shape[-1]).to(z.device)
+
+
 @torch.no_grad()
 def generate(
     lm: nn.Module,
@@ -92,25 +140,38 @@ def generate(
     max_new_tokens: int,
     temperature: float,
     max_prompt_tokens: int = 64,
+    seeds: Sequence[int] | Tensor | None = None,
 ) -> Rollout:
     """Sample one response per prompt from ``lm`` at ``temperature`` (no top-k, no top-p).
 
     Pure ancestral sampling from softmax(logits / temperature), so the log-probabilities that
     :func:`score_logprobs` computes at the same temperature are those of the sampling
-    distribution. Uses the global torch RNG (seed it for reproducibility).
+    distribution. Sampling is :class:`GumbelMaxSampler` under greedy decoding: row ``b`` is
+    seeded with ``seeds[b]`` (see :func:`sample_seeds`), so the samples of a batch are the
+    samples of its shards, concatenated. Without ``seeds``, one seed per row is drawn from the
+    global torch RNG (seed it for reproducibility).
+
+    This replaced transformers' multinomial sampling (one RNG stream for the whole batch); the
+    distribution is the same, but runs of earlier tether versions draw different samples.
     """
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, max_prompt_tokens)
+    if seeds is None:
+        seeds = torch.randint(0, 2**62, (len(prompts),))
+    seeds = [int(s) for s in seeds]
+    if len(seeds) != len(prompts):
+        raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
     eos = tokenizer.eos_token_id
     # A fresh GenerationConfig, not the model folder's: a saved generation_config.json may carry
     # suppress_tokens, repetition penalties, top-k ... that would make the samples differ from
     # softmax(logits / temperature), the distribution every log-probability is computed under.
     # transformers fills unset fields of a passed config from the model's own, so the model's is
-    # swapped out for the call.
-    gen = GenerationConfig(do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
-                           max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
+    # swapped out for the call. Greedy decoding: the sampler below draws the sample.
+    gen = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                           pad_token_id=tokenizer.pad_token_id)
     saved, lm.generation_config = lm.generation_config, gen
     try:
-        out = lm.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen)
+        out = lm.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen,
+                          logits_processor=LogitsProcessorList([GumbelMaxSampler(seeds, temperature)]))
     finally:
         lm.generation_config = saved
     response_ids = out[:, prompt_ids.shape[1] :]  # (B, R<=max_new_tokens)
@@ -130,14 +191,15 @@ def response_forward(
 ) -> tuple[Tensor, Tensor | None]:
     """Logits (B, R, V) predicting each response token, and values (B, R) if asked.
 
-    Works for a :class:`PolicyWithValue` and for a bare causal LM (the reference). Position ids
+    Works for a :class:`PolicyWithValue` (also wrapped by ``accelerator.prepare``, e.g. in DDP,
+    whose forward syncs gradients) and for a bare causal LM (the reference). Position ids
     start at 0 on each row's first real prompt token, so a row scores the same inside a padded
     batch as alone.
     """
     input_ids, attention_mask = rollout.input_ids, rollout.attention_mask  # (B, L)
     position_ids = position_ids_from_mask(attention_mask)
     R = rollout.response_ids.shape[1]
-    if isinstance(model, PolicyWithValue):
+    if isinstance(getattr(model, "module", model), PolicyWithValue):
         return model(input_ids, attention_mask, position_ids, n_keep=R, with_values=with_values)
     return tail_logits(model, input_ids, attention_mask, position_ids, R)[0], None
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from tether import distributed as D
 from tether.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from tether.config import Config
 from tether.evaluation import EvalResult, compare, evaluate
@@ -32,7 +33,8 @@ TRAINERS = {"ppo": PPOTrainer, "grpo": GRPOTrainer, "rloo": RLOOTrainer, "dpo": 
 
 
 def _say(msg: str, progress: bool) -> None:
-    (tqdm.write if progress else print)(msg)
+    if D.is_main():  # one voice for all processes
+        (tqdm.write if progress else print)(msg)
 
 
 class Evaluator:
@@ -68,6 +70,9 @@ def train(config: Config, scorer: Scorer | None = None, judge: Scorer | None = N
           resume: bool = False) -> Path:
     """Run ``config`` end to end (or continue it from its last checkpoint); returns the run directory.
 
+    Under ``accelerate launch`` every process runs this; only rank 0 writes the run directory,
+    evaluates and prints (docs/distributed.md).
+
     Writes into the run directory: ``config.yaml``, ``metrics.jsonl``, ``samples.jsonl``,
     ``eval.json`` (held-out proxy and gold scores of reference and final policy),
     ``warnings.jsonl`` (health alarms), ``training.png``, ``score_vs_kl.png``, ``checkpoints/``
@@ -87,11 +92,13 @@ def train(config: Config, scorer: Scorer | None = None, judge: Scorer | None = N
     evaluator = Evaluator(run, judge)
     monitor = HealthMonitor(c.health, w.run_dir / "warnings.jsonl")
     start = _resume(run, trainer, monitor) if resume else _start(run)
-    _say(f"tether: run directory {w.run_dir}" + (f", resuming after step {start - 1}" if resume else ""), show)
+    _say(f"tether: run directory {w.run_dir}" + (f", resuming after step {start - 1}" if resume else "")
+         + (f"; {D.world_size()} processes (data parallel)" if D.is_distributed() else ""), show)
     _say(f"tether: {len(run.train_prompts)} training prompts, {len(run.heldout_prompts)} held out", show)
     tb = _tensorboard(w.run_dir) if c.train.tensorboard else None
 
-    before = _reference_eval(evaluator, w.run_dir, show)
+    before = _reference_eval(evaluator, w.run_dir, show) if D.is_main() else None
+    D.barrier()
     stop, previous_handlers = _install_signal_handlers()
     try:
         _loop(run, trainer, evaluator, monitor, tb, start, stop)
@@ -103,41 +110,63 @@ def train(config: Config, scorer: Scorer | None = None, judge: Scorer | None = N
 
 def _loop(run: Run, trainer, evaluator: Evaluator, monitor: HealthMonitor, tb, start: int, stop: list[str]) -> None:
     c, w, show = run.config, run.writer, run.config.train.progress
-    bar = tqdm(range(start, c.train.steps), desc=f"tether {c.train.algo}", disable=not show, unit="step",
-               initial=start, total=c.train.steps)
+    main = D.is_main()
+    bar = tqdm(range(start, c.train.steps), desc=f"tether {c.train.algo}", disable=not (show and main),
+               unit="step", initial=start, total=c.train.steps)
     for step in bar:
-        row = trainer.step(step)
-        if c.eval.every and (step % c.eval.every == 0 or step == c.train.steps - 1):
-            row.update(evaluator.periodic_row())
-        w.log(row)
-        if tb is not None:
-            for k, v in w.history[-1].items():
-                if isinstance(v, (int, float)) and k != "step":
-                    tb.add_scalar(k, v, step)
-        bar.set_postfix({k: f"{row[key]:.3f}" for k, key in (("score", "objective/scores"),
-                         ("kl", "objective/kl"), ("beta", "objective/kl_coef")) if key in row})
-        for alarm in monitor.check(w.history):
-            _say(f"tether: WARNING [{alarm.rule}] step {alarm.step}: {alarm.message}.\n"
-                 f"  likely cause: {alarm.cause}\n  fix: {alarm.fix}", show)
-        if (step % c.train.sample_every == 0 or step == c.train.steps - 1) and trainer.last_experience:
-            rows = sample_rows(trainer.last_experience)
-            if "gold" in evaluator.scorers:
-                golds = evaluator.scorers["gold"]([r["response"] for r in rows])
-                for r, g in zip(rows, golds):
-                    r["gold"] = float(g)
-            w.samples(step, rows)
-            _say(f"\nstep {step}\n" + sample_table(rows[:4]), show)
+        row = trainer.step(step)  # every process; the row holds the global metrics
+        sample_step = (step % c.train.sample_every == 0 or step == c.train.steps - 1) \
+            and trainer.last_experience is not None
+        # the sample table holds the samples of every process
+        rows = [r for part in D.gather_objects(sample_rows(trainer.last_experience)) for r in part] \
+            if sample_step else None
+        # every process asks: did any process get a signal? (so that all stop after the same step)
+        stopping = bool(D.all_reduce_max(torch.tensor(float(bool(stop)))))
+        if main:
+            _log_step(run, evaluator, monitor, tb, bar, step, row, rows)
         every = c.train.checkpoint_every
         # also after the last step, so that --resume with a larger train.steps extends the run
-        if stop or (every and ((step + 1) % every == 0 or step + 1 == c.train.steps)):
+        if stopping or (every and ((step + 1) % every == 0 or step + 1 == c.train.steps)):
             path = _checkpoint(run, trainer, step)
-            if stop:
-                _say(f"tether: stopped by {stop[0]} after step {step}; checkpoint {path}. "
-                     f"Continue with: tether train --resume {w.run_dir}", show)
+            if stopping:
+                _say(f"tether: stopped by {(stop or ['a signal to another process'])[0]} after step {step}; "
+                     f"checkpoint {path}. Continue with: tether train --resume {w.run_dir}", show)
                 raise Interrupted(str(w.run_dir))
 
 
+def _log_step(run: Run, evaluator: Evaluator, monitor: HealthMonitor, tb, bar, step: int, row: dict,
+              rows: list[dict] | None) -> None:
+    """Rank 0: periodic evaluation, metrics.jsonl, TensorBoard, health alarms, samples."""
+    c, w, show = run.config, run.writer, run.config.train.progress
+    if c.eval.every and (step % c.eval.every == 0 or step == c.train.steps - 1):
+        row.update(evaluator.periodic_row())
+    w.log(row)
+    if tb is not None:
+        for k, v in w.history[-1].items():
+            if isinstance(v, (int, float)) and k != "step":
+                tb.add_scalar(k, v, step)
+    bar.set_postfix({k: f"{row[key]:.3f}" for k, key in (("score", "objective/scores"),
+                     ("kl", "objective/kl"), ("beta", "objective/kl_coef")) if key in row})
+    for alarm in monitor.check(w.history):
+        _say(f"tether: WARNING [{alarm.rule}] step {alarm.step}: {alarm.message}.\n"
+             f"  likely cause: {alarm.cause}\n  fix: {alarm.fix}", show)
+    if rows is not None:
+        if "gold" in evaluator.scorers:
+            golds = evaluator.scorers["gold"]([r["response"] for r in rows])
+            for r, g in zip(rows, golds):
+                r["gold"] = float(g)
+        w.samples(step, rows)
+        _say(f"\nstep {step}\n" + sample_table(rows[:4]), show)
+
+
 def _finish(run: Run, evaluator: Evaluator, monitor: HealthMonitor, tb, before, t_start: float) -> Path:
+    if D.is_main():
+        _final_eval_and_plots(run, evaluator, monitor, tb, before, t_start)
+    D.barrier()  # the other processes wait for rank 0's evaluation, so the run ends together
+    return run.writer.run_dir
+
+
+def _final_eval_and_plots(run: Run, evaluator: Evaluator, monitor: HealthMonitor, tb, before, t_start: float) -> None:
     c, w, show = run.config, run.writer, run.config.train.progress
     evals = [before.summary()] if before else []
     if before:
@@ -162,11 +191,11 @@ def _finish(run: Run, evaluator: Evaluator, monitor: HealthMonitor, tb, before, 
     if monitor.fired:
         _say(f"tether: {len(monitor.fired)} health warning(s), see {w.run_dir / 'warnings.jsonl'}", show)
     _say(f"tether: done in {time.perf_counter() - t_start:.0f} s; plots and metrics in {w.run_dir}", show)
-    return w.run_dir
 
 
 def _start(run: Run) -> int:
-    (run.writer.run_dir / "reference.json").write_text(json.dumps({"fingerprint": run.reference_fingerprint}))
+    if D.is_main():
+        (run.writer.run_dir / "reference.json").write_text(json.dumps({"fingerprint": run.reference_fingerprint}))
     return 0
 
 
@@ -185,6 +214,8 @@ def _resume(run: Run, trainer, monitor: HealthMonitor) -> int:
     trainer.load_state_dict(state["trainer"])
     set_rng_state(state["rng"])
     run.reference_forwards[0] = state["reference_forwards"]
+    if not D.is_main():
+        return meta["step"] + 1
     w.truncate_after(meta["step"])
     monitor.fired = [Alarm(**a) for a in map(json.loads, (w.run_dir / "warnings.jsonl").read_text().splitlines())] \
         if (w.run_dir / "warnings.jsonl").exists() else []
@@ -192,12 +223,19 @@ def _resume(run: Run, trainer, monitor: HealthMonitor) -> int:
 
 
 def _checkpoint(run: Run, trainer, step: int) -> Path:
-    if run.reference is not None and fingerprint(run.reference) != run.reference_fingerprint:
+    """Rank 0 writes the checkpoint (policy, optimizer and trainer state are the same on every
+    process); every process checks its own reference first, and all stop if any one moved."""
+    moved = run.reference is not None and fingerprint(run.reference) != run.reference_fingerprint
+    if D.all_reduce_max(torch.tensor(float(moved))) > 0:
         raise RuntimeError(f"step {step}: the reference model's weights changed since the run started; "
                            "stopping (the last checkpoint is kept)")
-    return save_checkpoint(run.writer.run_dir, step, run.policy,
-                           {"trainer": trainer.state_dict(), "rng": rng_state(),
-                            "reference_forwards": run.reference_forwards[0]}, run.reference_fingerprint)
+    path = run.writer.run_dir / "checkpoints"
+    if D.is_main():
+        path = save_checkpoint(run.writer.run_dir, step, run.policy,
+                               {"trainer": trainer.state_dict(), "rng": rng_state(),
+                                "reference_forwards": run.reference_forwards[0]}, run.reference_fingerprint)
+    D.barrier()
+    return path
 
 
 def _reference_eval(evaluator: Evaluator, run_dir: Path, show: bool):
@@ -259,7 +297,7 @@ def sample_rows(exp) -> list[dict]:
 def save_policy(policy, tokenizer, out: Path) -> None:
     from safetensors.torch import save_file
 
-    policy.lm.save_pretrained(out)
+    policy.save_pretrained(out)  # the model, or for a LoRA run its adapter (a peft folder)
     tokenizer.save_pretrained(out)
     save_file({k: v.contiguous() for k, v in policy.value_head.state_dict().items()},
               str(out / "value_head.safetensors"))

@@ -3,15 +3,16 @@
 A subclass supplies ``advantages`` (per-token advantages and returns from shaped rewards) and
 ``minibatch_loss`` (the loss of one minibatch); ``step`` is the same algorithm for all three:
 
-1. sample prompts (each repeated ``group_size`` times);
-2. generate responses from the current policy;
+1. sample prompts (each repeated ``group_size`` times): the global batch, of which each process
+   keeps its contiguous shard (a group is never split; docs/distributed.md);
+2. generate responses from the current policy, sample ``i`` of the step seeded by (seed, step, i);
 3. score the responses with the reward model;
 4. old log-probs (and values), reference log-probs, no grad;
 5. per-token KL; rewards (score on the last token, -kl_coef * kl_t if the KL is in the reward);
 6. advantages;
 7. epochs of minibatch updates (+ kl_coef * KL surrogate if the KL is in the loss);
 8. update kl_coef from the same KL numbers that were logged;
-9. metrics.
+9. metrics, each reduced over every process (tether.distributed).
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from tether import distributed as D
 from tether.controllers import make_controller
 from tether.data import PromptSampler
-from tether.kl import estimate_kl, kl_stats, masked_mean, sequence_kl
+from tether.kl import estimate_kl, sequence_kl
 from tether.leash import KLLeash
-from tether.rollout import Rollout, generate
+from tether.rollout import Rollout, generate, sample_seeds
 from tether.scorers import checked_scores
 from tether.trainers.common import Run, ScoredBatch, optimizer_step, score_rollout
 
@@ -61,7 +63,13 @@ class OnPolicyTrainer:
         self.controller = make_controller(c.kl.controller, c.kl.kl_coef, c.kl.target, c.kl.horizon,
                                           budget=c.kl.budget, eta=c.kl.budget_eta)
         self.leash = KLLeash(c.kl.kl_in_reward, c.kl.kl_in_loss, c.kl.loss_estimator)
+        if not self.uses_values:  # no loss reaches the value head: frozen, so DDP waits for no gradient of it
+            run.policy.value_head.requires_grad_(False)
         self.params = [p for p in run.policy.parameters() if p.requires_grad]
+        self.accelerator = run.accelerator
+        # the module the losses differentiate: under DDP its backward averages gradients over
+        # processes; sampling and no-grad scoring use the bare run.policy
+        self.model = run.accelerator.prepare(run.policy) if run.accelerator and self.params else run.policy
         self.optimizer = torch.optim.AdamW(self.params, lr=c.optim.lr, weight_decay=c.optim.weight_decay)
         self.generator = torch.Generator().manual_seed(c.train.seed)
         self.last_experience: Experience | None = None
@@ -70,12 +78,16 @@ class OnPolicyTrainer:
     def step(self, step: int) -> dict:
         c, run = self.cfg, self.run
         t0 = time.perf_counter()
-        # 1. sample prompts, each group_size times (consecutive rows form a group)
+        # 1. sample prompts, each group_size times (consecutive rows form a group); every process
+        #    draws the same global batch and keeps its contiguous shard
         prompts = [p for p in self.sampler.next_batch(c.rollout.batch_size // self.group_size)
                    for _ in range(self.group_size)]
-        # 2. generate responses from the current policy
-        rollout = generate(run.policy.lm, run.tokenizer, prompts, c.rollout.max_new_tokens,
-                           c.rollout.temperature, c.rollout.max_prompt_tokens)
+        mine = D.shard(len(prompts))
+        # 2. generate responses from the current policy; sample i of the step is seeded by
+        #    (seed, step, i), so the samples do not depend on the number of processes
+        rollout = generate(run.policy.lm, run.tokenizer, prompts[mine], c.rollout.max_new_tokens,
+                           c.rollout.temperature, c.rollout.max_prompt_tokens,
+                           seeds=sample_seeds(c.train.seed, step, range(len(prompts))[mine]))
         t_gen = time.perf_counter()
         # 3. score responses with the reward model
         scores = torch.tensor(checked_scores(run.scorer, rollout.responses, step))
@@ -99,7 +111,7 @@ class OnPolicyTrainer:
         t_update = time.perf_counter()
         # 8. update kl_coef with the KL that was logged (and, if placed there, in the reward)
         if kl is not None:
-            stats = kl_stats(kl, rollout.response_mask)
+            stats = D.kl_stats(kl, rollout.response_mask)
             unit = "kl_per_sequence" if c.kl.target_unit == "nats_per_sequence" else "kl_per_token"
             self.controller.update(float(stats[unit]), n_steps=c.rollout.batch_size)
         # 9. metrics
@@ -143,26 +155,45 @@ class OnPolicyTrainer:
         return loss + kl_term
 
     def minibatch_indices(self) -> list[Tensor]:
-        B, mb = self.cfg.rollout.batch_size, self.cfg.optim.minibatch_size
-        return list(torch.randperm(B, generator=self.generator).split(mb))
+        """This process's rows of each minibatch of an epoch (the same minibatches for any number
+        of processes, see :func:`tether.distributed.stratified_minibatches`)."""
+        return D.stratified_minibatches(self.cfg.rollout.batch_size, self.cfg.optim.minibatch_size, self.generator)
 
     def update(self, exp: Experience, kl_coef: float) -> dict:
-        c = self.cfg
-        stats: dict[str, list[float]] = {}
+        """Epochs of minibatch steps; returns the minibatch-mean of each loss statistic.
+
+        Each process holds ``minibatch_size / world`` rows of a minibatch. Its token-mean loss
+        ``L_r`` times its share of the minibatch's valid tokens sums over processes to the
+        token-mean loss of the whole minibatch; DDP averages the gradients, hence the factor
+        ``world``. The statistics (losses, clip fractions, approx_kl: token means) are reduced
+        the same way, once at the end.
+        """
+        c, world = self.cfg, D.world_size()
+        weighted: dict[str, float] = {}  # sum over minibatches of share * statistic
+        n_steps, grad_norms, first_dev = 0, [], None
         for epoch in range(c.optim.epochs):
             groups = exp.minibatches if epoch == 0 else self.minibatch_indices()
             for i, idx in enumerate(groups):
                 part = exp.rollout.select(idx)
+                share = D.token_share(part.response_mask)  # this process's fraction of the tokens
                 loss, parts = self.minibatch_loss(exp, idx, part, kl_coef)
-                parts["policy/grad_norm"] = optimizer_step(self.optimizer, self.params, loss,
-                                                           c.optim.max_grad_norm, self.name)
+                grad_norms.append(float(optimizer_step(self.optimizer, self.params, loss * (share * world),
+                                                       c.optim.max_grad_norm, self.name, self.accelerator)))
                 if epoch == 0 and i == 0 and "_ratio_dev" in parts:
                     # before any update the ratio must be exactly 1 (same inputs, same weights)
-                    stats["policy/ratio_max_dev_first"] = [float(parts["_ratio_dev"])]
+                    first_dev = D.all_reduce_max(parts["_ratio_dev"])
                 for k, v in parts.items():
                     if not k.startswith("_"):
-                        stats.setdefault(k, []).append(float(v.detach()) if torch.is_tensor(v) else float(v))
-        return {k: sum(v) / len(v) for k, v in stats.items()}
+                        weighted[k] = weighted.get(k, 0.0) + float(v) * float(share)
+                n_steps += 1
+        keys = sorted(weighted)
+        totals = D.all_reduce_sum(torch.tensor([weighted[k] for k in keys], dtype=torch.float64))
+        out = {k: float(t) / n_steps for k, t in zip(keys, totals)}
+        # after the backward the gradients are the same on every process, and so is their norm
+        out["policy/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        if first_dev is not None:
+            out["policy/ratio_max_dev_first"] = float(first_dev)
+        return out
 
     def metrics(self, step: int, exp: Experience, scored: ScoredBatch, update: dict, kl_coef: float) -> dict:
         row = {
@@ -182,6 +213,10 @@ def sample_metrics(rollout: Rollout, scores: Tensor, kl: Tensor | None, entropy:
                    exact_kl: Tensor | None, kl_coef: float, estimator: str) -> dict:
     """The ``objective/*`` and ``response/*`` metrics of a batch of the policy's samples.
 
+    Every value is over the global batch (all processes): per-token values are token-weighted
+    means, per-sequence values means over sequences, the score's spread the global standard
+    deviation (:mod:`tether.distributed`; in one process these are the plain batch statistics).
+
     Args:
         rollout: the samples; its ``response_mask`` (B, T) masks every per-token value.
         scores: (B,) scorer values.
@@ -196,22 +231,22 @@ def sample_metrics(rollout: Rollout, scores: Tensor, kl: Tensor | None, entropy:
     non_score = -kl_coef * sequence_kl(kl, mask) if kl is not None else torch.zeros_like(scores)  # (B,)
     row = {
         "objective/kl_coef": kl_coef,
-        "objective/scores": scores.mean(),
-        "objective/scores_std": scores.std() if len(scores) > 1 else 0.0,
-        "objective/non_score_reward": non_score.mean(),
-        "objective/rlhf_reward": (scores + non_score).mean(),
-        "objective/entropy": masked_mean(entropy, mask),
-        "response/length": mask.sum(-1).float().mean(),
+        "objective/scores": D.sequence_mean(scores),
+        "objective/scores_std": D.sequence_std(scores),
+        "objective/non_score_reward": D.sequence_mean(non_score),
+        "objective/rlhf_reward": D.sequence_mean(scores + non_score),
+        "objective/entropy": D.token_mean(entropy, mask),
+        "response/length": D.sequence_mean(mask.sum(-1).float()),
     }
     if rollout.ended is not None:
-        row["response/eos_fraction"] = rollout.ended.float().mean()
+        row["response/eos_fraction"] = D.sequence_mean(rollout.ended.float())
     if kl is not None:
-        kls = kl_stats(kl, mask)
+        kls = D.kl_stats(kl, mask)
         row["objective/kl"] = kls["kl_per_sequence"]
         row["objective/kl_per_token"] = kls["kl_per_token"]
         if estimator == "k1":
-            row["objective/k1_negative_fraction"] = masked_mean((kl < 0).float(), mask)
+            row["objective/k1_negative_fraction"] = D.token_mean((kl < 0).float(), mask)
     if exact_kl is not None:
-        row["objective/kl_exact"] = sequence_kl(exact_kl, mask).mean()
-        row["objective/kl_exact_per_token"] = masked_mean(exact_kl, mask)
+        row["objective/kl_exact"] = D.sequence_mean(sequence_kl(exact_kl, mask))
+        row["objective/kl_exact_per_token"] = D.token_mean(exact_kl, mask)
     return row

@@ -9,15 +9,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from accelerate import Accelerator
 from torch import Tensor, nn
 
-from tether.config import Config, dump_config
+from tether.config import Config, check_world_size, dump_config
+from tether.distributed import barrier, gather_objects, is_main
 from tether.data import DEFAULT_PROMPTS, movie_prompts, read_prompt_file, split_prompts
 from tether.kl import exact_kl_from_logits
 from tether.metrics import RunWriter
 from tether.models import (
     PolicyWithValue,
+    add_lora,
     check_reference,
+    count_reference_forwards,
     fingerprint,
     load_causal_lm,
     load_tokenizer,
@@ -98,7 +102,10 @@ class Run:
     writer: RunWriter
     reference_fingerprint: str | None
     reference_forwards: list[int]
-    """[count] of reference forward passes (a pre-hook increments it)."""
+    """[count] of reference forward passes of this process (a pre-hook increments it)."""
+    accelerator: Accelerator | None = None
+    """accelerate's handle on the processes (one without ``accelerate launch``); the trainers
+    wrap the policy with ``accelerator.prepare`` (DDP when there are several)."""
 
 
 def build_run(config: Config, scorer: Scorer | None = None, resume: bool = False) -> Run:
@@ -109,18 +116,23 @@ def build_run(config: Config, scorer: Scorer | None = None, resume: bool = False
     """
     if config.train.threads:
         torch.set_num_threads(config.train.threads)
+    # tether's tensors live on the CPU; several processes talk over gloo (docs/distributed.md)
+    accelerator = Accelerator(cpu=True)
+    check_world_size(config, accelerator.num_processes)
     seed_everything(config.train.seed)
     train_prompts, heldout = load_prompts(config)
     scorer = scorer if scorer is not None else make_scorer(config.reward.scorer)
     run_dir = Path(config.train.output_dir) if config.train.output_dir else default_run_dir(config.train.algo)
+    run_dir = gather_objects(run_dir)[0]  # rank 0's (a default name holds the time)
     if not resume and run_dir.exists() and any(run_dir.iterdir()):
         hint = f" or continue it with: tether train --resume {run_dir}" if (run_dir / "checkpoints").exists() else ""
         raise FileExistsError(f"train.output_dir={run_dir} already holds a run (it is not empty); "
                               f"choose another directory{hint}")
     if resume and not (run_dir / "config.yaml").exists():
         raise FileNotFoundError(f"--resume {run_dir}: not a tether run directory (no config.yaml)")
+    barrier()  # every process checked the folder before the first one writes into it
     writer = RunWriter(run_dir)
-    if not resume:
+    if not resume and is_main():
         dump_config(config, run_dir / "config.yaml")
 
     for w in config.placement.warnings:
@@ -129,32 +141,42 @@ def build_run(config: Config, scorer: Scorer | None = None, resume: bool = False
     tokenizer = load_tokenizer(path)
     check_prompt_lengths(tokenizer, train_prompts + heldout, config.rollout.max_prompt_tokens)
     lm = load_causal_lm(path)
+    m = config.model
+    if m.lora:  # a peft model: the policy trains adapters, the reference reuses its frozen base
+        lm = add_lora(lm, m.lora_r, m.lora_alpha, m.lora_target_modules, m.adapter)
     needs_reference = config.placement.needs_reference or config.train.algo == "dpo"
     reference = make_reference(lm) if needs_reference else None
     forwards = [0]
     if reference is not None:
         # count on the trunk: every path (scoring, generation) runs it exactly once per forward
-        trunk = getattr(reference, reference.base_model_prefix)
-        trunk.register_forward_pre_hook(lambda module, args: forwards.__setitem__(0, forwards[0] + 1))
+        count_reference_forwards(reference, forwards)
     freeze_lower_layers(lm, config.model.trainable_layers)
     policy = PolicyWithValue(lm)
     if reference is not None:
         check_reference(policy, reference)
     return Run(config, policy, reference, tokenizer, scorer, train_prompts, heldout, writer,
-               fingerprint(reference) if reference is not None else None, forwards)
+               fingerprint(reference) if reference is not None else None, forwards, accelerator)
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, params: list, loss: Tensor, max_grad_norm: float,
-                   name: str) -> Tensor:
+                   name: str, accelerator: Accelerator | None = None) -> Tensor:
     """Backward, clip the global gradient norm, refuse a non-finite one, step; returns the norm.
+
+    With an ``accelerator`` the backward and the clipping are accelerate's: under DDP the
+    backward all-reduces (averages) the gradients over the processes, so every process clips
+    and steps with the same gradient.
 
     Raises:
         FloatingPointError: the gradient norm is NaN or inf (the step is not taken, so the
             weights and the last checkpoint stay good).
     """
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    if accelerator is None:
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    else:
+        accelerator.backward(loss)
+        grad_norm = accelerator.clip_grad_norm_(params, max_grad_norm)
     if not torch.isfinite(grad_norm):
         raise FloatingPointError(f"non-finite gradient norm {float(grad_norm)} in the {name} update "
                                  f"(loss {float(loss.detach())}); stopping before the weights change")

@@ -10,6 +10,10 @@ best against the worst. Each step:
 3. sample the policy on held-out prompts and measure its real KL(pi || pi_ref) and score, so DPO
    runs land on the same reward-against-KL axes as PPO, GRPO and RLOO;
 4. metrics.
+
+With several processes every process builds the same pairs; each takes a contiguous
+``1 / world`` of every minibatch and of the held-out probe prompts, and the metrics are
+reduced over processes (docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -22,10 +26,11 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from tether import distributed as D
 from tether.data import PromptSampler
 from tether.kl import estimate_kl, exact_kl_from_logits, masked_sum
 from tether.losses import dpo_loss
-from tether.rollout import generate, rollout_from_responses, score_logprobs
+from tether.rollout import generate, rollout_from_responses, sample_seeds, score_logprobs
 from tether.scorers import checked_scores
 from tether.shaping import shape_rewards
 from tether.trainers.base import Experience, sample_metrics
@@ -77,9 +82,12 @@ class DPOTrainer:
     def __init__(self, run: Run):
         self.run = run
         c = self.cfg = run.config
+        run.policy.value_head.requires_grad_(False)  # DPO has no value loss; DDP then waits for no gradient of it
         self.params = [p for p in run.policy.lm.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("model.trainable_layers=0 leaves DPO nothing to train; raise it or leave it unset")
+        self.accelerator = run.accelerator
+        self.model = run.accelerator.prepare(run.policy) if run.accelerator else run.policy  # DDP under accelerate
         self.optimizer = torch.optim.AdamW(self.params, lr=c.optim.lr, weight_decay=c.optim.weight_decay)
         self.generator = torch.Generator().manual_seed(c.train.seed)
         self.pairs = self.build_pairs()
@@ -115,10 +123,12 @@ class DPOTrainer:
                     f"dpo.pairs=sampled: only {len(prompts)} of {c.dpo.n_pairs} prompts gave candidates with "
                     f"different scores after {tried} tries (ties are skipped); raise dpo.candidates or "
                     "rollout.max_new_tokens, use a finer-grained reward.scorer, or give a pairs file")
-            tried += per_call
             batch = sampler.next_batch(per_call)
+            # seeded by candidate index (step -1: not a training step), the same on every process
             ro = generate(run.reference, run.tokenizer, [p for p in batch for _ in range(k)],
-                          c.rollout.max_new_tokens, c.rollout.temperature, c.rollout.max_prompt_tokens)
+                          c.rollout.max_new_tokens, c.rollout.temperature, c.rollout.max_prompt_tokens,
+                          seeds=sample_seeds(c.train.seed, -1, range(tried * k, (tried + per_call) * k)))
+            tried += per_call
             scores = torch.tensor(checked_scores(run.scorer, ro.responses, "DPO pair sampling")).view(-1, k)
             for g, prompt in enumerate(batch):
                 best, worst = int(scores[g].argmax()), int(scores[g].argmin())
@@ -154,29 +164,38 @@ class DPOTrainer:
         N, B = len(P.prompts), c.rollout.batch_size
         batch = torch.tensor([(self.position + i) % N for i in range(min(B, N))])
         self.position = (self.position + len(batch)) % N
-        # 2. DPO epochs
-        stats: dict[str, list[float]] = {}
+        # 2. DPO epochs; this process takes a contiguous 1 / world of each minibatch. The loss is a
+        #    mean over pairs: scaled by this process's share of the pairs (and by world, as DDP
+        #    averages gradients) the gradient is that of the whole minibatch
+        world, weighted, grad_norms = D.world_size(), {}, []
         for _ in range(c.optim.epochs):
             perm = batch[torch.randperm(len(batch), generator=self.generator)]
-            for idx in perm.split(c.optim.minibatch_size):
+            for minibatch in perm.split(c.optim.minibatch_size):
+                idx = minibatch[D.shard(len(minibatch))]
                 rows = idx.tolist()
                 prompts = [P.prompts[i] for i in rows]
                 out = dpo_loss(
-                    self.sequence_logps(run.policy, prompts, [P.chosen[i] for i in rows]),
-                    self.sequence_logps(run.policy, prompts, [P.rejected[i] for i in rows]),
+                    self.sequence_logps(self.model, prompts, [P.chosen[i] for i in rows]),
+                    self.sequence_logps(self.model, prompts, [P.rejected[i] for i in rows]),
                     P.ref_chosen[idx], P.ref_rejected[idx], c.dpo.beta)
-                grad_norm = optimizer_step(self.optimizer, self.params, out.loss, c.optim.max_grad_norm, "DPO")
+                share = len(rows) / len(minibatch)
+                grad_norms.append(float(optimizer_step(self.optimizer, self.params, out.loss * (share * world),
+                                                       c.optim.max_grad_norm, "DPO", self.accelerator)))
                 for k, v in (("dpo/loss", out.loss), ("dpo/margin", out.margin), ("dpo/accuracy", out.accuracy),
                              ("dpo/chosen_reward", out.chosen_rewards.mean()),
-                             ("dpo/rejected_reward", out.rejected_rewards.mean()), ("policy/grad_norm", grad_norm)):
-                    stats.setdefault(k, []).append(float(v.detach()))
+                             ("dpo/rejected_reward", out.rejected_rewards.mean())):
+                    weighted[k] = weighted.get(k, 0.0) + float(v.detach()) * share
+        keys = sorted(weighted)
+        totals = D.all_reduce_sum(torch.tensor([weighted[k] for k in keys], dtype=torch.float64))
+        stats = {k: float(t) / len(grad_norms) for k, t in zip(keys, totals)}
+        stats["policy/grad_norm"] = sum(grad_norms) / len(grad_norms)  # the same on every process
         t_update = time.perf_counter()
         # 3. the real KL and score of the policy's own samples on held-out prompts
         probe = self.probe(step)
         t_probe = time.perf_counter()
         # 4. metrics
         row = {"step": step, "samples": (step + 1) * len(batch), "objective/kl_coef": c.dpo.beta, **probe,
-               **{k: sum(v) / len(v) for k, v in stats.items()},
+               **stats,
                "time/step": t_probe - t0, "time/update": t_update - t0, "time/probe": t_probe - t_update}
         return row
 
@@ -186,10 +205,9 @@ class DPOTrainer:
         prompts = run.heldout_prompts[: c.dpo.kl_eval_prompts] or run.train_prompts[: c.dpo.kl_eval_prompts]
         if not prompts:
             return {}
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(c.eval.seed + step)
-            ro = generate(run.policy.lm, run.tokenizer, prompts, c.rollout.max_new_tokens, c.rollout.temperature,
-                          c.rollout.max_prompt_tokens)
+        mine = D.shard(len(prompts))  # this process's share of the probe
+        ro = generate(run.policy.lm, run.tokenizer, prompts[mine], c.rollout.max_new_tokens, c.rollout.temperature,
+                      c.rollout.max_prompt_tokens, seeds=sample_seeds(c.eval.seed, step, range(len(prompts))[mine]))
         pol = score_logprobs(run.policy, ro, c.rollout.temperature, with_entropy=True, keep_logits=c.kl.exact)
         ref = score_logprobs(run.reference, ro, c.rollout.temperature, keep_logits=c.kl.exact)
         mask = ro.response_mask

@@ -36,7 +36,7 @@ class GroupTrainer(OnPolicyTrainer):
 
     def minibatch_loss(self, exp: Experience, idx: Tensor, part: Rollout, kl_coef: float) -> tuple[Tensor, dict]:
         c, mask = self.cfg, part.response_mask
-        new = score_logprobs(self.run.policy, part, c.rollout.temperature)
+        new = score_logprobs(self.model, part, c.rollout.temperature)
         pl = ppo_policy_loss(new.logprobs, exp.old_logprobs[idx], exp.advantages[idx], mask, c.ppo.clip_eps)
         stats = {"policy/loss": pl.loss, "policy/clipfrac": pl.clipfrac, "policy/approx_kl": pl.approx_kl,
                  "_ratio_dev": torch.where(mask, (pl.ratio - 1).abs(), 0.0).max()}

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from tether.advantages import gae, whiten
+from tether import distributed as D
+from tether.advantages import gae
 from tether.losses import clipped_value_loss, ppo_policy_loss
 from tether.rollout import Rollout, score_logprobs
 from tether.trainers.base import Experience, OnPolicyTrainer
@@ -24,12 +25,12 @@ class PPOTrainer(OnPolicyTrainer):
     def advantages(self, rewards: Tensor, scored: ScoredBatch, mask: Tensor) -> tuple[Tensor, Tensor]:
         p = self.cfg.ppo
         out = gae(rewards, scored.values, mask, p.gamma, p.gae_lambda)
-        adv = whiten(out.advantages, mask) if p.whiten_advantages else out.advantages
+        adv = D.whiten(out.advantages, mask) if p.whiten_advantages else out.advantages
         return adv, out.returns
 
     def minibatch_loss(self, exp: Experience, idx: Tensor, part: Rollout, kl_coef: float) -> tuple[Tensor, dict]:
         c, mask = self.cfg, part.response_mask
-        new = score_logprobs(self.run.policy, part, c.rollout.temperature, with_values=True)
+        new = score_logprobs(self.model, part, c.rollout.temperature, with_values=True)
         pl = ppo_policy_loss(new.logprobs, exp.old_logprobs[idx], exp.advantages[idx], mask, c.ppo.clip_eps)
         vl = clipped_value_loss(new.values, exp.values[idx], exp.returns[idx], mask, c.ppo.clip_eps_value)
         stats = {"policy/loss": pl.loss, "policy/clipfrac": pl.clipfrac, "policy/approx_kl": pl.approx_kl,

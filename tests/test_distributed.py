@@ -1,0 +1,268 @@
+"""Data parallelism: global reductions over real gloo ranks, shard-invariant sampling, 1 vs 2 processes.
+
+Everything runs on the CPU: ranks are processes joined by torch.distributed's gloo backend
+(torch.multiprocessing for the reductions, ``accelerate launch`` for the end-to-end runs).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tether import distributed as D
+from tether.advantages import whiten
+from tether.config import ConfigError, check_world_size, load_config
+from tether.kl import masked_mean
+from tether.rollout import Rollout, gumbel_noise, generate, sample_seeds
+
+from .conftest import make_tiny_llama
+
+REPO = Path(__file__).resolve().parents[1]
+
+# ---- (a) reductions over four real gloo ranks -------------------------------------------------
+# Per-token KL on each rank of a batch split four ways: rank 0 has two valid tokens, rank 2 one,
+# ranks 1 and 3 none (their slots hold garbage, even NaN, that must never count).
+FOUR_KL = {0: [[1.0, 1.0]], 1: [[5.0, float("nan")]], 2: [[1.0, 9.0]], 3: [[3.0, 3.0]]}
+FOUR_MASK = {0: [[True, True]], 1: [[False, False]], 2: [[True, False]], 3: [[False, False]]}
+
+
+def _rank_data(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random (values (3, 5), mask (3, 5), scores (3,)) of one rank; rank 3 has no valid token."""
+    g = torch.Generator().manual_seed(100 + rank)
+    values = torch.randn(3, 5, generator=g, dtype=torch.float64)
+    lengths = torch.randint(1, 6, (3,), generator=g) if rank != 3 else torch.zeros(3, dtype=torch.long)
+    mask = torch.arange(5)[None, :] < lengths[:, None]
+    return values, mask, torch.randn(3, generator=g, dtype=torch.float64)
+
+
+def _four_ranks(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        from tether.trainers.base import sample_metrics
+
+        kl, mask = torch.tensor(FOUR_KL[rank]), torch.tensor(FOUR_MASK[rank])
+        ids = torch.zeros(1, 2, dtype=torch.long)
+        ro = Rollout(["p"], ids[:, :1], torch.ones(1, 1, dtype=torch.long), ids, mask, ["r"])
+        row = sample_metrics(ro, torch.tensor([0.5]), kl, torch.zeros(1, 2), None, 0.1, "k1")
+        values, vmask, scores = _rank_data(rank)
+        out = {
+            "rank": D.rank(), "world": D.world_size(),
+            "kl_per_token": float(row["objective/kl_per_token"]),
+            "token_mean": float(D.token_mean(kl, mask)),
+            "whiten": D.whiten(values, vmask).tolist(),
+            "token_mean_random": float(D.token_mean(values, vmask)),
+            "sequence_mean": float(D.sequence_mean(scores)),
+            "sequence_std": float(D.sequence_std(scores)),
+            "share": float(D.token_share(vmask)),
+            "max": float(D.all_reduce_max(torch.tensor(float(rank)))),
+            "min": float(D.all_reduce_min(torch.tensor(float(rank)))),
+        }
+        Path(out_dir, f"{rank}.json").write_text(json.dumps(out))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_four_gloo_ranks_reduce_token_weighted(tmp_path):
+    world = 4
+    mp.spawn(_four_ranks, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world, join=True)
+    res = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(world)]
+    assert [r["rank"] for r in res] == [0, 1, 2, 3] and {r["world"] for r in res} == {4}
+    # tokens [1, 1] + [1] over the ranks that have any: (1 + 1 + 1) / 3 = 1.0, on every rank.
+    # The mean of the four rank means would be (1 + 0 + 1 + 0) / 4 = 0.5.
+    for r in res:
+        assert r["kl_per_token"] == 1.0 and r["token_mean"] == 1.0
+    # the same reductions equal the single-process statistics of the concatenated batch
+    parts = [_rank_data(r) for r in range(world)]
+    values = torch.cat([p[0] for p in parts])
+    mask = torch.cat([p[1] for p in parts])
+    scores = torch.cat([p[2] for p in parts])
+    want_whiten = whiten(values, mask)
+    for r in res:
+        assert r["token_mean_random"] == pytest.approx(float(masked_mean(values, mask)), rel=1e-12)
+        assert r["sequence_mean"] == pytest.approx(float(scores.mean()), rel=1e-12)
+        assert r["sequence_std"] == pytest.approx(float(scores.std()), rel=1e-12)
+        assert r["max"] == 3.0 and r["min"] == 0.0
+    got_whiten = torch.cat([torch.tensor(r["whiten"], dtype=torch.float64) for r in res])
+    torch.testing.assert_close(got_whiten, want_whiten, rtol=1e-10, atol=1e-12)
+    shares = [r["share"] for r in res]
+    assert shares[3] == 0.0 and sum(shares) == pytest.approx(1.0, abs=1e-6)
+
+
+def test_reductions_without_a_process_group_are_the_batch_statistics():
+    values, mask, scores = _rank_data(0)
+    assert D.world_size() == 1 and D.rank() == 0 and D.is_main()
+    assert float(D.token_mean(values, mask)) == pytest.approx(float(masked_mean(values, mask)), rel=1e-12)
+    assert float(D.sequence_std(scores)) == pytest.approx(float(scores.std()), rel=1e-12)
+    torch.testing.assert_close(D.whiten(values, mask), whiten(values, mask), rtol=1e-12, atol=1e-12)
+    assert float(D.token_share(mask)) == 1.0 and D.gather_objects("x") == ["x"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_minibatches_do_not_depend_on_the_number_of_processes(world):
+    B, mb = 16, 8
+    one = D.stratified_minibatches(B, mb, torch.Generator().manual_seed(3), world=1, at=0)
+    assert sorted(torch.cat(one).tolist()) == list(range(B))  # an epoch visits every row once
+    shards = [D.stratified_minibatches(B, mb, torch.Generator().manual_seed(3), world=world, at=r)
+              for r in range(world)]
+    for k, rows in enumerate(one):
+        # rank r's local row i is global row r * B / world + i
+        union = sorted(i + r * (B // world) for r in range(world) for i in shards[r][k].tolist())
+        assert union == sorted(rows.tolist())
+        assert all(len(s[k]) == mb // world for s in shards)
+
+
+def test_config_refuses_batches_that_do_not_split():
+    c = load_config(None, ["train.algo=grpo", "rollout.batch_size=8", "rollout.group_size=4",
+                           "optim.minibatch_size=4"])
+    check_world_size(c, 2)  # 2 groups of 4, minibatch 4: fine
+    with pytest.raises(ConfigError, match="rollout.batch_size"):
+        check_world_size(c, 4)  # 2 groups cannot go to 4 processes without splitting one
+    c = load_config(None, ["rollout.batch_size=8", "optim.minibatch_size=2"])
+    with pytest.raises(ConfigError, match="optim.minibatch_size"):
+        check_world_size(c, 4)
+
+
+# ---- (c) sampling: per-sample seeds, exact Gumbel-max -----------------------------------------
+PROMPTS = ["the movie was", "a terrible boring film with", "good", "i loved this story, a delightful",
+           "worst", "an excellent, charming and funny comedy", "the plot is weak but", "bad bad"]
+
+
+def _eos_likely_lm(tok, seed=0, eos_bias=3.0):
+    lm = make_tiny_llama(len(tok), seed=seed, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    bias = torch.zeros(len(tok))
+    bias[tok.eos_token_id] = eos_bias  # some responses end early, so rows differ in length
+    lm.lm_head.register_forward_hook(lambda m, i, o: o + bias)
+    return lm
+
+
+def _rows(ro: Rollout) -> list[list[int]]:
+    return [ids[m].tolist() for ids, m in zip(ro.response_ids, ro.response_mask)]
+
+
+def test_samples_of_a_batch_are_the_samples_of_its_shards(tiny_tokenizer):
+    lm = _eos_likely_lm(tiny_tokenizer)
+    seeds = sample_seeds(7, 3, range(len(PROMPTS)))
+    whole = generate(lm, tiny_tokenizer, PROMPTS, 8, 0.9, seeds=seeds)
+    halves = [generate(lm, tiny_tokenizer, PROMPTS[s], 8, 0.9, seeds=seeds[s]) for s in (slice(0, 4), slice(4, 8))]
+    assert _rows(whole) == _rows(halves[0]) + _rows(halves[1])
+    assert whole.response_mask.sum(-1).unique().numel() > 1, "the test needs responses of different lengths"
+    # the seed of a sample is a function of (seed, step, index): another step draws other samples
+    other = generate(lm, tiny_tokenizer, PROMPTS, 8, 0.9, seeds=sample_seeds(7, 4, range(len(PROMPTS))))
+    assert _rows(other) != _rows(whole)
+
+
+def test_gumbel_sampler_is_the_argmax_of_tempered_logits_plus_its_noise(tiny_tokenizer):
+    """Exactness, structurally: every sampled token is argmax(logits / T + g) for the row's noise g.
+
+    By the Gumbel-max theorem that argmax is an exact draw from softmax(logits / T). The logits
+    come from a separate full forward; T = 0.5, so a temperature applied twice (or not at all)
+    would pick other tokens.
+    """
+    lm = _eos_likely_lm(tiny_tokenizer, seed=1, eos_bias=1.0)
+    T, n = 0.5, 8
+    seeds = sample_seeds(0, 0, range(len(PROMPTS)))
+    ro = generate(lm, tiny_tokenizer, PROMPTS, n, T, seeds=seeds)
+    gens = [torch.Generator().manual_seed(int(s)) for s in seeds]
+    from tether.models import position_ids_from_mask
+
+    with torch.no_grad():
+        logits = lm(input_ids=ro.input_ids, attention_mask=ro.attention_mask,
+                    position_ids=position_ids_from_mask(ro.attention_mask)).logits
+    R = ro.response_ids.shape[1]
+    logits = logits[:, -R:].double()  # (B, R, V) predicting each response token
+    checked, differs_at_t1 = 0, 0
+    for t in range(R):
+        noise = gumbel_noise(gens, logits.shape[-1])  # the t-th draw of every row, as in generation
+        want = (logits[:, t] / T + noise).argmax(-1)
+        valid = ro.response_mask[:, t]
+        assert torch.equal(ro.response_ids[valid, t], want[valid]), f"position {t}"
+        checked += int(valid.sum())
+        differs_at_t1 += int(((logits[:, t] + noise).argmax(-1) != want)[valid].sum())
+    assert checked >= 20 and not ro.response_mask.all() and differs_at_t1 > 0, "T = 1 would have picked the same tokens: the test could not fail"
+
+
+# ---- (b) end to end: accelerate launch with 2 processes against 1 process ----------------------
+def _eos_model_dir(tok, out: Path) -> Path:
+    """A tiny Llama that ends early often (mean response ~3 of 6 tokens), so processes hold
+    different numbers of valid tokens: a constant direction ``u`` added to the last hidden state
+    (an MLP bias) and an EOS embedding (tied to the LM head) along ``u`` give EOS a logit of ~3."""
+    lm = make_tiny_llama(len(tok), seed=0, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                         mlp_bias=True)
+    with torch.no_grad():
+        for layer in lm.model.layers:
+            for lin in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+                lin.bias.zero_()
+        u = torch.nn.functional.normalize(torch.randn(lm.config.hidden_size, generator=torch.Generator().manual_seed(0)),
+                                          dim=0)
+        lm.model.layers[-1].mlp.down_proj.bias.copy_(u)
+        lm.model.embed_tokens.weight[tok.eos_token_id] = 0.8 * u
+    lm.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def _args(model_dir, prompts, out, algo):
+    args = [f"model.name={model_dir}", f"data.prompts={prompts}", "data.heldout_fraction=0.2",
+            "rollout.batch_size=8", "rollout.max_new_tokens=6", "optim.minibatch_size=4", "optim.epochs=2",
+            "train.steps=1", f"train.algo={algo}", "eval.n_prompts=0", "eval.every=0", "eval.judge=none",
+            "reward.scorer=tests.conftest:length_judge", "train.progress=false", "train.save_model=false",
+            "train.checkpoint_every=0", f"train.output_dir={out}"]
+    return args + (["rollout.group_size=2"] if algo in ("grpo", "rloo") else [])
+
+
+def _launch(args, processes: int) -> str:
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    if processes == 1:
+        cmd = [sys.executable, "-m", "tether", "train", *args]
+    else:  # --multi_gpu selects accelerate's torchrun launcher; on a CPU-only machine it runs gloo
+        accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent)) or "accelerate"
+        cmd = [accelerate, "launch", "--multi_gpu", f"--num_processes={processes}", "--num_machines=1",
+               "--mixed_precision=no", "--dynamo_backend=no", "-m", "tether", "train", *args]
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return p.stdout + p.stderr
+
+
+RTOL, ATOL = 1e-5, 1e-7
+"""1 vs 2 processes: the same samples and weights; only float32 rounding differs (other padding
+widths and row groupings in the forwards, sums split over ranks). Measured: <= ~1e-6 relative."""
+
+
+@pytest.mark.parametrize("algo", ["ppo", "grpo", "dpo"])
+def test_two_processes_log_the_first_step_of_one(algo, tiny_tokenizer, prompt_file, tmp_path):
+    model = _eos_model_dir(tiny_tokenizer, tmp_path / "model")
+    one, two = tmp_path / "one", tmp_path / "two"
+    extra = ["dpo.n_pairs=8", "dpo.candidates=2", "dpo.kl_eval_prompts=4"] if algo == "dpo" else []
+    _launch(_args(model, prompt_file, one, algo) + extra, 1)
+    log = _launch(_args(model, prompt_file, two, algo) + extra, 2)
+    assert "2 processes (data parallel)" in log  # not one process left alone by the launcher
+    a, b = (json.loads((d / "metrics.jsonl").read_text().splitlines()[0]) for d in (one, two))
+    assert set(a) == set(b)
+    diffs = {}
+    for k in sorted(a):
+        # dpo/accuracy counts pairs with margin > 0; in the first minibatch the policy is the
+        # reference and every margin is 0 up to float rounding, so its sign is rounding noise
+        if k.startswith("time/") or k == "dpo/accuracy":
+            continue
+        assert math.isclose(a[k], b[k], rel_tol=RTOL, abs_tol=ATOL), f"{k}: 1 process {a[k]!r}, 2 processes {b[k]!r}"
+        diffs[k] = abs(a[k] - b[k]) / max(abs(a[k]), 1e-12)
+    if algo != "dpo":
+        # the same samples, whichever process drew them (the sample table gathers all processes)
+        sa, sb = ([json.loads(line)["response"] for line in (d / "samples.jsonl").read_text().splitlines()]
+                  for d in (one, two))
+        assert sa == sb
+        assert 1.5 < a["response/length"] < 5.5, "the test needs responses of different lengths"
+    worst = max(diffs, key=diffs.get)
+    print(f"{algo}: largest relative difference 1 vs 2 processes {diffs[worst]:.2e} ({worst}: {a[worst]!r} vs {b[worst]!r})")
