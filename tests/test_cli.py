@@ -156,3 +156,32 @@ def test_dpo_from_a_pairs_file(tiny_model_dir, prompt_file, tmp_path):
     # the same pair every step: the policy learns to prefer "chosen", so the margin grows
     assert rows[-1]["dpo/margin"] > rows[0]["dpo/margin"]
     assert rows[-1]["dpo/accuracy"] == 1.0
+
+
+@pytest.mark.parametrize("algo", ["grpo", "rloo"])
+def test_one_pass_reuses_the_update_forward(algo, tiny_model_dir, prompt_file, tmp_path, monkeypatch):
+    # One epoch over one minibatch (as TRL's GRPO with num_iterations=1): optim.reuse_forward takes
+    # the old log-probs from the update's own forward. Every logged number must be the same as
+    # with the separate no-grad forward; GRPO saves that forward, RLOO (KL in the reward: the
+    # rewards need the old log-probs before the update) keeps it.
+    import tether.rollout
+
+    forwards, real = [], tether.rollout.response_forward
+    monkeypatch.setattr(tether.rollout, "response_forward", lambda *a, **k: forwards.append(1) or real(*a, **k))
+    rows, calls = {}, {}
+    for reuse in ("true", "false"):
+        forwards.clear()
+        out = tmp_path / f"run-{reuse}"
+        args = _tiny_args(tiny_model_dir, prompt_file, out) + [
+            f"train.algo={algo}", "rollout.group_size=2", "optim.epochs=1", "optim.minibatch_size=4",
+            f"optim.reuse_forward={reuse}", "train.save_model=false", "reward.scorer=tests.conftest:length_judge",
+            "optim.lr=1e-3"]
+        assert main(args) == 0
+        rows[reuse] = [{k: v for k, v in json.loads(line).items() if not k.startswith("time/")}
+                       for line in (out / "metrics.jsonl").read_text().splitlines()]
+        calls[reuse] = len(forwards)
+    assert len(rows["true"]) == 3
+    # 3 steps: GRPO saves one policy forward per step; RLOO cannot
+    assert calls["false"] - calls["true"] == (3 if algo == "grpo" else 0), calls
+    assert rows["true"] == rows["false"]
+    assert rows["true"][0]["objective/kl_exact"] == 0.0 and rows["true"][1]["objective/kl"] != 0.0

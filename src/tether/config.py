@@ -203,6 +203,10 @@ class OptimConfig:
     """Gradient clipping by global norm."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
+    reuse_forward: bool = True
+    """With one epoch, one minibatch, no value head and no KL in the reward (GRPO as TRL runs it),
+    take the old log-probs, entropy and exact KL from the update's own forward (detached) instead
+    of a separate no-grad policy forward: the same numbers, one policy forward fewer per step."""
 
     def __post_init__(self) -> None:
         _check(self.lr > 0, "optim.lr", self.lr, "must be > 0")

@@ -28,7 +28,7 @@ from tether.controllers import make_controller
 from tether.data import PromptSampler
 from tether.kl import estimate_kl, sequence_kl
 from tether.leash import KLLeash
-from tether.rollout import Rollout, generate, sample_seeds
+from tether.rollout import Rollout, generate, sample_seeds, score_logprobs
 from tether.scorers import checked_scores
 from tether.trainers.common import Run, ScoredBatch, optimizer_step, score_rollout
 
@@ -73,6 +73,11 @@ class OnPolicyTrainer:
         self.optimizer = torch.optim.AdamW(self.params, lr=c.optim.lr, weight_decay=c.optim.weight_decay)
         self.generator = torch.Generator().manual_seed(c.train.seed)
         self.last_experience: Experience | None = None
+        # one update on the whole batch with no value head and no KL in the reward: the policy's
+        # old log-probs are those of the update's own forward (optim.reuse_forward)
+        self.one_pass = (c.optim.reuse_forward and c.optim.epochs == 1 and c.optim.minibatch_size == c.rollout.batch_size
+                         and not self.uses_values and not c.kl.kl_in_reward)
+        self._graded = None
 
     # ---- the step --------------------------------------------------------------------------
     def step(self, step: int) -> dict:
@@ -92,10 +97,13 @@ class OnPolicyTrainer:
         # 3. score responses with the reward model
         scores = torch.tensor(checked_scores(run.scorer, rollout.responses, step))
         # 4. old log-probs (+ values) and reference log-probs, no grad
+        #    (in one pass, optim.reuse_forward: the update's own forward, whose graph step 7 reuses)
         minibatches = self.minibatch_indices()
         scored = score_rollout(run.policy, run.reference, rollout, c.rollout.temperature, minibatches,
                                with_values=self.uses_values, exact_kl=c.kl.exact,
-                               exact_chunk_size=c.kl.exact_chunk_size)
+                               exact_chunk_size=c.kl.exact_chunk_size,
+                               graded_policy=self.model if self.one_pass else None)
+        self._graded = scored.graded
         t_score = time.perf_counter()
         # 5. per-token KL and rewards (the leash applies the KL in the reward if placed there)
         kl_coef = self.controller.kl_coef
@@ -154,6 +162,14 @@ class OnPolicyTrainer:
         stats["policy/kl_loss"] = kl_term
         return loss + kl_term
 
+    def policy_logprobs(self, part: Rollout) -> Tensor:
+        """(B, R) log-probs of ``part`` under the current policy, with grad: the forward kept from
+        step 4 in one-pass mode (consumed once), else a fresh forward."""
+        if self._graded is not None:
+            graded, self._graded = self._graded, None
+            return graded.logprobs
+        return score_logprobs(self.model, part, self.cfg.rollout.temperature).logprobs
+
     def minibatch_indices(self) -> list[Tensor]:
         """This process's rows of each minibatch of an epoch (the same minibatches for any number
         of processes, see :func:`tether.distributed.stratified_minibatches`)."""
@@ -184,7 +200,7 @@ class OnPolicyTrainer:
                     first_dev = D.all_reduce_max(parts["_ratio_dev"])
                 for k, v in parts.items():
                     if not k.startswith("_"):
-                        weighted[k] = weighted.get(k, 0.0) + float(v) * float(share)
+                        weighted[k] = weighted.get(k, 0.0) + float(v.detach() if torch.is_tensor(v) else v) * float(share)
                 n_steps += 1
         keys = sorted(weighted)
         totals = D.all_reduce_sum(torch.tensor([weighted[k] for k in keys], dtype=torch.float64))

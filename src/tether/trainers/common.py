@@ -28,7 +28,8 @@ from tether.models import (
     make_reference,
     resolve_model_path,
 )
-from tether.rollout import Rollout, score_logprobs
+from tether.logprobs import entropy_from_logits
+from tether.rollout import Rollout, Scored, score_logprobs
 from tether.scorers import Scorer, make_scorer
 
 log = logging.getLogger(__name__)
@@ -194,6 +195,9 @@ class ScoredBatch:
     values: Tensor | None
     entropy: Tensor
     exact_kl: Tensor | None
+    graded: Scored | None = None
+    """The policy's forward with its autograd graph, when ``score_rollout`` was given a
+    ``graded_policy`` (one minibatch): the update differentiates it instead of a second forward."""
 
 
 @torch.no_grad()
@@ -206,20 +210,35 @@ def score_rollout(
     with_values: bool,
     exact_kl: bool,
     exact_chunk_size: int = 256,
+    graded_policy: nn.Module | None = None,
 ) -> ScoredBatch:
     """Policy and reference log-probabilities (and values, entropy, exact KL) of a rollout.
 
     Rows are scored in the groups ``row_chunks`` (index tensors covering every row once), so the
     first PPO minibatch sees exactly the inputs its old log-probabilities came from and the
     ratio at step 0 is exactly 1. Logits are held for one group at a time only.
+
+    With ``graded_policy`` (the module the update differentiates; one group only) the policy's
+    forward runs with autograd on and is returned as ``graded``; the old log-probs, entropy and
+    exact KL are its detached values, the same numbers a no-grad forward gives.
     """
     B, R = rollout.response_ids.shape
     exact_kl = exact_kl and reference is not None
+    if graded_policy is not None and len(row_chunks) != 1:
+        raise ValueError(f"graded_policy needs one row group, got {len(row_chunks)}")
     out = {k: torch.zeros(B, R) for k in ("old", "ref", "values", "entropy", "exact")}
+    graded = None
     for idx in row_chunks:
         part = rollout.select(idx)
-        pol = score_logprobs(policy, part, temperature, with_values=with_values, with_entropy=True,
-                             keep_logits=exact_kl)
+        if graded_policy is not None:
+            with torch.enable_grad():
+                graded = score_logprobs(graded_policy, part, temperature, keep_logits=True)
+            logits = graded.logits.detach()  # (B, R, V)
+            pol = Scored(graded.logprobs.detach(), None, entropy_from_logits(logits, temperature), logits)
+            graded.logits = None  # the graph keeps what the backward needs; drop the reference to it
+        else:
+            pol = score_logprobs(policy, part, temperature, with_values=with_values, with_entropy=True,
+                                 keep_logits=exact_kl)
         out["old"][idx], out["entropy"][idx] = pol.logprobs, pol.entropy
         if with_values:
             out["values"][idx] = pol.values
@@ -230,4 +249,4 @@ def score_rollout(
                 out["exact"][idx] = exact_kl_from_logits(pol.logits, ref.logits, temperature, exact_chunk_size)
     return ScoredBatch(out["old"], out["ref"] if reference is not None else None,
                        out["values"] if with_values else None, out["entropy"],
-                       out["exact"] if exact_kl else None)
+                       out["exact"] if exact_kl else None, graded)

@@ -18,7 +18,7 @@ from torch import Tensor
 from tether.advantages import group_normalized_advantages, rloo_advantages
 from tether.kl import masked_sum
 from tether.losses import ppo_policy_loss
-from tether.rollout import Rollout, score_logprobs
+from tether.rollout import Rollout
 from tether.trainers.base import Experience, OnPolicyTrainer
 from tether.trainers.common import ScoredBatch
 
@@ -36,11 +36,11 @@ class GroupTrainer(OnPolicyTrainer):
 
     def minibatch_loss(self, exp: Experience, idx: Tensor, part: Rollout, kl_coef: float) -> tuple[Tensor, dict]:
         c, mask = self.cfg, part.response_mask
-        new = score_logprobs(self.model, part, c.rollout.temperature)
-        pl = ppo_policy_loss(new.logprobs, exp.old_logprobs[idx], exp.advantages[idx], mask, c.ppo.clip_eps)
+        logprobs = self.policy_logprobs(part)  # (B, R), with grad
+        pl = ppo_policy_loss(logprobs, exp.old_logprobs[idx], exp.advantages[idx], mask, c.ppo.clip_eps)
         stats = {"policy/loss": pl.loss, "policy/clipfrac": pl.clipfrac, "policy/approx_kl": pl.approx_kl,
                  "_ratio_dev": torch.where(mask, (pl.ratio - 1).abs(), 0.0).max()}
-        return self.add_kl_loss(pl.loss, stats, new.logprobs, exp, idx, mask, kl_coef), stats
+        return self.add_kl_loss(pl.loss, stats, logprobs, exp, idx, mask, kl_coef), stats
 
 
 class GRPOTrainer(GroupTrainer):
