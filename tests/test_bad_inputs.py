@@ -95,7 +95,7 @@ def _prompt_files(tmp_path: Path) -> dict[str, tuple[Path, list[str]]]:
     files["JSONL line without a prompt"] = (no_key, ["q.jsonl:2", '"prompt"'])
     long = tmp_path / "long.txt"
     long.write_text("\n".join([f"short prompt {i}" for i in range(20)] + ["word " * 400]) + "\n")
-    files["prompt longer than the context"] = (long, ["rollout.max_prompt_tokens"])
+    files["prompt longer than the context"] = (long, ["long.txt:21:", "rollout.max_prompt_tokens"])
     files["missing prompt file"] = (tmp_path / "nope.txt", ["data.prompts", "nope.txt"])
     return files
 

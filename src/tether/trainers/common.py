@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import logging
 import random
 from dataclasses import dataclass
@@ -72,20 +73,37 @@ def freeze_lower_layers(lm: nn.Module, trainable_layers: int | None) -> None:
             p.requires_grad_(True)
 
 
-def check_prompt_lengths(tokenizer, prompts: list[str], max_prompt_tokens: int) -> None:
+def check_prompt_lengths(tokenizer, prompts: list[str], max_prompt_tokens: int, source: str | None = None) -> None:
     """Refuse, before training starts, any prompt that is empty or longer than the limit.
 
+    Args:
+        source: the prompt file, if any: the error then names its line (``FILE:LINE``).
+
     Raises:
-        ValueError: naming the prompt and the field to change.
+        ValueError: naming the prompt (and its file and line) and the field to change.
     """
     for start in range(0, len(prompts), 2048):
         chunk = prompts[start : start + 2048]
         lengths = [len(ids) for ids in tokenizer(chunk, add_special_tokens=True)["input_ids"]]
         for i, (p, n) in enumerate(zip(chunk, lengths)):
             if n == 0 or n > max_prompt_tokens:
+                where = f"prompt {start + i + 1}"
+                if source is not None:
+                    where = f"data.prompts: {source}:{prompt_line(source, p)}:"
                 raise ValueError(
-                    f"prompt {start + i + 1} ({p[:60]!r}) has {n} tokens; rollout.max_prompt_tokens="
+                    f"{where} ({p[:60]!r}) has {n} tokens; rollout.max_prompt_tokens="
                     f"{max_prompt_tokens} (shorten the prompt or raise rollout.max_prompt_tokens)")
+
+
+def prompt_line(path: str | Path, prompt: str) -> int | str:
+    """1-based line of ``prompt``'s first occurrence in a prompt file read by ``read_prompt_file``."""
+    for i, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
+        text = line.strip()
+        if Path(path).suffix == ".jsonl" and text:
+            text = json.loads(line).get("prompt", "")
+        if text == prompt or text.strip() == prompt.strip():
+            return i
+    return "?"
 
 
 @dataclass
@@ -140,7 +158,8 @@ def build_run(config: Config, scorer: Scorer | None = None, resume: bool = False
         log.warning("tether: warning: %s", w)
     path = resolve_model_path(config.model.name)
     tokenizer = load_tokenizer(path)
-    check_prompt_lengths(tokenizer, train_prompts + heldout, config.rollout.max_prompt_tokens)
+    check_prompt_lengths(tokenizer, train_prompts + heldout, config.rollout.max_prompt_tokens,
+                         None if config.data.prompts == DEFAULT_PROMPTS else config.data.prompts)
     lm = load_causal_lm(path)
     m = config.model
     if m.lora:  # a peft model: the policy trains adapters, the reference reuses its frozen base
