@@ -31,10 +31,14 @@ TRL ... (``--pairs``) so that a change in the machine's load hits both. Equal wo
   (``--trl-gradient-checkpointing`` turns TRL's default back on); no evaluation, checkpoints,
   plots or saved models inside the timed steps.
 
-Differences that stay, because they are what each library does per step: tether also scores the
-batch with the policy without grad (old log-probs, entropy) and, by default, the exact
-full-vocabulary KL (``kl.exact``; pass ``--tether kl.exact=false`` to drop it); TRL skips the
-old log-probs when ``num_iterations=1`` and computes log-probs with a chunked fused LM head.
+Differences that stay, because they are what each library does per step: tether computes, by
+default, the exact full-vocabulary KL and the entropy as metrics (``kl.exact``; pass
+``--tether kl.exact=false`` to drop the KL); TRL computes log-probs with a chunked fused LM head.
+Neither runs a separate no-grad policy forward here: with one epoch over one minibatch tether
+takes the old log-probs from the update's own forward (``optim.reuse_forward``, on by default;
+``--tether optim.reuse_forward=false`` restores the extra forward), as TRL does with
+``num_iterations=1``. In that mode tether's graded policy forward runs inside its scoring step
+and is counted under "policy no-grad" in the phase table.
 
 Phases come from wrappers installed in each child, never from edits to either library:
 generate (tokenize + sample + decode), reward (VADER), policy no-grad scoring, reference

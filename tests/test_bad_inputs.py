@@ -67,6 +67,8 @@ CONFIG_CASES = [
     ("held-out fraction >= 1", ["data.heldout_fraction=1.5"], 2, ["data.heldout_fraction=1.5"]),
     ("zero response length", ["rollout.max_new_tokens=0"], 2, ["rollout.max_new_tokens=0", ">= 1"]),
     ("negative LoRA rank", ["model.lora_r=-1"], 2, ["model.lora_r=-1"]),
+    ("controller on the exact KL without it", ["kl.controller_signal=exact", "kl.exact=false"], 2,
+     ["kl.controller_signal='exact'", "kl.exact=true"]),
     ("override without a section", ["kl_coef=0.1"], 2, ["kl_coef"]),
 ]
 

@@ -157,6 +157,10 @@ class KLConfig:
     """KL budget epsilon of kl.controller=budget, in ``target_unit`` (nats per sequence by default)."""
     budget_eta: float = 0.01
     """Dual step size of the budget controller: beta += budget_eta * (KL - budget), beta >= 0."""
+    controller_signal: str = "estimator"
+    """The KL the adaptive and budget controllers read: ``estimator`` (the logged ``kl.estimator``
+    values, as in Ziegler et al.) or ``exact`` (the exact per-token KL summed along the samples,
+    needs ``kl.exact``: also unbiased for the sequence KL, with much less batch-to-batch noise)."""
     exact: bool = True
     """Also log the exact full-vocabulary KL (objective/kl_exact), chunked."""
     exact_chunk_size: int = 256
@@ -188,6 +192,10 @@ class KLConfig:
         _check(self.horizon > 0, "kl.horizon", self.horizon, "must be > 0 (samples)")
         _check(self.budget > 0, "kl.budget", self.budget, f"must be > 0 ({self.target_unit})")
         _check(self.budget_eta > 0, "kl.budget_eta", self.budget_eta, "must be > 0")
+        _check(self.controller_signal in ("estimator", "exact"), "kl.controller_signal", self.controller_signal,
+               "choose 'estimator' or 'exact'")
+        _check(self.controller_signal != "exact" or self.exact, "kl.controller_signal", self.controller_signal,
+               "'exact' needs kl.exact=true")
         _check(self.exact_chunk_size >= 1, "kl.exact_chunk_size", self.exact_chunk_size, "must be >= 1")
 
 

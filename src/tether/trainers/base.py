@@ -117,9 +117,11 @@ class OnPolicyTrainer:
         # 7. update epochs
         update = self.update(exp, kl_coef)
         t_update = time.perf_counter()
-        # 8. update kl_coef with the KL that was logged (and, if placed there, in the reward)
+        # 8. update kl_coef with the KL that was logged (kl.controller_signal: the estimator's, also
+        #    the one in the reward, or the exact KL)
         if kl is not None:
-            stats = D.kl_stats(kl, rollout.response_mask)
+            signal = scored.exact_kl if c.kl.controller_signal == "exact" else kl  # (B, R) nats per token
+            stats = D.kl_stats(signal, rollout.response_mask)
             unit = "kl_per_sequence" if c.kl.target_unit == "nats_per_sequence" else "kl_per_token"
             self.controller.update(float(stats[unit]), n_steps=c.rollout.batch_size)
         # 9. metrics
