@@ -185,3 +185,25 @@ def test_one_pass_reuses_the_update_forward(algo, tiny_model_dir, prompt_file, t
     assert calls["false"] - calls["true"] == (3 if algo == "grpo" else 0), calls
     assert rows["true"] == rows["false"]
     assert rows["true"][0]["objective/kl_exact"] == 0.0 and rows["true"][1]["objective/kl"] != 0.0
+
+
+def test_report_and_tensorboard(tiny_model_dir, prompt_file, tmp_path, capsys):
+    # a run with TensorBoard on, then `tether report` on its folder: one self-contained page
+    out = tmp_path / "run"
+    assert main(_tiny_args(tiny_model_dir, prompt_file, out) + ["train.tensorboard=true", "train.save_model=false"]) == 0
+    assert main(["report", str(out)]) == 0
+    page = (out / "report.html").read_text()
+    assert page.count('src="data:image/png;base64,') >= 2  # training.png and score_vs_kl.png inlined
+    assert "kl_coef" in page and "warnings" in page.lower()
+    assert "../" not in page and 'src="http' not in page  # nothing outside the page
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert samples[0]["prompt"] in page  # the sample table shows the run's samples
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(out / "tensorboard"))
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    assert "objective/kl" in tags and "objective/kl_coef" in tags
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    got = [e.value for e in acc.Scalars("objective/scores")]
+    assert got == pytest.approx([r["objective/scores"] for r in rows], abs=1e-6)
