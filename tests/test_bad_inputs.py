@@ -165,3 +165,17 @@ def test_run_directory_errors(tiny_model_dir, prompt_file, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()[-1]
     print(f"| unknown scorer | `reward.scorer=nonsense` | 1 | {err} |")
     assert "nonsense" in err and "module:function" in err
+
+
+def test_non_finite_gradient_stops_before_the_weights_change():
+    import torch
+
+    from tether.trainers.common import optimizer_step
+
+    w = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    opt = torch.optim.AdamW([w], lr=0.1)
+    loss = (w * torch.tensor([float("nan"), 1.0])).sum()  # d loss / d w = [nan, 1]
+    with pytest.raises(FloatingPointError, match="non-finite gradient norm nan in the ppo update"):
+        optimizer_step(opt, [w], loss, 1.0, "ppo")
+    assert torch.equal(w.detach(), torch.tensor([1.0, 2.0]))  # no step was taken
+    assert not opt.state  # AdamW never stepped: its moments are untouched
