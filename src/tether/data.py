@@ -118,6 +118,15 @@ def read_prompt_file(path: str | Path) -> list[str]:
         FileNotFoundError: no such file.
         ValueError: empty file, malformed JSON or a missing/empty ``prompt`` (the line is named).
     """
+    return [p for _, p in prompt_file_lines(path)]
+
+
+def prompt_file_lines(path: str | Path) -> list[tuple[int, str]]:
+    """(1-based line, prompt) of each prompt of a file, as :func:`read_prompt_file` reads it.
+
+    Raises:
+        the errors of :func:`read_prompt_file`.
+    """
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"data.prompts: no file {path}")
@@ -132,9 +141,9 @@ def read_prompt_file(path: str | Path) -> list[str]:
                 raise ValueError(f"data.prompts: {path}:{i} is not valid JSON ({e.msg})") from None
             if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"].strip():
                 raise ValueError(f'data.prompts: {path}:{i} needs a non-empty "prompt" string')
-            prompts.append(obj["prompt"])
+            prompts.append((i, obj["prompt"]))
         else:
-            prompts.append(line.strip())
+            prompts.append((i, line.strip()))
     if not prompts:
         raise ValueError(f"data.prompts: {path} holds no prompts")
     return prompts

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import logging
 import random
 from dataclasses import dataclass
@@ -15,7 +14,7 @@ from torch import Tensor, nn
 
 from tether.config import Config, check_world_size, dump_config
 from tether.distributed import barrier, gather_objects, is_main
-from tether.data import DEFAULT_PROMPTS, movie_prompts, read_prompt_file, split_prompts
+from tether.data import DEFAULT_PROMPTS, movie_prompts, prompt_file_lines, read_prompt_file, split_prompts
 from tether.kl import exact_kl_from_logits
 from tether.metrics import RunWriter
 from tether.models import (
@@ -96,14 +95,8 @@ def check_prompt_lengths(tokenizer, prompts: list[str], max_prompt_tokens: int, 
 
 
 def prompt_line(path: str | Path, prompt: str) -> int | str:
-    """1-based line of ``prompt``'s first occurrence in a prompt file read by ``read_prompt_file``."""
-    for i, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
-        text = line.strip()
-        if Path(path).suffix == ".jsonl" and text:
-            text = json.loads(line).get("prompt", "")
-        if text == prompt or text.strip() == prompt.strip():
-            return i
-    return "?"
+    """1-based line of ``prompt``'s first occurrence in a prompt file (``"?"`` if absent)."""
+    return next((i for i, p in prompt_file_lines(path) if p == prompt), "?")
 
 
 @dataclass
