@@ -1,6 +1,6 @@
 """The KL-budget controller beside the adaptive controller, same target, on the embedded default.
 
-Usage: python benchmarks/budget_vs_adaptive.py [--out runs/budget] [--kl 1.5] [--steps 24] [overrides]
+Usage: python benchmarks/budget_vs_adaptive.py [--out runs/budget] [--kl 2.0] [--steps 40] [overrides]
 
 Runs PPO twice (kl.controller=budget with kl.budget=KL, and kl.controller=adaptive with
 kl.target=KL), prints the mean measured KL over the last half of each run against the target,
@@ -18,8 +18,8 @@ from pathlib import Path
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="runs/budget")
-    ap.add_argument("--kl", type=float, default=1.5, help="budget / target, nats per sequence")
-    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--kl", type=float, default=2.0, help="budget / target, nats per sequence")
+    ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
 

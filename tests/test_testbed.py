@@ -387,7 +387,25 @@ def test_budget_update_rule_by_hand():
     assert c.update(1.0, 10**6) == 0.0
     assert c.update(3.0, 1) == pytest.approx(0.2, abs=1e-15)
     assert c.update(3.0, 10**6) == pytest.approx(0.4, abs=1e-15)
-    assert c.state_dict() == {"kl_coef": c.kl_coef, "budget": 1.0, "eta": 0.1}
+    assert c.state_dict() == {"kl_coef": c.kl_coef, "budget": 1.0, "eta": 0.1, "kp": 0.0, "dual": c.kl_coef}
+
+
+def test_budget_proportional_term_by_hand():
+    c = BudgetKLController(kl_coef=0.1, budget=1.0, eta=0.1, kp=1.0)
+    # error 0.5: dual 0.1 + 0.1 * 0.5 = 0.15; beta = 0.15 + 1.0 * 0.5 = 0.65
+    assert c.update(1.5, 1) == pytest.approx(0.65, abs=1e-15) and c.dual == pytest.approx(0.15, abs=1e-15)
+    # error -0.5: dual 0.15 - 0.05 = 0.10; beta = 0.10 - 0.5 -> projected to 0
+    assert c.update(0.5, 1) == 0.0 and c.dual == pytest.approx(0.10, abs=1e-15)
+    # on budget: dual unchanged (0.10) and beta = dual = 0.10 (the fixed point of pure dual ascent)
+    assert c.update(1.0, 1) == pytest.approx(0.10, abs=1e-15) and c.dual == pytest.approx(0.10, abs=1e-15)
+    # far under: dual max(0, 0.10 + 0.1 * (-1.0)) = max(0, 0.0) = 0, beta max(0, 0 - 1.0) = 0
+    assert c.update(0.0, 1) == 0.0 and c.dual == pytest.approx(0.0, abs=1e-15)
+    with pytest.raises(ValueError, match="kp"):
+        BudgetKLController(kl_coef=0.1, budget=1.0, kp=-1.0)
+    # kp = 0 is the pure rule, step for step
+    a, b = BudgetKLController(0.3, 1.0, 0.2), BudgetKLController(0.3, 1.0, 0.2, kp=0.0)
+    for kl in (1.7, 0.2, 0.0, 2.5, 1.0):
+        assert a.update(kl, 1) == b.update(kl, 1) == a.dual
 
 
 def test_budget_controller_validation_and_factory():
@@ -420,10 +438,11 @@ def beta_for_budget(bed: tb.TabularBed, eps: float) -> float:
     return mid
 
 
-def test_budget_controller_holds_the_kl_on_the_bandit():
+@pytest.mark.parametrize("kp", [0.0, 1.0], ids=["dual-ascent", "with-kp"])
+def test_budget_controller_holds_the_kl_on_the_bandit(kp):
     bed, eps = bed_bandit(), 0.3  # nats per sequence; unconstrained KL at beta 1 is 0.5356
     beta_star = beta_for_budget(bed, eps)  # 1.36867
-    c = BudgetKLController(kl_coef=1.0, budget=eps, eta=0.2)
+    c = BudgetKLController(kl_coef=1.0, budget=eps, eta=0.2, kp=kp)
     settings = tb.TrainSettings(steps=150, batch_size=1024, group_size=G, lr_final_fraction=0.2)
     log = tb.train_on_policy(bed, "rloo", c, settings)
     half = settings.steps // 2
@@ -435,12 +454,12 @@ def test_budget_controller_holds_the_kl_on_the_bandit():
     msg = (f"budget {eps}: last half measured KL mean {float(measured.mean()):.4f} ({mean_dev:.1%} off), "
            f"exact KL in [{float(exact.min()):.4f}, {float(exact.max()):.4f}] (max {exact_dev:.1%} off), "
            f"single-batch estimates up to {batch_dev:.1%} off (sampling noise, SE ~8%); "
-           f"beta {c.kl_coef:.4f} vs beta*(eps) {beta_star:.4f}")
+           f"beta {c.kl_coef:.4f} (dual {c.dual:.4f}) vs beta*(eps) {beta_star:.4f} (kp {kp})")
     print(msg)
     assert beta_star == pytest.approx(1.36867, abs=1e-4)
     assert mean_dev < 0.10, msg
     assert exact_dev < 0.10, msg
-    assert abs(c.kl_coef - beta_star) / beta_star < 0.05, msg
+    assert abs(c.dual - beta_star) / beta_star < 0.05, msg  # the multiplier settles at beta*(eps)
 
 
 # ---- best-of-N ----------------------------------------------------------------------------------

@@ -61,7 +61,7 @@ class OnPolicyTrainer:
         self.group_size = c.rollout.group_size
         self.sampler = PromptSampler(run.train_prompts, c.train.seed)
         self.controller = make_controller(c.kl.controller, c.kl.kl_coef, c.kl.target, c.kl.horizon,
-                                          budget=c.kl.budget, eta=c.kl.budget_eta)
+                                          budget=c.kl.budget, eta=c.kl.budget_eta, kp=c.kl.budget_kp)
         self.leash = KLLeash(c.kl.kl_in_reward, c.kl.kl_in_loss, c.kl.loss_estimator)
         if not self.uses_values:  # no loss reaches the value head: frozen, so DDP waits for no gradient of it
             run.policy.value_head.requires_grad_(False)
@@ -142,6 +142,8 @@ class OnPolicyTrainer:
         self.optimizer.load_state_dict(state["optimizer"])
         for k, v in state["controller"].items():
             setattr(self.controller, k, v)
+        if hasattr(self.controller, "dual") and "dual" not in state["controller"]:
+            self.controller.dual = self.controller.kl_coef  # a checkpoint from before budget_kp
         self.generator.set_state(state["generator"])
         self.sampler.load_state_dict(state["sampler"])
         self.leash.counts.update(state["leash_counts"])
