@@ -247,8 +247,15 @@ def child_tether(spec: dict) -> dict:
         patch(tb, "generate", phases, "generate", lambda ro: int(ro.response_mask.sum()))
         patch(tb, "checked_scores", phases, "reward")
         reference: list = [None]
-        patch(tc, "score_logprobs", phases, lambda model, *a, **k: "reference" if model is reference[0] else "policy_nograd")
-        patch(tc, "exact_kl_from_logits", phases, "exact_kl")
+        import tether.rollout as tr
+
+        def which(model, *a, **k):
+            return "reference" if model is reference[0] else "policy_nograd"
+
+        patch(tc, "score_logprobs", phases, which)  # the graded forward (optim.reuse_forward)
+        patch(tr, "response_hidden", phases, which)  # each model's trunk in no-grad scoring
+        patch(tr, "head_logits", phases, which)  # each model's LM head, one slice at a time
+        patch(tr, "exact_kl_from_logits", phases, "exact_kl")
         patch(tg.GroupTrainer, "minibatch_loss", phases, "policy_fwd")
 
     config = load_config(None, tether_overrides(spec))

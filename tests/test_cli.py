@@ -166,8 +166,10 @@ def test_one_pass_reuses_the_update_forward(algo, tiny_model_dir, prompt_file, t
     # rewards need the old log-probs before the update) keeps it.
     import tether.rollout
 
-    forwards, real = [], tether.rollout.response_forward
-    monkeypatch.setattr(tether.rollout, "response_forward", lambda *a, **k: forwards.append(1) or real(*a, **k))
+    forwards = []  # one entry per trunk forward: with grad (response_forward) or no-grad (response_hidden)
+    for name in ("response_forward", "response_hidden"):
+        real = getattr(tether.rollout, name)
+        monkeypatch.setattr(tether.rollout, name, lambda *a, _real=real, **k: forwards.append(1) or _real(*a, **k))
     rows, calls = {}, {}
     for reuse in ("true", "false"):
         forwards.clear()
@@ -207,3 +209,25 @@ def test_report_and_tensorboard(tiny_model_dir, prompt_file, tmp_path, capsys):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     got = [e.value for e in acc.Scalars("objective/scores")]
     assert got == pytest.approx([r["objective/scores"] for r in rows], abs=1e-6)
+
+
+@pytest.mark.parametrize("signal", ["estimator", "exact"])
+def test_budget_controller_run_follows_its_rule(tiny_model_dir, prompt_file, tmp_path, signal):
+    # a PPO run under kl.controller=budget: each logged beta is the previous step's beta moved
+    # by the rule on the previous step's logged KL (the signal it reads), never recomputed apart
+    out = tmp_path / "run"
+    eps, eta, kp = 0.01, 2.0, 3.0
+    args = _tiny_args(tiny_model_dir, prompt_file, out) + [
+        "kl.controller=budget", f"kl.budget={eps}", f"kl.budget_eta={eta}", f"kl.budget_kp={kp}",
+        f"kl.controller_signal={signal}", "kl.kl_coef=0.1", "optim.lr=3e-3", "train.steps=4",
+        "train.save_model=false", "eval.n_prompts=0", "eval.every=0"]
+    assert main(args) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    key = "objective/kl" if signal == "estimator" else "objective/kl_exact"
+    dual = 0.1
+    assert rows[0]["objective/kl_coef"] == pytest.approx(0.1)
+    for prev, row in zip(rows, rows[1:]):
+        error = prev[key] - eps
+        dual = max(0.0, dual + eta * error)
+        assert row["objective/kl_coef"] == pytest.approx(max(0.0, dual + kp * error), abs=1e-6)
+    assert len({r["objective/kl_coef"] for r in rows}) > 2  # beta really moved

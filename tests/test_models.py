@@ -144,3 +144,55 @@ def test_fingerprint_sees_a_changed_weight(tiny_lm):
     with torch.no_grad():
         next(ref.parameters()).view(-1)[0] += 1e-3
     assert fingerprint(ref) != fp
+
+
+# ---- the LM head in slices: no-grad scoring never holds (B, R, V) logits ---------------------
+def test_head_row_slices_by_hand():
+    from tether.models import head_row_slices
+
+    # R = 3, 7 positions per slice: max(1, 7 // 3) = 2 rows -> rows [0:2], [2:4], [4:5]
+    assert head_row_slices(5, 3, 7) == [slice(0, 2), slice(2, 4), slice(4, 5)]
+    # fewer positions than one row: one row per slice
+    assert head_row_slices(3, 3, 2) == [slice(0, 1), slice(1, 2), slice(2, 3)]
+    assert head_row_slices(4, 3, 10**6) == [slice(0, 4)]
+    assert head_row_slices(0, 3, 8) == []
+    with pytest.raises(ValueError, match="kl.exact_chunk_size"):
+        head_row_slices(4, 3, 0)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 10**6])
+def test_sliced_scoring_equals_the_full_forward_bit_for_bit(tiny_tokenizer, tiny_lm, monkeypatch, chunk):
+    import tether.rollout as tr
+    from tether.kl import exact_kl_from_logits
+    from tether.logprobs import entropy_from_logits, logprobs_from_logits
+    from tether.rollout import response_forward, score_policy_and_reference
+
+    reference = make_reference(tiny_lm)
+    policy = PolicyWithValue(tiny_lm, head_chunk=chunk)
+    prompts = PROMPTS + ["i loved this", "worst movie", "an excellent"]
+    ro = _rollout(tiny_tokenizer, tiny_lm, prompts)
+    B, R = ro.response_ids.shape
+
+    # step 0 (policy == reference): the KL is exactly 0 on the sliced path
+    pol, ref, exact = score_policy_and_reference(policy, reference, ro, 1.0, exact_kl=True)
+    assert torch.equal(pol.logprobs, ref.logprobs) and torch.equal(exact, torch.zeros(B, R))
+
+    with torch.no_grad():  # move the policy so that every quantity is non-trivial
+        for p in policy.lm.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    seen = []
+    real = tr.head_logits
+    monkeypatch.setattr(tr, "head_logits", lambda lm, h: seen.append(h.shape[0]) or real(lm, h))
+    pol, ref, exact = score_policy_and_reference(policy, reference, ro, 0.7, with_values=True, exact_kl=True)
+    # the slow path: full (B, R, V) logits of both models, then the same functions
+    with torch.no_grad():
+        logits, values = response_forward(policy, ro, with_values=True)
+        ref_logits, _ = response_forward(reference, ro, head_chunk=chunk)
+    assert torch.equal(pol.logprobs, logprobs_from_logits(logits, ro.response_ids, 0.7))
+    assert torch.equal(pol.entropy, entropy_from_logits(logits, 0.7))
+    assert torch.equal(pol.values, values)
+    assert torch.equal(ref.logprobs, logprobs_from_logits(ref_logits, ro.response_ids, 0.7))
+    assert torch.equal(exact, exact_kl_from_logits(logits, ref_logits, 0.7))
+    assert float(exact.min()) >= 0 and float(exact.max()) > 1e-4
+    rows = max(1, chunk // R)  # the head never saw more rows than one slice holds
+    assert max(seen) == min(rows, B) and sum(seen) == 2 * B  # each row once per model

@@ -133,6 +133,11 @@ def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.M
     return model
 
 
+HEAD_CHUNK_POSITIONS = 256
+"""Default token positions per LM-head chunk (``kl.exact_chunk_size``): no-grad scoring holds the
+logits of at most this many positions (rounded up to whole rows) at a time."""
+
+
 class PolicyWithValue(nn.Module):
     """A causal LM with a scalar value head on its last hidden state (shared trunk).
 
@@ -144,8 +149,10 @@ class PolicyWithValue(nn.Module):
     ``peft`` the wrapper, kept for adapter switching and saving; otherwise ``peft`` is None.
     """
 
-    def __init__(self, lm: nn.Module):
+    def __init__(self, lm: nn.Module, head_chunk: int = HEAD_CHUNK_POSITIONS):
         super().__init__()
+        self.head_chunk = head_chunk
+        """Positions per LM-head slice (:func:`head_row_slices`); the reference is scored with the same."""
         peft_model = lm if is_peft_model(lm) else None
         # not a submodule: it wraps self.lm, whose parameters must be listed (and saved) once
         object.__setattr__(self, "peft", peft_model)
@@ -182,9 +189,12 @@ class PolicyWithValue(nn.Module):
         Returns:
             logits (B, n_keep, V) and values (B, n_keep) float32 or None.
         """
-        logits, hidden = tail_logits(self.lm, input_ids, attention_mask, position_ids, n_keep)
-        values = self.value_head(hidden.float()).squeeze(-1) if with_values else None
-        return logits, values
+        logits, hidden = tail_logits(self.lm, input_ids, attention_mask, position_ids, n_keep, self.head_chunk)
+        return logits, self.values(hidden) if with_values else None
+
+    def values(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Value estimates (B, n) float32 from last hidden states (B, n, d)."""
+        return self.value_head(hidden.float()).squeeze(-1)
 
     def lm_checkpoint_state(self) -> dict[str, torch.Tensor]:
         """The LM tensors a checkpoint holds: all of them, or with LoRA only the policy adapter's.
@@ -207,30 +217,87 @@ class PolicyWithValue(nn.Module):
             self.peft.save_pretrained(out, selected_adapters=[POLICY_ADAPTER], save_embedding_layers=False)
 
 
+def head_row_slices(n_rows: int, n_positions: int, chunk_positions: int = HEAD_CHUNK_POSITIONS) -> list[slice]:
+    """Row slices of a (n_rows, n_positions, d) hidden-state batch, each about ``chunk_positions`` tokens.
+
+    Every path that turns hidden states into logits (the update's forward with autograd, no-grad
+    scoring, the reference) applies the LM head on exactly these slices. One matrix product's
+    rows are then computed by the same kernel on the same shape whichever path runs them, so the
+    logits agree bit for bit: the step-0 KL is exactly 0 and the first PPO ratio exactly 1, while
+    no-grad scoring never holds (B, R, V) logits (a small last slice could otherwise take another
+    BLAS path, e.g. a matrix-vector kernel for a single row, and round differently).
+
+    Args:
+        n_rows: B, rows of the batch (>= 0).
+        n_positions: R, positions per row (>= 1).
+        chunk_positions: target positions per slice (>= 1); a slice has
+            ``max(1, chunk_positions // R)`` rows, the last one fewer.
+
+    Raises:
+        ValueError: ``chunk_positions`` < 1.
+    """
+    if chunk_positions < 1:
+        raise ValueError(f"chunk_positions must be >= 1, got {chunk_positions}; set kl.exact_chunk_size >= 1")
+    rows = max(1, chunk_positions // max(n_positions, 1))
+    return [slice(i, min(i + rows, n_rows)) for i in range(0, n_rows, rows)]
+
+
+def head_logits(lm: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The LM head on contiguous hidden states (B, n, d) -> logits (B, n, V), one matrix product.
+
+    An :class:`AdapterReference` applies its head with its adapter setting active.
+    """
+    if isinstance(lm, AdapterReference):
+        with lm.active():
+            return head_logits(lm.lm, hidden)
+    return lm.get_output_embeddings()(hidden.contiguous())
+
+
+def apply_head(lm: nn.Module, hidden: torch.Tensor, chunk_positions: int = HEAD_CHUNK_POSITIONS) -> torch.Tensor:
+    """Logits (B, n, V) of hidden states (B, n, d), the head applied per :func:`head_row_slices`."""
+    parts = [head_logits(lm, hidden[s]) for s in head_row_slices(hidden.shape[0], hidden.shape[1], chunk_positions)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def tail_hidden(
+    lm: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    n_keep: int,
+) -> torch.Tensor:
+    """Last hidden states (B, n_keep, d), contiguous, at the last ``n_keep`` positions.
+
+    The sliced hidden states are made contiguous before the LM head: on CPU, ``F.linear`` on a
+    strided 3-D input picks a kernel by whether the weight requires grad, so a trainable policy
+    and its frozen copy would differ by ~1e-5 on identical weights and step-0 KL would not be
+    exactly 0. An :class:`AdapterReference` runs this same path on the policy's own modules,
+    with its adapter setting switched on for the call.
+    """
+    if isinstance(lm, AdapterReference):
+        with lm.active():
+            return tail_hidden(lm.lm, input_ids, attention_mask, position_ids, n_keep)
+    trunk = getattr(lm, lm.base_model_prefix)
+    out = trunk(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    return out.last_hidden_state[:, -n_keep:].contiguous()  # (B, n_keep, d)
+
+
 def tail_logits(
     lm: nn.Module,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     position_ids: torch.Tensor,
     n_keep: int,
+    chunk_positions: int = HEAD_CHUNK_POSITIONS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits (B, n_keep, V) and last hidden states (B, n_keep, d) at the last ``n_keep`` positions.
 
-    The one path by which policy and reference turn hidden states into logits. The sliced hidden
-    states are made contiguous before the LM head: on CPU, ``F.linear`` on a strided 3-D input
-    picks a kernel by whether the weight requires grad, so a trainable policy and its frozen copy
-    would differ by ~1e-5 on identical weights and step-0 KL would not be exactly 0.
-
-    An :class:`AdapterReference` runs this same path on the policy's own modules, with its
-    adapter setting switched on for the call.
+    The one path by which policy and reference turn hidden states into logits with the full
+    (B, n_keep, V) tensor kept (:func:`tail_hidden`, then :func:`apply_head`); no-grad scoring
+    runs the same two steps without concatenating (:func:`tether.rollout.score_policy_and_reference`).
     """
-    if isinstance(lm, AdapterReference):
-        with lm.active():
-            return tail_logits(lm.lm, input_ids, attention_mask, position_ids, n_keep)
-    trunk = getattr(lm, lm.base_model_prefix)
-    out = trunk(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    hidden = out.last_hidden_state[:, -n_keep:].contiguous()  # (B, n_keep, d)
-    return lm.get_output_embeddings()(hidden), hidden
+    hidden = tail_hidden(lm, input_ids, attention_mask, position_ids, n_keep)
+    return apply_head(lm, hidden, chunk_positions), hidden
 
 
 def make_reference(policy_lm: nn.Module) -> nn.Module:

@@ -15,7 +15,16 @@ from torch import Tensor, nn
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from tether.logprobs import entropy_from_logits, logprobs_from_logits, response_mask_from_tokens
-from tether.models import PolicyWithValue, position_ids_from_mask, tail_logits
+from tether.kl import exact_kl_from_logits
+from tether.models import (
+    HEAD_CHUNK_POSITIONS,
+    PolicyWithValue,
+    head_logits,
+    head_row_slices,
+    position_ids_from_mask,
+    tail_hidden,
+    tail_logits,
+)
 
 
 @dataclass
@@ -187,21 +196,28 @@ def generate(
 
 
 def response_forward(
-    model: nn.Module, rollout: Rollout, with_values: bool = False
+    model: nn.Module, rollout: Rollout, with_values: bool = False, head_chunk: int = HEAD_CHUNK_POSITIONS
 ) -> tuple[Tensor, Tensor | None]:
     """Logits (B, R, V) predicting each response token, and values (B, R) if asked.
 
     Works for a :class:`PolicyWithValue` (also wrapped by ``accelerator.prepare``, e.g. in DDP,
     whose forward syncs gradients) and for a bare causal LM (the reference). Position ids
     start at 0 on each row's first real prompt token, so a row scores the same inside a padded
-    batch as alone.
+    batch as alone. ``head_chunk`` is a bare LM's LM-head slice size (a policy uses its own).
     """
     input_ids, attention_mask = rollout.input_ids, rollout.attention_mask  # (B, L)
     position_ids = position_ids_from_mask(attention_mask)
     R = rollout.response_ids.shape[1]
     if isinstance(getattr(model, "module", model), PolicyWithValue):
         return model(input_ids, attention_mask, position_ids, n_keep=R, with_values=with_values)
-    return tail_logits(model, input_ids, attention_mask, position_ids, R)[0], None
+    return tail_logits(model, input_ids, attention_mask, position_ids, R, head_chunk)[0], None
+
+
+def response_hidden(model: nn.Module, rollout: Rollout) -> tuple[nn.Module, Tensor]:
+    """The causal LM behind ``model`` and its last hidden states (B, R, d) at the response positions."""
+    lm = model.lm if isinstance(model, PolicyWithValue) else model
+    position_ids = position_ids_from_mask(rollout.attention_mask)
+    return lm, tail_hidden(lm, rollout.input_ids, rollout.attention_mask, position_ids, rollout.response_ids.shape[1])
 
 
 @dataclass
@@ -234,6 +250,70 @@ def score_logprobs(
         entropy=entropy_from_logits(logits, temperature) if with_entropy else None,
         logits=logits if keep_logits else None,
     )
+
+
+@torch.no_grad()
+def score_policy_and_reference(
+    policy: PolicyWithValue,
+    reference: nn.Module | None,
+    rollout: Rollout,
+    temperature: float,
+    with_values: bool = False,
+    exact_kl: bool = False,
+    policy_logits: Tensor | None = None,
+    kl_chunk_size: int = 1024,
+) -> tuple[Scored, Scored | None, Tensor | None]:
+    """No-grad scoring of a rollout by the policy and the reference, never holding (B, R, V) logits.
+
+    Each model runs its trunk once to the last hidden states (B, R, d); then, one
+    :func:`tether.models.head_row_slices` slice at a time (``policy.head_chunk`` positions), the LM
+    head gives both models' logits for that slice only, and the log-probs, the policy's entropy
+    and the exact per-token KL are taken from them before the next slice. The logits live for one
+    slice: the extra memory of the exact KL is O(head_chunk * V), independent of B * R.
+
+    The slices are those the update's forward uses (:func:`tether.models.apply_head`), so the
+    numbers equal a full forward's bit for bit (tested): the first PPO ratio stays exactly 1 and
+    the step-0 KL exactly 0.
+
+    Args:
+        policy: the policy (bare, not DDP-wrapped: this is no-grad scoring).
+        reference: the frozen reference, or None (then no ref log-probs and no exact KL).
+        rollout: B rows with R response positions.
+        temperature: the sampling temperature (> 0).
+        with_values: also the value head's estimates.
+        exact_kl: also the exact full-vocabulary KL per token (needs a reference).
+        policy_logits: (B, R, V) the policy's logits when already computed (the update's graded
+            forward, detached): the policy's trunk is then not run again.
+        kl_chunk_size: positions per float32 chunk inside :func:`tether.kl.exact_kl_from_logits`.
+
+    Returns:
+        (policy Scored with logprobs, entropy and values if asked; reference Scored with logprobs
+        or None; exact KL (B, R) float32 nats or None). Unmasked.
+    """
+    B, R = rollout.response_ids.shape
+    tokens = rollout.response_ids
+    exact_kl = exact_kl and reference is not None
+    policy_lm = hidden = values = None
+    if policy_logits is None:
+        policy_lm, hidden = response_hidden(policy, rollout)
+        values = policy.values(hidden) if with_values else None
+    ref_lm, ref_hidden = response_hidden(reference, rollout) if reference is not None else (None, None)
+    logprobs, entropy = torch.empty(B, R), torch.empty(B, R)
+    ref_logprobs = torch.empty(B, R) if reference is not None else None
+    exact = torch.empty(B, R) if exact_kl else None
+    for rows in head_row_slices(B, R, policy.head_chunk):
+        z = policy_logits[rows] if policy_logits is not None else head_logits(policy_lm, hidden[rows])  # (b, R, V)
+        logprobs[rows] = logprobs_from_logits(z, tokens[rows], temperature)
+        entropy[rows] = entropy_from_logits(z, temperature)
+        if reference is not None:
+            z_ref = head_logits(ref_lm, ref_hidden[rows])
+            ref_logprobs[rows] = logprobs_from_logits(z_ref, tokens[rows], temperature)
+            if exact_kl:
+                exact[rows] = exact_kl_from_logits(z, z_ref, temperature, kl_chunk_size)
+            del z_ref
+        del z
+    ref = Scored(ref_logprobs) if reference is not None else None
+    return Scored(logprobs, values, entropy), ref, exact
 
 
 def rollout_from_responses(

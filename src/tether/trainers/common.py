@@ -15,7 +15,6 @@ from torch import Tensor, nn
 from tether.config import Config, check_world_size, dump_config
 from tether.distributed import barrier, gather_objects, is_main
 from tether.data import DEFAULT_PROMPTS, movie_prompts, prompt_file_lines, read_prompt_file, split_prompts
-from tether.kl import exact_kl_from_logits
 from tether.metrics import RunWriter
 from tether.models import (
     PolicyWithValue,
@@ -28,8 +27,7 @@ from tether.models import (
     make_reference,
     resolve_model_path,
 )
-from tether.logprobs import entropy_from_logits
-from tether.rollout import Rollout, Scored, score_logprobs
+from tether.rollout import Rollout, Scored, score_logprobs, score_policy_and_reference
 from tether.scorers import Scorer, make_scorer
 
 log = logging.getLogger(__name__)
@@ -164,7 +162,7 @@ def build_run(config: Config, scorer: Scorer | None = None, resume: bool = False
         # count on the trunk: every path (scoring, generation) runs it exactly once per forward
         count_reference_forwards(reference, forwards)
     freeze_lower_layers(lm, config.model.trainable_layers)
-    policy = PolicyWithValue(lm)
+    policy = PolicyWithValue(lm, head_chunk=config.kl.exact_chunk_size)
     if reference is not None:
         check_reference(policy, reference)
     return Run(config, policy, reference, tokenizer, scorer, train_prompts, heldout, writer,
@@ -194,6 +192,9 @@ def optimizer_step(optimizer: torch.optim.Optimizer, params: list, loss: Tensor,
         raise FloatingPointError(f"non-finite gradient norm {float(grad_norm)} in the {name} update "
                                  f"(loss {float(loss.detach())}); stopping before the weights change")
     optimizer.step()
+    # free the gradients now, not at the next step's zero_grad: otherwise a full copy of the
+    # trainable weights stays resident through the next generation and forward, the step's peak
+    optimizer.zero_grad(set_to_none=True)
     return grad_norm
 
 
@@ -228,7 +229,8 @@ def score_rollout(
 
     Rows are scored in the groups ``row_chunks`` (index tensors covering every row once), so the
     first PPO minibatch sees exactly the inputs its old log-probabilities came from and the
-    ratio at step 0 is exactly 1. Logits are held for one group at a time only.
+    ratio at step 0 is exactly 1. No-grad logits are held for one LM-head slice at a time
+    (:func:`tether.rollout.score_policy_and_reference`), never for a whole group.
 
     With ``graded_policy`` (the module the update differentiates; one group only) the policy's
     forward runs with autograd on and is returned as ``graded``; the old log-probs, entropy and
@@ -239,26 +241,23 @@ def score_rollout(
     if graded_policy is not None and len(row_chunks) != 1:
         raise ValueError(f"graded_policy needs one row group, got {len(row_chunks)}")
     out = {k: torch.zeros(B, R) for k in ("old", "ref", "values", "entropy", "exact")}
-    graded = None
+    graded = policy_logits = None
     for idx in row_chunks:
         part = rollout.select(idx)
         if graded_policy is not None:
             with torch.enable_grad():
                 graded = score_logprobs(graded_policy, part, temperature, keep_logits=True)
-            logits = graded.logits.detach()  # (B, R, V)
-            pol = Scored(graded.logprobs.detach(), None, entropy_from_logits(logits, temperature), logits)
+            policy_logits = graded.logits.detach()  # (B, R, V), held by the graph anyway
             graded.logits = None  # the graph keeps what the backward needs; drop the reference to it
-        else:
-            pol = score_logprobs(policy, part, temperature, with_values=with_values, with_entropy=True,
-                                 keep_logits=exact_kl)
+        pol, ref, exact = score_policy_and_reference(policy, reference, part, temperature, with_values, exact_kl,
+                                                     policy_logits, exact_chunk_size)
         out["old"][idx], out["entropy"][idx] = pol.logprobs, pol.entropy
         if with_values:
             out["values"][idx] = pol.values
         if reference is not None:
-            ref = score_logprobs(reference, part, temperature, keep_logits=exact_kl)
             out["ref"][idx] = ref.logprobs
-            if exact_kl:
-                out["exact"][idx] = exact_kl_from_logits(pol.logits, ref.logits, temperature, exact_chunk_size)
+        if exact_kl:
+            out["exact"][idx] = exact
     return ScoredBatch(out["old"], out["ref"] if reference is not None else None,
                        out["values"] if with_values else None, out["entropy"],
                        out["exact"] if exact_kl else None, graded)

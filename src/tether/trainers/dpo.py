@@ -28,9 +28,9 @@ from torch import Tensor
 
 from tether import distributed as D
 from tether.data import PromptSampler
-from tether.kl import estimate_kl, exact_kl_from_logits, masked_sum
+from tether.kl import estimate_kl, masked_sum
 from tether.losses import dpo_loss
-from tether.rollout import generate, rollout_from_responses, sample_seeds, score_logprobs
+from tether.rollout import generate, rollout_from_responses, sample_seeds, score_logprobs, score_policy_and_reference
 from tether.scorers import checked_scores
 from tether.shaping import shape_rewards
 from tether.trainers.base import Experience, sample_metrics
@@ -208,15 +208,13 @@ class DPOTrainer:
         mine = D.shard(len(prompts))  # this process's share of the probe
         ro = generate(run.policy.lm, run.tokenizer, prompts[mine], c.rollout.max_new_tokens, c.rollout.temperature,
                       c.rollout.max_prompt_tokens, seeds=sample_seeds(c.eval.seed, step, range(len(prompts))[mine]))
-        pol = score_logprobs(run.policy, ro, c.rollout.temperature, with_entropy=True, keep_logits=c.kl.exact)
-        ref = score_logprobs(run.reference, ro, c.rollout.temperature, keep_logits=c.kl.exact)
+        pol, ref, exact = score_policy_and_reference(run.policy, run.reference, ro, c.rollout.temperature,
+                                                     exact_kl=c.kl.exact, kl_chunk_size=c.kl.exact_chunk_size)
         mask = ro.response_mask
         kl = estimate_kl(pol.logprobs, ref.logprobs, c.kl.estimator)
         scores = torch.tensor(checked_scores(run.scorer, ro.responses, step))
         shaped = shape_rewards(scores, kl, c.dpo.beta, mask)
         self.last_experience = Experience(ro, scores, pol.logprobs, ref.logprobs, None, kl, shaped.rewards,
                                           shaped.non_score_reward, torch.zeros_like(kl), None, [])
-        exact = (exact_kl_from_logits(pol.logits, ref.logits, c.rollout.temperature, c.kl.exact_chunk_size)
-                 if c.kl.exact else None)
         # beta is DPO's leash; the row's objective/kl_coef is set by the caller to the same beta
         return sample_metrics(ro, scores, kl, pol.entropy, exact, c.dpo.beta, c.kl.estimator)

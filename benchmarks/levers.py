@@ -1,0 +1,92 @@
+"""One lever at a time, on and off, in the same run: step time and the step's peak memory.
+
+Usage: python benchmarks/levers.py [--levers reuse_forward exact_kl] [--steps 6 --warmup 1]
+                                   [--completions 8 --max-new-tokens 24] [overrides]
+
+The work is ``benchmarks/compare_trl.py``'s (GRPO on the embedded default, ``--completions``
+completions of one prompt per step, exactly ``--max-new-tokens`` tokens, beta 0.05 with the KL in
+the loss, one update per batch, fp32). For each lever one run alternates the lever off and on
+from step to step (the trainer reads it each step), so drift in the machine's load hits both
+sides alike; medians over ``--steps`` steps of each after ``--warmup``. Memory is the peak
+resident size during the step above the size when the step began (sampled every millisecond,
+after ``malloc_trim`` hands freed memory back to the system).
+
+Levers:
+    reuse_forward  optim.reuse_forward: the old log-probs from the update's own forward
+    exact_kl       kl.exact: the exact full-vocabulary KL (and its extra LM-head pass per slice)
+
+Prints numbers, never asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from exact_kl_cost import PeakRSS  # noqa: E402
+
+
+def set_lever(trainer, config, lever: str, on: bool) -> None:
+    if lever == "reuse_forward":
+        trainer.one_pass = on
+    elif lever == "exact_kl":
+        config.kl.exact = on
+    else:
+        raise SystemExit(f"unknown lever {lever!r}; choose reuse_forward or exact_kl")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--levers", nargs="+", default=["reuse_forward", "exact_kl"])
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--completions", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=24)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+
+    import torch
+
+    import compare_trl
+    from tether.config import load_config
+    from tether.trainers.common import build_run
+    from tether.trainers.group import GRPOTrainer
+
+    compare_trl.force_min_new_tokens_in_tether()
+    print(f"GRPO, {args.completions} x {args.max_new_tokens} tokens per step, fp32, {torch.get_num_threads()} threads; "
+          f"medians of {args.steps} steps each side, alternating")
+    print("| lever | off: s/step | on: s/step | time on/off | off: step peak MB | on: step peak MB |")
+    print("|---|---|---|---|---|---|")
+    for lever in args.levers:
+        n = args.warmup + 2 * args.steps
+        spec = {"model": args.model, "seed": 0, "threads": None, "mode": "steps", "completions": args.completions,
+                "prompts_per_step": 1, "max_new_tokens": args.max_new_tokens, "beta": 0.05, "tether_kl": "k3+",
+                "lr": 1e-5, "tether": args.overrides, "out": tempfile.mkdtemp(prefix=f"tether-lever-{lever}-"),
+                "total_steps": n}
+        config = load_config(None, compare_trl.tether_overrides(spec))
+        run = build_run(config)
+        trainer = GRPOTrainer(run)
+        seen = {False: [], True: []}
+        for step in range(n):
+            on = bool(step % 2)
+            set_lever(trainer, config, lever, on)
+            with PeakRSS() as m:
+                row = trainer.step(step)
+            if step >= args.warmup:
+                seen[on].append((row["time/step"], m.extra / 2**20))
+            print(f"  {lever} {'on ' if on else 'off'} step {step}: {row['time/step']:.2f} s, "
+                  f"+{m.extra / 2**20:.0f} MB", file=sys.stderr)
+        off_t, on_t = (statistics.median(t for t, _ in seen[k]) for k in (False, True))
+        off_m, on_m = (statistics.median(mb for _, mb in seen[k]) for k in (False, True))
+        print(f"| {lever} | {off_t:.2f} | {on_t:.2f} | {on_t / off_t:.3f} | {off_m:.0f} | {on_m:.0f} |", flush=True)
+        del trainer, run
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
