@@ -111,3 +111,29 @@ def test_resume_of_a_folder_that_is_not_a_run(tmp_path, capsys):
 
     assert main(["train", "--resume", str(tmp_path / "nothing")]) == 1
     assert "not a tether run directory" in capsys.readouterr().err
+
+
+def test_budget_checkpoint_from_before_kp_resumes_as_pure_dual_ascent(tiny_model_dir, prompt_file, tmp_path):
+    # a checkpoint written before kl.budget_kp existed holds only kl_coef, budget and eta; it ran
+    # pure dual ascent, so the resumed controller must go on with kp = 0, not the new default 1.0
+    from tether.config import load_config
+    from tether.trainers.common import build_run
+    from tether.trainers.ppo import PPOTrainer
+
+    cfg = load_config(None, [f"model.name={tiny_model_dir}", f"data.prompts={prompt_file}", "rollout.batch_size=4",
+                             "optim.minibatch_size=2", "reward.scorer=tests.conftest:length_judge",
+                             f"train.output_dir={tmp_path / 'run'}", "kl.controller=budget", "kl.budget=6.0",
+                             "kl.budget_eta=0.01", "eval.n_prompts=0", "eval.every=0"])
+    trainer = PPOTrainer(build_run(cfg))
+    assert trainer.controller.kp == 1.0  # the config default
+    state = trainer.state_dict()
+    state["controller"] = {"kl_coef": 0.2, "budget": 6.0, "eta": 0.01}  # what the old code saved
+    trainer.load_state_dict(state)
+    c = trainer.controller
+    assert (c.kl_coef, c.dual, c.kp, c.eta) == (0.2, 0.2, 0.0, 0.01)
+    # the old rule: max(0, 0.2 + 0.01 * (8 - 6)) = 0.22
+    assert c.update(8.0, 4) == pytest.approx(0.22, abs=1e-15)
+    # a new checkpoint round-trips kp and dual as saved
+    c.kp, c.dual = 1.0, 0.5
+    trainer.load_state_dict(trainer.state_dict())
+    assert (trainer.controller.kp, trainer.controller.dual) == (1.0, 0.5)

@@ -171,9 +171,11 @@ class KLConfig:
     exact: bool = True
     """Also log the exact full-vocabulary KL (objective/kl_exact), chunked."""
     exact_chunk_size: int = 256
-    """Token positions per LM-head slice (whole rows): no-grad scoring of the policy and the
-    reference, and the exact KL, hold logits for one slice at a time, so their memory is
-    O(exact_chunk_size * vocab), not O(batch * response length * vocab)."""
+    """Token positions per LM-head slice (whole rows, at least one): every LM-head application
+    (the update's forward with autograd, no-grad scoring of policy and reference, DPO) runs on
+    the same slices, so their logits agree bit for bit; no-grad scoring and the exact KL hold
+    logits for one slice at a time, so their memory is O(max(exact_chunk_size, R) * vocab), not
+    O(batch * R * vocab), R the response length."""
     kl_in_reward: bool | None = None
     """Put -kl_coef * kl_t in the per-token reward; None = the trainer's default (PPO, RLOO: on)."""
     kl_in_loss: bool | None = None

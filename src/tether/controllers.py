@@ -112,7 +112,8 @@ class BudgetKLController:
     literature (e.g. Tessler et al. 2019, "Reward Constrained Policy Optimization",
     arXiv 1805.11074, which updates the multiplier the same way).
 
-    **Proportional term** (``kp > 0``, off by default). On a real language model beta acts on
+    **Proportional term** (``kp > 0``; 0 in this class and :func:`make_controller`, while the
+    config's ``kl.budget_kp`` defaults to 1.0 with ``kl.budget_eta`` 0.3). On a real language model beta acts on
     the KL only through later optimizer steps (AdamW momentum, several minibatches per rollout),
     so the plant lags and the pure integral rule rings: beta keeps rising while the KL is already
     falling, overshoots, and the KL swings around epsilon instead of settling on it (measured on

@@ -256,6 +256,8 @@ def head_logits(lm: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
 def apply_head(lm: nn.Module, hidden: torch.Tensor, chunk_positions: int = HEAD_CHUNK_POSITIONS) -> torch.Tensor:
     """Logits (B, n, V) of hidden states (B, n, d), the head applied per :func:`head_row_slices`."""
     parts = [head_logits(lm, hidden[s]) for s in head_row_slices(hidden.shape[0], hidden.shape[1], chunk_positions)]
+    if not parts:  # an empty batch: one (0, n, V) product
+        return head_logits(lm, hidden)
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 

@@ -238,12 +238,15 @@ def score_logprobs(
     with_values: bool = False,
     with_entropy: bool = False,
     keep_logits: bool = False,
+    head_chunk: int = HEAD_CHUNK_POSITIONS,
 ) -> Scored:
     """log pi(y_t | x, y_<t) of the rollout's responses at the sampling temperature.
 
     The same call serves policy, old policy and reference, so temperature and precision agree.
+    ``head_chunk``: a bare LM's LM-head slice size (pass the policy's ``head_chunk`` when
+    scoring its reference); a :class:`PolicyWithValue` uses its own.
     """
-    logits, values = response_forward(model, rollout, with_values=with_values)
+    logits, values = response_forward(model, rollout, with_values=with_values, head_chunk=head_chunk)
     return Scored(
         logprobs=logprobs_from_logits(logits, rollout.response_ids, temperature),
         values=values,
@@ -263,13 +266,15 @@ def score_policy_and_reference(
     policy_logits: Tensor | None = None,
     kl_chunk_size: int = 1024,
 ) -> tuple[Scored, Scored | None, Tensor | None]:
-    """No-grad scoring of a rollout by the policy and the reference, never holding (B, R, V) logits.
+    """No-grad scoring of a rollout by the policy and the reference, one LM-head slice at a time.
 
     Each model runs its trunk once to the last hidden states (B, R, d); then, one
-    :func:`tether.models.head_row_slices` slice at a time (``policy.head_chunk`` positions), the LM
-    head gives both models' logits for that slice only, and the log-probs, the policy's entropy
-    and the exact per-token KL are taken from them before the next slice. The logits live for one
-    slice: the extra memory of the exact KL is O(head_chunk * V), independent of B * R.
+    :func:`tether.models.head_row_slices` slice at a time (``policy.head_chunk`` positions, at
+    least one row), the LM head gives both models' logits for that slice only, and the
+    log-probs, the policy's entropy and the exact per-token KL are taken from them before the
+    next slice. No (B, R, V) logits are made here (``policy_logits``, when given, are the update's
+    own, held by its graph anyway): the extra memory of the exact KL is
+    O(max(head_chunk, R) * V), independent of B.
 
     The slices are those the update's forward uses (:func:`tether.models.apply_head`), so the
     numbers equal a full forward's bit for bit (tested): the first PPO ratio stays exactly 1 and

@@ -143,7 +143,8 @@ class OnPolicyTrainer:
         for k, v in state["controller"].items():
             setattr(self.controller, k, v)
         if hasattr(self.controller, "dual") and "dual" not in state["controller"]:
-            self.controller.dual = self.controller.kl_coef  # a checkpoint from before budget_kp
+            # a checkpoint from before budget_kp: it ran pure dual ascent, so it goes on with it
+            self.controller.dual, self.controller.kp = self.controller.kl_coef, 0.0
         self.generator.set_state(state["generator"])
         self.sampler.load_state_dict(state["sampler"])
         self.leash.counts.update(state["leash_counts"])

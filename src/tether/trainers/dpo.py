@@ -144,7 +144,7 @@ class DPOTrainer:
 
     def sequence_logps(self, model, prompts: list[str], responses: list[Tensor]) -> Tensor:
         ro = rollout_from_responses(self.run.tokenizer, prompts, responses, self.cfg.rollout.max_prompt_tokens)
-        lp = score_logprobs(model, ro, self.cfg.rollout.temperature).logprobs
+        lp = score_logprobs(model, ro, self.cfg.rollout.temperature, head_chunk=self.run.policy.head_chunk).logprobs
         return masked_sum(lp, ro.response_mask, dim=-1)  # (N,)
 
     def state_dict(self) -> dict:
