@@ -11,7 +11,7 @@ import sys
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tether", description="RLHF fine-tuning on a visible KL leash.")
     sub = p.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="train a policy (PPO) against a scorer with a KL penalty",
+    t = sub.add_parser("train", help="train a policy (PPO, GRPO, RLOO or DPO: train.algo) against a scorer, on a KL leash",
                        description="Override any config field with section.field=value, e.g. "
                                    "kl.kl_coef=0.1 optim.lr=2e-5 train.steps=10")
     t.add_argument("--config", help="YAML config file")
