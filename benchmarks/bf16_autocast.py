@@ -17,6 +17,10 @@ import argparse
 import statistics
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from compare_trl import force_min_new_tokens_in_tether  # noqa: E402
 
 
 def main() -> int:
@@ -29,7 +33,6 @@ def main() -> int:
 
     import torch
 
-    import tether.rollout as tr
     from tether.data import movie_prompts
     from tether.models import PolicyWithValue, load_causal_lm, load_tokenizer, resolve_model_path
     from tether.rollout import generate, score_logprobs
@@ -41,8 +44,7 @@ def main() -> int:
     lm, tok = load_causal_lm(path), load_tokenizer(path)
     policy = PolicyWithValue(lm)
     prompts = movie_prompts(0, 2, 8, 0.05)[0][: args.completions]
-    original = tr.GenerationConfig  # exactly max_new_tokens tokens in every run: equal work
-    tr.GenerationConfig = lambda **kw: original(min_new_tokens=kw["max_new_tokens"], **kw)
+    force_min_new_tokens_in_tether()  # exactly max_new_tokens tokens in every run: equal work
     seeds = list(range(args.completions))
 
     def timed(fn, bf16: bool):
