@@ -1,7 +1,8 @@
 """One lever at a time, on and off, in the same run: step time and the step's peak memory.
 
-Usage: python benchmarks/levers.py [--levers reuse_forward exact_kl] [--steps 6 --warmup 1]
-                                   [--completions 8 --max-new-tokens 24] [overrides]
+Usage: python benchmarks/levers.py [--levers reuse_forward exact_kl fused_adamw share_prefix]
+                                   [--steps 6 --warmup 1] [--completions 8 --max-new-tokens 24]
+                                   [--prompts-per-step 1] [--prompt-prefix TEXT] [overrides]
 
 The work is ``benchmarks/compare_trl.py``'s (GRPO on the embedded default, ``--completions``
 completions of one prompt per step, exactly ``--max-new-tokens`` tokens, beta 0.05 with the KL in
@@ -14,6 +15,11 @@ after ``malloc_trim`` hands freed memory back to the system).
 Levers:
     reuse_forward  optim.reuse_forward: the old log-probs from the update's own forward
     exact_kl       kl.exact: the exact full-vocabulary KL (and its extra LM-head pass per slice)
+    fused_adamw    optim.fused_adamw: torch's fused AdamW kernel instead of the per-tensor loop
+    share_prefix   model.share_prompt_prefix: each group's prompt through the trunk once
+
+``--prompt-prefix TEXT`` puts TEXT before every training prompt (a long instruction, as chat
+prompts have), which is where ``share_prefix`` pays; ``--prompts-per-step`` groups per step.
 
 Prints numbers, never asserts.
 """
@@ -35,17 +41,24 @@ def set_lever(trainer, config, lever: str, on: bool) -> None:
         trainer.one_pass = on
     elif lever == "exact_kl":
         config.kl.exact = on
+    elif lever == "fused_adamw":
+        for group in trainer.optimizer.param_groups:
+            group["fused"] = on or None  # AdamW reads it every step
+    elif lever == "share_prefix":
+        trainer.run.policy.share_prefix = on
     else:
-        raise SystemExit(f"unknown lever {lever!r}; choose reuse_forward or exact_kl")
+        raise SystemExit(f"unknown lever {lever!r}; choose reuse_forward, exact_kl, fused_adamw or share_prefix")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--levers", nargs="+", default=["reuse_forward", "exact_kl"])
+    ap.add_argument("--levers", nargs="+", default=["reuse_forward", "exact_kl", "fused_adamw", "share_prefix"])
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--completions", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=24)
+    ap.add_argument("--prompts-per-step", type=int, default=1)
+    ap.add_argument("--prompt-prefix", default="")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
@@ -54,23 +67,30 @@ def main() -> int:
 
     import compare_trl
     from tether.config import load_config
+    from tether.data import PromptSampler
     from tether.trainers.common import build_run
     from tether.trainers.group import GRPOTrainer
 
     compare_trl.force_min_new_tokens_in_tether()
-    print(f"GRPO, {args.completions} x {args.max_new_tokens} tokens per step, fp32, {torch.get_num_threads()} threads; "
-          f"medians of {args.steps} steps each side, alternating")
+    print(f"GRPO, {args.completions} x {args.max_new_tokens} tokens per step ({args.prompts_per_step} prompt(s)"
+          f"{', each after a ' + str(len(args.prompt_prefix)) + '-character prefix' if args.prompt_prefix else ''}), "
+          f"fp32, {torch.get_num_threads()} threads; medians of {args.steps} steps each side, alternating")
     print("| lever | off: s/step | on: s/step | time on/off | off: step peak MB | on: step peak MB |")
     print("|---|---|---|---|---|---|")
     for lever in args.levers:
         n = args.warmup + 2 * args.steps
         spec = {"model": args.model, "seed": 0, "threads": None, "mode": "steps", "completions": args.completions,
-                "prompts_per_step": 1, "max_new_tokens": args.max_new_tokens, "beta": 0.05, "tether_kl": "k3+",
+                "prompts_per_step": args.prompts_per_step, "max_new_tokens": args.max_new_tokens, "beta": 0.05, "tether_kl": "k3+",
                 "lr": 1e-5, "tether": args.overrides, "out": tempfile.mkdtemp(prefix=f"tether-lever-{lever}-"),
                 "total_steps": n}
-        config = load_config(None, compare_trl.tether_overrides(spec))
+        overrides = compare_trl.tether_overrides(spec)
+        if args.prompt_prefix:
+            overrides = overrides + ["rollout.max_prompt_tokens=256"]
+        config = load_config(None, overrides)
         run = build_run(config)
         trainer = GRPOTrainer(run)
+        if args.prompt_prefix:
+            trainer.sampler = PromptSampler([args.prompt_prefix + p for p in run.train_prompts], config.train.seed)
         seen = {False: [], True: []}
         for step in range(n):
             on = bool(step % 2)

@@ -196,3 +196,57 @@ def test_sliced_scoring_equals_the_full_forward_bit_for_bit(tiny_tokenizer, tiny
     assert float(exact.min()) >= 0 and float(exact.max()) > 1e-4
     rows = max(1, chunk // R)  # the head never saw more rows than one slice holds
     assert max(seen) == min(rows, B) and sum(seen) == 2 * B  # each row once per model
+
+
+def test_shared_prompt_prefix_scores_like_the_full_forward(tiny_tokenizer, tiny_lm):
+    """Prefix sharing: each distinct prompt through the trunk once, numbers as the full forward's."""
+    from tether.rollout import score_logprobs, score_policy_and_reference
+
+    # groups of 3 rows per prompt; "good" is one token, so its prefix (the prompt without its
+    # last token) is all padding
+    prompts = [p for p in PROMPTS for _ in range(3)]
+    ro = _rollout(tiny_tokenizer, tiny_lm, prompts)
+    plain, shared = PolicyWithValue(tiny_lm), PolicyWithValue(tiny_lm, share_prefix=True)
+    reference = make_reference(tiny_lm)
+    trunk = tiny_lm.model
+    batch_rows = []
+    hook = trunk.register_forward_pre_hook(lambda m, a, kw: batch_rows.append(kw["input_ids"].shape[0]),
+                                           with_kwargs=True)
+    with torch.no_grad():
+        full = score_logprobs(plain, ro, 0.8).logprobs
+        assert batch_rows == [9]
+        batch_rows.clear()
+        lp = score_logprobs(shared, ro, 0.8).logprobs
+    hook.remove()
+    assert batch_rows == [3, 9]  # 3 distinct prefixes once, then the 9 rows' responses
+    torch.testing.assert_close(lp, full, rtol=0, atol=1e-5)
+    # a row's numbers do not depend on the rows beside it (old and new log-probs agree exactly)
+    idx = torch.tensor([4, 0, 8])
+    with torch.no_grad():
+        assert torch.equal(score_logprobs(shared, ro.select(idx), 0.8).logprobs, lp[idx])
+    # the reference is scored on the same path: step-0 KL exactly 0
+    pol, ref, exact = score_policy_and_reference(shared, reference, ro, 0.8, exact_kl=True)
+    assert torch.equal(pol.logprobs, ref.logprobs) and torch.equal(exact, torch.zeros_like(exact))
+    torch.testing.assert_close(pol.logprobs, full, rtol=0, atol=1e-5)
+    # gradients reach the weights through the shared keys and values as through the full forward
+    grads = []
+    for policy in (plain, shared):
+        tiny_lm.zero_grad(set_to_none=True)
+        (score_logprobs(policy, ro, 0.8).logprobs * ro.response_mask).sum().backward()
+        grads.append([p.grad.clone() for p in tiny_lm.parameters()])
+    for g_plain, g_shared in zip(*grads):
+        torch.testing.assert_close(g_shared, g_plain, rtol=1e-4, atol=1e-6)
+
+
+def test_reference_forwards_count_a_shared_prefix_scoring_once(tiny_tokenizer, tiny_lm):
+    from tether.models import count_reference_forwards
+    from tether.rollout import score_logprobs
+
+    reference = make_reference(tiny_lm)
+    counter = [0]
+    count_reference_forwards(reference, counter)
+    ro = _rollout(tiny_tokenizer, tiny_lm, [p for p in PROMPTS for _ in range(2)])
+    with torch.no_grad():
+        score_logprobs(reference, ro, 1.0, share_prefix=True)
+        score_logprobs(reference, ro, 1.0)
+    assert counter[0] == 2

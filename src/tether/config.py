@@ -57,6 +57,11 @@ class ModelConfig:
     """Folder of a trained peft LoRA adapter (``save_pretrained``) to start from; implies LoRA,
     with rank, alpha and target modules from its adapter_config.json (lora_r must stay 0). The
     policy trains a copy of it; the reference is base + this adapter, frozen."""
+    share_prompt_prefix: bool = True
+    """Where rows share prompts (groups: rollout.group_size > 1, as in GRPO and RLOO), run each
+    distinct prompt through the trunk once and let its rows attend to the
+    one copy of its keys and values when scoring and in the update (policy and reference alike).
+    The same numbers up to float rounding; not used when every row has its own prompt."""
 
     def __post_init__(self) -> None:
         _check(self.trainable_layers is None or self.trainable_layers >= 0,
@@ -227,6 +232,10 @@ class OptimConfig:
     """With one epoch, one minibatch, no value head and no KL in the reward (GRPO as TRL runs it),
     take the old log-probs, entropy and exact KL from the update's own forward (detached) instead
     of a separate no-grad policy forward: the same numbers, one policy forward fewer per step."""
+    fused_adamw: bool = True
+    """torch's fused AdamW kernel (``fused=True``: one pass over weights, gradients and both
+    moments per step; CPU and CUDA) instead of the per-tensor loop: the same update up to float
+    rounding, 4x faster on a 2-core CPU for 134.5M weights (0.17 s against 0.71 s)."""
 
     def __post_init__(self) -> None:
         _check(self.lr > 0, "optim.lr", self.lr, "must be > 0")

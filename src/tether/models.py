@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import importlib.util
+import inspect
 import logging
 import os
 import shutil
@@ -149,10 +150,12 @@ class PolicyWithValue(nn.Module):
     ``peft`` the wrapper, kept for adapter switching and saving; otherwise ``peft`` is None.
     """
 
-    def __init__(self, lm: nn.Module, head_chunk: int = HEAD_CHUNK_POSITIONS):
+    def __init__(self, lm: nn.Module, head_chunk: int = HEAD_CHUNK_POSITIONS, share_prefix: bool = False):
         super().__init__()
         self.head_chunk = head_chunk
         """Positions per LM-head slice (:func:`head_row_slices`); the reference is scored with the same."""
+        self.share_prefix = share_prefix
+        """Run shared prompt prefixes once (:func:`tail_hidden`); the reference is scored the same way."""
         peft_model = lm if is_peft_model(lm) else None
         # not a submodule: it wraps self.lm, whose parameters must be listed (and saved) once
         object.__setattr__(self, "peft", peft_model)
@@ -189,7 +192,8 @@ class PolicyWithValue(nn.Module):
         Returns:
             logits (B, n_keep, V) and values (B, n_keep) float32 or None.
         """
-        logits, hidden = tail_logits(self.lm, input_ids, attention_mask, position_ids, n_keep, self.head_chunk)
+        logits, hidden = tail_logits(self.lm, input_ids, attention_mask, position_ids, n_keep, self.head_chunk,
+                                     self.share_prefix)
         return logits, self.values(hidden) if with_values else None
 
     def values(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -267,6 +271,7 @@ def tail_hidden(
     attention_mask: torch.Tensor,
     position_ids: torch.Tensor,
     n_keep: int,
+    share_prefix: bool = False,
 ) -> torch.Tensor:
     """Last hidden states (B, n_keep, d), contiguous, at the last ``n_keep`` positions.
 
@@ -275,13 +280,62 @@ def tail_hidden(
     and its frozen copy would differ by ~1e-5 on identical weights and step-0 KL would not be
     exactly 0. An :class:`AdapterReference` runs this same path on the policy's own modules,
     with its adapter setting switched on for the call.
+
+    With ``share_prefix`` the first ``L - n_keep`` positions (the prompt without its last token)
+    go through the trunk once per distinct prefix (:func:`shared_prefix_hidden`). Every row then
+    takes that path whatever the other rows of its batch are, so a row's numbers do not depend
+    on the batch it is scored in (old and new log-probs, policy and reference agree).
     """
     if isinstance(lm, AdapterReference):
         with lm.active():
-            return tail_hidden(lm.lm, input_ids, attention_mask, position_ids, n_keep)
+            return tail_hidden(lm.lm, input_ids, attention_mask, position_ids, n_keep, share_prefix)
     trunk = getattr(lm, lm.base_model_prefix)
+    if share_prefix and input_ids.shape[1] > n_keep:
+        return shared_prefix_hidden(lm, trunk, input_ids, attention_mask, position_ids, n_keep)
     out = trunk(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     return out.last_hidden_state[:, -n_keep:].contiguous()  # (B, n_keep, d)
+
+
+def shared_prefix_hidden(
+    lm: nn.Module,
+    trunk: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    n_keep: int,
+) -> torch.Tensor:
+    """:func:`tail_hidden` with the prefix (all but the last ``n_keep`` positions) run once per distinct row.
+
+    Causal attention makes a prefix's keys and values independent of what follows it, so rows
+    with equal prefix ids and mask share them: the U distinct prefixes run through the trunk as a
+    (U, L - n_keep) batch into a key/value cache, the cache's rows are gathered back to B rows
+    (``inverse``; under autograd the gather's backward sums the rows' gradients into their
+    prefix), and the last ``n_keep`` positions of every row run against it. Positions and the
+    padding mask are those of the full forward.
+
+    Returns:
+        (B, n_keep, d) contiguous.
+    """
+    from transformers import DynamicCache
+
+    S = input_ids.shape[1] - n_keep  # prefix length
+    key = torch.cat([input_ids[:, :S], attention_mask[:, :S].to(input_ids.dtype)], dim=1)
+    uniq, inverse = torch.unique(key, dim=0, return_inverse=True)  # (U, 2S), (B,)
+    first = torch.full((uniq.shape[0],), input_ids.shape[0], dtype=torch.long)
+    first = first.scatter_reduce(0, inverse, torch.arange(input_ids.shape[0]), reduce="amin")  # a row of each prefix
+    cache = DynamicCache(config=lm.config)
+    # transformers 5 names the argument ``cache``; 4.x ``past_key_values``
+    arg = "cache" if "cache" in inspect.signature(trunk.forward).parameters else "past_key_values"
+    trunk._tether_prefix_pass = True  # the forward counters count the forward below, not this one
+    try:
+        trunk(input_ids=input_ids[first, :S], attention_mask=attention_mask[first, :S],
+              position_ids=position_ids[first, :S], use_cache=True, **{arg: cache})
+    finally:
+        trunk._tether_prefix_pass = False
+    cache.batch_select_indices(inverse)  # (U, ...) -> (B, ...)
+    out = trunk(input_ids=input_ids[:, S:], attention_mask=attention_mask, position_ids=position_ids[:, S:],
+                use_cache=True, **{arg: cache})
+    return out.last_hidden_state.contiguous()  # (B, n_keep, d)
 
 
 def tail_logits(
@@ -291,6 +345,7 @@ def tail_logits(
     position_ids: torch.Tensor,
     n_keep: int,
     chunk_positions: int = HEAD_CHUNK_POSITIONS,
+    share_prefix: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits (B, n_keep, V) and last hidden states (B, n_keep, d) at the last ``n_keep`` positions.
 
@@ -298,7 +353,7 @@ def tail_logits(
     (B, n_keep, V) tensor kept (:func:`tail_hidden`, then :func:`apply_head`); no-grad scoring
     runs the same two steps without concatenating (:func:`tether.rollout.score_policy_and_reference`).
     """
-    hidden = tail_hidden(lm, input_ids, attention_mask, position_ids, n_keep)
+    hidden = tail_hidden(lm, input_ids, attention_mask, position_ids, n_keep, share_prefix)
     return apply_head(lm, hidden, chunk_positions), hidden
 
 
@@ -555,11 +610,16 @@ def count_reference_forwards(reference: nn.Module, counter: list[int]) -> None:
     """Add 1 to ``counter[0]`` on every forward of the reference's trunk (scoring, each generated token).
 
     A deep-copied reference gets a pre-hook on its own trunk; an :class:`AdapterReference` shares
-    the policy's trunk, so its hook counts only while the reference setting is active.
+    the policy's trunk, so its hook counts only while the reference setting is active. The
+    shared-prefix pass of a scoring forward (:func:`shared_prefix_hidden`) is not counted: a
+    scoring forward counts once however many trunk calls it takes.
     """
+    def count(m: nn.Module, args) -> None:
+        active = reference.depth > 0 if isinstance(reference, AdapterReference) else True
+        counter[0] += int(active and not getattr(m, "_tether_prefix_pass", False))
+
     if isinstance(reference, AdapterReference):
         trunk = getattr(reference.lm, reference.lm.base_model_prefix)
-        trunk.register_forward_pre_hook(lambda m, a: counter.__setitem__(0, counter[0] + (reference.depth > 0)))
     else:
         trunk = getattr(reference, reference.base_model_prefix)
-        trunk.register_forward_pre_hook(lambda m, a: counter.__setitem__(0, counter[0] + 1))
+    trunk.register_forward_pre_hook(count)

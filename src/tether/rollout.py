@@ -196,28 +196,38 @@ def generate(
 
 
 def response_forward(
-    model: nn.Module, rollout: Rollout, with_values: bool = False, head_chunk: int = HEAD_CHUNK_POSITIONS
+    model: nn.Module,
+    rollout: Rollout,
+    with_values: bool = False,
+    head_chunk: int = HEAD_CHUNK_POSITIONS,
+    share_prefix: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Logits (B, R, V) predicting each response token, and values (B, R) if asked.
 
     Works for a :class:`PolicyWithValue` (also wrapped by ``accelerator.prepare``, e.g. in DDP,
     whose forward syncs gradients) and for a bare causal LM (the reference). Position ids
     start at 0 on each row's first real prompt token, so a row scores the same inside a padded
-    batch as alone. ``head_chunk`` is a bare LM's LM-head slice size (a policy uses its own).
+    batch as alone. ``head_chunk`` and ``share_prefix`` (:func:`tether.models.tail_hidden`) are
+    a bare LM's settings; a policy uses its own.
     """
     input_ids, attention_mask = rollout.input_ids, rollout.attention_mask  # (B, L)
     position_ids = position_ids_from_mask(attention_mask)
     R = rollout.response_ids.shape[1]
     if isinstance(getattr(model, "module", model), PolicyWithValue):
         return model(input_ids, attention_mask, position_ids, n_keep=R, with_values=with_values)
-    return tail_logits(model, input_ids, attention_mask, position_ids, R, head_chunk)[0], None
+    return tail_logits(model, input_ids, attention_mask, position_ids, R, head_chunk, share_prefix)[0], None
 
 
-def response_hidden(model: nn.Module, rollout: Rollout) -> tuple[nn.Module, Tensor]:
-    """The causal LM behind ``model`` and its last hidden states (B, R, d) at the response positions."""
-    lm = model.lm if isinstance(model, PolicyWithValue) else model
+def response_hidden(model: nn.Module, rollout: Rollout, share_prefix: bool = False) -> tuple[nn.Module, Tensor]:
+    """The causal LM behind ``model`` and its last hidden states (B, R, d) at the response positions.
+
+    ``share_prefix`` is a bare LM's setting (:func:`tether.models.tail_hidden`); a policy uses its own.
+    """
+    if isinstance(model, PolicyWithValue):
+        model, share_prefix = model.lm, model.share_prefix
     position_ids = position_ids_from_mask(rollout.attention_mask)
-    return lm, tail_hidden(lm, rollout.input_ids, rollout.attention_mask, position_ids, rollout.response_ids.shape[1])
+    return model, tail_hidden(model, rollout.input_ids, rollout.attention_mask, position_ids,
+                              rollout.response_ids.shape[1], share_prefix)
 
 
 @dataclass
@@ -239,14 +249,16 @@ def score_logprobs(
     with_entropy: bool = False,
     keep_logits: bool = False,
     head_chunk: int = HEAD_CHUNK_POSITIONS,
+    share_prefix: bool = False,
 ) -> Scored:
     """log pi(y_t | x, y_<t) of the rollout's responses at the sampling temperature.
 
     The same call serves policy, old policy and reference, so temperature and precision agree.
-    ``head_chunk``: a bare LM's LM-head slice size (pass the policy's ``head_chunk`` when
-    scoring its reference); a :class:`PolicyWithValue` uses its own.
+    ``head_chunk``, ``share_prefix``: a bare LM's LM-head slice size and prefix sharing (pass
+    the policy's when scoring its reference); a :class:`PolicyWithValue` uses its own.
     """
-    logits, values = response_forward(model, rollout, with_values=with_values, head_chunk=head_chunk)
+    logits, values = response_forward(model, rollout, with_values=with_values, head_chunk=head_chunk,
+                                      share_prefix=share_prefix)
     return Scored(
         logprobs=logprobs_from_logits(logits, rollout.response_ids, temperature),
         values=values,
@@ -302,7 +314,8 @@ def score_policy_and_reference(
     if policy_logits is None:
         policy_lm, hidden = response_hidden(policy, rollout)
         values = policy.values(hidden) if with_values else None
-    ref_lm, ref_hidden = response_hidden(reference, rollout) if reference is not None else (None, None)
+    ref_lm, ref_hidden = (response_hidden(reference, rollout, policy.share_prefix) if reference is not None
+                          else (None, None))
     logprobs, entropy = torch.empty(B, R), torch.empty(B, R)
     ref_logprobs = torch.empty(B, R) if reference is not None else None
     exact = torch.empty(B, R) if exact_kl else None

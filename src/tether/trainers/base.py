@@ -30,7 +30,7 @@ from tether.kl import estimate_kl, sequence_kl
 from tether.leash import KLLeash
 from tether.rollout import Rollout, generate, sample_seeds, score_logprobs
 from tether.scorers import checked_scores
-from tether.trainers.common import Run, ScoredBatch, optimizer_step, score_rollout
+from tether.trainers.common import Run, ScoredBatch, make_optimizer, optimizer_step, score_rollout
 
 
 class Experience(NamedTuple):
@@ -70,7 +70,7 @@ class OnPolicyTrainer:
         # the module the losses differentiate: under DDP its backward averages gradients over
         # processes; sampling and no-grad scoring use the bare run.policy
         self.model = run.accelerator.prepare(run.policy) if run.accelerator and self.params else run.policy
-        self.optimizer = torch.optim.AdamW(self.params, lr=c.optim.lr, weight_decay=c.optim.weight_decay)
+        self.optimizer = make_optimizer(self.params, c.optim.lr, c.optim.weight_decay, c.optim.fused_adamw)
         self.generator = torch.Generator().manual_seed(c.train.seed)
         self.last_experience: Experience | None = None
         # one update on the whole batch with no value head and no KL in the reward: the policy's

@@ -162,11 +162,23 @@ def build_run(config: Config, scorer: Scorer | None = None, resume: bool = False
         # count on the trunk: every path (scoring, generation) runs it exactly once per forward
         count_reference_forwards(reference, forwards)
     freeze_lower_layers(lm, config.model.trainable_layers)
-    policy = PolicyWithValue(lm, head_chunk=config.kl.exact_chunk_size)
+    # rows share prompts only in groups; otherwise the prefix pass would be one trunk call more
+    share_prefix = config.model.share_prompt_prefix and config.rollout.group_size > 1
+    policy = PolicyWithValue(lm, head_chunk=config.kl.exact_chunk_size, share_prefix=share_prefix)
     if reference is not None:
         check_reference(policy, reference)
     return Run(config, policy, reference, tokenizer, scorer, train_prompts, heldout, writer,
                fingerprint(reference) if reference is not None else None, forwards, accelerator)
+
+
+def make_optimizer(params: list, lr: float, weight_decay: float, fused: bool = True) -> torch.optim.AdamW:
+    """AdamW (Loshchilov & Hutter 2019) over ``params``; torch's fused kernel when ``fused``.
+
+    The fused kernel updates each weight, its gradient and both moments in one pass (CPU and
+    CUDA); it falls back to the per-tensor loop where a parameter's device has no fused kernel.
+    """
+    fused = fused and all(p.device.type in ("cpu", "cuda") for p in params)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused or None)
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, params: list, loss: Tensor, max_grad_norm: float,
@@ -184,7 +196,7 @@ def optimizer_step(optimizer: torch.optim.Optimizer, params: list, loss: Tensor,
     optimizer.zero_grad(set_to_none=True)
     if accelerator is None:
         loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm, foreach=True)
     else:
         accelerator.backward(loss)
         grad_norm = accelerator.clip_grad_norm_(params, max_grad_norm)

@@ -34,7 +34,7 @@ from tether.rollout import generate, rollout_from_responses, sample_seeds, score
 from tether.scorers import checked_scores
 from tether.shaping import shape_rewards
 from tether.trainers.base import Experience, sample_metrics
-from tether.trainers.common import Run, optimizer_step
+from tether.trainers.common import Run, make_optimizer, optimizer_step
 
 
 class Pairs(NamedTuple):
@@ -88,7 +88,7 @@ class DPOTrainer:
             raise ValueError("model.trainable_layers=0 leaves DPO nothing to train; raise it or leave it unset")
         self.accelerator = run.accelerator
         self.model = run.accelerator.prepare(run.policy) if run.accelerator else run.policy  # DDP under accelerate
-        self.optimizer = torch.optim.AdamW(self.params, lr=c.optim.lr, weight_decay=c.optim.weight_decay)
+        self.optimizer = make_optimizer(self.params, c.optim.lr, c.optim.weight_decay, c.optim.fused_adamw)
         self.generator = torch.Generator().manual_seed(c.train.seed)
         self.pairs = self.build_pairs()
         self.position = 0
@@ -144,7 +144,8 @@ class DPOTrainer:
 
     def sequence_logps(self, model, prompts: list[str], responses: list[Tensor]) -> Tensor:
         ro = rollout_from_responses(self.run.tokenizer, prompts, responses, self.cfg.rollout.max_prompt_tokens)
-        lp = score_logprobs(model, ro, self.cfg.rollout.temperature, head_chunk=self.run.policy.head_chunk).logprobs
+        lp = score_logprobs(model, ro, self.cfg.rollout.temperature, head_chunk=self.run.policy.head_chunk,
+                          share_prefix=self.run.policy.share_prefix).logprobs
         return masked_sum(lp, ro.response_mask, dim=-1)  # (N,)
 
     def state_dict(self) -> dict:
