@@ -250,3 +250,22 @@ def test_reference_forwards_count_a_shared_prefix_scoring_once(tiny_tokenizer, t
         score_logprobs(reference, ro, 1.0, share_prefix=True)
         score_logprobs(reference, ro, 1.0)
     assert counter[0] == 2
+
+
+def test_generation_from_a_shared_prompt_cache_draws_the_same_samples(tiny_tokenizer, tiny_lm):
+    from tether.rollout import generate
+
+    prompts = [p for p in PROMPTS for _ in range(3)]  # "good" (one token) has an all-padding prefix
+    rows = []
+    trunk = tiny_lm.model
+    hook = trunk.register_forward_pre_hook(lambda m, a, kw: rows.append(tuple(kw["input_ids"].shape)),
+                                           with_kwargs=True)
+    plain = generate(tiny_lm, tiny_tokenizer, prompts, 6, 1.0, seeds=range(9))
+    P = plain.prompt_ids.shape[1]
+    assert rows[0] == (9, P)  # the whole prompt of every row at once
+    rows.clear()
+    shared = generate(tiny_lm, tiny_tokenizer, prompts, 6, 1.0, seeds=range(9), share_prefix=True)
+    hook.remove()
+    assert rows[:2] == [(3, P - 1), (9, 1)]  # 3 distinct prompts once, then each row's last prompt token
+    assert torch.equal(shared.response_ids, plain.response_ids)
+    assert torch.equal(shared.response_mask, plain.response_mask)

@@ -296,6 +296,45 @@ def tail_hidden(
     return out.last_hidden_state[:, -n_keep:].contiguous()  # (B, n_keep, d)
 
 
+def cache_argument(module: nn.Module) -> str:
+    """The name of ``module.forward``'s key/value cache argument: ``cache`` (transformers 5) or ``past_key_values`` (4.x)."""
+    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
+
+
+def prefix_cache(lm: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor):
+    """A key/value cache (a transformers ``DynamicCache``) of every row, each distinct row run through the trunk once.
+
+    Causal attention makes a prefix's keys and values independent of what follows it, so rows
+    with equal ids and mask share them: the U distinct rows run through ``lm``'s trunk as a
+    (U, S) batch, and the cache's rows are gathered back to B (under autograd the gather's
+    backward sums the rows' gradients into their prefix). A row's keys and values do not depend
+    on the other rows of the batch (tested bit for bit).
+
+    Args:
+        lm: a causal LM (its trunk is ``getattr(lm, lm.base_model_prefix)``).
+        input_ids, attention_mask, position_ids: (B, S), S >= 1; the mask 0 on left padding.
+
+    Returns:
+        The cache, holding B rows of S positions.
+    """
+    from transformers import DynamicCache
+
+    trunk = getattr(lm, lm.base_model_prefix)
+    key = torch.cat([input_ids, attention_mask.to(input_ids.dtype)], dim=1)
+    uniq, inverse = torch.unique(key, dim=0, return_inverse=True)  # (U, 2S), (B,)
+    first = torch.full((uniq.shape[0],), input_ids.shape[0], dtype=torch.long)
+    first = first.scatter_reduce(0, inverse, torch.arange(input_ids.shape[0]), reduce="amin")  # a row of each
+    cache = DynamicCache(config=lm.config)
+    trunk._tether_prefix_pass = True  # forward counters count the forward that uses the cache, not this one
+    try:
+        trunk(input_ids=input_ids[first], attention_mask=attention_mask[first], position_ids=position_ids[first],
+              use_cache=True, **{cache_argument(trunk): cache})
+    finally:
+        trunk._tether_prefix_pass = False
+    cache.batch_select_indices(inverse)  # (U, ...) -> (B, ...)
+    return cache
+
+
 def shared_prefix_hidden(
     lm: nn.Module,
     trunk: nn.Module,
@@ -306,35 +345,16 @@ def shared_prefix_hidden(
 ) -> torch.Tensor:
     """:func:`tail_hidden` with the prefix (all but the last ``n_keep`` positions) run once per distinct row.
 
-    Causal attention makes a prefix's keys and values independent of what follows it, so rows
-    with equal prefix ids and mask share them: the U distinct prefixes run through the trunk as a
-    (U, L - n_keep) batch into a key/value cache, the cache's rows are gathered back to B rows
-    (``inverse``; under autograd the gather's backward sums the rows' gradients into their
-    prefix), and the last ``n_keep`` positions of every row run against it. Positions and the
-    padding mask are those of the full forward.
+    The prefixes go into a :func:`prefix_cache`, and the last ``n_keep`` positions of every row
+    run against it. Positions and the padding mask are those of the full forward.
 
     Returns:
         (B, n_keep, d) contiguous.
     """
-    from transformers import DynamicCache
-
     S = input_ids.shape[1] - n_keep  # prefix length
-    key = torch.cat([input_ids[:, :S], attention_mask[:, :S].to(input_ids.dtype)], dim=1)
-    uniq, inverse = torch.unique(key, dim=0, return_inverse=True)  # (U, 2S), (B,)
-    first = torch.full((uniq.shape[0],), input_ids.shape[0], dtype=torch.long)
-    first = first.scatter_reduce(0, inverse, torch.arange(input_ids.shape[0]), reduce="amin")  # a row of each prefix
-    cache = DynamicCache(config=lm.config)
-    # transformers 5 names the argument ``cache``; 4.x ``past_key_values``
-    arg = "cache" if "cache" in inspect.signature(trunk.forward).parameters else "past_key_values"
-    trunk._tether_prefix_pass = True  # the forward counters count the forward below, not this one
-    try:
-        trunk(input_ids=input_ids[first, :S], attention_mask=attention_mask[first, :S],
-              position_ids=position_ids[first, :S], use_cache=True, **{arg: cache})
-    finally:
-        trunk._tether_prefix_pass = False
-    cache.batch_select_indices(inverse)  # (U, ...) -> (B, ...)
+    cache = prefix_cache(lm, input_ids[:, :S], attention_mask[:, :S], position_ids[:, :S])
     out = trunk(input_ids=input_ids[:, S:], attention_mask=attention_mask, position_ids=position_ids[:, S:],
-                use_cache=True, **{arg: cache})
+                use_cache=True, **{cache_argument(trunk): cache})
     return out.last_hidden_state.contiguous()  # (B, n_keep, d)
 
 

@@ -7,6 +7,7 @@ whose shape is written beside it; masks follow the glossary (``response_mask`` T
 from __future__ import annotations
 
 import hashlib
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -18,10 +19,13 @@ from tether.logprobs import entropy_from_logits, logprobs_from_logits, response_
 from tether.kl import exact_kl_from_logits
 from tether.models import (
     HEAD_CHUNK_POSITIONS,
+    AdapterReference,
     PolicyWithValue,
+    cache_argument,
     head_logits,
     head_row_slices,
     position_ids_from_mask,
+    prefix_cache,
     tail_hidden,
     tail_logits,
 )
@@ -150,6 +154,7 @@ def generate(
     temperature: float,
     max_prompt_tokens: int = 64,
     seeds: Sequence[int] | Tensor | None = None,
+    share_prefix: bool = False,
 ) -> Rollout:
     """Sample one response per prompt from ``lm`` at ``temperature`` (no top-k, no top-p).
 
@@ -162,6 +167,10 @@ def generate(
 
     This replaced transformers' multinomial sampling (one RNG stream for the whole batch); the
     distribution is the same, but runs of earlier tether versions draw different samples.
+
+    With ``share_prefix`` every prompt but its last token goes into a
+    :func:`tether.models.prefix_cache` first (rows of a group share one prompt: it runs once),
+    and generation starts from that cache.
     """
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, max_prompt_tokens)
     if seeds is None:
@@ -177,10 +186,17 @@ def generate(
     # swapped out for the call. Greedy decoding: the sampler below draws the sample.
     gen = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos,
                            pad_token_id=tokenizer.pad_token_id)
+    cache = {}
+    if share_prefix and prompt_ids.shape[1] > 1:
+        base = lm.lm if isinstance(lm, AdapterReference) else lm
+        with lm.active() if isinstance(lm, AdapterReference) else nullcontext():
+            prefix = prefix_cache(base, prompt_ids[:, :-1], prompt_mask[:, :-1],
+                                  position_ids_from_mask(prompt_mask)[:, :-1])
+        cache = {cache_argument(getattr(base, base.base_model_prefix)): prefix}
     saved, lm.generation_config = lm.generation_config, gen
     try:
         out = lm.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen,
-                          logits_processor=LogitsProcessorList([GumbelMaxSampler(seeds, temperature)]))
+                          logits_processor=LogitsProcessorList([GumbelMaxSampler(seeds, temperature)]), **cache)
     finally:
         lm.generation_config = saved
     response_ids = out[:, prompt_ids.shape[1] :]  # (B, R<=max_new_tokens)

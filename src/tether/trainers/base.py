@@ -92,7 +92,8 @@ class OnPolicyTrainer:
         #    (seed, step, i), so the samples do not depend on the number of processes
         rollout = generate(run.policy.lm, run.tokenizer, prompts[mine], c.rollout.max_new_tokens,
                            c.rollout.temperature, c.rollout.max_prompt_tokens,
-                           seeds=sample_seeds(c.train.seed, step, range(len(prompts))[mine]))
+                           seeds=sample_seeds(c.train.seed, step, range(len(prompts))[mine]),
+                           share_prefix=run.policy.share_prefix)
         t_gen = time.perf_counter()
         # 3. score responses with the reward model
         scores = torch.tensor(checked_scores(run.scorer, rollout.responses, step))
