@@ -1,0 +1,157 @@
+"""What bounds generation on this CPU: the decode step's matrix products, and what might beat them.
+
+Usage: python benchmarks/generation_floor.py [--model smollm2-135m] [--rows 8] [--tokens 24] [--rounds 5] [--compile]
+
+Prints, for the embedded default model (fp32):
+
+1. the time per generated token of every linear layer of the model (attention and MLP
+   projections and the LM head, each weight read once per token, as in a decode step) at
+   M = 1 .. 64 rows, and at ``--rows`` rows for the alternatives: bf16 copies of the weights
+   (the memory traffic halved; not what tether samples from), oneDNN's linear on the fp32 weights
+   (a private torch op), and MKL-packed fp32 weights;
+2. one ``tether.rollout.generate`` call of ``--rows`` x ``--tokens`` tokens (transformers'
+   dynamic cache) against a static cache, against MKL-packed weights in the decode steps
+   (packed at every call, as a trained policy's changing weights would need), and with ``--compile`` a static cache under
+   ``torch.compile`` (compile time printed apart; transformers' own ``compile_config`` is skipped
+   on CPU, so the model's forward is compiled directly).
+
+The variants of each table run in turn, ``--rounds`` times; medians are printed, so a drift in
+the machine's speed (large on this shared 2-core machine) hits every variant alike.
+
+Prints numbers, never asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+def per_token_ms(weights, fn, rows: int, dtype, repeats: int = 4) -> float:
+    import torch
+
+    xs = {k: torch.randn(rows, k, dtype=dtype) for k in {w.shape[-1] for w in weights}}
+    with torch.no_grad():
+        for w in weights:  # warm-up pass
+            fn(xs[w.shape[-1]], w)
+        t = time.perf_counter()
+        for _ in range(repeats):
+            for w in weights:
+                fn(xs[w.shape[-1]], w)
+    return (time.perf_counter() - t) / repeats * 1e3
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--rows", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=24)
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+
+    import torch
+    import torch.nn.functional as F
+    from transformers import StaticCache
+
+    from tether.models import load_causal_lm, load_tokenizer, resolve_model_path
+    from tether.rollout import generate
+
+    path = resolve_model_path(args.model)
+    lm, tok = load_causal_lm(path), load_tokenizer(path)
+    weights = [m.weight.detach() for m in lm.modules() if isinstance(m, torch.nn.Linear)]
+    mb = sum(w.numel() * 4 for w in weights) / 2**20
+    print(f"{len(weights)} linear weights, {mb:.0f} MB fp32, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads")
+    print("\n| rows M | fp32 linear ms/token | GB/s of weights |\n|---|---|---|")
+    for m in (1, 2, 4, 8, 16, 32, 64):
+        ms = per_token_ms(weights, F.linear, m, torch.float32)
+        print(f"| {m} | {ms:.1f} | {mb / 1024 / ms * 1e3:.1f} |", flush=True)
+
+    M = args.rows
+    variants = {"fp32 F.linear": (weights, F.linear, torch.float32)}
+    variants["bf16 copies of the weights, F.linear"] = ([w.to(torch.bfloat16) for w in weights], F.linear,
+                                                        torch.bfloat16)
+    if hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        variants["fp32, oneDNN linear (torch.ops.mkldnn._linear_pointwise)"] = (
+            weights, lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""), torch.float32)
+    if hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"):
+        packed = {id(w): torch.ops.mkl._mkl_reorder_linear_weight(w, M) for w in weights}
+        variants["fp32, MKL-packed weights (torch.ops.mkl._mkl_linear)"] = (
+            weights, lambda x, w: torch.ops.mkl._mkl_linear(x, packed[id(w)], w, None, M), torch.float32)
+    # rounds of every variant in turn: drift in the machine's speed hits all of them
+    seen: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(args.rounds):
+        for name, (ws, fn, dtype) in variants.items():
+            seen[name].append(per_token_ms(ws, fn, M, dtype, repeats=2))
+    base = statistics.median(seen["fp32 F.linear"])
+    print(f"\n| M = {M}: variant | ms/token (median of {args.rounds} rounds) | x fp32 F.linear |\n|---|---|---|")
+    for name, ts in seen.items():
+        print(f"| {name} | {statistics.median(ts):.1f} | {statistics.median(ts) / base:.2f} |", flush=True)
+    del variants
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import compare_trl
+
+    compare_trl.force_min_new_tokens_in_tether()  # exactly --tokens tokens, as in compare_trl.py
+    prompts = ["The gorgeously elaborate continuation of"] * M
+    eager_forward, plain_generate = lm.forward, lm.generate
+
+    def static_generate(*a, **kw):
+        kw["past_key_values"] = StaticCache(config=lm.config, max_cache_len=64 + args.tokens)
+        return plain_generate(*a, **kw)
+
+    linears = [m for m in lm.modules() if isinstance(m, torch.nn.Linear)]
+
+    def packed_decode():
+        """MKL-packed weights in every decode step's linears (packing, once per call, included)."""
+        packed = {m: torch.ops.mkl._mkl_reorder_linear_weight(m.weight.detach(), M) for m in linears}
+
+        def forward(m, x):
+            if x.dim() == 3 and x.shape[:2] == (M, 1):
+                return torch.ops.mkl._mkl_linear(x.reshape(M, -1), packed[m], m.weight, m.bias, M).unsqueeze(1)
+            return F.linear(x, m.weight, m.bias)
+
+        for m in linears:
+            m.forward = forward.__get__(m)
+        try:
+            generate(lm, tok, prompts, args.tokens, 1.0, seeds=range(M))
+        finally:
+            for m in linears:
+                del m.forward
+
+    def one(mode: str) -> float:
+        lm.forward = compiled if mode == "static cache + torch.compile" else eager_forward
+        lm.generate = static_generate if mode.startswith("static") else plain_generate
+        t = time.perf_counter()
+        if mode.startswith("dynamic cache, MKL-packed"):
+            packed_decode()
+        else:
+            generate(lm, tok, prompts, args.tokens, 1.0, seeds=range(M))
+        return time.perf_counter() - t
+
+    modes = ["dynamic cache (transformers' default)", "static cache"]
+    if hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"):
+        modes.append("dynamic cache, MKL-packed decode weights (packing included)")
+    compile_s = None
+    if args.compile:
+        compiled = torch.compile(eager_forward, dynamic=False)
+        modes.append("static cache + torch.compile")
+        compile_s = one(modes[-1])
+    gen = {m: [] for m in modes}
+    for _ in range(args.rounds):
+        for m in modes:
+            gen[m].append(one(m))
+    print(f"\n| generate {M} x {args.tokens} tokens | median s of {args.rounds} rounds |\n|---|---|")
+    for m, ts in gen.items():
+        print(f"| {m} | {statistics.median(ts):.2f} |")
+    if compile_s is not None:
+        print(f"\nfirst compiled call (compiling included): {compile_s:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
