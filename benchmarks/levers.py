@@ -2,7 +2,7 @@
 
 Usage: python benchmarks/levers.py [--levers reuse_forward exact_kl fused_adamw share_prefix]
                                    [--steps 6 --warmup 1] [--completions 8 --max-new-tokens 24]
-                                   [--prompts-per-step 1] [--prompt-prefix TEXT] [overrides]
+                                   [--prompts-per-step 1] [--prompt-prefix TEXT] [--stop-at-eos] [overrides]
 
 The work is ``benchmarks/compare_trl.py``'s (GRPO on the embedded default, ``--completions``
 completions of one prompt per step, exactly ``--max-new-tokens`` tokens, beta 0.05 with the KL in
@@ -58,6 +58,7 @@ def main() -> int:
     ap.add_argument("--completions", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--prompts-per-step", type=int, default=1)
+    ap.add_argument("--stop-at-eos", action="store_true", help="let responses end at EOS (default: exactly --max-new-tokens)")
     ap.add_argument("--prompt-prefix", default="")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("overrides", nargs="*")
@@ -71,7 +72,8 @@ def main() -> int:
     from tether.trainers.common import build_run
     from tether.trainers.group import GRPOTrainer
 
-    compare_trl.force_min_new_tokens_in_tether()
+    if not args.stop_at_eos:
+        compare_trl.force_min_new_tokens_in_tether()
     print(f"GRPO, {args.completions} x {args.max_new_tokens} tokens per step ({args.prompts_per_step} prompt(s)"
           f"{', each after a ' + str(len(args.prompt_prefix)) + '-character prefix' if args.prompt_prefix else ''}), "
           f"fp32, {torch.get_num_threads()} threads; medians of {args.steps} steps each side, alternating")

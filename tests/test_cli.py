@@ -231,3 +231,27 @@ def test_budget_controller_run_follows_its_rule(tiny_model_dir, prompt_file, tmp
         dual = max(0.0, dual + eta * error)
         assert row["objective/kl_coef"] == pytest.approx(max(0.0, dual + kp * error), abs=1e-6)
     assert len({r["objective/kl_coef"] for r in rows}) > 2  # beta really moved
+
+
+def test_grpo_with_long_shared_prompts_end_to_end(tiny_model_dir, tmp_path, monkeypatch):
+    """Groups of long prompts take the shared-prefix path in generation, scoring and the update."""
+    import tether.models as tm
+
+    words = "the movie was a film with great acting and a boring script but the music".split()
+    lines = [" ".join(words[(i + j) % len(words)] for j in range(24)) + f" number {i}" for i in range(40)]
+    prompts = tmp_path / "long.txt"
+    prompts.write_text("\n".join(lines) + "\n")
+    prefix_rows = []
+    real = tm.prefix_cache
+    monkeypatch.setattr(tm, "prefix_cache", lambda lm, ids, *a: prefix_rows.append(ids.shape) or real(lm, ids, *a))
+    out = tmp_path / "run"
+    args = _tiny_args(tiny_model_dir, prompts, out) + ["train.algo=grpo", "rollout.group_size=2",
+                                                        "rollout.max_prompt_tokens=128"]
+    assert main(args) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["objective/kl"] == 0.0 and rows[0]["policy/ratio_max_dev_first"] == 0.0
+    assert rows[0]["objective/kl_exact"] == 0.0
+    # each of the 3 steps: generation (4 rows), then per minibatch of 2 rows the policy's and the
+    # reference's scoring, then 2 epochs x 2 minibatches of the update (evaluation has no groups)
+    assert [shape[0] for shape in prefix_rows] == ([4] + [2] * 8) * 3
+    assert all(shape[1] >= tm.SHARED_PREFIX_MIN_POSITIONS for shape in prefix_rows)

@@ -198,10 +198,12 @@ def test_sliced_scoring_equals_the_full_forward_bit_for_bit(tiny_tokenizer, tiny
     assert max(seen) == min(rows, B) and sum(seen) == 2 * B  # each row once per model
 
 
-def test_shared_prompt_prefix_scores_like_the_full_forward(tiny_tokenizer, tiny_lm):
+def test_shared_prompt_prefix_scores_like_the_full_forward(tiny_tokenizer, tiny_lm, monkeypatch):
     """Prefix sharing: each distinct prompt through the trunk once, numbers as the full forward's."""
+    import tether.models as tm
     from tether.rollout import score_logprobs, score_policy_and_reference
 
+    monkeypatch.setattr(tm, "SHARED_PREFIX_MIN_POSITIONS", 1)  # the test's prompts are short
     # groups of 3 rows per prompt; "good" is one token, so its prefix (the prompt without its
     # last token) is all padding
     prompts = [p for p in PROMPTS for _ in range(3)]
@@ -238,10 +240,12 @@ def test_shared_prompt_prefix_scores_like_the_full_forward(tiny_tokenizer, tiny_
         torch.testing.assert_close(g_shared, g_plain, rtol=1e-4, atol=1e-6)
 
 
-def test_reference_forwards_count_a_shared_prefix_scoring_once(tiny_tokenizer, tiny_lm):
+def test_reference_forwards_count_a_shared_prefix_scoring_once(tiny_tokenizer, tiny_lm, monkeypatch):
+    import tether.models as tm
     from tether.models import count_reference_forwards
     from tether.rollout import score_logprobs
 
+    monkeypatch.setattr(tm, "SHARED_PREFIX_MIN_POSITIONS", 1)
     reference = make_reference(tiny_lm)
     counter = [0]
     count_reference_forwards(reference, counter)
@@ -252,9 +256,11 @@ def test_reference_forwards_count_a_shared_prefix_scoring_once(tiny_tokenizer, t
     assert counter[0] == 2
 
 
-def test_generation_from_a_shared_prompt_cache_draws_the_same_samples(tiny_tokenizer, tiny_lm):
+def test_generation_from_a_shared_prompt_cache_draws_the_same_samples(tiny_tokenizer, tiny_lm, monkeypatch):
+    import tether.models as tm
     from tether.rollout import generate
 
+    monkeypatch.setattr(tm, "SHARED_PREFIX_MIN_POSITIONS", 1)
     prompts = [p for p in PROMPTS for _ in range(3)]  # "good" (one token) has an all-padding prefix
     rows = []
     trunk = tiny_lm.model
@@ -269,3 +275,25 @@ def test_generation_from_a_shared_prompt_cache_draws_the_same_samples(tiny_token
     assert rows[:2] == [(3, P - 1), (9, 1)]  # 3 distinct prompts once, then each row's last prompt token
     assert torch.equal(shared.response_ids, plain.response_ids)
     assert torch.equal(shared.response_mask, plain.response_mask)
+
+
+def test_short_prompt_prefixes_are_not_shared(tiny_tokenizer, tiny_lm, monkeypatch):
+    import tether.models as tm
+    from tether.rollout import generate, score_logprobs
+
+    prompts = [p for p in PROMPTS for _ in range(2)]
+    ro = _rollout(tiny_tokenizer, tiny_lm, prompts)
+    P = ro.prompt_ids.shape[1]
+    calls = []
+    hook = tiny_lm.model.register_forward_pre_hook(lambda m, a, kw: calls.append(kw["input_ids"].shape), with_kwargs=True)
+    shared = PolicyWithValue(tiny_lm, share_prefix=True)
+    for min_positions, trunk_calls in [(P, 1), (P - 1, 2)]:  # the prefix is P - 1 positions
+        monkeypatch.setattr(tm, "SHARED_PREFIX_MIN_POSITIONS", min_positions)
+        calls.clear()
+        with torch.no_grad():
+            score_logprobs(shared, ro, 1.0)
+        assert len(calls) == trunk_calls
+        calls.clear()
+        generate(tiny_lm, tiny_tokenizer, prompts, 2, 1.0, seeds=range(6), share_prefix=True)
+        assert calls[0][1] == (P if trunk_calls == 1 else P - 1)  # whole prompts, or the shared prefix first
+    hook.remove()

@@ -60,8 +60,10 @@ class ModelConfig:
     share_prompt_prefix: bool = True
     """Where rows share prompts (groups: rollout.group_size > 1, as in GRPO and RLOO), run each
     distinct prompt through the trunk once and let its rows attend to the
-    one copy of its keys and values when scoring and in the update (policy and reference alike).
-    The same numbers up to float rounding; not used when every row has its own prompt."""
+    one copy of its keys and values, in generation, when scoring and in the update (policy and
+    reference alike). The same numbers up to float rounding; not used when every row has its own
+    prompt, nor for prompts under 17 tokens (``tether.models.SHARED_PREFIX_MIN_POSITIONS``), where
+    it does not pay."""
 
     def __post_init__(self) -> None:
         _check(self.trainable_layers is None or self.trainable_layers >= 0,

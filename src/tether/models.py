@@ -265,6 +265,13 @@ def apply_head(lm: nn.Module, hidden: torch.Tensor, chunk_positions: int = HEAD_
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
+SHARED_PREFIX_MIN_POSITIONS = 16
+"""Prompt prefixes shorter than this run with the rest of their rows even when shared: the one
+trunk call and cache a shared prefix costs did not pay for itself at the default 7-token prompts
+(0.993x step time; 0.915x at 42 tokens, ``benchmarks/levers.py``). Compared with the padded
+prefix width of the batch, which is the same in a step's scoring and its minibatches."""
+
+
 def tail_hidden(
     lm: nn.Module,
     input_ids: torch.Tensor,
@@ -282,7 +289,8 @@ def tail_hidden(
     with its adapter setting switched on for the call.
 
     With ``share_prefix`` the first ``L - n_keep`` positions (the prompt without its last token)
-    go through the trunk once per distinct prefix (:func:`shared_prefix_hidden`). Every row then
+    go through the trunk once per distinct prefix (:func:`shared_prefix_hidden`), when there are
+    at least :data:`SHARED_PREFIX_MIN_POSITIONS` of them. Every row then
     takes that path whatever the other rows of its batch are, so a row's numbers do not depend
     on the batch it is scored in (old and new log-probs, policy and reference agree).
     """
@@ -290,7 +298,7 @@ def tail_hidden(
         with lm.active():
             return tail_hidden(lm.lm, input_ids, attention_mask, position_ids, n_keep, share_prefix)
     trunk = getattr(lm, lm.base_model_prefix)
-    if share_prefix and input_ids.shape[1] > n_keep:
+    if share_prefix and input_ids.shape[1] - n_keep >= max(1, SHARED_PREFIX_MIN_POSITIONS):
         return shared_prefix_hidden(lm, trunk, input_ids, attention_mask, position_ids, n_keep)
     out = trunk(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     return out.last_hidden_state[:, -n_keep:].contiguous()  # (B, n_keep, d)

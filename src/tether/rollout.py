@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from tether.logprobs import entropy_from_logits, logprobs_from_logits, response_mask_from_tokens
+from tether import models
 from tether.kl import exact_kl_from_logits
 from tether.models import (
     HEAD_CHUNK_POSITIONS,
@@ -25,7 +26,6 @@ from tether.models import (
     head_logits,
     head_row_slices,
     position_ids_from_mask,
-    prefix_cache,
     tail_hidden,
     tail_logits,
 )
@@ -170,7 +170,8 @@ def generate(
 
     With ``share_prefix`` every prompt but its last token goes into a
     :func:`tether.models.prefix_cache` first (rows of a group share one prompt: it runs once),
-    and generation starts from that cache.
+    and generation starts from that cache; prompts shorter than
+    :data:`tether.models.SHARED_PREFIX_MIN_POSITIONS` + 1 tokens are generated whole.
     """
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, max_prompt_tokens)
     if seeds is None:
@@ -187,10 +188,10 @@ def generate(
     gen = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos,
                            pad_token_id=tokenizer.pad_token_id)
     cache = {}
-    if share_prefix and prompt_ids.shape[1] > 1:
+    if share_prefix and prompt_ids.shape[1] - 1 >= max(1, models.SHARED_PREFIX_MIN_POSITIONS):
         base = lm.lm if isinstance(lm, AdapterReference) else lm
         with lm.active() if isinstance(lm, AdapterReference) else nullcontext():
-            prefix = prefix_cache(base, prompt_ids[:, :-1], prompt_mask[:, :-1],
+            prefix = models.prefix_cache(base, prompt_ids[:, :-1], prompt_mask[:, :-1],
                                   position_ids_from_mask(prompt_mask)[:, :-1])
         cache = {cache_argument(getattr(base, base.base_model_prefix)): prefix}
     saved, lm.generation_config = lm.generation_config, gen
