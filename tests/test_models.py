@@ -297,3 +297,27 @@ def test_short_prompt_prefixes_are_not_shared(tiny_tokenizer, tiny_lm, monkeypat
         generate(tiny_lm, tiny_tokenizer, prompts, 2, 1.0, seeds=range(6), share_prefix=True)
         assert calls[0][1] == (P if trunk_calls == 1 else P - 1)  # whole prompts, or the shared prefix first
     hook.remove()
+
+
+def test_a_hybrid_model_whose_cache_cannot_be_gathered_runs_the_plain_path(tiny_tokenizer, monkeypatch):
+    """LFM2 (convolution + attention layers): its cache has no batch_select_indices; no crash, plain numbers."""
+    import transformers
+
+    import tether.models as tm
+    from tether.rollout import generate, score_logprobs
+
+    monkeypatch.setattr(tm, "SHARED_PREFIX_MIN_POSITIONS", 1)
+    torch.manual_seed(0)
+    lm = transformers.Lfm2ForCausalLM(transformers.Lfm2Config(
+        vocab_size=len(tiny_tokenizer), hidden_size=32, intermediate_size=64, block_ff_dim=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, layer_types=["conv", "full_attention"],
+        eos_token_id=0, pad_token_id=0, bos_token_id=None)).eval()
+    assert not tm.can_share_prefix(lm) and tm.can_share_prefix(make_tiny_llama(len(tiny_tokenizer)))
+    prompts = [p for p in PROMPTS for _ in range(2)]
+    plain = generate(lm, tiny_tokenizer, prompts, 4, 1.0, seeds=range(6))
+    shared = generate(lm, tiny_tokenizer, prompts, 4, 1.0, seeds=range(6), share_prefix=True)
+    assert torch.equal(plain.response_ids, shared.response_ids)
+    with torch.no_grad():
+        a = score_logprobs(PolicyWithValue(lm), plain, 1.0).logprobs
+        b = score_logprobs(PolicyWithValue(lm, share_prefix=True), plain, 1.0).logprobs
+    assert torch.equal(a, b)

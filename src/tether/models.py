@@ -290,7 +290,8 @@ def tail_hidden(
 
     With ``share_prefix`` the first ``L - n_keep`` positions (the prompt without its last token)
     go through the trunk once per distinct prefix (:func:`shared_prefix_hidden`), when there are
-    at least :data:`SHARED_PREFIX_MIN_POSITIONS` of them. Every row then
+    at least :data:`SHARED_PREFIX_MIN_POSITIONS` of them and the model's cache allows it
+    (:func:`can_share_prefix`). Every row then
     takes that path whatever the other rows of its batch are, so a row's numbers do not depend
     on the batch it is scored in (old and new log-probs, policy and reference agree).
     """
@@ -298,7 +299,8 @@ def tail_hidden(
         with lm.active():
             return tail_hidden(lm.lm, input_ids, attention_mask, position_ids, n_keep, share_prefix)
     trunk = getattr(lm, lm.base_model_prefix)
-    if share_prefix and input_ids.shape[1] - n_keep >= max(1, SHARED_PREFIX_MIN_POSITIONS):
+    if (share_prefix and input_ids.shape[1] - n_keep >= max(1, SHARED_PREFIX_MIN_POSITIONS)
+            and can_share_prefix(lm)):
         return shared_prefix_hidden(lm, trunk, input_ids, attention_mask, position_ids, n_keep)
     out = trunk(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     return out.last_hidden_state[:, -n_keep:].contiguous()  # (B, n_keep, d)
@@ -307,6 +309,22 @@ def tail_hidden(
 def cache_argument(module: nn.Module) -> str:
     """The name of ``module.forward``'s key/value cache argument: ``cache`` (transformers 5) or ``past_key_values`` (4.x)."""
     return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
+
+
+def can_share_prefix(lm: nn.Module) -> bool:
+    """Whether ``lm``'s key/value cache can be gathered by rows (every layer has ``batch_select_indices``).
+
+    Hybrid models (convolution or linear-attention layers beside attention, e.g. LFM2 or
+    Qwen3-Next) keep per-layer states that transformers cannot gather: they always run the
+    plain path. Decided by the model's config alone, so every call of a run takes the same path.
+    """
+    from transformers import DynamicCache
+
+    try:
+        layers = DynamicCache(config=lm.config).layers
+    except (TypeError, ValueError, AttributeError):  # a config transformers' cache cannot read
+        return False
+    return all(hasattr(layer, "batch_select_indices") for layer in layers)
 
 
 def prefix_cache(lm: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor):
@@ -330,8 +348,9 @@ def prefix_cache(lm: nn.Module, input_ids: torch.Tensor, attention_mask: torch.T
     trunk = getattr(lm, lm.base_model_prefix)
     key = torch.cat([input_ids, attention_mask.to(input_ids.dtype)], dim=1)
     uniq, inverse = torch.unique(key, dim=0, return_inverse=True)  # (U, 2S), (B,)
-    first = torch.full((uniq.shape[0],), input_ids.shape[0], dtype=torch.long)
-    first = first.scatter_reduce(0, inverse, torch.arange(input_ids.shape[0]), reduce="amin")  # a row of each
+    B, device = input_ids.shape[0], input_ids.device
+    first = torch.full((uniq.shape[0],), B, dtype=torch.long, device=device)
+    first = first.scatter_reduce(0, inverse, torch.arange(B, device=device), reduce="amin")  # a row of each
     cache = DynamicCache(config=lm.config)
     trunk._tether_prefix_pass = True  # forward counters count the forward that uses the cache, not this one
     try:

@@ -188,11 +188,12 @@ def generate(
     gen = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos,
                            pad_token_id=tokenizer.pad_token_id)
     cache = {}
-    if share_prefix and prompt_ids.shape[1] - 1 >= max(1, models.SHARED_PREFIX_MIN_POSITIONS):
-        base = lm.lm if isinstance(lm, AdapterReference) else lm
+    base = lm.lm if isinstance(lm, AdapterReference) else lm
+    if (share_prefix and prompt_ids.shape[1] - 1 >= max(1, models.SHARED_PREFIX_MIN_POSITIONS)
+            and models.can_share_prefix(base)):
         with lm.active() if isinstance(lm, AdapterReference) else nullcontext():
             prefix = models.prefix_cache(base, prompt_ids[:, :-1], prompt_mask[:, :-1],
-                                  position_ids_from_mask(prompt_mask)[:, :-1])
+                                         position_ids_from_mask(prompt_mask)[:, :-1])
         cache = {cache_argument(getattr(base, base.base_model_prefix)): prefix}
     saved, lm.generation_config = lm.generation_config, gen
     try:
