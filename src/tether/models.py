@@ -289,18 +289,16 @@ def tail_hidden(
     with its adapter setting switched on for the call.
 
     With ``share_prefix`` the first ``L - n_keep`` positions (the prompt without its last token)
-    go through the trunk once per distinct prefix (:func:`shared_prefix_hidden`), when there are
-    at least :data:`SHARED_PREFIX_MIN_POSITIONS` of them and the model's cache allows it
-    (:func:`can_share_prefix`). Every row then
-    takes that path whatever the other rows of its batch are, so a row's numbers do not depend
-    on the batch it is scored in (old and new log-probs, policy and reference agree).
+    go through the trunk once per distinct prefix (:func:`shared_prefix_hidden`) when
+    :func:`shares_prefix` allows it. Every row then takes that path whatever the other rows of
+    its batch are, so a row's numbers do not depend on the batch it is scored in (old and new
+    log-probs, policy and reference agree).
     """
     if isinstance(lm, AdapterReference):
         with lm.active():
             return tail_hidden(lm.lm, input_ids, attention_mask, position_ids, n_keep, share_prefix)
     trunk = getattr(lm, lm.base_model_prefix)
-    if (share_prefix and input_ids.shape[1] - n_keep >= max(1, SHARED_PREFIX_MIN_POSITIONS)
-            and can_share_prefix(lm)):
+    if share_prefix and shares_prefix(lm, input_ids.shape[1] - n_keep):
         return shared_prefix_hidden(lm, trunk, input_ids, attention_mask, position_ids, n_keep)
     out = trunk(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     return out.last_hidden_state[:, -n_keep:].contiguous()  # (B, n_keep, d)
@@ -325,6 +323,15 @@ def can_share_prefix(lm: nn.Module) -> bool:
     except (TypeError, ValueError, AttributeError):  # a config transformers' cache cannot read
         return False
     return all(hasattr(layer, "batch_select_indices") for layer in layers)
+
+
+def shares_prefix(lm: nn.Module, prefix_positions: int) -> bool:
+    """Whether a shared prompt prefix of ``prefix_positions`` runs once (:func:`prefix_cache`).
+
+    It does when it has at least :data:`SHARED_PREFIX_MIN_POSITIONS` positions (and at least one)
+    and the model's cache can be gathered by rows (:func:`can_share_prefix`).
+    """
+    return prefix_positions >= max(1, SHARED_PREFIX_MIN_POSITIONS) and can_share_prefix(lm)
 
 
 def prefix_cache(lm: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor):

@@ -15,9 +15,9 @@ import torch
 from torch import Tensor, nn
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from tether.logprobs import entropy_from_logits, logprobs_from_logits, response_mask_from_tokens
-from tether import models
+from tether import models  # models.prefix_cache and models.shares_prefix looked up at call time
 from tether.kl import exact_kl_from_logits
+from tether.logprobs import entropy_from_logits, logprobs_from_logits, response_mask_from_tokens
 from tether.models import (
     HEAD_CHUNK_POSITIONS,
     AdapterReference,
@@ -189,8 +189,7 @@ def generate(
                            pad_token_id=tokenizer.pad_token_id)
     cache = {}
     base = lm.lm if isinstance(lm, AdapterReference) else lm
-    if (share_prefix and prompt_ids.shape[1] - 1 >= max(1, models.SHARED_PREFIX_MIN_POSITIONS)
-            and models.can_share_prefix(base)):
+    if share_prefix and models.shares_prefix(base, prompt_ids.shape[1] - 1):
         with lm.active() if isinstance(lm, AdapterReference) else nullcontext():
             prefix = models.prefix_cache(base, prompt_ids[:, :-1], prompt_mask[:, :-1],
                                          position_ids_from_mask(prompt_mask)[:, :-1])
