@@ -36,23 +36,23 @@ sys.path.insert(0, str(Path(__file__).parent))
 from exact_kl_cost import PeakRSS  # noqa: E402
 
 
-def set_lever(trainer, config, lever: str, on: bool) -> None:
-    if lever == "reuse_forward":
-        trainer.one_pass = on
-    elif lever == "exact_kl":
-        config.kl.exact = on
-    elif lever == "fused_adamw":
-        for group in trainer.optimizer.param_groups:
-            group["fused"] = on or None  # AdamW reads it every step
-    elif lever == "share_prefix":
-        trainer.run.policy.share_prefix = on
-    else:
-        raise SystemExit(f"unknown lever {lever!r}; choose reuse_forward, exact_kl, fused_adamw or share_prefix")
+def _set_fused(trainer, on: bool) -> None:
+    for group in trainer.optimizer.param_groups:
+        group["fused"] = on or None  # AdamW reads it every step
+
+
+LEVERS = {
+    "reuse_forward": lambda trainer, config, on: setattr(trainer, "one_pass", on),
+    "exact_kl": lambda trainer, config, on: setattr(config.kl, "exact", on),
+    "fused_adamw": lambda trainer, config, on: _set_fused(trainer, on),
+    "share_prefix": lambda trainer, config, on: setattr(trainer.run.policy, "share_prefix", on),
+}
+"""How each lever is switched on a live trainer (the trainer reads each one every step)."""
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--levers", nargs="+", default=["reuse_forward", "exact_kl", "fused_adamw", "share_prefix"])
+    ap.add_argument("--levers", nargs="+", choices=list(LEVERS), default=list(LEVERS))
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--completions", type=int, default=8)
@@ -96,7 +96,7 @@ def main() -> int:
         seen = {False: [], True: []}
         for step in range(n):
             on = bool(step % 2)
-            set_lever(trainer, config, lever, on)
+            LEVERS[lever](trainer, config, on)
             with PeakRSS() as m:
                 row = trainer.step(step)
             if step >= args.warmup:
