@@ -1,6 +1,7 @@
 """What bounds generation on this CPU: the decode step's matrix products, and what might beat them.
 
 Usage: python benchmarks/generation_floor.py [--model smollm2-135m] [--rows 8] [--tokens 24] [--rounds 5] [--compile]
+       [--profile]
 
 Prints, for the embedded default model (fp32):
 
@@ -13,7 +14,10 @@ Prints, for the embedded default model (fp32):
    dynamic cache) against a static cache, against MKL-packed weights in the decode steps
    (packed at every call, as a trained policy's changing weights would need), and with ``--compile`` a static cache under
    ``torch.compile`` (compile time printed apart; transformers' own ``compile_config`` is skipped
-   on CPU, so the model's forward is compiled directly).
+   on CPU, so the model's forward is compiled directly);
+3. with ``--profile``, where one ``generate`` call's time goes: torch profiler's self CPU time
+   per operator (the matrix products, attention, the cache's concatenations, the sampler's noise)
+   as shares of the call, the rest being Python and dispatch.
 
 The variants of each table run in turn, ``--rounds`` times; medians are printed, so a drift in
 the machine's speed (large on this shared 2-core machine) hits every variant alike.
@@ -51,6 +55,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
 
     import torch
@@ -150,7 +155,24 @@ def main() -> int:
         print(f"| {m} | {statistics.median(ts):.2f} |")
     if compile_s is not None:
         print(f"\nfirst compiled call (compiling included): {compile_s:.0f} s")
+    if args.profile:
+        profile_generate(lambda: one("dynamic cache (transformers' default)"))
     return 0
+
+
+def profile_generate(call) -> None:
+    """Print the operators taking most of one generate call, as shares of its wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        wall = call()
+    ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    print(f"\n| generate, profiled ({wall:.2f} s wall) | self CPU s | share of wall |\n|---|---|---|")
+    for e in ops[:8]:
+        s = e.self_cpu_time_total / 1e6
+        print(f"| {e.key} ({e.count} calls) | {s:.3f} | {s / wall:.0%} |")
+    rest = wall - sum(e.self_cpu_time_total for e in ops) / 1e6
+    print(f"| outside any operator (Python, transformers' generate loop) | {rest:.3f} | {rest / wall:.0%} |")
 
 
 if __name__ == "__main__":

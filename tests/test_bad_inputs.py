@@ -70,6 +70,9 @@ CONFIG_CASES = [
     ("controller on the exact KL without it", ["kl.controller_signal=exact", "kl.exact=false"], 2,
      ["kl.controller_signal='exact'", "kl.exact=true"]),
     ("override without a section", ["kl_coef=0.1"], 2, ["kl_coef"]),
+    ("controller holding a biased KL estimate", ["train.algo=grpo", "rollout.group_size=2", "kl.estimator=k2"], 2,
+     ["kl.estimator='k2'", "biased", "kl.controller_signal=exact"]),
+    ("DPO with a KL controller", ["train.algo=dpo", "kl.controller=budget"], 2, ["kl.controller='budget'", "dpo.beta"]),
 ]
 
 
@@ -165,6 +168,25 @@ def test_run_directory_errors(tiny_model_dir, prompt_file, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()[-1]
     print(f"| unknown scorer | `reward.scorer=nonsense` | 1 | {err} |")
     assert "nonsense" in err and "module:function" in err
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_is_refused_before_anything_is_written(precision, tiny_model_dir, prompt_file, tmp_path,
+                                                                monkeypatch, capsys):
+    from accelerate.state import AcceleratorState
+
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", precision)  # what `accelerate launch --mixed_precision` sets
+    AcceleratorState._reset_state(reset_partial_state=True)  # accelerate keeps one state per process
+    try:
+        out = tmp_path / "run"
+        assert main(_base(tiny_model_dir, prompt_file, out)) == 1
+    finally:
+        monkeypatch.delenv("ACCELERATE_MIXED_PRECISION")
+        AcceleratorState._reset_state(reset_partial_state=True)
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    print(f"\n| accelerate mixed precision | `ACCELERATE_MIXED_PRECISION={precision}` | 1 | {err} |")
+    assert f"mixed_precision='{precision}'" in err and "--mixed_precision no" in err
+    assert not out.exists()
 
 
 def test_non_finite_gradient_stops_before_the_weights_change():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from tether.cli import main
 
@@ -41,7 +42,7 @@ def test_ppo_cli_end_to_end(tiny_model_dir, prompt_file, tmp_path, capsys):
     for key in ("objective/kl", "objective/kl_per_token", "objective/kl_coef", "objective/scores",
                 "objective/non_score_reward", "objective/rlhf_reward", "objective/entropy",
                 "response/length", "policy/clipfrac", "policy/approx_kl", "value/loss", "time/step",
-                "objective/kl_exact"):
+                "objective/kl_exact", "value/mean", "value/explained_variance"):
         assert key in rows[0], key
     # step 0: policy == reference, so every KL is exactly 0 and the first PPO ratio is exactly 1
     assert rows[0]["objective/kl"] == 0.0 and rows[0]["objective/kl_exact"] == 0.0
@@ -255,3 +256,33 @@ def test_grpo_with_long_shared_prompts_end_to_end(tiny_model_dir, tmp_path, monk
     # reference's scoring, then 2 epochs x 2 minibatches of the update (evaluation has no groups)
     assert [shape[0] for shape in prefix_rows] == ([4] + [2] * 8) * 3
     assert all(shape[1] >= tm.SHARED_PREFIX_MIN_POSITIONS for shape in prefix_rows)
+
+
+def test_best_policy_is_kept_and_ends_the_run(tiny_model_dir, prompt_file, tmp_path, monkeypatch, capsys):
+    # scripted periodic scores: the best is step 1's (0.5); with eval.patience=2 the run stops
+    # after step 3, the second evaluation without a new best, and ends with step 1's policy
+    from safetensors.torch import load_file
+
+    from tether import train as train_module
+
+    scripted = iter([0.1, 0.5, 0.3, 0.2, 0.9, 0.9])
+    monkeypatch.setattr(train_module.Evaluator, "periodic_row",
+                        lambda self: {"eval/proxy_score": next(scripted), "eval/kl": 0.0})
+    out = tmp_path / "run"
+    args = _tiny_args(tiny_model_dir, prompt_file, out) + [
+        "train.steps=6", "eval.every=1", "eval.best_by=proxy", "eval.patience=2", "train.checkpoint_every=1"]
+    assert main(args) == 0
+    text = capsys.readouterr()
+    said = text.out + text.err
+    assert "stopping early after step 3" in said and "step 1's 0.500 in 2 evaluations" in said
+    assert "ending with the policy of step 1" in said
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert json.loads((out / "best" / "meta.json").read_text())["step"] == 1
+    assert json.loads((out / "eval.json").read_text())["policy_step"] == 1
+    best = load_file(str(out / "best" / "policy.safetensors"))
+    last = load_file(str(out / "checkpoints" / "step-000003" / "policy.safetensors"))
+    final = load_file(str(out / "policy" / "model.safetensors"))
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(final[name], best[name])  # the saved policy is step 1's ...
+    assert not torch.equal(final[name], last[name])  # ... not the last step's

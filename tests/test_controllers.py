@@ -96,3 +96,15 @@ def test_make_controller_errors():
         make_controller("adaptive", 0.1, target=1.0, horizon=0)
     with pytest.raises(ValueError, match="kl_coef"):
         make_controller("adaptive", -0.1, target=1.0)
+
+
+def test_adaptive_reach_is_the_product_of_the_largest_steps():
+    from tether.controllers import adaptive_reach
+
+    # 32 samples, horizon 10000: each update at most x(1 + 0.2 * 32 / 10000) = x1.00064
+    assert adaptive_reach(32, 10_000, 16) == pytest.approx(1.00064 ** 16, rel=1e-12)  # 1.0103
+    # and the controller itself, fed a KL far above target 16 times, moves beta by exactly that
+    c = AdaptiveKLController(kl_coef=0.05, target=6.0, horizon=10_000)
+    for _ in range(16):
+        c.update(100.0, n_steps=32)
+    assert c.kl_coef == pytest.approx(0.05 * adaptive_reach(32, 10_000, 16), rel=1e-12)

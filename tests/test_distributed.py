@@ -66,6 +66,7 @@ def _four_ranks(rank: int, world: int, init_file: str, out_dir: str) -> None:
             "sequence_mean": float(D.sequence_mean(scores)),
             "sequence_std": float(D.sequence_std(scores)),
             "share": float(D.token_share(vmask)),
+            "explained_variance": float(D.explained_variance(values, values.flip(-1) * 0.5 + values, vmask)),
             "max": float(D.all_reduce_max(torch.tensor(float(rank)))),
             "min": float(D.all_reduce_min(torch.tensor(float(rank)))),
         }
@@ -96,6 +97,11 @@ def test_four_gloo_ranks_reduce_token_weighted(tmp_path):
         assert r["max"] == 3.0 and r["min"] == 0.0
     got_whiten = torch.cat([torch.tensor(r["whiten"], dtype=torch.float64) for r in res])
     torch.testing.assert_close(got_whiten, want_whiten, rtol=1e-10, atol=1e-12)
+    returns = values.flip(-1) * 0.5 + values
+    valid = mask.bool()
+    want_ev = 1 - float((returns - values)[valid].var() / returns[valid].var())
+    for r in res:
+        assert r["explained_variance"] == pytest.approx(want_ev, rel=1e-10)
     shares = [r["share"] for r in res]
     assert shares[3] == 0.0 and sum(shares) == pytest.approx(1.0, abs=1e-6)
 
@@ -107,6 +113,19 @@ def test_reductions_without_a_process_group_are_the_batch_statistics():
     assert float(D.sequence_std(scores)) == pytest.approx(float(scores.std()), rel=1e-12)
     torch.testing.assert_close(D.whiten(values, mask), whiten(values, mask), rtol=1e-12, atol=1e-12)
     assert float(D.token_share(mask)) == 1.0 and D.gather_objects("x") == ["x"]
+
+
+def test_explained_variance_hand_values():
+    # valid returns 2, 2, 4: mean 8/3, variance (2 * 4/9 + 16/9) / 3 = 8/9;
+    # returns - values 1, 0, 1: mean 2/3, variance (2 * 1/9 + 4/9) / 3 = 2/9; 1 - (2/9) / (8/9) = 0.75.
+    # Masked slots hold values that would change both variances if they counted.
+    values = torch.tensor([[1.0, 2.0, 50.0], [3.0, -7.0, 0.0]])
+    returns = torch.tensor([[2.0, 2.0, 9.0], [4.0, 9.0, 9.0]])
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    assert float(D.explained_variance(values, returns, mask)) == pytest.approx(0.75, rel=1e-12)
+    assert float(D.explained_variance(returns, returns, mask)) == 1.0  # a perfect value head
+    flat = torch.full_like(returns, 3.0)
+    assert math.isnan(float(D.explained_variance(values, flat, mask)))  # returns that do not vary
 
 
 @pytest.mark.parametrize("world", [2, 4])

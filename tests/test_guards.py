@@ -109,3 +109,25 @@ def test_non_finite_config_values_are_refused():
     for o in ("kl.kl_coef=inf", "optim.lr=nan", "rollout.temperature=.inf"):
         with pytest.raises(ConfigError, match="finite"):
             load_config(None, [o])
+
+
+def test_a_reference_that_moves_stops_the_run_without_a_checkpoint(tiny_model_dir, prompt_file, tmp_path,
+                                                                   monkeypatch, capsys):
+    # with train.checkpoint_every=0 no checkpoint checks the fingerprint: the check after the
+    # last step must still catch a reference changed during training, before eval and policy
+    from tether import train as train_module
+
+    class Nudging(train_module.TRAINERS["ppo"]):
+        def step(self, step):
+            row = super().step(step)
+            with torch.no_grad():
+                next(self.run.reference.parameters()).add_(1e-3)  # what a shared-storage bug would do
+            return row
+
+    monkeypatch.setitem(train_module.TRAINERS, "ppo", Nudging)
+    out = tmp_path / "run"
+    assert main(_tiny_args(tiny_model_dir, prompt_file, out) + ["train.checkpoint_every=0"]) == 1
+    err = capsys.readouterr().err
+    assert "after the last step (2)" in err and "reference model's weights changed" in err
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3  # the logged steps stay
+    assert not (out / "eval.json").exists() and not (out / "policy").exists()

@@ -7,6 +7,7 @@ Layout inside the run directory::
 ``policy.safetensors`` holds the LM's tensors, or for a LoRA run (``model.lora_r`` or
 ``model.adapter``) only the trainable adapter's: the frozen base is never saved here.
     checkpoints/LATEST         the name of the newest complete checkpoint
+    best/                      with eval.best_by: the policy of the best periodic evaluation
 
 A checkpoint is written to a temporary folder, which is renamed into place when complete, and only
 then is ``LATEST`` replaced (write to a temporary file, then ``os.replace``). A process killed at
@@ -46,8 +47,6 @@ def save_checkpoint(run_dir: Path, step: int, policy, trainer_state: dict, refer
         trainer_state: optimizer, controller, RNG and data states (``torch.save``-able).
         reference_fingerprint: recorded for the integrity check on resume.
     """
-    from safetensors.torch import save_file
-
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     name = f"step-{step:06d}"
@@ -55,12 +54,7 @@ def save_checkpoint(run_dir: Path, step: int, policy, trainer_state: dict, refer
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    # a LoRA policy saves its adapter only; the frozen base is rebuilt and fingerprinted on resume
-    lm_state = {k: v.detach().contiguous().clone() for k, v in policy.lm_checkpoint_state().items()}
-    # tied weights share storage; safetensors refuses shared tensors, so each is cloned above
-    save_file(lm_state, str(tmp / "policy.safetensors"))
-    save_file({k: v.contiguous() for k, v in policy.value_head.state_dict().items()},
-              str(tmp / "value_head.safetensors"))
+    save_policy_weights(tmp, policy)
     torch.save(trainer_state, tmp / "trainer.pt")
     (tmp / "meta.json").write_text(json.dumps({"step": step, "reference_fingerprint": reference_fingerprint}))
     final = root / name
@@ -71,6 +65,54 @@ def save_checkpoint(run_dir: Path, step: int, policy, trainer_state: dict, refer
     for old in root.iterdir():  # older complete checkpoints and stale temporaries
         if old.name not in (name, "LATEST") and old.is_dir():
             shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def save_policy_weights(folder: Path, policy) -> None:
+    """Write ``policy.safetensors`` (the LM's tensors, or a LoRA run's trainable adapter only: the
+    frozen base is rebuilt and fingerprinted on resume) and ``value_head.safetensors`` into ``folder``."""
+    from safetensors.torch import save_file
+
+    lm_state = {k: v.detach().contiguous().clone() for k, v in policy.lm_checkpoint_state().items()}
+    # tied weights share storage; safetensors refuses shared tensors, so each is cloned above
+    save_file(lm_state, str(Path(folder) / "policy.safetensors"))
+    save_file({k: v.contiguous() for k, v in policy.value_head.state_dict().items()},
+              str(Path(folder) / "value_head.safetensors"))
+
+
+def load_policy_weights(folder: Path, policy) -> None:
+    """Load what :func:`save_policy_weights` wrote into ``policy``.
+
+    Raises:
+        RuntimeError: the tensors do not match the model (another model or LoRA setting).
+    """
+    from safetensors.torch import load_file
+
+    lm_state = load_file(str(Path(folder) / "policy.safetensors"))
+    expected = set(policy.lm_checkpoint_state())
+    missing, unexpected = policy.lm.load_state_dict(lm_state, strict=False)
+    missing = [k for k in missing if k in expected]  # a LoRA checkpoint holds the adapter only
+    if unexpected or [k for k in missing if "lm_head" not in k or ".lora_" in k]:  # lm_head may be tied
+        raise RuntimeError(f"checkpoint {folder} does not match the model: missing {missing[:3]}, "
+                           f"unexpected {unexpected[:3]}")
+    policy.value_head.load_state_dict(load_file(str(Path(folder) / "value_head.safetensors")))
+
+
+def save_best(run_dir: Path, policy, meta: dict) -> Path:
+    """Replace ``run_dir/best`` (the policy of the best periodic evaluation) atomically: written to
+    a temporary folder, then swapped in, so a kill leaves the previous best or the new one."""
+    root = Path(run_dir)
+    tmp, final, old = root / f".best.tmp{os.getpid()}", root / "best", root / f".best.old{os.getpid()}"
+    for leftover in (tmp, old):
+        if leftover.exists():
+            shutil.rmtree(leftover)
+    tmp.mkdir()
+    save_policy_weights(tmp, policy)
+    (tmp / "meta.json").write_text(json.dumps(meta))
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
     return final
 
 
@@ -85,16 +127,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 def load_checkpoint(path: Path, policy) -> tuple[dict, dict]:
     """Load policy weights into ``policy``; return (meta, trainer_state)."""
-    from safetensors.torch import load_file
-
-    lm_state = load_file(str(path / "policy.safetensors"))
-    expected = set(policy.lm_checkpoint_state())
-    missing, unexpected = policy.lm.load_state_dict(lm_state, strict=False)
-    missing = [k for k in missing if k in expected]  # a LoRA checkpoint holds the adapter only
-    if unexpected or [k for k in missing if "lm_head" not in k or ".lora_" in k]:  # lm_head may be tied
-        raise RuntimeError(f"checkpoint {path} does not match the model: missing {missing[:3]}, "
-                           f"unexpected {unexpected[:3]}")
-    policy.value_head.load_state_dict(load_file(str(path / "value_head.safetensors")))
+    load_policy_weights(path, policy)
     meta = json.loads((path / "meta.json").read_text())
     return meta, torch.load(path / "trainer.pt", weights_only=False)
 

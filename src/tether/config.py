@@ -17,12 +17,23 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
-from tether.controllers import ControllerName
+from tether.controllers import ADAPTIVE_ERROR_CLIP, ControllerName, adaptive_reach
 from tether.health import HealthThresholds
 from tether.kl import KLEstimator
 
 
 ALGOS = ("ppo", "grpo", "rloo", "dpo")
+
+ADAPTIVE_MIN_REACH = 1.1
+"""Below this, the adaptive controller cannot move beta by 10% over the whole run: a warning."""
+
+
+def _horizon_for(batch_size: int, steps: int) -> float:
+    """A kl.horizon (two significant digits, rounded down) over which the adaptive controller can
+    double beta in ``steps`` steps: ``(1 + 0.2 * batch_size / horizon) ** steps >= 2``."""
+    h = ADAPTIVE_ERROR_CLIP * batch_size / (2 ** (1 / steps) - 1)
+    digits = 10 ** (math.floor(math.log10(h)) - 1)
+    return max(math.floor(h / digits) * digits, batch_size / 5)
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """Default ``model.lora_target_modules``: every attention and MLP projection of a Llama block."""
 
@@ -312,9 +323,26 @@ class EvalConfig:
     """Sampling seed of the evaluation (the same for reference and policy)."""
     batch_size: int = 64
     """Rows per evaluation generate call."""
+    best_by: Literal["none", "gold", "proxy"] = "none"
+    """Keep the policy of the periodic evaluation (eval.every) with the highest held-out score,
+    the gold judge's (``gold``) or the training scorer's (``proxy``), in <run>/best, and end the
+    run with it: the final evaluation, eval.json and <run>/policy are then that step's policy
+    (the seeds: "stop near the peak of held-out quality"). ``none`` keeps the last step's."""
+    patience: int = 0
+    """With eval.best_by: stop training after this many periodic evaluations without a new best
+    (0 = never stop early)."""
 
     def __post_init__(self) -> None:
         _check(self.n_prompts >= 0, "eval.n_prompts", self.n_prompts, "must be >= 0")
+        _check(self.best_by in ("none", "gold", "proxy"), "eval.best_by", self.best_by,
+               "choose none, gold or proxy")
+        _check(self.best_by == "none" or self.every > 0, "eval.best_by", self.best_by,
+               "needs periodic evaluations: set eval.every > 0")
+        _check(self.best_by != "gold" or self.judge != "none", "eval.best_by", self.best_by,
+               "'gold' needs a judge (eval.judge is none): choose eval.best_by=proxy or set eval.judge")
+        _check(self.patience >= 0, "eval.patience", self.patience, "must be >= 0 (0 = never stop early)")
+        _check(self.patience == 0 or self.best_by != "none", "eval.patience", self.patience,
+               "needs eval.best_by=gold or proxy (the score whose best it waits for)")
         _check(self.batch_size >= 1, "eval.batch_size", self.batch_size, "must be >= 1")
         _check(self.every >= 0, "eval.every", self.every, "must be >= 0 (0 = off)")
         _check(self.periodic_prompts >= 1, "eval.periodic_prompts", self.periodic_prompts, "must be >= 1")
@@ -391,12 +419,45 @@ class Config:
                 f"kl.kl_in_reward and kl.kl_in_loss are both false, so kl.kl_coef={self.kl.kl_coef} and "
                 f"kl.controller={self.kl.controller} act on nothing; place the KL (one of them true) or run "
                 "without a leash: kl.kl_coef=0 (and not kl.controller=budget)")
+        if self.train.algo == "dpo":
+            _check(self.kl.controller != "budget", "kl.controller", self.kl.controller,
+                   "DPO's leash is the fixed dpo.beta (its implicit KL coefficient); no controller acts on it. "
+                   "Leave kl.controller at its default")
+        else:
+            self._check_leash()
         if self.kl.controller == "adaptive":
             _check(self.rollout.batch_size <= 5 * self.kl.horizon, "kl.horizon", self.kl.horizon,
                    f"must be >= rollout.batch_size / 5 = {self.rollout.batch_size / 5} or kl_coef could turn negative")
         if self.train.algo in ("grpo", "rloo"):
             _check(self.rollout.group_size >= 2, "rollout.group_size", self.rollout.group_size,
                    f"{self.train.algo} needs >= 2 completions per prompt")
+
+    def _check_leash(self) -> None:
+        """On-policy trainers: what the controller reads must be unbiased for the KL it holds, and
+        a run without a leash says so (the seeds: drop the penalty only once the reward is known
+        to resist hacking)."""
+        k = self.kl
+        if k.controller != "fixed" and k.controller_signal == "estimator" and k.estimator in ("k2", "abs"):
+            msg = (f"kl.estimator={k.estimator!r} is biased for the KL (its mean is not KL(pi || pi_ref)), and "
+                   f"kl.controller={k.controller} would hold that biased number to its target")
+            if not k.allow_biased_estimator:
+                raise ConfigError(f"{msg}. Use kl.estimator=k1 or k3 (unbiased), kl.controller_signal=exact, or "
+                                  "set kl.allow_biased_estimator=true to run it anyway.")
+            self.placement.warnings.append(msg + " (allowed by kl.allow_biased_estimator)")
+        reach = adaptive_reach(self.rollout.batch_size, k.horizon, self.train.steps)
+        if k.controller == "adaptive" and k.kl_coef > 0 and reach < ADAPTIVE_MIN_REACH:
+            self.placement.warnings.append(
+                f"kl.controller=adaptive with kl.horizon={k.horizon:g} samples and {self.rollout.batch_size} samples "
+                f"per step moves beta by at most {reach - 1:.1%} over train.steps={self.train.steps} (Ziegler et al.'s "
+                f"and TRL's horizon, made for far longer runs): beta stays within that of kl.kl_coef={k.kl_coef:g} "
+                f"whatever the KL does against kl.target={k.target:g}. To hold the target in this run, lower kl.horizon (e.g. "
+                f"{_horizon_for(self.rollout.batch_size, self.train.steps):g}) or use kl.controller=budget")
+        if k.kl_coef == 0 and k.controller != "budget":
+            why = ("; kl.controller=adaptive multiplies beta, so it stays 0" if k.controller == "adaptive" else "")
+            self.placement.warnings.append(
+                f"kl.kl_coef=0: no KL leash{why}. Nothing holds the policy near the reference: watch the gold "
+                "judge (eval.judge, eval.every) and the health warnings, or use kl.controller=budget, which "
+                "raises beta from 0")
 
     def resolve_defaults(self) -> None:
         """Fill the per-trainer defaults left as None (group size, KL placement).

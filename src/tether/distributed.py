@@ -169,6 +169,27 @@ def kl_stats(kl: Tensor, mask: Tensor) -> dict[str, Tensor]:
     return {"kl_per_sequence": sequence_mean(sequence_kl(kl, mask)), "kl_per_token": token_mean(kl, mask)}
 
 
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
+    """How much of the returns' variance the value head explains, over the global batch.
+
+    ``1 - Var(returns - values) / Var(returns)`` over every valid token of every rank (both
+    variances with the same normalization, so it cancels), as cleanrl's ``explained_var``: 1 is
+    a perfect value head, 0 one no better than the returns' mean, negative worse than it.
+
+    Args:
+        values: (B, T) value predictions at rollout time.
+        returns: (B, T) their targets (GAE returns).
+        mask: (B, T) bool, ``response_mask``.
+
+    Returns:
+        float64 scalar; NaN when the returns do not vary (or no token is valid).
+    """
+    v, r = values.to(torch.float64), returns.to(torch.float64)
+    mean_r, mean_d = token_mean(r, mask), token_mean(r - v, mask)
+    var_r, var_d = (token_mean((r - mean_r).pow(2), mask), token_mean((r - v - mean_d).pow(2), mask))
+    return 1 - var_d / var_r if var_r > 0 else torch.tensor(float("nan"), dtype=torch.float64)
+
+
 def whiten(values: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
     """:func:`tether.advantages.whiten` with the mean and variance of the global batch.
 

@@ -148,7 +148,8 @@ def overoptimization(history: list[dict], t: HealthThresholds) -> Alarm | None:
         return Alarm("overoptimization", proxy[-1][0],
                      f"proxy score rose {p1:.3f} -> {p2:.3f} while the gold score fell {g1:.3f} -> {g2:.3f}",
                      "reward over-optimization: the policy exploits the proxy's errors (Gao et al. 2022)",
-                     "raise kl.kl_coef or lower kl.target, or stop at the gold score's peak")
+                     "raise kl.kl_coef or lower kl.target, or keep the policy at the gold score's peak "
+                     "(eval.best_by=gold, with eval.patience to stop there)")
     return None
 
 

@@ -19,8 +19,10 @@ _PANELS = [
 ]
 
 
-def plot_training(history: list[dict], out: Path, kl_target: float | None = None) -> Path:
-    """Six panels against step: score, KL (with the target), beta, RLHF reward, entropy, length."""
+def plot_training(history: list[dict], out: Path, kl_target: float | None = None,
+                  target_label: str = "target") -> Path:
+    """Six panels against step: score, KL (with the target or budget, nats per sequence, labelled
+    ``target_label``), beta, RLHF reward, entropy, length."""
     steps = [r["step"] for r in history]
     fig, axes = plt.subplots(2, 3, figsize=(13, 6.5))
     for ax, (key, label) in zip(axes.flat, _PANELS):
@@ -40,7 +42,7 @@ def plot_training(history: list[dict], out: Path, kl_target: float | None = None
             if exact:
                 ax.plot(*zip(*exact), lw=1, alpha=0.7, label="exact (full vocab)")
             if kl_target is not None:
-                ax.axhline(kl_target, ls="--", c="gray", label="target")
+                ax.axhline(kl_target, ls="--", c="gray", label=target_label)
             ax.legend(fontsize=7)
         ax.set_title(label, fontsize=9)
         ax.set_xlabel("step", fontsize=8)

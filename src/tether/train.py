@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -12,7 +13,8 @@ import torch
 from tqdm.auto import tqdm
 
 from tether import distributed as D
-from tether.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from tether.checkpoint import (latest_checkpoint, load_checkpoint, load_policy_weights, rng_state, save_best,
+                               save_checkpoint, set_rng_state)
 from tether.config import Config
 from tether.evaluation import EvalResult, compare, evaluate
 from tether.health import Alarm, HealthMonitor
@@ -120,27 +122,34 @@ def _loop(run: Run, trainer, evaluator: Evaluator, monitor: HealthMonitor, tb, s
         # the sample table holds the samples of every process
         rows = [r for part in D.gather_objects(sample_rows(trainer.last_experience)) for r in part] \
             if sample_step else None
-        # every process asks: did any process get a signal? (so that all stop after the same step)
-        stopping = bool(D.all_reduce_max(torch.tensor(float(bool(stop)))))
-        if main:
-            _log_step(run, evaluator, monitor, tb, bar, step, row, rows)
+        early = _log_step(run, evaluator, monitor, tb, bar, step, row, rows) if main else None
+        # every process asks: did any process get a signal, or rank 0's evaluation say stop?
+        # (so that all stop after the same step)
+        stopping, stop_early = (bool(x) for x in D.all_reduce_max(torch.tensor([float(bool(stop)), float(bool(early))])))
         every = c.train.checkpoint_every
         # also after the last step, so that --resume with a larger train.steps extends the run
-        if stopping or (every and ((step + 1) % every == 0 or step + 1 == c.train.steps)):
+        if stopping or stop_early or (every and ((step + 1) % every == 0 or step + 1 == c.train.steps)):
             path = _checkpoint(run, trainer, step)
             if stopping:
                 _say(f"tether: stopped by {(stop or ['a signal to another process'])[0]} after step {step}; "
                      f"checkpoint {path}. Continue with: tether train --resume {w.run_dir}", show)
                 raise Interrupted(str(w.run_dir))
+        if stop_early:
+            _say(f"tether: stopping early after step {step}: {early}", show)
+            break
+    bar.close()
 
 
 def _log_step(run: Run, evaluator: Evaluator, monitor: HealthMonitor, tb, bar, step: int, row: dict,
-              rows: list[dict] | None) -> None:
-    """Rank 0: periodic evaluation, metrics.jsonl, TensorBoard, health alarms, samples."""
+              rows: list[dict] | None) -> str | None:
+    """Rank 0: periodic evaluation (and the best policy), metrics.jsonl, TensorBoard, health
+    alarms, samples. Returns why to stop early (eval.patience), or None."""
     c, w, show = run.config, run.writer, run.config.train.progress
-    if c.eval.every and (step % c.eval.every == 0 or step == c.train.steps - 1):
+    evaluated = c.eval.every and (step % c.eval.every == 0 or step == c.train.steps - 1)
+    if evaluated:
         row.update(evaluator.periodic_row())
     w.log(row)
+    early = _keep_best(run, step) if evaluated and c.eval.best_by != "none" else None
     if tb is not None:
         for k, v in w.history[-1].items():
             if isinstance(v, (int, float)) and k != "step":
@@ -157,9 +166,35 @@ def _log_step(run: Run, evaluator: Evaluator, monitor: HealthMonitor, tb, bar, s
                 r["gold"] = float(g)
         w.samples(step, rows)
         _say(f"\nstep {step}\n" + sample_table(rows[:4]), show)
+    return early
+
+
+BEST_KEYS = {"gold": "eval/gold_score", "proxy": "eval/proxy_score"}
+"""``eval.best_by`` -> the periodic evaluation's metric it maximizes."""
+
+
+def _keep_best(run: Run, step: int) -> str | None:
+    """After a periodic evaluation: save the policy to <run>/best if its score is the highest of
+    the run so far (the history, so a resumed run decides as the uninterrupted one); return why to
+    stop when eval.patience evaluations in a row brought no new best."""
+    c, w = run.config, run.writer
+    key = BEST_KEYS[c.eval.best_by]
+    scores = [(r["step"], r[key], r.get("eval/kl")) for r in w.history if isinstance(r.get(key), (int, float))]
+    if not scores:
+        return None
+    best = max(range(len(scores)), key=lambda i: (scores[i][1], -i))  # the first of equal scores
+    if best == len(scores) - 1:
+        save_best(w.run_dir, run.policy, {"step": step, "metric": key, "score": scores[best][1],
+                                          "kl": scores[best][2]})
+    since = len(scores) - 1 - best
+    if c.eval.patience and since >= c.eval.patience:
+        return (f"{key} has not improved on step {scores[best][0]}'s {scores[best][1]:.3f} in {since} "
+                f"evaluations (eval.patience={c.eval.patience})")
+    return None
 
 
 def _finish(run: Run, evaluator: Evaluator, monitor: HealthMonitor, tb, before, t_start: float) -> Path:
+    _check_reference(run, f"after the last step ({run.config.train.steps - 1})")
     if D.is_main():
         _final_eval_and_plots(run, evaluator, monitor, tb, before, t_start)
     D.barrier()  # the other processes wait for rank 0's evaluation, so the run ends together
@@ -168,10 +203,12 @@ def _finish(run: Run, evaluator: Evaluator, monitor: HealthMonitor, tb, before, 
 
 def _final_eval_and_plots(run: Run, evaluator: Evaluator, monitor: HealthMonitor, tb, before, t_start: float) -> None:
     c, w, show = run.config, run.writer, run.config.train.progress
+    best = _restore_best(run) if c.eval.best_by != "none" else None
     evals = [before.summary()] if before else []
     if before:
         after = evaluator("policy", evaluator.heldout)
         result = compare(before, after)
+        result["policy_step"] = best["step"] if best else w.history[-1]["step"]
         w.write_json("eval.json", result)
         evals.append(after.summary())
         gold = (f"; gold {result['gold_gain']:+.3f} ± {result['gold_gain_se_unpaired']:.3f}"
@@ -181,8 +218,10 @@ def _final_eval_and_plots(run: Run, evaluator: Evaluator, monitor: HealthMonitor
              f"{result['gain_se_unpaired']:.3f} SE, z = {result['gain_z_unpaired']:.1f}){gold}; "
              f"held-out KL {after.kl:.2f} nats/seq", show)
 
-    target = c.kl.target if c.kl.controller == "adaptive" and c.kl.target_unit == "nats_per_sequence" else None
-    plot_training(w.history, w.run_dir / "training.png", kl_target=target)
+    per_seq = c.kl.target_unit == "nats_per_sequence" and c.train.algo != "dpo"
+    target = {"adaptive": c.kl.target, "budget": c.kl.budget}.get(c.kl.controller) if per_seq else None
+    plot_training(w.history, w.run_dir / "training.png", kl_target=target,
+                  target_label="budget" if c.kl.controller == "budget" else "target")
     plot_score_vs_kl(w.history, w.run_dir / "score_vs_kl.png", evals)
     if tb is not None:
         tb.close()
@@ -191,6 +230,19 @@ def _final_eval_and_plots(run: Run, evaluator: Evaluator, monitor: HealthMonitor
     if monitor.fired:
         _say(f"tether: {len(monitor.fired)} health warning(s), see {w.run_dir / 'warnings.jsonl'}", show)
     _say(f"tether: done in {time.perf_counter() - t_start:.0f} s; plots and metrics in {w.run_dir}", show)
+
+
+def _restore_best(run: Run) -> dict | None:
+    """Load <run>/best into the policy if it is not the last step's; return its meta.json."""
+    path = run.writer.run_dir / "best"
+    if not (path / "meta.json").exists():
+        return None
+    meta = json.loads((path / "meta.json").read_text())
+    if meta["step"] != run.writer.history[-1]["step"]:
+        load_policy_weights(path, run.policy)
+        _say(f"tether: ending with the policy of step {meta['step']}, the best {meta['metric']} "
+             f"({meta['score']:.3f}; eval.best_by={run.config.eval.best_by})", run.config.train.progress)
+    return meta
 
 
 def _start(run: Run) -> int:
@@ -217,6 +269,10 @@ def _resume(run: Run, trainer, monitor: HealthMonitor) -> int:
     if not D.is_main():
         return meta["step"] + 1
     w.truncate_after(meta["step"])
+    best = w.run_dir / "best" / "meta.json"
+    if best.exists() and json.loads(best.read_text())["step"] > meta["step"]:
+        # saved after the checkpoint: the resumed run decides the best again from its history
+        shutil.rmtree(best.parent)
     monitor.fired = [Alarm(**a) for a in map(json.loads, (w.run_dir / "warnings.jsonl").read_text().splitlines())] \
         if (w.run_dir / "warnings.jsonl").exists() else []
     return meta["step"] + 1
@@ -225,10 +281,7 @@ def _resume(run: Run, trainer, monitor: HealthMonitor) -> int:
 def _checkpoint(run: Run, trainer, step: int) -> Path:
     """Rank 0 writes the checkpoint (policy, optimizer and trainer state are the same on every
     process); every process checks its own reference first, and all stop if any one moved."""
-    moved = run.reference is not None and fingerprint(run.reference) != run.reference_fingerprint
-    if D.all_reduce_max(torch.tensor(float(moved))) > 0:
-        raise RuntimeError(f"step {step}: the reference model's weights changed since the run started; "
-                           "stopping (the last checkpoint is kept)")
+    _check_reference(run, f"step {step}")
     path = run.writer.run_dir / "checkpoints"
     if D.is_main():
         path = save_checkpoint(run.writer.run_dir, step, run.policy,
@@ -236,6 +289,15 @@ def _checkpoint(run: Run, trainer, step: int) -> Path:
                                 "reference_forwards": run.reference_forwards[0]}, run.reference_fingerprint)
     D.barrier()
     return path
+
+
+def _check_reference(run: Run, when: str) -> None:
+    """Every process checks its reference against the fingerprint taken when the run started;
+    all stop if any one moved (before a checkpoint or the final evaluation is written)."""
+    moved = run.reference is not None and fingerprint(run.reference) != run.reference_fingerprint
+    if D.all_reduce_max(torch.tensor(float(moved))) > 0:
+        raise RuntimeError(f"{when}: the reference model's weights changed since the run started; "
+                           "stopping (the last checkpoint is kept)")
 
 
 def _reference_eval(evaluator: Evaluator, run_dir: Path, show: bool):

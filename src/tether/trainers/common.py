@@ -118,6 +118,26 @@ class Run:
     wrap the policy with ``accelerator.prepare`` (DDP when there are several)."""
 
 
+def check_full_precision(mixed_precision: str) -> None:
+    """Refuse accelerate's mixed precision (``accelerate launch --mixed_precision`` or
+    ``ACCELERATE_MIXED_PRECISION``) before anything is written.
+
+    ``accelerator.prepare`` would run the update's forward under bf16/fp16 autocast while the old
+    and reference log-probs come from the fp32 model: the seeds' precision mismatch (bf16 is
+    0.028 nats per token off fp32 on SmolLM2, docs/performance.md), so the first ratio is not 1
+    and the step-0 KL of the update's forward is not 0.
+
+    Raises:
+        ValueError: ``mixed_precision`` is not ``"no"``.
+    """
+    if mixed_precision != "no":
+        raise ValueError(
+            f"accelerate's mixed_precision={mixed_precision!r} (from `accelerate launch --mixed_precision` or "
+            "ACCELERATE_MIXED_PRECISION): tether scores the old and reference log-probs in fp32, so an autocast "
+            "update would see a precision mismatch (a first ratio != 1); run with --mixed_precision no "
+            "(or unset ACCELERATE_MIXED_PRECISION)")
+
+
 def build_run(config: Config, scorer: Scorer | None = None, resume: bool = False) -> Run:
     """Load model, reference, tokenizer, prompts and scorer; create the run directory.
 
@@ -128,6 +148,7 @@ def build_run(config: Config, scorer: Scorer | None = None, resume: bool = False
         torch.set_num_threads(config.train.threads)
     # tether's tensors live on the CPU; several processes talk over gloo (docs/distributed.md)
     accelerator = Accelerator(cpu=True)
+    check_full_precision(accelerator.mixed_precision)
     check_world_size(config, accelerator.num_processes)
     seed_everything(config.train.seed)
     train_prompts, heldout = load_prompts(config)

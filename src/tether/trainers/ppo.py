@@ -38,3 +38,12 @@ class PPOTrainer(OnPolicyTrainer):
                  "_ratio_dev": torch.where(mask, (pl.ratio - 1).abs(), 0.0).max()}
         loss = self.add_kl_loss(pl.loss + c.ppo.vf_coef * vl.loss, stats, new.logprobs, exp, idx, mask, kl_coef)
         return loss, stats
+
+    def metrics(self, step: int, exp: Experience, scored: ScoredBatch, update: dict, kl_coef: float) -> dict:
+        """The shared metrics plus the value head's: its mean prediction and how much of the
+        returns' variance it explains (both at rollout time, before this step's update)."""
+        row = super().metrics(step, exp, scored, update, kl_coef)
+        mask = exp.rollout.response_mask
+        row["value/mean"] = D.token_mean(exp.values, mask)
+        row["value/explained_variance"] = D.explained_variance(exp.values, exp.returns, mask)
+        return row
