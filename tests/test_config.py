@@ -83,7 +83,7 @@ def test_runs_without_a_sound_leash_are_warned_about(overrides, words):
 def test_an_adaptive_controller_too_slow_for_the_run_is_warned_about():
     # 32 samples per step, horizon 10000: beta moves at most 1.00064 ** 16 - 1 = 1.0% in 16 steps
     (w,) = load_config(None, []).placement.warnings
-    assert "at most 1.0% over train.steps=16" in w and "kl.horizon (e.g. 140)" in w
+    assert "at most 1% over train.steps=16" in w and "kl.horizon (e.g. 140)" in w
     # the proposed horizon can double beta: (1 + 0.2 * 32 / 140) ** 16 = 2.04; and it takes no warning
     assert load_config(None, ["kl.horizon=140"]).placement.warnings == []
     # a long run reaches 10%: 1.00064 ** 148 = 1.0993 warns, 1.00064 ** 149 = 1.1000 does not

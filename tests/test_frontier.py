@@ -44,3 +44,23 @@ def test_gao_fit_recovers_known_coefficients(form):
     a, b = fit_gao(kl.tolist(), gain.tolist(), form)
     assert a == pytest.approx(0.3, abs=1e-9) and b == pytest.approx(0.05, abs=1e-9)
     assert math.isnan(fit_gao([0.0, 1.0], [0.0, 0.1], form)[0])  # one usable point is not enough
+
+
+def test_sweep_keeps_the_placement_and_group_size_the_user_gave(tmp_path):
+    from tether.config import ConfigError, load_config
+    from tether.frontier import sweep_configs
+
+    sweep = [("ppo", 0.05), ("grpo", 0.05), ("rloo", 0.1)]
+    given = sweep_configs(load_config(None, ["kl.kl_in_reward=true", "rollout.group_size=8"]), sweep, tmp_path)
+    for c, (algo, beta) in zip(given, sweep):
+        assert (c.train.algo, c.kl.kl_coef, c.kl.controller) == (algo, beta, "fixed")
+        assert c.kl.kl_in_reward and not c.kl.kl_in_loss and c.rollout.group_size == 8, algo
+    # left at the defaults, each trainer gets its own: GRPO's KL in the loss, groups of 4; PPO no groups
+    ppo, grpo, rloo = sweep_configs(load_config(None, []), sweep, tmp_path)
+    assert (ppo.kl.kl_in_reward, ppo.rollout.group_size) == (True, 1)
+    assert (grpo.kl.kl_in_loss, grpo.kl.kl_in_reward, grpo.rollout.group_size) == (True, False, 4)
+    assert (rloo.kl.kl_in_reward, rloo.rollout.group_size) == (True, 4)
+    # a run that cannot be built is refused before any run (and before the folder) exists
+    with pytest.raises(ConfigError, match="kl.kl_in_reward"):
+        sweep_configs(load_config(None, ["kl.kl_in_reward=true"]), [("ppo", 0.1), ("dpo", 0.1)], tmp_path / "f")
+    assert not (tmp_path / "f").exists()

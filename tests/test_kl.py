@@ -430,3 +430,22 @@ def test_registry_unknown_name_raises_with_choices():
     assert "'k4'" in msg
     for name in ESTIMATORS:
         assert repr(name) in msg
+
+
+@pytest.mark.parametrize("ref", [-25.0, -40.0, -100.0])
+def test_k3_is_not_capped_where_the_policy_is_far_above_the_reference(ref):
+    # log pi = -0.1, log pi_ref = ref: r = ref + 0.1 <= -24.9, exp(r) < 2e-11, so
+    # k3 = exp(r) - 1 - r = -0.9 - ref (+ exp(r)): 23.9 at ref = -25, 38.9 at -40, 98.9 at -100.
+    # A clamp of r from below at -20 would have capped all three at exp(-20) + 19 = 19.0.
+    lp = torch.tensor([[-0.1]], dtype=F64)
+    lq = torch.tensor([[ref]], dtype=F64)
+    want = math.expm1(ref + 0.1) - (ref + 0.1)
+    assert kl_k3(lp, lq).item() == pytest.approx(want, rel=1e-14)
+    assert want > 23.8
+    from tether.losses import kl_loss_terms
+
+    lp.requires_grad_(True)
+    # k3_is's gradient on-policy (old = current): d/dlp [exp(lp - old) * k3] = k3 + (1 - exp(r))
+    #   = (-1 - r + exp(r)) + 1 - exp(r) = -r: 24.9 at ref = -25 (a clamp gave 19)
+    kl_loss_terms(lp, lq, "k3_is", lp.detach()).sum().backward()
+    assert lp.grad.item() == pytest.approx(-(ref + 0.1), rel=1e-12)

@@ -19,7 +19,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="continue RUN_DIR from its last checkpoint (its config.yaml; overrides may extend train.steps)")
     t.add_argument("overrides", nargs="*", help="section.field=value")
     fr = sub.add_parser("frontier", help="sweep runs and best-of-N; plot proxy and gold score against KL",
-                        description="Each sweep entry is ALGO:KL_COEF. Overrides apply to every run.")
+                        description="Each sweep entry is ALGO:KL_COEF (a fixed beta). Overrides apply to every run; "
+                        "a KL placement or group size left unset is each trainer's default.")
     fr.add_argument("--config", help="YAML config file for every run")
     fr.add_argument("--out", default="runs/frontier", help="output folder (default runs/frontier)")
     fr.add_argument("--sweep", default="ppo:0.01,ppo:0.05,ppo:0.2,grpo:0.05",

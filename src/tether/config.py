@@ -448,7 +448,7 @@ class Config:
         if k.controller == "adaptive" and k.kl_coef > 0 and reach < ADAPTIVE_MIN_REACH:
             self.placement.warnings.append(
                 f"kl.controller=adaptive with kl.horizon={k.horizon:g} samples and {self.rollout.batch_size} samples "
-                f"per step moves beta by at most {reach - 1:.1%} over train.steps={self.train.steps} (Ziegler et al.'s "
+                f"per step moves beta by at most {(reach - 1) * 100:.2g}% over train.steps={self.train.steps} (Ziegler et al.'s "
                 f"and TRL's horizon, made for far longer runs): beta stays within that of kl.kl_coef={k.kl_coef:g} "
                 f"whatever the KL does against kl.target={k.target:g}. To hold the target in this run, lower kl.horizon (e.g. "
                 f"{_horizon_for(self.rollout.batch_size, self.train.steps):g}) or use kl.controller=budget")

@@ -105,23 +105,39 @@ def frontier(
 
     if base.eval.judge == "none":
         raise ValueError("tether frontier plots a gold score: eval.judge cannot be none (default minilm-rm)")
+    configs = sweep_configs(base, sweep, out)  # every run's config checked before anything runs
     out.mkdir(parents=True, exist_ok=True)
     proxy, gold = make_scorer(base.reward.scorer), make_scorer(base.eval.judge)
     # the same held-out prompts as the runs' periodic evaluations, so both share one baseline
     points = best_of_n_points(base, proxy, gold, ns, bon_prompts or base.eval.periodic_prompts)
     ref_proxy, ref_gold = points[0]["proxy"], points[0]["gold"]  # N = 1 is the reference
-    for algo, beta in sweep:
-        label = f"{algo} beta={beta:g}"
-        c = replace(base, train=replace(base.train, algo=algo, output_dir=str(out / f"{algo}-beta{beta:g}"),
-                                        save_model=False),
-                    kl=replace(base.kl, kl_coef=beta, controller="fixed", kl_in_reward=None, kl_in_loss=None),
-                    rollout=replace(base.rollout, group_size=None))
+    for (algo, beta), c in zip(sweep, configs):
         run_dir = train(c, scorer=proxy, judge=gold)
-        points += run_points(run_dir, label)
+        points += run_points(run_dir, f"{algo} beta={beta:g}")
         _write_csv(points, out / "frontier.csv")
     _write_csv(points, out / "frontier.csv")
     plot_frontier(points, ref_proxy, ref_gold, out / "frontier.png")
     return out
+
+
+def sweep_configs(base: Config, sweep: list[tuple[str, float]], out: Path) -> list[Config]:
+    """One config per ``(algo, kl_coef)`` of the sweep: ``base`` with that trainer and a fixed beta.
+
+    The KL placement and group size are what the user gave (``base.unresolved``); those left
+    to the trainer's default are resolved again for each trainer (GRPO: KL in the loss, groups
+    of 4; PPO: in the reward, no groups).
+
+    Raises:
+        ConfigError: a run of the sweep is not a valid config (e.g. ``kl.kl_in_reward=true``
+            with a DPO run), before anything is trained.
+    """
+    given = getattr(base, "unresolved", {})
+    return [replace(base,
+                    train=replace(base.train, algo=algo, output_dir=str(out / f"{algo}-beta{beta:g}"), save_model=False),
+                    kl=replace(base.kl, kl_coef=beta, controller="fixed", kl_in_reward=given.get("kl.kl_in_reward"),
+                               kl_in_loss=given.get("kl.kl_in_loss")),
+                    rollout=replace(base.rollout, group_size=given.get("rollout.group_size")))
+            for algo, beta in sweep]
 
 
 def _write_csv(points: list[dict], path: Path) -> None:

@@ -27,10 +27,12 @@ from torch import Tensor
 KLEstimator = Literal["k1", "abs", "k2", "k3"]
 """Names of the sampled per-token estimators, see :data:`ESTIMATORS`."""
 
-# A log-ratio at or beyond this magnitude (nats) means one model gives the token a probability
-# below exp(-20) ~ 2e-9 relative to the other. k3 = exp(-r) - 1 + r is clamped there so one
-# outlier token cannot overflow exp() to inf (exp(88) overflows float32). The clamp applies only
-# to k3's exp(); k1, abs and k2 use the raw ratio. Documented in docs/kl.md.
+# A log-ratio r = log pi_ref - log pi_theta above this (nats) means the policy gives the token a
+# probability below exp(-20) ~ 2e-9 of the reference's. k3 = exp(r) - 1 - r is clamped there, from
+# above only, so one outlier token cannot overflow exp() to inf (exp(88) overflows float32); below,
+# exp(r) only vanishes and k3 = -1 - r stays exact, which is the reward-hacking side (the policy
+# far above the reference) where the KL must not be capped. The clamp applies only to k3's exp();
+# k1, abs and k2 use the raw ratio. Documented in docs/kl.md.
 K3_LOG_RATIO_CLAMP = 20.0
 
 
@@ -86,11 +88,12 @@ def kl_k2(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
 def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     """k3 = exp(r) - 1 - r with r = log pi_ref - log pi_theta: unbiased and non-negative.
 
-    Schulman (2020). ``r`` is clamped to ``[-K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP]`` (20 nats)
-    before ``exp`` so that a token the policy gives almost no mass cannot overflow to inf; at
-    |r| < 20 the result is exact. Shapes and units as :func:`kl_k1`.
+    Schulman (2020). ``r`` is clamped from above at ``K3_LOG_RATIO_CLAMP`` (20 nats) before
+    ``exp`` so that a token the policy gives almost no mass cannot overflow to inf; at r <= 20 the
+    result is exact, however far the policy's log-probability is above the reference's. Shapes
+    and units as :func:`kl_k1`.
     """
-    r = (-_log_ratio(logprobs, ref_logprobs)).clamp(-K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP)
+    r = (-_log_ratio(logprobs, ref_logprobs)).clamp(max=K3_LOG_RATIO_CLAMP)
     return torch.expm1(r) - r
 
 

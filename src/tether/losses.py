@@ -147,7 +147,7 @@ def kl_loss_terms(
     ref = ref_logprobs.detach()
     log_ratio = logprobs - ref  # log pi - log pi_ref
     k2 = 0.5 * log_ratio.pow(2)
-    r = (-log_ratio).clamp(-K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP)
+    r = (-log_ratio).clamp(max=K3_LOG_RATIO_CLAMP)  # as tether.kl.kl_k3: exp() cannot overflow
     k3 = torch.expm1(r) - r
     if estimator == "k2":
         return k2

@@ -17,6 +17,7 @@ A subclass supplies ``advantages`` (per-token advantages and returns from shaped
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import NamedTuple
 
@@ -24,13 +25,15 @@ import torch
 from torch import Tensor
 
 from tether import distributed as D
-from tether.controllers import make_controller
+from tether.controllers import FixedKLController, make_controller
 from tether.data import PromptSampler
 from tether.kl import estimate_kl, sequence_kl
 from tether.leash import KLLeash
 from tether.rollout import Rollout, generate, sample_seeds, score_logprobs
 from tether.scorers import checked_scores
 from tether.trainers.common import Run, ScoredBatch, make_optimizer, optimizer_step, score_rollout
+
+log = logging.getLogger(__name__)
 
 
 class Experience(NamedTuple):
@@ -141,14 +144,29 @@ class OnPolicyTrainer:
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
-        for k, v in state["controller"].items():
-            setattr(self.controller, k, v)
+        self.restore_controller(state["controller"])
         if hasattr(self.controller, "dual") and "dual" not in state["controller"]:
             # a checkpoint from before budget_kp: it ran pure dual ascent, so it goes on with it
             self.controller.dual, self.controller.kp = self.controller.kl_coef, 0.0
         self.generator.set_state(state["generator"])
         self.sampler.load_state_dict(state["sampler"])
         self.leash.counts.update(state["leash_counts"])
+
+    def restore_controller(self, saved: dict) -> None:
+        """Carry on the checkpoint's beta (and the budget controller's dual variable); the
+        controller's settings (target, horizon, budget, step sizes; a fixed controller's beta)
+        are the resumed config's, so ``--resume RUN kl.target=...`` takes effect. A changed
+        setting is reported."""
+        state = ("dual",) if isinstance(self.controller, FixedKLController) else ("kl_coef", "dual")
+        changed = [f"{name} {saved[name]:g} -> {getattr(self.controller, name):g}" for name in saved
+                   if name not in state and hasattr(self.controller, name)
+                   and saved[name] != getattr(self.controller, name)]
+        for name in state:
+            if name in saved:
+                setattr(self.controller, name, saved[name])
+        if changed:
+            log.warning("tether: resuming with the controller's settings changed (%s); beta for the next step: %g",
+                        ", ".join(changed), self.controller.kl_coef)
 
     # ---- to override -----------------------------------------------------------------------
     def advantages(self, rewards: Tensor, scored: ScoredBatch, mask: Tensor) -> tuple[Tensor, Tensor | None]:
