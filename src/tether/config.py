@@ -182,7 +182,7 @@ class KLConfig:
     max(0, dual + budget_kp * (KL - budget)). 0 = pure projected dual ascent, which rings on a
     real model (beta overshoots, the KL undershoots); the defaults hold a 2-nat budget on SmolLM2
     within 5% over the last half of a 40-step run (docs/kl.md)."""
-    controller_signal: str = "estimator"
+    controller_signal: Literal["estimator", "exact"] = "estimator"
     """The KL the adaptive and budget controllers read: ``estimator`` (the logged ``kl.estimator``
     values, as in Ziegler et al.) or ``exact`` (the exact per-token KL summed along the samples,
     needs ``kl.exact``: also unbiased for the sequence KL, with much less batch-to-batch noise)."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Literal, Protocol
+from typing import Callable, Literal, Protocol
 
 ControllerName = Literal["fixed", "adaptive", "budget"]
 
@@ -228,14 +228,26 @@ def make_controller(
         ValueError: unknown name, ``"adaptive"`` without a positive target, ``"budget"``
             without a positive budget, or any invalid parameter.
     """
-    if name == "fixed":
-        return FixedKLController(kl_coef=kl_coef)
-    if name == "adaptive":
-        if target is None:
-            raise ValueError("kl.controller=adaptive needs kl.target (> 0)")
-        return AdaptiveKLController(kl_coef=kl_coef, target=target, horizon=horizon)
-    if name == "budget":
-        if budget is None:
-            raise ValueError("kl.controller=budget needs a KL budget (epsilon > 0)")
-        return BudgetKLController(kl_coef=kl_coef, budget=budget, eta=eta, kp=kp)
-    raise ValueError(f"unknown KL controller {name!r}; choose 'fixed', 'adaptive' or 'budget'")
+    if name not in CONTROLLERS:
+        raise ValueError(f"unknown KL controller {name!r}; choose one of {list(CONTROLLERS)}")
+    return CONTROLLERS[name](kl_coef, target=target, horizon=horizon, budget=budget, eta=eta, kp=kp)
+
+
+def _adaptive(kl_coef: float, target: float | None, horizon: float, **_) -> AdaptiveKLController:
+    if target is None:
+        raise ValueError("kl.controller=adaptive needs kl.target (> 0)")
+    return AdaptiveKLController(kl_coef=kl_coef, target=target, horizon=horizon)
+
+
+def _budget(kl_coef: float, budget: float | None, eta: float, kp: float, **_) -> BudgetKLController:
+    if budget is None:
+        raise ValueError("kl.controller=budget needs a KL budget (epsilon > 0)")
+    return BudgetKLController(kl_coef=kl_coef, budget=budget, eta=eta, kp=kp)
+
+
+CONTROLLERS: dict[str, Callable[..., KLController]] = {
+    "fixed": lambda kl_coef, **_: FixedKLController(kl_coef=kl_coef),
+    "adaptive": _adaptive,
+    "budget": _budget,
+}
+"""``kl.controller`` -> builder taking ``kl_coef`` and the keywords of :func:`make_controller`."""

@@ -8,7 +8,7 @@ weighs the same).
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import Callable, Literal, NamedTuple
 
 import torch
 from torch import Tensor
@@ -144,25 +144,36 @@ def kl_loss_terms(
     Raises:
         ValueError: unknown estimator, or ``k3_is`` without ``old_logprobs``.
     """
-    ref = ref_logprobs.detach()
-    log_ratio = logprobs - ref  # log pi - log pi_ref
-    k2 = 0.5 * log_ratio.pow(2)
-    r = (-log_ratio).clamp(max=K3_LOG_RATIO_CLAMP)  # as tether.kl.kl_k3: exp() cannot overflow
-    k3 = torch.expm1(r) - r
-    if estimator == "k2":
-        return k2
-    if estimator == "k3+":
-        return k2 + (k3 - k2).detach()
-    if estimator == "k3_is":
-        if old_logprobs is None:
-            raise ValueError("kl.loss_estimator=k3_is needs old_logprobs (the sampling policy)")
-        weight = torch.exp((logprobs - old_logprobs.detach()).clamp(max=K3_LOG_RATIO_CLAMP))
-        return weight * k3
-    if estimator == "k1":
-        return log_ratio
-    if estimator == "k3":
-        return k3
-    raise ValueError(f"unknown kl.loss_estimator {estimator!r}; choose one of {list(LOSS_ESTIMATOR_OK)}")
+    if estimator not in KL_LOSS_SURROGATES:
+        raise ValueError(f"unknown kl.loss_estimator {estimator!r}; choose one of {list(LOSS_ESTIMATOR_OK)}")
+    return KL_LOSS_SURROGATES[estimator](logprobs - ref_logprobs.detach(), logprobs, old_logprobs)
+
+
+def _k3(log_ratio: Tensor) -> Tensor:
+    """k3 of ``log_ratio = log pi - log pi_ref`` (as :func:`tether.kl.kl_k3`, r clamped from above)."""
+    r = (-log_ratio).clamp(max=K3_LOG_RATIO_CLAMP)
+    return torch.expm1(r) - r
+
+
+def _k2(log_ratio: Tensor) -> Tensor:
+    return 0.5 * log_ratio.pow(2)
+
+
+def _k3_is(log_ratio: Tensor, logprobs: Tensor, old_logprobs: Tensor | None) -> Tensor:
+    if old_logprobs is None:
+        raise ValueError("kl.loss_estimator=k3_is needs old_logprobs (the sampling policy)")
+    # the importance weight pi / pi_old, its exponent clamped from above as k3's
+    return torch.exp((logprobs - old_logprobs.detach()).clamp(max=K3_LOG_RATIO_CLAMP)) * _k3(log_ratio)
+
+
+KL_LOSS_SURROGATES: dict[str, Callable[[Tensor, Tensor, Tensor | None], Tensor]] = {
+    "k2": lambda lr, lp, old: _k2(lr),
+    "k3+": lambda lr, lp, old: _k2(lr) + (_k3(lr) - _k2(lr)).detach(),  # k3's value, k2's gradient
+    "k3_is": _k3_is,
+    "k1": lambda lr, lp, old: lr,
+    "k3": lambda lr, lp, old: _k3(lr),
+}
+"""``kl.loss_estimator`` -> surrogate of ``(log_ratio, logprobs, old_logprobs)``, see :func:`kl_loss_terms`."""
 
 
 class DPOLoss(NamedTuple):
