@@ -34,6 +34,8 @@ def _horizon_for(batch_size: int, steps: int) -> float:
     h = ADAPTIVE_ERROR_CLIP * batch_size / (2 ** (1 / steps) - 1)
     digits = 10 ** (math.floor(math.log10(h)) - 1)
     return max(math.floor(h / digits) * digits, batch_size / 5)
+
+
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """Default ``model.lora_target_modules``: every attention and MLP projection of a Llama block."""
 

@@ -103,18 +103,21 @@ def train(config: Config, scorer: Scorer | None = None, judge: Scorer | None = N
     D.barrier()
     stop, previous_handlers = _install_signal_handlers()
     try:
-        _loop(run, trainer, evaluator, monitor, tb, start, stop)
+        last = _loop(run, trainer, evaluator, monitor, tb, start, stop)
     finally:
         for sig, h in previous_handlers.items():
             signal.signal(sig, h)
-    return _finish(run, evaluator, monitor, tb, before, t_start)
+    return _finish(run, evaluator, monitor, tb, before, t_start, last)
 
 
-def _loop(run: Run, trainer, evaluator: Evaluator, monitor: HealthMonitor, tb, start: int, stop: list[str]) -> None:
+def _loop(run: Run, trainer, evaluator: Evaluator, monitor: HealthMonitor, tb, start: int, stop: list[str]) -> int:
+    """Train from step ``start``; returns the last step run (earlier than the last of
+    ``train.steps`` when eval.patience stopped it)."""
     c, w, show = run.config, run.writer, run.config.train.progress
     main = D.is_main()
     bar = tqdm(range(start, c.train.steps), desc=f"tether {c.train.algo}", disable=not (show and main),
                unit="step", initial=start, total=c.train.steps)
+    step = start - 1  # a resumed run that has no step left
     for step in bar:
         row = trainer.step(step)  # every process; the row holds the global metrics
         sample_step = (step % c.train.sample_every == 0 or step == c.train.steps - 1) \
@@ -128,7 +131,7 @@ def _loop(run: Run, trainer, evaluator: Evaluator, monitor: HealthMonitor, tb, s
         stopping, stop_early = (bool(x) for x in D.all_reduce_max(torch.tensor([float(bool(stop)), float(bool(early))])))
         every = c.train.checkpoint_every
         # also after the last step, so that --resume with a larger train.steps extends the run
-        if stopping or stop_early or (every and ((step + 1) % every == 0 or step + 1 == c.train.steps)):
+        if stopping or (every and ((step + 1) % every == 0 or step + 1 == c.train.steps or stop_early)):
             path = _checkpoint(run, trainer, step)
             if stopping:
                 _say(f"tether: stopped by {(stop or ['a signal to another process'])[0]} after step {step}; "
@@ -138,6 +141,7 @@ def _loop(run: Run, trainer, evaluator: Evaluator, monitor: HealthMonitor, tb, s
             _say(f"tether: stopping early after step {step}: {early}", show)
             break
     bar.close()
+    return step
 
 
 def _log_step(run: Run, evaluator: Evaluator, monitor: HealthMonitor, tb, bar, step: int, row: dict,
@@ -193,8 +197,8 @@ def _keep_best(run: Run, step: int) -> str | None:
     return None
 
 
-def _finish(run: Run, evaluator: Evaluator, monitor: HealthMonitor, tb, before, t_start: float) -> Path:
-    _check_reference(run, f"after the last step ({run.config.train.steps - 1})")
+def _finish(run: Run, evaluator: Evaluator, monitor: HealthMonitor, tb, before, t_start: float, last: int) -> Path:
+    _check_reference(run, f"after the last step ({last})")
     if D.is_main():
         _final_eval_and_plots(run, evaluator, monitor, tb, before, t_start)
     D.barrier()  # the other processes wait for rank 0's evaluation, so the run ends together
