@@ -164,6 +164,7 @@ def test_run_directory_errors(tiny_model_dir, prompt_file, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()[-1]
     print(f"| model folder that does not exist | `model.name=/nonexistent-model` | 1 | {err} |")
     assert "model.name" in err and "/nonexistent-model" in err
+    assert not (tmp_path / "m").exists()  # no half-made run blocks the corrected command
     assert main(_base(tiny_model_dir, prompt_file, tmp_path / "s") + ["reward.scorer=nonsense"]) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]
     print(f"| unknown scorer | `reward.scorer=nonsense` | 1 | {err} |")
@@ -187,6 +188,24 @@ def test_mixed_precision_is_refused_before_anything_is_written(precision, tiny_m
     print(f"\n| accelerate mixed precision | `ACCELERATE_MIXED_PRECISION={precision}` | 1 | {err} |")
     assert f"mixed_precision='{precision}'" in err and "--mixed_precision no" in err
     assert not out.exists()
+
+
+def test_a_run_that_fails_before_its_first_step_leaves_nothing_behind(tiny_model_dir, prompt_file, tmp_path,
+                                                                       capsys):
+    # the DPO pairs file is read after the model loads and config.yaml is written: the failure
+    # removes what the run wrote, and the same command with the file fixed then runs
+    out = tmp_path / "run"
+    out.mkdir()  # an empty folder given as train.output_dir stays, emptied
+    args = _base(tiny_model_dir, prompt_file, out) + ["train.algo=dpo", f"dpo.pairs={tmp_path / 'pairs.jsonl'}",
+                                                      "train.steps=1", "dpo.n_pairs=2"]
+    assert main(args) == 1
+    assert "pairs.jsonl" in capsys.readouterr().err
+    assert out.exists() and list(out.iterdir()) == []
+    (tmp_path / "pairs.jsonl").write_text("".join(
+        json.dumps({"prompt": f"the movie {i} was", "chosen": " great fun", "rejected": " dull"}) + "\n"
+        for i in range(4)))
+    assert main(args) == 0
+    assert (out / "metrics.jsonl").exists()
 
 
 def test_non_finite_gradient_stops_before_the_weights_change():

@@ -317,3 +317,20 @@ def test_resume_of_a_fixed_beta_takes_the_new_beta(tiny_model_dir, prompt_file, 
     assert "kl_coef 0.05 -> 0.2" in caplog.text
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["objective/kl_coef"] for r in rows] == [0.05, 0.2]
+
+
+def test_a_run_without_reference_writes_valid_json_and_says_kl_is_unmeasured(tiny_model_dir, prompt_file,
+                                                                              tmp_path, capsys):
+    out = tmp_path / "run"
+    args = _tiny_args(tiny_model_dir, prompt_file, out) + ["kl.kl_coef=0", "kl.monitor=false", "train.steps=1",
+                                                           "train.save_model=false"]
+    assert main(args) == 0
+
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+
+    result = json.loads((out / "eval.json").read_text(), parse_constant=refuse)  # no NaN
+    assert result["reference"]["kl"] is None and result["policy"]["kl"] is None
+    sample = json.loads((out / "samples.jsonl").read_text().splitlines()[0], parse_constant=refuse)
+    assert sample["kl"] is None  # not a misleading 0.0
+    assert "held-out KL not measured (no reference model" in capsys.readouterr().out

@@ -45,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    if args.command in ("train", "frontier", "reward"):  # the commands that load models
+        _quiet_transformers()
     if args.command == "reward":
         return _reward_fit(args)
     if args.command == "report":
@@ -108,6 +110,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tether: error: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _quiet_transformers() -> None:
+    """No "Loading weights" bar for every model tether loads (tether's own progress bar stays)."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # transformers missing: the import error will come from where it is used
+        return
+    hf_logging.disable_progress_bar()
 
 
 def _parse_sweep(text: str) -> list[tuple[str, float]]:

@@ -20,6 +20,17 @@ def _clean(v: Any) -> Any:
     return v
 
 
+def _strict(v: Any) -> Any:
+    """``v`` with every NaN or inf (at any depth) as None, so ``json.dumps`` writes valid JSON."""
+    if isinstance(v, dict):
+        return {k: _strict(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_strict(x) for x in v]
+    if hasattr(v, "item"):
+        v = v.item()
+    return None if isinstance(v, float) and not math.isfinite(v) else v
+
+
 class RunWriter:
     """Appends one JSON row per step to ``metrics.jsonl`` and samples to ``samples.jsonl``."""
 
@@ -52,9 +63,9 @@ class RunWriter:
                 f.write(json.dumps({"step": step, **{k: _clean(v) for k, v in r.items()}}) + "\n")
 
     def write_json(self, name: str, obj: dict) -> Path:
+        """Write ``obj`` as JSON; a non-finite number at any depth becomes null (valid JSON)."""
         path = self.run_dir / name
-        path.write_text(json.dumps({k: _clean(v) if not isinstance(v, (dict, list)) else v
-                                    for k, v in obj.items()}, indent=2))
+        path.write_text(json.dumps(_strict(obj), indent=2))
         return path
 
 
@@ -70,6 +81,10 @@ def sample_table(rows: list[dict], width: int = 48) -> str:
     for r in rows:
         lines.append(
             f"{cut(r['prompt'], 24):<24} | {cut(r['response'], width):<{width}} | "
-            f"{r['score']:6.3f} | {r['kl']:6.2f} | {r['reward']:6.3f}"
+            f"{r['score']:6.3f} | {_kl_cell(r['kl'])} | {r['reward']:6.3f}"
         )
     return "\n".join(lines)
+
+
+def _kl_cell(kl: float | None) -> str:
+    return f"{kl:6.2f}" if kl is not None else f"{'-':>6}"  # None: no reference model, no KL

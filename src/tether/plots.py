@@ -8,6 +8,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 _PANELS = [
     ("objective/scores", "score (mean)"),
@@ -46,6 +47,7 @@ def plot_training(history: list[dict], out: Path, kl_target: float | None = None
             ax.legend(fontsize=7)
         ax.set_title(label, fontsize=9)
         ax.set_xlabel("step", fontsize=8)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
@@ -76,6 +78,9 @@ def plot_score_vs_kl(history: list[dict], out: Path, evals: list[dict] | None = 
                              xytext=(-10, -14), fontsize=8, color="goldenrod")
     if gold_ax is not None:
         gold_ax.set_ylabel("gold score, held out (diamonds)", color="goldenrod")
+    if not pts:
+        ax.text(0.5, 0.5, "no KL measured: no reference model\n(kl.kl_coef=0 and kl.monitor=false)",
+                transform=ax.transAxes, ha="center", va="center", color="gray")
     ax.margins(x=0.15, y=0.1)
     ax.set_xlabel("KL(pi_theta || pi_ref), nats per sequence")
     ax.set_ylabel("proxy score (dots: training batches; squares: held out)")

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
+import sys
 from typing import Callable, Sequence
 
 Scorer = Callable[[list[str]], Sequence[float]]
@@ -81,6 +83,10 @@ def make_scorer(spec: str | Scorer) -> Scorer:
         return hf_classifier_scorer(spec[3:])
     if ":" in spec:
         module, _, attr = spec.partition(":")
+        if "" not in sys.path and os.getcwd() not in sys.path:
+            # the `tether` script, unlike `python -m tether`, does not put the working directory
+            # on the import path; a scorer module beside the user's prompts must import either way
+            sys.path.append(os.getcwd())
         try:
             fn = getattr(importlib.import_module(module), attr)
         except (ImportError, AttributeError) as e:

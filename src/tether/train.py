@@ -23,7 +23,7 @@ from tether.models import fingerprint
 from tether.metrics import sample_table
 from tether.plots import plot_score_vs_kl, plot_training
 from tether.scorers import Scorer, make_scorer
-from tether.trainers.common import Run, build_run
+from tether.trainers.common import Run, build_run, discard_failed_start
 from tether.trainers.dpo import DPOTrainer
 from tether.trainers.group import GRPOTrainer, RLOOTrainer
 from tether.trainers.ppo import PPOTrainer
@@ -89,6 +89,17 @@ def train(config: Config, scorer: Scorer | None = None, judge: Scorer | None = N
     if judge is None and c.eval.judge != "none" and (c.eval.n_prompts or c.eval.every):
         judge = make_scorer(c.eval.judge)  # before the model loads: a bad judge fails fast
     run = build_run(config, scorer, resume=resume)
+    try:
+        return _train(run, judge, resume, t_start)
+    except BaseException:
+        if not resume and D.is_main() and not run.writer.history:
+            # nothing was trained: leave no half-made run that would block the same command
+            discard_failed_start(run.writer.run_dir, run.run_dir_existed)
+        raise
+
+
+def _train(run: Run, judge: Scorer | None, resume: bool, t_start: float) -> Path:
+    c = run.config
     w, show = run.writer, c.train.progress
     trainer = TRAINERS[c.train.algo](run)
     evaluator = Evaluator(run, judge)
@@ -97,6 +108,13 @@ def train(config: Config, scorer: Scorer | None = None, judge: Scorer | None = N
     _say(f"tether: run directory {w.run_dir}" + (f", resuming after step {start - 1}" if resume else "")
          + (f"; {D.world_size()} processes (data parallel)" if D.is_distributed() else ""), show)
     _say(f"tether: {len(run.train_prompts)} training prompts, {len(run.heldout_prompts)} held out", show)
+    if resume and start >= c.train.steps:
+        _say(f"tether: the run already has its train.steps={c.train.steps} steps (raise train.steps to train "
+             "on); evaluating its policy again", show)
+    if not run.heldout_prompts and (c.eval.n_prompts or c.eval.every):
+        _say(f"tether: warning: no held-out prompts (data.heldout_fraction={c.data.heldout_fraction:g} of "
+             f"{len(run.train_prompts)} prompts picked none), so no held-out evaluation, gold score or eval.json; "
+             "raise data.heldout_fraction or add prompts", show)
     tb = _tensorboard(w.run_dir) if c.train.tensorboard else None
 
     before = _reference_eval(evaluator, w.run_dir, show) if D.is_main() else None
@@ -220,7 +238,8 @@ def _final_eval_and_plots(run: Run, evaluator: Evaluator, monitor: HealthMonitor
         _say(f"tether: held-out proxy score {before.summary()['proxy_mean']:.3f} -> "
              f"{after.summary()['proxy_mean']:.3f} (gain {result['gain']:+.3f} ± "
              f"{result['gain_se_unpaired']:.3f} SE, z = {result['gain_z_unpaired']:.1f}){gold}; "
-             f"held-out KL {after.kl:.2f} nats/seq", show)
+             + (f"held-out KL {after.kl:.2f} nats/seq" if after.kl == after.kl else
+                "held-out KL not measured (no reference model: kl.kl_coef=0 and kl.monitor=false)"), show)
 
     per_seq = c.kl.target_unit == "nats_per_sequence" and c.train.algo != "dpo"
     target = {"adaptive": c.kl.target, "budget": c.kl.budget}.get(c.kl.controller) if per_seq else None
@@ -352,10 +371,10 @@ def _tensorboard(run_dir: Path):
 def sample_rows(exp) -> list[dict]:
     """One dict per sample: prompt, response, score, kl (nats/seq), reward (score - beta KL)."""
     mask = exp.rollout.response_mask
-    kl_seq = sequence_kl(exp.kl, mask) if exp.kl is not None else torch.zeros(len(mask))
+    kl_seq = sequence_kl(exp.kl, mask).tolist() if exp.kl is not None else [None] * len(mask)  # None: no reference
     rew_seq = masked_sum(exp.rewards, mask, dim=-1)
     return [
-        {"prompt": p, "response": r, "score": float(s), "kl": float(k), "reward": float(rw)}
+        {"prompt": p, "response": r, "score": float(s), "kl": k, "reward": float(rw)}
         for p, r, s, k, rw in zip(exp.rollout.prompts, exp.rollout.responses, exp.scores, kl_seq, rew_seq)
     ]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as _dt
 import logging
 import random
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,6 +117,8 @@ class Run:
     accelerator: Accelerator | None = None
     """accelerate's handle on the processes (one without ``accelerate launch``); the trainers
     wrap the policy with ``accelerator.prepare`` (DDP when there are several)."""
+    run_dir_existed: bool = False
+    """The run directory existed (empty) before this run, see :func:`discard_failed_start`."""
 
 
 def check_full_precision(mixed_precision: str) -> None:
@@ -162,34 +165,59 @@ def build_run(config: Config, scorer: Scorer | None = None, resume: bool = False
     if resume and not (run_dir / "config.yaml").exists():
         raise FileNotFoundError(f"--resume {run_dir}: not a tether run directory (no config.yaml)")
     barrier()  # every process checked the folder before the first one writes into it
+    existed = run_dir.exists()
     writer = RunWriter(run_dir)
-    if not resume and is_main():
-        dump_config(config, run_dir / "config.yaml")
+    try:
+        if not resume and is_main():
+            dump_config(config, run_dir / "config.yaml")
 
-    for w in config.placement.warnings:
-        log.warning("tether: warning: %s", w)
-    path = resolve_model_path(config.model.name)
-    tokenizer = load_tokenizer(path)
-    check_prompt_lengths(tokenizer, train_prompts + heldout, config.rollout.max_prompt_tokens,
-                         None if config.data.prompts == DEFAULT_PROMPTS else config.data.prompts)
-    lm = load_causal_lm(path)
-    m = config.model
-    if m.lora:  # a peft model: the policy trains adapters, the reference reuses its frozen base
-        lm = add_lora(lm, m.lora_r, m.lora_alpha, m.lora_target_modules, m.adapter)
-    needs_reference = config.placement.needs_reference or config.train.algo == "dpo"
-    reference = make_reference(lm) if needs_reference else None
-    forwards = [0]
-    if reference is not None:
-        # count on the trunk: every path (scoring, generation) runs it exactly once per forward
-        count_reference_forwards(reference, forwards)
-    freeze_lower_layers(lm, config.model.trainable_layers)
-    # rows share prompts only in groups; otherwise the prefix pass would be one trunk call more
-    share_prefix = config.model.share_prompt_prefix and config.rollout.group_size > 1
-    policy = PolicyWithValue(lm, head_chunk=config.kl.exact_chunk_size, share_prefix=share_prefix)
-    if reference is not None:
-        check_reference(policy, reference)
-    return Run(config, policy, reference, tokenizer, scorer, train_prompts, heldout, writer,
-               fingerprint(reference) if reference is not None else None, forwards, accelerator)
+        for w in config.placement.warnings:
+            log.warning("tether: warning: %s", w)
+        path = resolve_model_path(config.model.name)
+        tokenizer = load_tokenizer(path)
+        check_prompt_lengths(tokenizer, train_prompts + heldout, config.rollout.max_prompt_tokens,
+                             None if config.data.prompts == DEFAULT_PROMPTS else config.data.prompts)
+        lm = load_causal_lm(path)
+        m = config.model
+        if m.lora:  # a peft model: the policy trains adapters, the reference reuses its frozen base
+            lm = add_lora(lm, m.lora_r, m.lora_alpha, m.lora_target_modules, m.adapter)
+        needs_reference = config.placement.needs_reference or config.train.algo == "dpo"
+        reference = make_reference(lm) if needs_reference else None
+        forwards = [0]
+        if reference is not None:
+            # count on the trunk: every path (scoring, generation) runs it exactly once per forward
+            count_reference_forwards(reference, forwards)
+        freeze_lower_layers(lm, config.model.trainable_layers)
+        # rows share prompts only in groups; otherwise the prefix pass would be one trunk call more
+        share_prefix = config.model.share_prompt_prefix and config.rollout.group_size > 1
+        policy = PolicyWithValue(lm, head_chunk=config.kl.exact_chunk_size, share_prefix=share_prefix)
+        if reference is not None:
+            check_reference(policy, reference)
+        return Run(config, policy, reference, tokenizer, scorer, train_prompts, heldout, writer,
+                   fingerprint(reference) if reference is not None else None, forwards, accelerator, existed)
+    except BaseException:
+        if not resume and is_main():
+            discard_failed_start(run_dir, existed)
+        raise
+
+
+def discard_failed_start(run_dir: Path, existed: bool) -> None:
+    """Remove what a run that failed before its first step wrote (config.yaml, the reference's
+    evaluation ...), so the same command can be run again once the input is fixed.
+
+    The folder was checked to be empty or absent when the run started, so everything in it is
+    this run's; a folder that existed (empty) is emptied, not removed.
+    """
+    if not run_dir.exists():
+        return
+    if not existed:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return
+    for child in run_dir.iterdir():
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child, ignore_errors=True)
+        else:
+            child.unlink(missing_ok=True)
 
 
 def make_optimizer(params: list, lr: float, weight_decay: float, fused: bool = True) -> torch.optim.AdamW:
