@@ -97,3 +97,9 @@ def constant_scorer(texts: list[str]) -> list[float]:
 
 def broken_scorer(texts: list[str]) -> list[float]:
     raise KeyError("scorer service down")
+
+
+def prompt_length_scorer(prompts: list[str], completions: list[str], **kwargs) -> list[float]:
+    """A TRL-style reward function (prompts and completions by name): the prompt's length / 10."""
+    assert len(prompts) == len(completions)
+    return [len(p) / 10 for p in prompts]

@@ -334,3 +334,28 @@ def test_a_run_without_reference_writes_valid_json_and_says_kl_is_unmeasured(tin
     sample = json.loads((out / "samples.jsonl").read_text().splitlines()[0], parse_constant=refuse)
     assert sample["kl"] is None  # not a misleading 0.0
     assert "held-out KL not measured (no reference model" in capsys.readouterr().out
+
+
+def test_trl_style_reward_function_gets_each_response_with_its_prompt(tiny_model_dir, prompt_file, tmp_path):
+    out = tmp_path / "run"
+    args = _tiny_args(tiny_model_dir, prompt_file, out) + [
+        "train.algo=grpo", "rollout.group_size=2", "train.sample_every=1", "train.save_model=false",
+        "reward.scorer=tests.conftest:prompt_length_scorer", "eval.judge=tests.conftest:prompt_length_scorer"]
+    assert main(args) == 0
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 3 * 4
+    for s in samples:  # the score and the gold judge's are those of the row's own prompt
+        assert s["score"] == pytest.approx(len(s["prompt"]) / 10) and s["gold"] == pytest.approx(len(s["prompt"]) / 10)
+    result = json.loads((out / "eval.json").read_text())
+    assert result["reference"]["proxy_mean"] == pytest.approx(result["policy"]["proxy_mean"])  # same prompts
+
+
+def test_a_scorer_taking_prompts_without_them_is_a_clear_error():
+    from tether.scorers import checked_scores, takes_prompts
+
+    from .conftest import length_judge, prompt_length_scorer
+
+    assert takes_prompts(prompt_length_scorer) and not takes_prompts(length_judge)
+    assert checked_scores(prompt_length_scorer, ["x", "y"], 0, ["abc", "a"]) == [0.3, 0.1]
+    with pytest.raises(ValueError, match="takes prompts, and none came with the 2 texts"):
+        checked_scores(prompt_length_scorer, ["x", "y"], 3)

@@ -85,7 +85,8 @@ def evaluate(
                 ref_lp = lp if reference is lm else score_logprobs(reference, ro, temperature).logprobs
                 result.kl_per_sequence += sequence_kl(estimate_kl(lp, ref_lp, "k1"), ro.response_mask).tolist()
             for key, scorer in scorers.items():
-                result.scores[key] += checked_scores(scorer, ro.responses, f"held-out evaluation ({name}, {key} scorer)")
+                result.scores[key] += checked_scores(scorer, ro.responses, f"held-out evaluation ({name}, {key} scorer)",
+                                                     ro.prompts)
             result.responses += ro.responses
     return result
 

@@ -70,8 +70,8 @@ def best_of_n_points(config: Config, proxy: Scorer, gold: Scorer, ns: list[int],
             batch = [p for p in prompts[i : i + per] for _ in range(m)]
             with torch.no_grad():
                 ro = generate(lm, tok, batch, c.rollout.max_new_tokens, c.rollout.temperature, c.rollout.max_prompt_tokens)
-            P.append(torch.tensor(checked_scores(proxy, ro.responses, "best-of-N (proxy)")).view(-1, m))
-            G.append(torch.tensor(checked_scores(gold, ro.responses, "best-of-N (gold)")).view(-1, m))
+            P.append(torch.tensor(checked_scores(proxy, ro.responses, "best-of-N (proxy)", ro.prompts)).view(-1, m))
+            G.append(torch.tensor(checked_scores(gold, ro.responses, "best-of-N (gold)", ro.prompts)).view(-1, m))
     proxy_t, gold_t = torch.cat(P), torch.cat(G)
     points = []
     for n in ns:

@@ -6,7 +6,9 @@ Built in:
     ``minilm-rm``: the Bradley-Terry reward model fitted on ICWSM-2014 human ratings
         (:mod:`tether.reward_model`; fitted on first use, then cached); ``rm:FOLDER`` for
         another one saved by ``tether reward fit --out FOLDER``.
-    ``module.path:function``: any importable callable ``list[str] -> list[float]``.
+    ``module.path:function``: any importable callable ``list[str] -> list[float]`` of the
+        responses, or a TRL-style reward function ``f(prompts, completions, **kwargs)`` (both
+        parameters named so), called with the prompts and the responses (:func:`takes_prompts`).
     ``hf:FOLDER[#LABEL]``: a local Hugging Face sequence classifier; the score is the logit of
         ``LABEL`` (an index or a label name; default: the last label).
 """
@@ -14,6 +16,7 @@ Built in:
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 import os
 import sys
@@ -104,11 +107,23 @@ FLOAT32_MAX = 3.4028234663852886e38
 """Largest finite float32: scores beyond it would become inf in the reward tensors."""
 
 
-def checked_scores(scorer: Scorer, texts: list[str], step: int | str) -> list[float]:
+def takes_prompts(scorer: Callable) -> bool:
+    """True when ``scorer`` names parameters ``prompts`` and ``completions`` (TRL's reward-function
+    convention): it is then called as ``scorer(prompts=..., completions=...)``, else ``scorer(texts)``."""
+    try:
+        params = inspect.signature(scorer).parameters
+    except (TypeError, ValueError):  # a builtin or C callable without a signature
+        return False
+    return "prompts" in params and "completions" in params
+
+
+def checked_scores(scorer: Scorer, texts: list[str], step: int | str,
+                   prompts: list[str] | None = None) -> list[float]:
     """Call ``scorer`` and validate its output: one finite float per text.
 
     ``step`` names where the call happens in messages: a training step number, or a phrase
-    such as ``"held-out evaluation"``.
+    such as ``"held-out evaluation"``. ``prompts`` (one per text) go to a scorer that takes
+    them (:func:`takes_prompts`).
 
     Raises:
         ValueError: wrong count, a NaN/inf score, or one beyond float32's range; the message names
@@ -116,7 +131,13 @@ def checked_scores(scorer: Scorer, texts: list[str], step: int | str) -> list[fl
     """
     where = f"step {step}" if isinstance(step, int) else step
     try:
-        raw = scorer(texts)
+        if takes_prompts(scorer):
+            if prompts is None or len(prompts) != len(texts):
+                raise ValueError(f"it takes prompts, and {'none' if prompts is None else len(prompts)} "
+                                 f"came with the {len(texts)} texts")
+            raw = scorer(prompts=list(prompts), completions=texts)
+        else:
+            raw = scorer(texts)
         scores = [float(s) for s in raw]
     except Exception as e:  # a user's scorer: report it with the step, never a bare traceback
         raise ValueError(f"{where}: the scorer failed on {len(texts)} texts "

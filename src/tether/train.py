@@ -22,7 +22,7 @@ from tether.kl import masked_sum, sequence_kl
 from tether.models import fingerprint
 from tether.metrics import sample_table
 from tether.plots import plot_score_vs_kl, plot_training
-from tether.scorers import Scorer, make_scorer
+from tether.scorers import Scorer, checked_scores, make_scorer
 from tether.trainers.common import Run, build_run, discard_failed_start
 from tether.trainers.dpo import DPOTrainer
 from tether.trainers.group import GRPOTrainer, RLOOTrainer
@@ -183,7 +183,8 @@ def _log_step(run: Run, evaluator: Evaluator, monitor: HealthMonitor, tb, bar, s
              f"  likely cause: {alarm.cause}\n  fix: {alarm.fix}", show)
     if rows is not None:
         if "gold" in evaluator.scorers:
-            golds = evaluator.scorers["gold"]([r["response"] for r in rows])
+            golds = checked_scores(evaluator.scorers["gold"], [r["response"] for r in rows],
+                                   f"step {step} samples (gold judge)", [r["prompt"] for r in rows])
             for r, g in zip(rows, golds):
                 r["gold"] = float(g)
         w.samples(step, rows)

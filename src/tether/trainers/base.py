@@ -99,7 +99,7 @@ class OnPolicyTrainer:
                            share_prefix=run.policy.share_prefix)
         t_gen = time.perf_counter()
         # 3. score responses with the reward model
-        scores = torch.tensor(checked_scores(run.scorer, rollout.responses, step))
+        scores = torch.tensor(checked_scores(run.scorer, rollout.responses, step, rollout.prompts))
         # 4. old log-probs (+ values) and reference log-probs, no grad
         #    (in one pass, optim.reuse_forward: the update's own forward, whose graph step 7 reuses)
         minibatches = self.minibatch_indices()

@@ -129,7 +129,7 @@ class DPOTrainer:
                           c.rollout.max_new_tokens, c.rollout.temperature, c.rollout.max_prompt_tokens,
                           seeds=sample_seeds(c.train.seed, -1, range(tried * k, (tried + per_call) * k)))
             tried += per_call
-            scores = torch.tensor(checked_scores(run.scorer, ro.responses, "DPO pair sampling")).view(-1, k)
+            scores = torch.tensor(checked_scores(run.scorer, ro.responses, "DPO pair sampling", ro.prompts)).view(-1, k)
             for g, prompt in enumerate(batch):
                 best, worst = int(scores[g].argmax()), int(scores[g].argmin())
                 if scores[g, best] == scores[g, worst]:
@@ -213,7 +213,7 @@ class DPOTrainer:
                                                      exact_kl=c.kl.exact, kl_chunk_size=c.kl.exact_chunk_size)
         mask = ro.response_mask
         kl = estimate_kl(pol.logprobs, ref.logprobs, c.kl.estimator)
-        scores = torch.tensor(checked_scores(run.scorer, ro.responses, step))
+        scores = torch.tensor(checked_scores(run.scorer, ro.responses, step, ro.prompts))
         shaped = shape_rewards(scores, kl, c.dpo.beta, mask)
         self.last_experience = Experience(ro, scores, pol.logprobs, ref.logprobs, None, kl, shaped.rewards,
                                           shaped.non_score_reward, torch.zeros_like(kl), None, [])
