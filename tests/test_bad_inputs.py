@@ -57,6 +57,8 @@ CONFIG_CASES = [
     ("batch not divisible by group size", ["train.algo=grpo", "rollout.batch_size=6", "rollout.group_size=4"], 2,
      ["rollout.batch_size=6", "rollout.group_size=4"]),
     ("minibatch not dividing the batch", ["optim.minibatch_size=3"], 2, ["optim.minibatch_size=3", "divide"]),
+    ("micro-batch not dividing the minibatch", ["optim.micro_batch_size=3"], 2,
+     ["optim.micro_batch_size=3", "divide optim.minibatch_size=2"]),
     ("NaN learning rate", ["optim.lr=nan"], 2, ["optim.lr", "finite"]),
     ("misspelled key", ["kl.kl_coeff=0.1"], 2, ["kl.kl_coeff", "kl_coef"]),
     ("KL in reward and loss", ["kl.kl_in_reward=true", "kl.kl_in_loss=true"], 2,

@@ -264,13 +264,17 @@ RTOL, ATOL = 1e-5, 1e-7
 widths and row groupings in the forwards, sums split over ranks). Measured: <= ~1e-6 relative."""
 
 
-@pytest.mark.parametrize("algo", ["ppo", "grpo", "dpo"])
+@pytest.mark.parametrize("algo", ["ppo", "grpo", "dpo", "ppo, micro-batches"])
 def test_two_processes_log_the_first_step_of_one(algo, tiny_tokenizer, prompt_file, tmp_path):
     model = _eos_model_dir(tiny_tokenizer, tmp_path / "model")
     one, two = tmp_path / "one", tmp_path / "two"
     extra = ["dpo.n_pairs=8", "dpo.candidates=2", "dpo.kl_eval_prompts=4"] if algo == "dpo" else []
+    # "micro-batches": the 2 processes run each of their 2 rows of a minibatch through forward and
+    # backward alone (gradient accumulation, DDP's all-reduce only after the last), 1 process all 4
+    micro = ["optim.micro_batch_size=1"] if "micro" in algo else []
+    algo = algo.split(",")[0]
     _launch(_args(model, prompt_file, one, algo) + extra, 1)
-    log = _launch(_args(model, prompt_file, two, algo) + extra, 2)
+    log = _launch(_args(model, prompt_file, two, algo) + extra + micro, 2)
     assert "2 processes (data parallel)" in log  # not one process left alone by the launcher
     a, b = (json.loads((d / "metrics.jsonl").read_text().splitlines()[0]) for d in (one, two))
     assert set(a) == set(b)

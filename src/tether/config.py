@@ -239,6 +239,12 @@ class OptimConfig:
     """Passes over each rollout batch (PPO, GRPO, RLOO) or over the pairs (DPO)."""
     minibatch_size: int = 16
     """Rows per gradient step; must divide rollout.batch_size."""
+    micro_batch_size: int | None = None
+    """Rows per forward and backward inside a minibatch, per process (gradient accumulation:
+    the gradients of the micro-batches add up and the optimizer steps once per minibatch, the
+    same update up to float summation order); must divide optim.minibatch_size (over the
+    number of processes). None = the whole minibatch in one pass. Lower it to cut the update's
+    activation memory."""
     max_grad_norm: float = 1.0
     """Gradient clipping by global norm."""
     weight_decay: float = 0.0
@@ -256,6 +262,10 @@ class OptimConfig:
         _check(self.lr > 0, "optim.lr", self.lr, "must be > 0")
         _check(self.epochs >= 1, "optim.epochs", self.epochs, "must be >= 1")
         _check(self.minibatch_size >= 1, "optim.minibatch_size", self.minibatch_size, "must be >= 1")
+        _check(self.micro_batch_size is None or (self.micro_batch_size >= 1
+                                                 and self.minibatch_size % self.micro_batch_size == 0),
+               "optim.micro_batch_size", self.micro_batch_size,
+               f"must be >= 1 and divide optim.minibatch_size={self.minibatch_size} (or null: the whole minibatch)")
         _check(self.max_grad_norm > 0, "optim.max_grad_norm", self.max_grad_norm, "must be > 0")
         _check(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "must be >= 0")
 
@@ -650,6 +660,10 @@ def check_world_size(config: Config, world: int) -> None:
     _check(c.optim.minibatch_size % world == 0, "optim.minibatch_size", c.optim.minibatch_size,
            f"must be a multiple of the number of processes ({world}): it is the global minibatch, "
            f"split evenly over the processes")
+    per = c.optim.minibatch_size // world
+    _check(c.optim.micro_batch_size is None or per % c.optim.micro_batch_size == 0, "optim.micro_batch_size",
+           c.optim.micro_batch_size, f"must divide each process's {per} rows of a minibatch "
+           f"(optim.minibatch_size={c.optim.minibatch_size} over {world} processes)")
     groups = c.rollout.batch_size // c.rollout.group_size
     _check(groups % world == 0, "rollout.batch_size", c.rollout.batch_size,
            f"must hold a multiple of {world} (processes) groups of rollout.group_size={c.rollout.group_size}: "

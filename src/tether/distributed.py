@@ -152,6 +152,23 @@ def token_share(mask: Tensor) -> Tensor:
     return (local / all_reduce_sum(local).clamp(min=1)).float()
 
 
+def token_shares(masks: list[Tensor]) -> list[Tensor]:
+    """Each part's fraction of the valid tokens of a minibatch split over ranks and, within a
+    rank, into micro-batches: ``n_(r,m) / sum_r n_r``. The shares of one rank sum to its
+    :func:`token_share`; a token-mean loss of each part times its share sums (over parts and
+    ranks) to the token-mean loss of the whole minibatch.
+
+    Args:
+        masks: (B_m, T) bool, this rank's micro-batches of the minibatch, in order.
+
+    Returns:
+        one float32 scalar per mask; ``[1.0]`` for one mask in one process.
+    """
+    local = torch.stack([m.bool().sum().double() for m in masks])
+    total = all_reduce_sum(local.sum()).clamp(min=1)
+    return [(n / total).float() for n in local]
+
+
 def row_share(n_rows: int) -> Tensor:
     """This rank's fraction of the rows of a minibatch split over ranks (for per-sequence means)."""
     local = torch.tensor(float(n_rows), dtype=torch.float64)

@@ -56,15 +56,18 @@ class KLLeash:
         kl_coef: float,
         response_mask: Tensor,
         old_logprobs: Tensor | None = None,
+        count: bool = True,
     ) -> Tensor | None:
         """``kl_coef * masked_mean(surrogate)`` to add to the loss, or None if not in the loss.
 
         None (not a zero tensor) when the placement is off or ``kl_coef`` is 0, so the loss of a
-        run without the term is bit-identical to the pure policy-gradient loss.
+        run without the term is bit-identical to the pure policy-gradient loss. ``count``: add
+        one to ``counts["loss"]`` (once per gradient step: false for the micro-batches after the
+        first of a minibatch, which are parts of the same term).
         """
         if not self.kl_in_loss or kl_coef == 0 or ref_logprobs is None:
             return None
-        self.counts["loss"] += 1
+        self.counts["loss"] += int(count)
         mask = response_mask.bool()
         # masked slots may hold -inf/NaN; neutral values there keep them out of every gradient
         logprobs = torch.where(mask, logprobs, 0.0)

@@ -31,7 +31,7 @@ from tether.kl import estimate_kl, sequence_kl
 from tether.leash import KLLeash
 from tether.rollout import Rollout, generate, sample_seeds, score_logprobs
 from tether.scorers import checked_scores
-from tether.trainers.common import Run, ScoredBatch, make_optimizer, optimizer_step, score_rollout
+from tether.trainers.common import Run, ScoredBatch, make_optimizer, micro_batches, optimizer_step, score_rollout
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +79,11 @@ class OnPolicyTrainer:
         # one update on the whole batch with no value head and no KL in the reward: the policy's
         # old log-probs are those of the update's own forward (optim.reuse_forward)
         self.one_pass = (c.optim.reuse_forward and c.optim.epochs == 1 and c.optim.minibatch_size == c.rollout.batch_size
-                         and not self.uses_values and not c.kl.kl_in_reward)
+                         and not self.uses_values and not c.kl.kl_in_reward
+                         and (c.optim.micro_batch_size is None
+                              or c.optim.micro_batch_size >= c.optim.minibatch_size // D.world_size()))
         self._graded = None
+        self._first_micro = True
 
     # ---- the step --------------------------------------------------------------------------
     def step(self, step: int) -> dict:
@@ -180,7 +183,7 @@ class OnPolicyTrainer:
                     mask: Tensor, kl_coef: float) -> Tensor:
         """``loss + kl_coef * KL surrogate`` when the KL is placed in the loss (logged once)."""
         ref = exp.ref_logprobs[idx] if exp.ref_logprobs is not None else None
-        kl_term = self.leash.loss(logprobs, ref, kl_coef, mask, exp.old_logprobs[idx])
+        kl_term = self.leash.loss(logprobs, ref, kl_coef, mask, exp.old_logprobs[idx], count=self._first_micro)
         if kl_term is None:
             return loss
         stats["policy/kl_loss"] = kl_term
@@ -205,8 +208,11 @@ class OnPolicyTrainer:
         Each process holds ``minibatch_size / world`` rows of a minibatch. Its token-mean loss
         ``L_r`` times its share of the minibatch's valid tokens sums over processes to the
         token-mean loss of the whole minibatch; DDP averages the gradients, hence the factor
-        ``world``. The statistics (losses, clip fractions, approx_kl: token means) are reduced
-        the same way, once at the end.
+        ``world``. With ``optim.micro_batch_size`` the process's rows go through forward and
+        backward in chunks, each loss scaled by its chunk's share of the minibatch's tokens
+        (:func:`tether.distributed.token_shares`), the gradients accumulating until the one
+        optimizer step: the same update, up to float summation order. The statistics (losses,
+        clip fractions, approx_kl: token means) are reduced the same way, once at the end.
         """
         c, world = self.cfg, D.world_size()
         weighted: dict[str, float] = {}  # sum over minibatches of share * statistic
@@ -214,17 +220,28 @@ class OnPolicyTrainer:
         for epoch in range(c.optim.epochs):
             groups = exp.minibatches if epoch == 0 else self.minibatch_indices()
             for i, idx in enumerate(groups):
-                part = exp.rollout.select(idx)
-                share = D.token_share(part.response_mask)  # this process's fraction of the tokens
-                loss, parts = self.minibatch_loss(exp, idx, part, kl_coef)
-                grad_norms.append(float(optimizer_step(self.optimizer, self.params, loss * (share * world),
-                                                       c.optim.max_grad_norm, self.name, self.accelerator)))
-                if epoch == 0 and i == 0 and "_ratio_dev" in parts:
+                micro = micro_batches(idx, c.optim.micro_batch_size)
+                parts = [exp.rollout.select(m) for m in micro]
+                # each micro-batch's fraction of the minibatch's tokens (over every process)
+                shares = D.token_shares([p.response_mask for p in parts])
+                devs = []
+
+                def micro_loss(j: int) -> Tensor:
+                    self._first_micro = j == 0  # the KL term counts once per gradient step
+                    loss, stats = self.minibatch_loss(exp, micro[j], parts[j], kl_coef)
+                    devs.append(stats.pop("_ratio_dev", None))
+                    for k, v in stats.items():
+                        if not k.startswith("_"):
+                            weighted[k] = (weighted.get(k, 0.0)
+                                           + float(v.detach() if torch.is_tensor(v) else v) * float(shares[j]))
+                    return loss * (shares[j] * world)
+
+                grad_norms.append(float(optimizer_step(
+                    self.optimizer, self.params, [lambda j=j: micro_loss(j) for j in range(len(micro))],
+                    c.optim.max_grad_norm, self.name, self.accelerator, self.model)))
+                if epoch == 0 and i == 0 and devs[0] is not None:
                     # before any update the ratio must be exactly 1 (same inputs, same weights)
-                    first_dev = D.all_reduce_max(parts["_ratio_dev"])
-                for k, v in parts.items():
-                    if not k.startswith("_"):
-                        weighted[k] = weighted.get(k, 0.0) + float(v.detach() if torch.is_tensor(v) else v) * float(share)
+                    first_dev = D.all_reduce_max(torch.stack(devs).max())
                 n_steps += 1
         keys = sorted(weighted)
         totals = D.all_reduce_sum(torch.tensor([weighted[k] for k in keys], dtype=torch.float64))

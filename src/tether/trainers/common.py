@@ -6,8 +6,10 @@ import datetime as _dt
 import logging
 import random
 import shutil
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Sequence
 
 import torch
 from accelerate import Accelerator
@@ -230,33 +232,51 @@ def make_optimizer(params: list, lr: float, weight_decay: float, fused: bool = T
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused or None)
 
 
-def optimizer_step(optimizer: torch.optim.Optimizer, params: list, loss: Tensor, max_grad_norm: float,
-                   name: str, accelerator: Accelerator | None = None) -> Tensor:
+def optimizer_step(optimizer: torch.optim.Optimizer, params: list, loss: Tensor | Sequence[Callable[[], Tensor]],
+                   max_grad_norm: float, name: str, accelerator: Accelerator | None = None,
+                   model: nn.Module | None = None) -> Tensor:
     """Backward, clip the global gradient norm, refuse a non-finite one, step; returns the norm.
 
-    With an ``accelerator`` the backward and the clipping are accelerate's: under DDP the
-    backward all-reduces (averages) the gradients over the processes, so every process clips
-    and steps with the same gradient.
+    ``loss`` is the minibatch's loss, or one callable per micro-batch (``optim.micro_batch_size``)
+    returning that micro-batch's share of it: each runs its forward and backward in turn, the
+    gradients add up, and the optimizer steps once, as for the whole minibatch (gradient
+    accumulation). With an ``accelerator`` the backward and the clipping are accelerate's: under
+    DDP the backward all-reduces (averages) the gradients over the processes, so every process
+    clips and steps with the same gradient; with micro-batches only the last one all-reduces
+    (``accelerator.no_sync(model)`` around the others).
 
     Raises:
         FloatingPointError: the gradient norm is NaN or inf (the step is not taken, so the
             weights and the last checkpoint stay good).
     """
     optimizer.zero_grad(set_to_none=True)
+    parts = [lambda: loss] if torch.is_tensor(loss) else list(loss)
+    for i, part in enumerate(parts):
+        defer = accelerator is not None and model is not None and i < len(parts) - 1
+        with accelerator.no_sync(model) if defer else nullcontext():
+            last = part()
+            if accelerator is None:
+                last.backward()
+            else:
+                accelerator.backward(last)
     if accelerator is None:
-        loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm, foreach=True)
     else:
-        accelerator.backward(loss)
         grad_norm = accelerator.clip_grad_norm_(params, max_grad_norm)
     if not torch.isfinite(grad_norm):
         raise FloatingPointError(f"non-finite gradient norm {float(grad_norm)} in the {name} update "
-                                 f"(loss {float(loss.detach())}); stopping before the weights change")
+                                 f"(loss {float(last.detach())}); stopping before the weights change")
     optimizer.step()
     # free the gradients now, not at the next step's zero_grad: otherwise a full copy of the
     # trainable weights stays resident through the next generation and forward, the step's peak
     optimizer.zero_grad(set_to_none=True)
     return grad_norm
+
+
+def micro_batches(rows: Tensor, micro_batch_size: int | None) -> list[Tensor]:
+    """``rows`` (this process's rows of a minibatch) in consecutive chunks of
+    ``micro_batch_size`` (``optim.micro_batch_size``); one chunk when it is None."""
+    return [rows] if micro_batch_size is None else list(rows.split(micro_batch_size))
 
 
 @dataclass

@@ -34,7 +34,7 @@ from tether.rollout import generate, rollout_from_responses, sample_seeds, score
 from tether.scorers import checked_scores
 from tether.shaping import shape_rewards
 from tether.trainers.base import Experience, sample_metrics
-from tether.trainers.common import Run, make_optimizer, optimizer_step
+from tether.trainers.common import Run, make_optimizer, micro_batches, optimizer_step
 
 
 class Pairs(NamedTuple):
@@ -173,19 +173,25 @@ class DPOTrainer:
             perm = batch[torch.randperm(len(batch), generator=self.generator)]
             for minibatch in perm.split(c.optim.minibatch_size):
                 idx = minibatch[D.shard(len(minibatch))]
-                rows = idx.tolist()
-                prompts = [P.prompts[i] for i in rows]
-                out = dpo_loss(
-                    self.sequence_logps(self.model, prompts, [P.chosen[i] for i in rows]),
-                    self.sequence_logps(self.model, prompts, [P.rejected[i] for i in rows]),
-                    P.ref_chosen[idx], P.ref_rejected[idx], c.dpo.beta)
-                share = len(rows) / len(minibatch)
-                grad_norms.append(float(optimizer_step(self.optimizer, self.params, out.loss * (share * world),
-                                                       c.optim.max_grad_norm, "DPO", self.accelerator)))
-                for k, v in (("dpo/loss", out.loss), ("dpo/margin", out.margin), ("dpo/accuracy", out.accuracy),
-                             ("dpo/chosen_reward", out.chosen_rewards.mean()),
-                             ("dpo/rejected_reward", out.rejected_rewards.mean())):
-                    weighted[k] = weighted.get(k, 0.0) + float(v.detach()) * share
+
+                def micro_loss(sub: Tensor) -> Tensor:
+                    rows = sub.tolist()
+                    prompts = [P.prompts[i] for i in rows]
+                    out = dpo_loss(
+                        self.sequence_logps(self.model, prompts, [P.chosen[i] for i in rows]),
+                        self.sequence_logps(self.model, prompts, [P.rejected[i] for i in rows]),
+                        P.ref_chosen[sub], P.ref_rejected[sub], c.dpo.beta)
+                    share = len(rows) / len(minibatch)  # these pairs' fraction of the minibatch's
+                    for k, v in (("dpo/loss", out.loss), ("dpo/margin", out.margin), ("dpo/accuracy", out.accuracy),
+                                 ("dpo/chosen_reward", out.chosen_rewards.mean()),
+                                 ("dpo/rejected_reward", out.rejected_rewards.mean())):
+                        weighted[k] = weighted.get(k, 0.0) + float(v.detach()) * share
+                    return out.loss * (share * world)
+
+                grad_norms.append(float(optimizer_step(
+                    self.optimizer, self.params,
+                    [lambda sub=sub: micro_loss(sub) for sub in micro_batches(idx, c.optim.micro_batch_size)],
+                    c.optim.max_grad_norm, "DPO", self.accelerator, self.model)))
         keys = sorted(weighted)
         totals = D.all_reduce_sum(torch.tensor([weighted[k] for k in keys], dtype=torch.float64))
         stats = {k: float(t) / len(grad_norms) for k, t in zip(keys, totals)}
