@@ -131,3 +131,59 @@ def test_a_reference_that_moves_stops_the_run_without_a_checkpoint(tiny_model_di
     assert "after the last step (2)" in err and "reference model's weights changed" in err
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 3  # the logged steps stay
     assert not (out / "eval.json").exists() and not (out / "policy").exists()
+
+
+CHAT = ("{{ bos_token }}{% for m in messages %}[user] {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}[assistant] {% endif %}")
+
+
+def test_chat_template_prompts_carry_exactly_one_bos(tiny_tokenizer):
+    import copy
+
+    from tokenizers.processors import TemplateProcessing
+
+    from tether.rollout import prompt_texts, tokenize_prompts, use_chat_template
+
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.add_special_tokens({"bos_token": "<bos>"})
+    with pytest.raises(ValueError, match="data.chat_template=true: the tokenizer of model.name has no chat template"):
+        use_chat_template(tok)
+    tok.chat_template = CHAT
+    use_chat_template(tok)
+    assert prompt_texts(tok, ["the movie was"]) == ["<bos>[user] the movie was\n[assistant] "]
+
+    def bos_count():
+        ids, mask = tokenize_prompts(tok, ["the movie was", "a film"], 64)
+        return [int((row[m] == tok.bos_token_id).sum()) for row, m in zip(ids, mask.bool())], ids, mask
+
+    counts, _, _ = bos_count()  # the tokenizer adds no BOS: the template's stays
+    assert counts == [1, 1]
+    # a tokenizer that prepends BOS itself (Llama 3 style): the template's copy is dropped
+    tok._tokenizer.post_processor = TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", tok.bos_token_id)])
+    counts, ids, mask = bos_count()
+    assert counts == [1, 1] and all(int(row[m][0]) == tok.bos_token_id for row, m in zip(ids, mask.bool()))
+
+
+def test_chat_template_run_shows_prompts_as_written(tiny_model_dir, prompt_file, tmp_path, monkeypatch):
+    import shutil
+
+    from tether import rollout
+
+    model = tmp_path / "chat-model"
+    shutil.copytree(tiny_model_dir, model)
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = CHAT
+    (model / "tokenizer_config.json").write_text(json.dumps(cfg))
+    seen = []
+    real = rollout.prompt_texts
+    monkeypatch.setattr(rollout, "prompt_texts", lambda tok, prompts: seen.extend(real(tok, prompts)) or real(tok, prompts))
+    out = tmp_path / "run"
+    args = _tiny_args(model, prompt_file, out) + ["data.chat_template=true", "rollout.max_prompt_tokens=40",
+                                                  "train.save_model=false"]
+    assert main(args) == 0
+    assert seen and all(t.startswith("[user] ") and t.endswith("\n[assistant] ") for t in seen)
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert samples and all("[user]" not in s["prompt"] for s in samples)  # the prompt as written
+    # without a template in the model's tokenizer: a clear error, and no run folder left behind
+    assert main(_tiny_args(tiny_model_dir, prompt_file, tmp_path / "r2") + ["data.chat_template=true"]) == 1
+    assert not (tmp_path / "r2").exists()

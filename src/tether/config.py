@@ -111,6 +111,11 @@ class DataConfig:
     """Shortest movie-review prefix, in words."""
     max_words: int = 8
     """Longest movie-review prefix, in words."""
+    chat_template: bool = False
+    """Give the model each prompt as one user message formatted by its tokenizer's chat template,
+    the assistant's turn opened (what an instruct model was tuned on); the prompt as written is
+    what samples.jsonl shows, the held-out split hashes and a prompt-aware scorer receives.
+    Counts toward rollout.max_prompt_tokens with the template's tokens."""
 
     def __post_init__(self) -> None:
         _check(0 < self.heldout_fraction < 1, "data.heldout_fraction", self.heldout_fraction, "must be in (0, 1)")

@@ -52,7 +52,7 @@ def gao_curve(a: float, b: float, form: str, kl: torch.Tensor) -> torch.Tensor:
 # ---- the sweep -------------------------------------------------------------------------------
 def best_of_n_points(config: Config, proxy: Scorer, gold: Scorer, ns: list[int], n_prompts: int) -> list[dict]:
     """Sample max(ns) reference completions per held-out prompt; best-of-N points for every N."""
-    from tether.rollout import generate
+    from tether.rollout import generate, use_chat_template
     from tether.trainers.common import load_prompts
     from tether.models import load_causal_lm, load_tokenizer, resolve_model_path
 
@@ -61,6 +61,8 @@ def best_of_n_points(config: Config, proxy: Scorer, gold: Scorer, ns: list[int],
     prompts = held[:n_prompts]
     path = resolve_model_path(c.model.name)
     tok, lm = load_tokenizer(path), load_causal_lm(path)
+    if c.data.chat_template:
+        use_chat_template(tok)
     m = max(ns)
     P, G = [], []
     with torch.random.fork_rng(devices=[]):

@@ -79,14 +79,48 @@ class Rollout:
         )
 
 
+CHAT_TEMPLATE_FLAG = "tether_chat_template"
+"""Attribute set on a tokenizer by :func:`use_chat_template` (``data.chat_template``)."""
+
+
+def use_chat_template(tokenizer) -> None:
+    """Make every prompt tether tokenizes with ``tokenizer`` one user message formatted by the
+    tokenizer's chat template (:func:`prompt_texts`).
+
+    Raises:
+        ValueError: the tokenizer has no chat template.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("data.chat_template=true: the tokenizer of model.name has no chat template "
+                         "(tokenizer_config.json or chat_template.jinja); use a chat model or data.chat_template=false")
+    setattr(tokenizer, CHAT_TEMPLATE_FLAG, True)
+
+
+def prompt_texts(tokenizer, prompts: Sequence[str]) -> list[str]:
+    """The text tether tokenizes for each prompt: the prompt itself, or with
+    :func:`use_chat_template` the chat template applied to ``[{"role": "user", "content": prompt}]``
+    with the assistant's turn opened (``add_generation_prompt=True``), what a chat model was tuned
+    on. A BOS token the template writes is dropped when the tokenizer adds its own (no double BOS).
+    """
+    if not getattr(tokenizer, CHAT_TEMPLATE_FLAG, False):
+        return list(prompts)
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                           add_generation_prompt=True) for p in prompts]
+    bos = tokenizer.bos_token
+    if bos and tokenizer("a", add_special_tokens=True)["input_ids"][:1] == [tokenizer.bos_token_id]:
+        texts = [t[len(bos):] if t.startswith(bos) else t for t in texts]
+    return texts
+
+
 def tokenize_prompts(tokenizer, prompts: list[str], max_prompt_tokens: int) -> tuple[Tensor, Tensor]:
-    """Left-padded prompt ids and mask, (B, P) each.
+    """Left-padded prompt ids and mask, (B, P) each (of :func:`prompt_texts`: with
+    ``data.chat_template`` the chat-formatted prompts).
 
     Raises:
         ValueError: a prompt is empty after tokenization or longer than ``max_prompt_tokens``
             (the prompt is quoted; fix: shorten it or raise ``rollout.max_prompt_tokens``).
     """
-    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=True)
+    enc = tokenizer(prompt_texts(tokenizer, prompts), return_tensors="pt", padding=True, add_special_tokens=True)
     lengths = enc["attention_mask"].sum(-1)
     for p, n in zip(prompts, lengths.tolist()):
         if n == 0:

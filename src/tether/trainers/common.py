@@ -30,7 +30,7 @@ from tether.models import (
     make_reference,
     resolve_model_path,
 )
-from tether.rollout import Rollout, Scored, score_logprobs, score_policy_and_reference
+from tether.rollout import Rollout, Scored, prompt_texts, score_logprobs, score_policy_and_reference, use_chat_template
 from tether.scorers import Scorer, make_scorer
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ def check_prompt_lengths(tokenizer, prompts: list[str], max_prompt_tokens: int, 
     """
     for start in range(0, len(prompts), 2048):
         chunk = prompts[start : start + 2048]
-        lengths = [len(ids) for ids in tokenizer(chunk, add_special_tokens=True)["input_ids"]]
+        lengths = [len(ids) for ids in tokenizer(prompt_texts(tokenizer, chunk), add_special_tokens=True)["input_ids"]]
         for i, (p, n) in enumerate(zip(chunk, lengths)):
             if n == 0 or n > max_prompt_tokens:
                 where = f"prompt {start + i + 1}"
@@ -177,6 +177,8 @@ def build_run(config: Config, scorer: Scorer | None = None, resume: bool = False
             log.warning("tether: warning: %s", w)
         path = resolve_model_path(config.model.name)
         tokenizer = load_tokenizer(path)
+        if config.data.chat_template:
+            use_chat_template(tokenizer)
         check_prompt_lengths(tokenizer, train_prompts + heldout, config.rollout.max_prompt_tokens,
                              None if config.data.prompts == DEFAULT_PROMPTS else config.data.prompts)
         lm = load_causal_lm(path)
