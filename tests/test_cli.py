@@ -288,34 +288,34 @@ def test_best_policy_is_kept_and_ends_the_run(tiny_model_dir, prompt_file, tmp_p
     assert not torch.equal(final[name], last[name])  # ... not the last step's
 
 
+def _run_then_resume(tiny_model_dir, prompt_file, out, first: list[str], resumed: list[str]) -> list[dict]:
+    """Train with ``first`` (checkpointing every step), resume with ``resumed``; the metric rows."""
+    args = _tiny_args(tiny_model_dir, prompt_file, out) + first + [
+        "train.checkpoint_every=1", "train.save_model=false", "eval.n_prompts=0", "eval.every=0"]
+    assert main(args) == 0
+    assert main(["train", "--resume", str(out)] + resumed) == 0
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
 def test_resume_takes_the_new_controller_settings(tiny_model_dir, prompt_file, tmp_path, caplog):
     # 2 steps at target 6, horizon 10000; resumed with target 1e-9 and horizon 10: each later
     # beta is the previous one times (1 + clip(KL / 1e-9 - 1, +-0.2) * 4 / 10) = x1.08, since the
     # exact KL of the updated policy is far above 1e-9 (the checkpoint's settings gave x1.00008)
-    out = tmp_path / "run"
-    args = _tiny_args(tiny_model_dir, prompt_file, out) + [
-        "kl.controller_signal=exact", "optim.lr=3e-3", "train.steps=2", "train.checkpoint_every=1",
-        "train.save_model=false", "eval.n_prompts=0", "eval.every=0"]
-    assert main(args) == 0
-    assert main(["train", "--resume", str(out), "train.steps=4", "kl.target=1e-9", "kl.horizon=10"]) == 0
+    rows = _run_then_resume(tiny_model_dir, prompt_file, tmp_path / "run",
+                            ["kl.controller_signal=exact", "optim.lr=3e-3", "train.steps=2"],
+                            ["train.steps=4", "kl.target=1e-9", "kl.horizon=10"])
     assert "target 6 -> 1e-09, horizon 10000 -> 10" in caplog.text
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     beta = [r["objective/kl_coef"] for r in rows]
     assert all(r["objective/kl_exact"] > 1e-6 for r in rows[1:])  # step 0: policy == reference
     assert beta[3] == pytest.approx(beta[2] * 1.08, rel=1e-12)
 
 
-
 def test_resume_of_a_fixed_beta_takes_the_new_beta(tiny_model_dir, prompt_file, tmp_path, caplog):
-    out = tmp_path / "run"
-    args = _tiny_args(tiny_model_dir, prompt_file, out) + [
-        "kl.controller=fixed", "kl.kl_coef=0.05", "train.steps=1", "train.checkpoint_every=1",
-        "train.save_model=false", "eval.n_prompts=0", "eval.every=0"]
-    assert main(args) == 0
-    assert main(["train", "--resume", str(out), "train.steps=2", "kl.kl_coef=0.2"]) == 0
+    rows = _run_then_resume(tiny_model_dir, prompt_file, tmp_path / "run",
+                            ["kl.controller=fixed", "kl.kl_coef=0.05", "train.steps=1"],
+                            ["train.steps=2", "kl.kl_coef=0.2"])
     assert "kl_coef 0.05 -> 0.2" in caplog.text
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["objective/kl_coef"] for r in rows] == [0.05, 0.2]
 
 
