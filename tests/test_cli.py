@@ -317,6 +317,12 @@ def test_resume_of_a_fixed_beta_takes_the_new_beta(tiny_model_dir, prompt_file, 
                             ["train.steps=2", "kl.kl_coef=0.2"])
     assert "kl_coef 0.05 -> 0.2" in caplog.text
     assert [r["objective/kl_coef"] for r in rows] == [0.05, 0.2]
+    # config.yaml now holds the resumed settings (a later plain --resume keeps them), the first kept
+    from tether.config import load_config
+
+    out = tmp_path / "run"
+    assert load_config(out / "config.yaml", []).kl.kl_coef == 0.2
+    assert load_config(out / "config.until-step-0.yaml", []).kl.kl_coef == 0.05
 
 
 def test_a_run_without_reference_writes_valid_json_and_says_kl_is_unmeasured(tiny_model_dir, prompt_file,
@@ -359,3 +365,63 @@ def test_a_scorer_taking_prompts_without_them_is_a_clear_error():
     assert checked_scores(prompt_length_scorer, ["x", "y"], 0, ["abc", "a"]) == [0.3, 0.1]
     with pytest.raises(ValueError, match="takes prompts, and none came with the 2 texts"):
         checked_scores(prompt_length_scorer, ["x", "y"], 3)
+
+
+def test_a_best_from_discarded_steps_survives_resume(tiny_model_dir, prompt_file, tmp_path, monkeypatch, capsys):
+    # best/ may hold a policy from steps after the last checkpoint (a kill, or a resume with other
+    # settings): it stays the best to beat, and the run ends with it, never with a policy
+    # that best/ no longer holds
+    from safetensors.torch import load_file
+
+    from tether import train as train_module
+
+    scores = {0: 0.1, 1: 0.5, 2: 0.3, 3: 0.6, 4: 0.2}  # 0.6 beats the history (0.5), not best/ (0.7)
+    monkeypatch.setattr(train_module, "_log_step", _scripted_log_step(train_module._log_step, scores))
+    out = tmp_path / "run"
+    args = _tiny_args(tiny_model_dir, prompt_file, out) + [
+        "train.steps=3", "eval.every=1", "eval.best_by=proxy", "train.checkpoint_every=3", "train.save_model=false"]
+    assert main(args) == 0
+    meta = json.loads((out / "best" / "meta.json").read_text())
+    assert meta["step"] == 1
+    # as if a discarded step 3 had scored 0.7 and been saved (its weights: step 1's here)
+    (out / "best" / "meta.json").write_text(json.dumps({**meta, "step": 3, "score": 0.7}))
+    capsys.readouterr()
+    assert main(["train", "--resume", str(out), "train.steps=5", "train.save_model=true"]) == 0
+    assert "ending with the policy of step 3, the best eval/proxy_score (0.700" in capsys.readouterr().out
+    best = load_file(str(out / "best" / "policy.safetensors"))
+    final = load_file(str(out / "policy" / "model.safetensors"))
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(final[name], best[name])
+    assert json.loads((out / "eval.json").read_text())["policy_step"] == 3
+
+
+def _scripted_log_step(real, scores):
+    """_log_step with the periodic evaluation's proxy score replaced by ``scores[step]``."""
+    from tether import train as train_module
+
+    def log_step(run, evaluator, monitor, tb, bar, step, row, rows):
+        original = train_module.Evaluator.periodic_row
+        train_module.Evaluator.periodic_row = lambda self: {"eval/proxy_score": scores[step], "eval/kl": 0.0}
+        try:
+            return real(run, evaluator, monitor, tb, bar, step, row, rows)
+        finally:
+            train_module.Evaluator.periodic_row = original
+
+    return log_step
+
+
+def test_resume_with_another_controller_carries_beta_into_it(tiny_model_dir, prompt_file, tmp_path, caplog):
+    # step 0 under the adaptive controller: KL 0 (policy == reference), so beta = 0.05 * (1 - 0.2 * 4 / 10000);
+    # then the budget controller from that beta, with its proportional term (not the pure dual
+    # ascent that an old budget checkpoint without "dual" resumes with)
+    eps, eta, kp = 1e-9, 0.3, 1.0
+    rows = _run_then_resume(tiny_model_dir, prompt_file, tmp_path / "run", ["train.steps=1", "optim.lr=3e-3"],
+                            ["train.steps=3", "kl.controller=budget", f"kl.budget={eps}", f"kl.budget_eta={eta}",
+                             f"kl.budget_kp={kp}", "kl.controller_signal=exact"])
+    assert "kl.controller changed (adaptive -> budget)" in caplog.text
+    beta1 = 0.05 * (1 - 0.2 * 4 / 10_000)
+    assert rows[1]["objective/kl_coef"] == pytest.approx(beta1, rel=1e-12)
+    error = rows[1]["objective/kl_exact"] - eps
+    assert error > 1e-6  # so that kp = 1 and kp = 0 give different betas
+    dual = max(0.0, beta1 + eta * error)
+    assert rows[2]["objective/kl_coef"] == pytest.approx(max(0.0, dual + kp * error), abs=1e-9)

@@ -99,13 +99,14 @@ def load_policy_weights(folder: Path, policy) -> None:
 
 
 def save_best(run_dir: Path, policy, meta: dict) -> Path:
-    """Replace ``run_dir/best`` (the policy of the best periodic evaluation) atomically: written to
-    a temporary folder, then swapped in, so a kill leaves the previous best or the new one."""
+    """Replace ``run_dir/best`` (the policy of the best periodic evaluation): written to a
+    temporary folder, then swapped in, so a kill leaves the previous best or the new one (in the
+    moment between the two renames, as ``.best.old*``, which :func:`best_folder` puts back)."""
     root = Path(run_dir)
+    best_folder(root)
     tmp, final, old = root / f".best.tmp{os.getpid()}", root / "best", root / f".best.old{os.getpid()}"
-    for leftover in (tmp, old):
-        if leftover.exists():
-            shutil.rmtree(leftover)
+    for leftover in [*root.glob(".best.tmp*"), *root.glob(".best.old*")]:
+        shutil.rmtree(leftover, ignore_errors=True)
     tmp.mkdir()
     save_policy_weights(tmp, policy)
     (tmp / "meta.json").write_text(json.dumps(meta))
@@ -114,6 +115,17 @@ def save_best(run_dir: Path, policy, meta: dict) -> Path:
     os.replace(tmp, final)
     shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def best_folder(run_dir: Path) -> Path | None:
+    """``run_dir/best`` if it holds a complete best policy, else None; a best moved aside by a
+    :func:`save_best` that was killed between its two renames is put back first."""
+    final = Path(run_dir) / "best"
+    if not final.exists():
+        aside = sorted(Path(run_dir).glob(".best.old*"))
+        if aside and (aside[-1] / "meta.json").exists():
+            os.replace(aside[-1], final)
+    return final if (final / "meta.json").exists() else None
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
+import math
 import signal
 import time
 from pathlib import Path
 
 import torch
+import yaml
 from tqdm.auto import tqdm
 
 from tether import distributed as D
-from tether.checkpoint import (latest_checkpoint, load_checkpoint, load_policy_weights, rng_state, save_best,
-                               save_checkpoint, set_rng_state)
+from tether.checkpoint import (best_folder, latest_checkpoint, load_checkpoint, load_policy_weights, rng_state,
+                               save_best, save_checkpoint, set_rng_state)
 from tether.config import Config
 from tether.evaluation import EvalResult, compare, evaluate
 from tether.health import Alarm, HealthMonitor
@@ -197,23 +198,35 @@ BEST_KEYS = {"gold": "eval/gold_score", "proxy": "eval/proxy_score"}
 
 
 def _keep_best(run: Run, step: int) -> str | None:
-    """After a periodic evaluation: save the policy to <run>/best if its score is the highest of
-    the run so far (the history, so a resumed run decides as the uninterrupted one); return why to
+    """After a periodic evaluation: save the policy to <run>/best if its score beats every earlier
+    one, those in the history and the one <run>/best holds (which may come from steps a resumed
+    run discarded: <run>/best always holds the best policy the run has produced); return why to
     stop when eval.patience evaluations in a row brought no new best."""
     c, w = run.config, run.writer
     key = BEST_KEYS[c.eval.best_by]
-    scores = [(r["step"], r[key], r.get("eval/kl")) for r in w.history if isinstance(r.get(key), (int, float))]
-    if not scores:
+    evals = [(r["step"], r[key], r.get("eval/kl")) for r in w.history if isinstance(r.get(key), (int, float))]
+    if not evals or evals[-1][0] != step:
         return None
-    best = max(range(len(scores)), key=lambda i: (scores[i][1], -i))  # the first of equal scores
-    if best == len(scores) - 1:
-        save_best(w.run_dir, run.policy, {"step": step, "metric": key, "score": scores[best][1],
-                                          "kl": scores[best][2]})
-    since = len(scores) - 1 - best
+    saved = _best_meta(run)
+    prior = [(s, v) for s, v, _ in evals[:-1]] + ([(saved["step"], saved["score"])] if saved else [])
+    best_step, best_score = max(prior, key=lambda sv: sv[1]) if prior else (None, -math.inf)
+    if evals[-1][1] > best_score:
+        save_best(w.run_dir, run.policy, {"step": step, "metric": key, "score": evals[-1][1], "kl": evals[-1][2]})
+        return None
+    since = sum(s > best_step for s, _, _ in evals)
     if c.eval.patience and since >= c.eval.patience:
-        return (f"{key} has not improved on step {scores[best][0]}'s {scores[best][1]:.3f} in {since} "
+        return (f"{key} has not improved on step {best_step}'s {best_score:.3f} in {since} "
                 f"evaluations (eval.patience={c.eval.patience})")
     return None
+
+
+def _best_meta(run: Run) -> dict | None:
+    """<run>/best's meta.json when it holds a policy chosen by this run's eval.best_by, else None."""
+    folder = best_folder(run.writer.run_dir)
+    if folder is None:
+        return None
+    meta = json.loads((folder / "meta.json").read_text())
+    return meta if meta.get("metric") == BEST_KEYS[run.config.eval.best_by] else None
 
 
 def _finish(run: Run, evaluator: Evaluator, monitor: HealthMonitor, tb, before, t_start: float, last: int) -> Path:
@@ -258,12 +271,11 @@ def _final_eval_and_plots(run: Run, evaluator: Evaluator, monitor: HealthMonitor
 
 def _restore_best(run: Run) -> dict | None:
     """Load <run>/best into the policy if it is not the last step's; return its meta.json."""
-    path = run.writer.run_dir / "best"
-    if not (path / "meta.json").exists():
+    meta = _best_meta(run)
+    if meta is None:
         return None
-    meta = json.loads((path / "meta.json").read_text())
     if meta["step"] != run.writer.history[-1]["step"]:
-        load_policy_weights(path, run.policy)
+        load_policy_weights(run.writer.run_dir / "best", run.policy)
         _say(f"tether: ending with the policy of step {meta['step']}, the best {meta['metric']} "
              f"({meta['score']:.3f}; eval.best_by={run.config.eval.best_by})", run.config.train.progress)
     return meta
@@ -293,13 +305,26 @@ def _resume(run: Run, trainer, monitor: HealthMonitor) -> int:
     if not D.is_main():
         return meta["step"] + 1
     w.truncate_after(meta["step"])
-    best = w.run_dir / "best" / "meta.json"
-    if best.exists() and json.loads(best.read_text())["step"] > meta["step"]:
-        # saved after the checkpoint: the resumed run decides the best again from its history
-        shutil.rmtree(best.parent)
+    _record_resumed_config(run, meta["step"])
     monitor.fired = [Alarm(**a) for a in map(json.loads, (w.run_dir / "warnings.jsonl").read_text().splitlines())] \
         if (w.run_dir / "warnings.jsonl").exists() else []
     return meta["step"] + 1
+
+
+def _record_resumed_config(run: Run, step: int) -> None:
+    """When ``--resume`` changed settings, config.yaml becomes the config the run goes on with (so
+    a later plain ``--resume`` keeps them) and the one it had is kept as config.until-step-N.yaml."""
+    path = run.writer.run_dir / "config.yaml"
+    before = yaml.safe_load(path.read_text())
+    now = run.config.to_dict(resolved=False)
+    now["train"]["output_dir"] = before["train"]["output_dir"]  # --resume names the folder; not a change
+    if now == before:
+        return
+    kept = path.with_name(f"config.until-step-{step}.yaml")
+    kept.write_text(path.read_text())
+    path.write_text(yaml.safe_dump(now, sort_keys=False))
+    _say(f"tether: config.yaml now holds the resumed settings; the run's earlier config is {kept.name}",
+         run.config.train.progress)
 
 
 def _checkpoint(run: Run, trainer, step: int) -> Path:

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from tether import distributed as D
-from tether.controllers import FixedKLController, make_controller
+from tether.controllers import AdaptiveKLController, BudgetKLController, FixedKLController, make_controller
 from tether.data import PromptSampler
 from tether.kl import estimate_kl, sequence_kl
 from tether.leash import KLLeash
@@ -148,9 +148,6 @@ class OnPolicyTrainer:
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.restore_controller(state["controller"])
-        if hasattr(self.controller, "dual") and "dual" not in state["controller"]:
-            # a checkpoint from before budget_kp: it ran pure dual ascent, so it goes on with it
-            self.controller.dual, self.controller.kp = self.controller.kl_coef, 0.0
         self.generator.set_state(state["generator"])
         self.sampler.load_state_dict(state["sampler"])
         self.leash.counts.update(state["leash_counts"])
@@ -159,8 +156,24 @@ class OnPolicyTrainer:
         """Carry on the checkpoint's beta (and the budget controller's dual variable); the
         controller's settings (target, horizon, budget, step sizes; a fixed controller's beta)
         are the resumed config's, so ``--resume RUN kl.target=...`` takes effect. A changed
-        setting is reported."""
-        state = ("dual",) if isinstance(self.controller, FixedKLController) else ("kl_coef", "dual")
+        setting is reported, and so is a change of controller, which carries beta on (the budget
+        controller's dual variable starts at it; a fixed controller takes its configured beta)."""
+        kind = _controller_kind(saved)
+        now = next(k for k, cls in CONTROLLER_CLASSES.items() if isinstance(self.controller, cls))
+        if kind != now:
+            if now != "fixed":
+                self.controller.kl_coef = saved["kl_coef"]
+                if now == "budget":
+                    self.controller.dual = saved["kl_coef"]
+            log.warning("tether: resuming with kl.controller changed (%s -> %s); beta for the next step: %g",
+                        kind, now, self.controller.kl_coef)
+            return
+        if kind == "budget" and "dual" not in saved:
+            # a budget checkpoint from before budget_kp: it ran pure dual ascent, so it goes on with it
+            self.controller.kl_coef = self.controller.dual = saved["kl_coef"]
+            self.controller.kp = 0.0
+            return
+        state = ("dual",) if now == "fixed" else ("kl_coef", "dual")
         changed = [f"{name} {saved[name]:g} -> {getattr(self.controller, name):g}" for name in saved
                    if name not in state and hasattr(self.controller, name)
                    and saved[name] != getattr(self.controller, name)]
@@ -307,3 +320,12 @@ def sample_metrics(rollout: Rollout, scores: Tensor, kl: Tensor | None, entropy:
         row["objective/kl_exact"] = D.sequence_mean(sequence_kl(exact_kl, mask))
         row["objective/kl_exact_per_token"] = D.token_mean(exact_kl, mask)
     return row
+
+
+CONTROLLER_CLASSES = {"fixed": FixedKLController, "adaptive": AdaptiveKLController, "budget": BudgetKLController}
+"""``kl.controller`` name -> class, to tell which controller a checkpoint's state came from."""
+
+
+def _controller_kind(saved: dict) -> str:
+    """The kind of controller whose ``state_dict`` is ``saved`` (its fields tell it)."""
+    return "budget" if "budget" in saved else "adaptive" if "target" in saved else "fixed"
