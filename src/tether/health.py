@@ -67,6 +67,9 @@ def _half_means(values: list[float]) -> tuple[float, float]:
 
 
 def kl_exploding(history: list[dict], t: HealthThresholds) -> Alarm | None:
+    """KL exploding: over the last ``t.window`` steps, the mean ``objective/kl`` (nats per
+    sequence) of the second half is above ``t.kl_explode_floor`` and ``t.kl_growth_factor``
+    times the first half's (the seeds' warning sign "KL explodes")."""
     s = _series(history, "objective/kl")[-t.window :]
     if len(s) < t.window:
         return None
@@ -82,6 +85,9 @@ def kl_exploding(history: list[dict], t: HealthThresholds) -> Alarm | None:
 
 
 def kl_stuck(history: list[dict], t: HealthThresholds) -> Alarm | None:
+    """KL stuck: every ``objective/kl`` of the window below ``t.kl_stuck_below`` nats per
+    sequence while the score's half-window means differ by less than ``t.score_flat_tol``
+    (the seeds' warning sign "KL stays near zero")."""
     kl = _series(history, "objective/kl")[-t.window :]
     sc = _series(history, "objective/scores")[-t.window :]
     if len(kl) < t.window or len(sc) < t.window:
@@ -97,6 +103,8 @@ def kl_stuck(history: list[dict], t: HealthThresholds) -> Alarm | None:
 
 
 def entropy_collapse(history: list[dict], t: HealthThresholds) -> Alarm | None:
+    """Entropy collapse: ``objective/entropy`` (nats per token) below
+    ``t.entropy_collapse_fraction`` of its first logged value."""
     s = _series(history, "objective/entropy")
     if len(s) < 2:
         return None
@@ -109,6 +117,9 @@ def entropy_collapse(history: list[dict], t: HealthThresholds) -> Alarm | None:
 
 
 def length_runaway(history: list[dict], t: HealthThresholds) -> Alarm | None:
+    """Length running away: ``response/length`` (tokens) above ``t.length_growth_factor`` times
+    its first value. Responses at the ``rollout.max_new_tokens`` cap from the start cannot grow,
+    so the rule is silent then."""
     s = _series(history, "response/length")
     if len(s) < 2 or s[0][1] <= 0:
         return None
@@ -121,6 +132,9 @@ def length_runaway(history: list[dict], t: HealthThresholds) -> Alarm | None:
 
 
 def k1_negative(history: list[dict], t: HealthThresholds) -> Alarm | None:
+    """Mean k1 negative: ``objective/kl_per_token`` below ``-t.k1_negative_tol`` at every step of
+    the window, k1 runs only (a true KL is never negative; a persistent negative mean means
+    sampling and scoring disagree)."""
     rows = [r for r in history if "objective/k1_negative_fraction" in r]  # the estimator is k1
     s = _series(rows, "objective/kl_per_token")[-t.window :]
     if len(s) < t.window:
@@ -136,6 +150,9 @@ def k1_negative(history: list[dict], t: HealthThresholds) -> Alarm | None:
 
 
 def overoptimization(history: list[dict], t: HealthThresholds) -> Alarm | None:
+    """Over-optimization (Gao et al. 2022): over the last ``t.window`` periodic evaluations (at
+    least 3), the held-out proxy score's half-window means rose and the gold score's fell, each
+    by more than ``t.overopt_min_change``."""
     proxy = _series(history, "eval/proxy_score")[-t.window :]
     gold = _series(history, "eval/gold_score")[-t.window :]
     n = min(len(proxy), len(gold))
