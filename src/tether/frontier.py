@@ -27,6 +27,10 @@ from tether.config import Config
 from tether.scorers import Scorer, checked_scores
 
 
+FIT_MIN_POINTS = 6
+"""Below this many points with KL > 0, a fit's legend says it is illustrative only."""
+
+
 def fit_gao(kl: list[float], gain: list[float], form: str) -> tuple[float, float]:
     """Least-squares (a, b) of ``d (a - b d)`` ("bon") or ``d (a - b log d)`` ("rl"), d = sqrt(KL).
 
@@ -172,7 +176,10 @@ def plot_frontier(points: list[dict], ref_proxy: float, ref_gold: float, out: Pa
         for form, pts, style in (("bon", bon, "k:"), ("rl", [p for p in points if p["method"] == "RL"], "r:")):
             a, b = fit_gao([p["kl"] for p in pts], [p[key] - ref for p in pts], form)
             if a == a:
-                label = f"fit {'d(a-bd)' if form == 'bon' else 'd(a-b log d)'}: a={a:.3f}, b={b:.3f}"
+                used = sum(p["kl"] > 0 for p in pts)
+                # two parameters from a handful of points: a shape to look at, not a measurement
+                few = f" ({used} points: illustrative)" if used < FIT_MIN_POINTS else ""
+                label = f"fit {'d(a-bd)' if form == 'bon' else 'd(a-b log d)'}: a={a:.3f}, b={b:.3f}{few}"
                 ax.plot(grid, ref + gao_curve(a, b, form, grid), style, lw=1.5, label=label)
         ax.set_xlabel("KL(pi || pi_ref), nats per sequence (held out)")
         ax.set_ylabel(f"{key} score")
