@@ -108,3 +108,14 @@ def test_adaptive_reach_is_the_product_of_the_largest_steps():
     for _ in range(16):
         c.update(100.0, n_steps=32)
     assert c.kl_coef == pytest.approx(0.05 * adaptive_reach(32, 10_000, 16), rel=1e-12)
+
+
+def test_adaptive_horizon_for_can_double_beta():
+    from tether.controllers import adaptive_horizon_for, adaptive_reach
+
+    # 32 samples, 16 steps: 6.4 / (2 ** (1/16) - 1) = 144.6, two digits rounded down: 140
+    assert adaptive_horizon_for(32, 16) == 140
+    # 8 samples, 1 step: 1.6 / (2 - 1) = 1.6, which is also the floor 0.2 * 8
+    assert adaptive_horizon_for(8, 1) == pytest.approx(1.6)
+    for n, steps in [(32, 16), (4, 3), (512, 100), (1, 1)]:
+        assert adaptive_reach(n, adaptive_horizon_for(n, steps), steps) >= 2.0 - 1e-12

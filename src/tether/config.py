@@ -17,7 +17,7 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
-from tether.controllers import ADAPTIVE_ERROR_CLIP, ControllerName, adaptive_reach
+from tether.controllers import ControllerName, adaptive_horizon_for, adaptive_reach
 from tether.health import HealthThresholds
 from tether.kl import KLEstimator
 
@@ -26,14 +26,6 @@ ALGOS = ("ppo", "grpo", "rloo", "dpo")
 
 ADAPTIVE_MIN_REACH = 1.1
 """Below this, the adaptive controller cannot move beta by 10% over the whole run: a warning."""
-
-
-def _horizon_for(batch_size: int, steps: int) -> float:
-    """A kl.horizon (two significant digits, rounded down) over which the adaptive controller can
-    double beta in ``steps`` steps: ``(1 + 0.2 * batch_size / horizon) ** steps >= 2``."""
-    h = ADAPTIVE_ERROR_CLIP * batch_size / (2 ** (1 / steps) - 1)
-    digits = 10 ** (math.floor(math.log10(h)) - 1)
-    return max(math.floor(h / digits) * digits, batch_size / 5)
 
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -468,7 +460,7 @@ class Config:
                 f"per step moves beta by at most {(reach - 1) * 100:.2g}% over train.steps={self.train.steps} (Ziegler et al.'s "
                 f"and TRL's horizon, made for far longer runs): beta stays within that of kl.kl_coef={k.kl_coef:g} "
                 f"whatever the KL does against kl.target={k.target:g}. To hold the target in this run, lower kl.horizon (e.g. "
-                f"{_horizon_for(self.rollout.batch_size, self.train.steps):g}) or use kl.controller=budget")
+                f"{adaptive_horizon_for(self.rollout.batch_size, self.train.steps):g}) or use kl.controller=budget")
         if k.kl_coef == 0 and k.controller != "budget":
             why = ("; kl.controller=adaptive multiplies beta, so it stays 0" if k.controller == "adaptive" else "")
             self.placement.warnings.append(

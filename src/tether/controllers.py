@@ -104,6 +104,19 @@ def adaptive_reach(n_steps: int, horizon: float, updates: int) -> float:
     return (1.0 + ADAPTIVE_ERROR_CLIP * n_steps / horizon) ** updates
 
 
+def adaptive_horizon_for(n_steps: int, updates: int) -> float:
+    """A horizon (two significant digits, rounded down, at least ``0.2 * n_steps``) over which the
+    adaptive controller can double beta in ``updates`` updates: the inverse of
+    :func:`adaptive_reach` at 2, ``0.2 * n_steps / (2 ** (1 / updates) - 1)``.
+
+    Example:
+        32 samples per step, 16 steps: 6.4 / (2 ** (1/16) - 1) = 144.6 -> 140.
+    """
+    h = ADAPTIVE_ERROR_CLIP * n_steps / (2 ** (1 / updates) - 1)
+    digits = 10 ** (math.floor(math.log10(h)) - 1)
+    return max(math.floor(h / digits) * digits, ADAPTIVE_ERROR_CLIP * n_steps)  # update() needs >= 0.2 n
+
+
 @dataclass
 class BudgetKLController:
     """Projected dual ascent on beta for the KL-constrained objective ``max E[r] s.t. KL <= budget``.
