@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.tether-installed
 
-.PHONY: demo test install bench clean
+.PHONY: demo test test-other-kernels install bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -27,6 +27,15 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The tests marked `numerics` again, under a CPU kernel set other than this machine's own: on a CPU
+# with AVX-512 PyTorch's, MKL's and oneDNN's AVX2 kernels (what an AVX2-only machine runs), on an
+# AVX2-only CPU PyTorch's portable kernels (ATEN_CPU_CAPABILITY=default). Float32 roundings differ.
+OTHER_KERNELS := $(shell grep -q avx512f /proc/cpuinfo 2>/dev/null \
+	&& echo ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 \
+	|| echo ATEN_CPU_CAPABILITY=default)
+test-other-kernels: $(STAMP)
+	$(OTHER_KERNELS) $(BIN)/python -m pytest -q -m numerics $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/step_time.py

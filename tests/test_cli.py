@@ -31,6 +31,7 @@ def _tiny_args(tiny_model_dir, prompt_file, out):
     ]
 
 
+@pytest.mark.numerics
 def test_ppo_cli_end_to_end(tiny_model_dir, prompt_file, tmp_path, capsys):
     out = tmp_path / "run"
     assert main(_tiny_args(tiny_model_dir, prompt_file, out)) == 0
@@ -159,6 +160,7 @@ def test_dpo_from_a_pairs_file(tiny_model_dir, prompt_file, tmp_path):
     assert rows[-1]["dpo/accuracy"] == 1.0
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("algo", ["grpo", "rloo"])
 def test_one_pass_reuses_the_update_forward(algo, tiny_model_dir, prompt_file, tmp_path, monkeypatch):
     # One epoch over one minibatch (as TRL's GRPO with num_iterations=1): optim.reuse_forward takes

@@ -66,6 +66,7 @@ def trained_adapter(tmp_path_factory, tiny_model_dir):
 
 
 # ---- (a) fresh adapter: step-0 KL is exactly 0 ----------------------------------------------
+@pytest.mark.numerics
 def test_fresh_adapter_step_zero_kl_is_exactly_zero(tiny_model_dir, prompt_file, tmp_path):
     run = build_run(_lora_config(tiny_model_dir, prompt_file, tmp_path / "r", "model.lora_r=4"))
     assert isinstance(run.reference, AdapterReference) and run.reference.adapter is None
@@ -100,6 +101,7 @@ def test_lora_cli_run_saves_an_adapter_and_a_run_can_start_from_it(tiny_model_di
 
 
 # ---- (b) starting adapter: the reference is base + adapter, not the bare base ---------------
+@pytest.mark.numerics
 def test_starting_adapter_is_the_reference_not_the_bare_base(tmp_path):
     # A 2-token vocabulary and a zeroed LM head: the base gives logits [0, 0] everywhere.
     base_dir = tmp_path / "base"
@@ -259,6 +261,7 @@ def test_adapter_folder_must_exist(tiny_model_dir, tmp_path):
         add_lora(load_causal_lm(tiny_model_dir), 0, 16.0, ["q_proj"], adapter=str(tmp_path))
 
 
+@pytest.mark.numerics
 def test_reference_generates_as_the_starting_policy(tiny_model_dir, tiny_tokenizer, trained_adapter):
     from tether.rollout import generate
 

@@ -91,6 +91,7 @@ def test_unfrozen_reference_is_refused(tiny_lm):
         check_reference(PolicyWithValue(tiny_lm), copy.deepcopy(tiny_lm))
 
 
+@pytest.mark.numerics
 def test_completion_scores_the_same_padded_or_alone(tiny_tokenizer, tiny_lm):
     ro = _rollout(tiny_tokenizer, tiny_lm, n=8)
     assert ro.prompt_mask.sum(-1).unique().numel() > 1, "prompts must need different padding"
@@ -109,6 +110,7 @@ def test_position_ids_start_at_first_real_token():
     assert position_ids_from_mask(mask).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]]
 
 
+@pytest.mark.numerics
 def test_scoring_uses_the_sampling_temperature(tiny_tokenizer, tiny_lm):
     ro = _rollout(tiny_tokenizer, tiny_lm, temperature=0.7)
     reference = make_reference(tiny_lm)
@@ -160,6 +162,7 @@ def test_head_row_slices_by_hand():
         head_row_slices(4, 3, 0)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("chunk", [1, 7, 10**6])
 def test_sliced_scoring_equals_the_full_forward_bit_for_bit(tiny_tokenizer, tiny_lm, monkeypatch, chunk):
     import tether.rollout as tr
@@ -198,6 +201,7 @@ def test_sliced_scoring_equals_the_full_forward_bit_for_bit(tiny_tokenizer, tiny
     assert max(seen) == min(rows, B) and sum(seen) == 2 * B  # each row once per model
 
 
+@pytest.mark.numerics
 def test_shared_prompt_prefix_scores_like_the_full_forward(tiny_tokenizer, tiny_lm, monkeypatch):
     """Prefix sharing: each distinct prompt through the trunk once, numbers as the full forward's."""
     import tether.models as tm
@@ -256,6 +260,7 @@ def test_reference_forwards_count_a_shared_prefix_scoring_once(tiny_tokenizer, t
     assert counter[0] == 2
 
 
+@pytest.mark.numerics
 def test_generation_from_a_shared_prompt_cache_draws_the_same_samples(tiny_tokenizer, tiny_lm, monkeypatch):
     import tether.models as tm
     from tether.rollout import generate
@@ -299,6 +304,7 @@ def test_short_prompt_prefixes_are_not_shared(tiny_tokenizer, tiny_lm, monkeypat
     hook.remove()
 
 
+@pytest.mark.numerics
 def test_a_hybrid_model_whose_cache_cannot_be_gathered_runs_the_plain_path(tiny_tokenizer, monkeypatch):
     """LFM2 (convolution + attention layers): its cache has no batch_select_indices; no crash, plain numbers."""
     import transformers

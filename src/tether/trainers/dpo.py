@@ -29,7 +29,7 @@ from torch import Tensor
 from tether import distributed as D
 from tether.data import PromptSampler
 from tether.kl import estimate_kl, masked_sum
-from tether.losses import dpo_loss
+from tether.losses import DPOLoss, dpo_loss
 from tether.rollout import generate, rollout_from_responses, sample_seeds, score_logprobs, score_policy_and_reference
 from tether.scorers import checked_scores
 from tether.shaping import shape_rewards
@@ -42,9 +42,6 @@ class Pairs(NamedTuple):
     chosen: list[Tensor]
     """response token ids (1-D long), EOS included where the response ended."""
     rejected: list[Tensor]
-    ref_chosen: Tensor
-    """(N,) reference sequence log-probs of chosen, nats."""
-    ref_rejected: Tensor
 
 
 def read_pair_file(path: str | Path, tokenizer) -> tuple[list[str], list[Tensor], list[Tensor]]:
@@ -99,15 +96,8 @@ class DPOTrainer:
     def build_pairs(self) -> Pairs:
         c, run = self.cfg, self.run
         if c.dpo.pairs == "sampled":
-            prompts, chosen, rejected = self.sample_pairs()
-        else:
-            prompts, chosen, rejected = read_pair_file(c.dpo.pairs, run.tokenizer)
-        ref_c, ref_r = [], []
-        for s in range(0, len(prompts), c.rollout.forward_batch_size):
-            sl = slice(s, s + c.rollout.forward_batch_size)
-            ref_c.append(self.sequence_logps(run.reference, prompts[sl], chosen[sl]))
-            ref_r.append(self.sequence_logps(run.reference, prompts[sl], rejected[sl]))
-        return Pairs(prompts, chosen, rejected, torch.cat(ref_c), torch.cat(ref_r))
+            return Pairs(*self.sample_pairs())
+        return Pairs(*read_pair_file(c.dpo.pairs, run.tokenizer))
 
     def sample_pairs(self) -> tuple[list[str], list[Tensor], list[Tensor]]:
         """Best-vs-worst of ``dpo.candidates`` reference samples per prompt, ties skipped."""
@@ -148,6 +138,25 @@ class DPOTrainer:
                           share_prefix=self.run.policy.share_prefix).logprobs
         return masked_sum(lp, ro.response_mask, dim=-1)  # (N,)
 
+    def pair_loss(self, rows: Tensor) -> DPOLoss:
+        """The DPO loss of pairs ``rows``: policy and reference scored on the same padded batch.
+
+        The reference's sequence log-probs are computed here, in the very batch (same rows, same
+        padding widths, same kernels) that the policy's are, as TRL does by default
+        (``precompute_ref_log_probs=False``). Precomputed in other batches, the padding widths
+        differed and a pair's policy and reference log-probs at step 0 differed by float rounding
+        (up to 3.8e-6 nats on a tiny model; NeMo-Aligner issue #227); scored together they are
+        equal bit for bit, so every step-0 margin is exactly 0. It costs one no-grad reference
+        forward per micro-batch.
+        """
+        P, i = self.pairs, rows.tolist()
+        prompts, chosen, rejected = [P.prompts[k] for k in i], [P.chosen[k] for k in i], [P.rejected[k] for k in i]
+        with torch.no_grad():
+            ref_chosen = self.sequence_logps(self.run.reference, prompts, chosen)
+            ref_rejected = self.sequence_logps(self.run.reference, prompts, rejected)
+        return dpo_loss(self.sequence_logps(self.model, prompts, chosen),
+                        self.sequence_logps(self.model, prompts, rejected), ref_chosen, ref_rejected, self.cfg.dpo.beta)
+
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "generator": self.generator.get_state(),
                 "position": self.position}
@@ -175,13 +184,8 @@ class DPOTrainer:
                 idx = minibatch[D.shard(len(minibatch))]
 
                 def micro_loss(sub: Tensor) -> Tensor:
-                    rows = sub.tolist()
-                    prompts = [P.prompts[i] for i in rows]
-                    out = dpo_loss(
-                        self.sequence_logps(self.model, prompts, [P.chosen[i] for i in rows]),
-                        self.sequence_logps(self.model, prompts, [P.rejected[i] for i in rows]),
-                        P.ref_chosen[sub], P.ref_rejected[sub], c.dpo.beta)
-                    share = len(rows) / len(minibatch)  # these pairs' fraction of the minibatch's
+                    out = self.pair_loss(sub)
+                    share = len(sub) / len(minibatch)  # these pairs' fraction of the minibatch's
                     for k, v in (("dpo/loss", out.loss), ("dpo/margin", out.margin), ("dpo/accuracy", out.accuracy),
                                  ("dpo/chosen_reward", out.chosen_rewards.mean()),
                                  ("dpo/rejected_reward", out.rejected_rewards.mean())):
