@@ -33,13 +33,17 @@ def main() -> int:
 
     import torch
 
-    from tether.data import movie_prompts
-    from tether.models import PolicyWithValue, load_causal_lm, load_tokenizer, resolve_model_path
-    from tether.rollout import generate, score_logprobs
+    from tether.data.prompts import movie_prompts
+    from tether.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
+    from tether.models.policy import PolicyWithValue
+    from tether.models.sampling import generate
+    from tether.models.scoring import score_logprobs
 
     flags = open("/proc/cpuinfo").read().split()
-    print(f"CPU: avx512_bf16 {'avx512_bf16' in flags}, amx_bf16 {'amx_bf16' in flags}; "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(
+        f"CPU: avx512_bf16 {'avx512_bf16' in flags}, amx_bf16 {'amx_bf16' in flags}; "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
     path = resolve_model_path(args.model)
     lm, tok = load_causal_lm(path), load_tokenizer(path)
     policy = PolicyWithValue(lm)
@@ -75,11 +79,15 @@ def main() -> int:
         res[bf16] = (g, u, lp)
     (g32, u32, lp32), (g16, u16, lp16) = res[False], res[True]
     diff = (lp16 - lp32).abs()
-    print(f"generate {args.completions} x {args.max_new_tokens} tokens: fp32 {g32:.2f} s, bf16 autocast {g16:.2f} s "
-          f"(x{g32 / g16:.2f} speed)")
+    print(
+        f"generate {args.completions} x {args.max_new_tokens} tokens: fp32 {g32:.2f} s, bf16 autocast {g16:.2f} s "
+        f"(x{g32 / g16:.2f} speed)"
+    )
     print(f"policy forward + backward: fp32 {u32:.2f} s, bf16 autocast {u16:.2f} s (x{u32 / u16:.2f} speed)")
-    print(f"|log-prob bf16 - fp32|: mean {float(diff.mean()):.4f}, max {float(diff.max()):.4f} nats per token; "
-          f"summed over a response: mean {float(diff.sum(-1).mean()):.3f} nats")
+    print(
+        f"|log-prob bf16 - fp32|: mean {float(diff.mean()):.4f}, max {float(diff.max()):.4f} nats per token; "
+        f"summed over a response: mean {float(diff.sum(-1).mean()):.3f} nats"
+    )
     return 0
 
 

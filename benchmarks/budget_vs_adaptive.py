@@ -28,16 +28,28 @@ def main() -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from tether.config import load_config
-    from tether.train import train
+    from tether.run.config import load_config
+    from tether.training import train
 
     runs = {}
-    for name, extra in (("budget", [f"kl.controller=budget", f"kl.budget={args.kl}"]),
-                        ("adaptive", [f"kl.controller=adaptive", f"kl.target={args.kl}"])):
+    for name, extra in (
+        ("budget", ["kl.controller=budget", f"kl.budget={args.kl}"]),
+        ("adaptive", ["kl.controller=adaptive", f"kl.target={args.kl}"]),
+    ):
         out = Path(args.out) / name
         if not (out / "metrics.jsonl").exists() or not (out / "training.png").exists():
-            cfg = load_config(None, [f"train.steps={args.steps}", f"train.output_dir={out}", "train.save_model=false",
-                                     "eval.n_prompts=0", "eval.every=0", *extra, *args.overrides])
+            cfg = load_config(
+                None,
+                [
+                    f"train.steps={args.steps}",
+                    f"train.output_dir={out}",
+                    "train.save_model=false",
+                    "eval.n_prompts=0",
+                    "eval.every=0",
+                    *extra,
+                    *args.overrides,
+                ],
+            )
             train(cfg)
         runs[name] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -53,11 +65,13 @@ def main() -> int:
         se = (sum((k - mean_kl) ** 2 for k in kls) / (len(kls) - 1) / len(kls)) ** 0.5
         mean_exact = sum(r["objective/kl_exact"] for r in half) / len(half)
         within = sum(abs(k / args.kl - 1) <= 0.10 for k in kls)
-        print(f"{name:>8}: steps {half[0]['step']}-{half[-1]['step']}: mean measured KL {mean_kl:.3f} +- {se:.3f} "
-              f"nats/seq (exact {mean_exact:.3f}), target {args.kl}: {100 * (mean_kl / args.kl - 1):+.1f}% "
-              f"(exact {100 * (mean_exact / args.kl - 1):+.1f}%); {within}/{len(kls)} single steps within 10%; "
-              f"beta {min(r['objective/kl_coef'] for r in half):.4f}..{max(r['objective/kl_coef'] for r in half):.4f}, "
-              f"final {rows[-1]['objective/kl_coef']:.4f}")
+        print(
+            f"{name:>8}: steps {half[0]['step']}-{half[-1]['step']}: mean measured KL {mean_kl:.3f} +- {se:.3f} "
+            f"nats/seq (exact {mean_exact:.3f}), target {args.kl}: {100 * (mean_kl / args.kl - 1):+.1f}% "
+            f"(exact {100 * (mean_exact / args.kl - 1):+.1f}%); {within}/{len(kls)} single steps within 10%; "
+            f"beta {min(r['objective/kl_coef'] for r in half):.4f}..{max(r['objective/kl_coef'] for r in half):.4f}, "
+            f"final {rows[-1]['objective/kl_coef']:.4f}"
+        )
     a1.axhline(args.kl, ls="--", c="gray", label="budget = target")
     a1.set(xlabel="step", ylabel="KL, nats per sequence", title="KL against step")
     a2.set(xlabel="step", ylabel="kl_coef (beta)", title="beta against step")

@@ -23,26 +23,32 @@ def main() -> int:
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
 
-    from tether.config import load_config
-    from tether.train import train
+    from tether.run.config import load_config
+    from tether.training import train
 
     rows = []
     for algo in args.algos.split(","):
         out = Path(args.out) / algo
         if not (out / "eval.json").exists():
-            cfg = load_config(None, [f"train.algo={algo}", f"train.output_dir={out}", "train.save_model=false",
-                                     *args.overrides])
+            cfg = load_config(
+                None,
+                [f"train.algo={algo}", f"train.output_dir={out}", "train.save_model=false", *args.overrides],
+            )
             train(cfg)
         ev = json.loads((out / "eval.json").read_text())
         metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        rows.append({
-            "algo": algo,
-            "gain": f"{ev['gain']:+.3f} ± {ev['gain_se_unpaired']:.3f}",
-            "gold gain": f"{ev['gold_gain']:+.3f} ± {ev['gold_gain_se_unpaired']:.3f}" if "gold_gain" in ev else "-",
-            "held-out KL": f"{ev['policy']['kl']:.2f}",
-            "train KL (last)": f"{metrics[-1].get('objective/kl', float('nan')):.2f}",
-            "step s (median)": f"{statistics.median(m['time/step'] for m in metrics):.1f}",
-        })
+        rows.append(
+            {
+                "algo": algo,
+                "gain": f"{ev['gain']:+.3f} ± {ev['gain_se_unpaired']:.3f}",
+                "gold gain": f"{ev['gold_gain']:+.3f} ± {ev['gold_gain_se_unpaired']:.3f}"
+                if "gold_gain" in ev
+                else "-",
+                "held-out KL": f"{ev['policy']['kl']:.2f}",
+                "train KL (last)": f"{metrics[-1].get('objective/kl', float('nan')):.2f}",
+                "step s (median)": f"{statistics.median(m['time/step'] for m in metrics):.1f}",
+            }
+        )
     cols = list(rows[0])
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))

@@ -16,7 +16,7 @@ TRL ... (``--pairs``) so that a change in the machine's load hits both. Equal wo
   ``--prompts-per-step`` prompts x group, temperature 1.0, no top-k/top-p, ``--max-new-tokens``;
 * by default both generate exactly ``--max-new-tokens`` tokens: EOS is suppressed with
   ``min_new_tokens`` (TRL: ``generation_kwargs``; tether: this script wraps the
-  GenerationConfig that ``tether.rollout.generate`` builds; nothing in src/ changes).
+  GenerationConfig that ``tether.models.sampling.generate`` builds; nothing in src/ changes).
   ``--stop-at-eos`` lets both stop at EOS instead; tokens per step and tokens/s are printed
   either way;
 * beta fixed at ``--beta`` with the KL in the loss: TRL differentiates k3; tether's nearest
@@ -47,7 +47,7 @@ scoring, exact KL (tether), policy forward + loss, backward (``Tensor.backward``
 
 ``score``: wall time (training only; evaluation excluded) until the held-out VADER score gains
 ``--gain`` over the reference. Both children evaluate with tether's own
-``tether.evaluation.evaluate`` on the same held-out prompts (tether's hash split), the same
+``tether.run.evaluation.evaluate`` on the same held-out prompts (tether's hash split), the same
 sampling seed and settings, every ``--eval-every`` steps; the KL printed is its k1 estimate
 (nats per sequence) of those samples against the frozen starting model.
 """
@@ -65,11 +65,29 @@ import tempfile
 import time
 from pathlib import Path
 
-PHASES = ("generate", "reward", "policy_nograd", "reference", "exact_kl", "policy_fwd", "backward", "clip",
-          "optimizer")
-PHASE_LABELS = {"generate": "generate", "reward": "reward", "policy_nograd": "policy no-grad",
-                "reference": "reference", "exact_kl": "exact KL", "policy_fwd": "policy fwd+loss",
-                "backward": "backward", "clip": "grad clip", "optimizer": "AdamW", "other": "other"}
+PHASES = (
+    "generate",
+    "reward",
+    "policy_nograd",
+    "reference",
+    "exact_kl",
+    "policy_fwd",
+    "backward",
+    "clip",
+    "optimizer",
+)
+PHASE_LABELS = {
+    "generate": "generate",
+    "reward": "reward",
+    "policy_nograd": "policy no-grad",
+    "reference": "reference",
+    "exact_kl": "exact KL",
+    "policy_fwd": "policy fwd+loss",
+    "backward": "backward",
+    "clip": "grad clip",
+    "optimizer": "AdamW",
+    "other": "other",
+}
 
 
 # ---- timing wrappers (installed inside a child process) ------------------------------------------
@@ -117,8 +135,11 @@ class Phases:
 def patch(obj, attr: str, phases: Phases, phase, count_tokens=None) -> bool:
     fn = getattr(obj, attr, None)
     if fn is None:
-        print(f"compare_trl: cannot time {getattr(obj, '__name__', obj)}.{attr} (not found); "
-              "its time lands in 'other'", file=sys.stderr)
+        print(
+            f"compare_trl: cannot time {getattr(obj, '__name__', obj)}.{attr} (not found); "
+            "its time lands in 'other'",
+            file=sys.stderr,
+        )
         return False
     setattr(obj, attr, phases.wrap(fn, phase, count_tokens))
     return True
@@ -134,12 +155,13 @@ def install_common(phases: Phases) -> None:
     started: list[float] = []
     optim_hooks.register_optimizer_step_pre_hook(lambda opt, a, k: started.append(time.perf_counter()))
     optim_hooks.register_optimizer_step_post_hook(
-        lambda opt, a, k: phases.add("optimizer", time.perf_counter() - started.pop()))
+        lambda opt, a, k: phases.add("optimizer", time.perf_counter() - started.pop())
+    )
 
 
 def force_min_new_tokens_in_tether() -> None:
-    """Make ``tether.rollout.generate`` sample exactly max_new_tokens tokens (EOS suppressed)."""
-    import tether.rollout as tr
+    """Make ``tether.models.sampling.generate`` sample exactly max_new_tokens tokens (EOS suppressed)."""
+    import tether.models.sampling as tr
 
     original = tr.GenerationConfig
 
@@ -156,36 +178,67 @@ def peak_rss_gb() -> float:
 # ---- configurations ------------------------------------------------------------------------------
 def tether_overrides(spec: dict) -> list[str]:
     """tether config overrides for ``spec`` (the same for the tether child and the TRL child's data)."""
-    base = ["train.algo=grpo", f"model.name={spec['model']}", f"train.seed={spec['seed']}",
-            "eval.n_prompts=0", "eval.every=0", "train.checkpoint_every=0", "train.save_model=false",
-            "train.progress=false", f"train.output_dir={spec['out']}", f"train.steps={spec['total_steps']}"]
+    base = [
+        "train.algo=grpo",
+        f"model.name={spec['model']}",
+        f"train.seed={spec['seed']}",
+        "eval.n_prompts=0",
+        "eval.every=0",
+        "train.checkpoint_every=0",
+        "train.save_model=false",
+        "train.progress=false",
+        f"train.output_dir={spec['out']}",
+        f"train.steps={spec['total_steps']}",
+    ]
     if spec["threads"]:
         base.append(f"train.threads={spec['threads']}")
     if spec["mode"] == "steps":
         n, g = spec["completions"], spec["completions"] // spec["prompts_per_step"]
-        base += [f"rollout.batch_size={n}", f"rollout.group_size={g}", f"rollout.max_new_tokens={spec['max_new_tokens']}",
-                 "rollout.temperature=1.0", f"kl.kl_coef={spec['beta']}", "kl.controller=fixed",
-                 "kl.kl_in_loss=true", f"kl.loss_estimator={spec['tether_kl']}", f"optim.lr={spec['lr']}",
-                 "optim.epochs=1", f"optim.minibatch_size={n}", "optim.max_grad_norm=1.0", "optim.weight_decay=0"]
+        base += [
+            f"rollout.batch_size={n}",
+            f"rollout.group_size={g}",
+            f"rollout.max_new_tokens={spec['max_new_tokens']}",
+            "rollout.temperature=1.0",
+            f"kl.kl_coef={spec['beta']}",
+            "kl.controller=fixed",
+            "kl.kl_in_loss=true",
+            f"kl.loss_estimator={spec['tether_kl']}",
+            f"optim.lr={spec['lr']}",
+            "optim.epochs=1",
+            f"optim.minibatch_size={n}",
+            "optim.max_grad_norm=1.0",
+            "optim.weight_decay=0",
+        ]
         if spec["tether_kl"] == "k3":
             base.append("kl.allow_biased_estimator=true")
     return base + list(spec["tether"])
 
 
 def heldout_prompts(config, n: int) -> list[str]:
-    from tether.trainers.common import load_prompts
+    from tether.run.setup import load_prompts
 
     return load_prompts(config)[1][:n]
 
 
 def run_eval(name, lm, reference, tokenizer, prompts, scorer, spec):
-    from tether.evaluation import evaluate
+    from tether.run.evaluation import evaluate
 
     was_training = lm.training
     lm.eval()
     try:
-        r = evaluate(name, lm, reference, tokenizer, prompts, {"proxy": scorer}, spec["max_new_tokens"], 1.0,
-                     spec["eval_seed"], 64, 64)
+        r = evaluate(
+            name,
+            lm,
+            reference,
+            tokenizer,
+            prompts,
+            {"proxy": scorer},
+            spec["max_new_tokens"],
+            1.0,
+            spec["eval_seed"],
+            64,
+            64,
+        )
     finally:
         lm.train(was_training)
     s = r.summary()
@@ -196,13 +249,23 @@ class ScoreTracker:
     """Evaluation every k steps; training wall time excludes the evaluations."""
 
     def __init__(self, spec, lm, reference, tokenizer, prompts, scorer):
-        self.spec, self.lm, self.ref, self.tok, self.prompts, self.scorer = spec, lm, reference, tokenizer, prompts, scorer
+        self.spec, self.lm, self.ref, self.tok, self.prompts, self.scorer = (
+            spec,
+            lm,
+            reference,
+            tokenizer,
+            prompts,
+            scorer,
+        )
         self.points: list[dict] = []
         self.eval_s = 0.0
         self.t0 = time.perf_counter()
         self.base = run_eval("reference", reference, reference, tokenizer, prompts, scorer, spec)
         self.points.append({"step": 0, "train_s": 0.0, **self._gain(self.base)})
-        print(f"  reference: VADER {self.base['score']:.3f} ± {self.base['se']:.3f} (n={len(prompts)})", file=sys.stderr)
+        print(
+            f"  reference: VADER {self.base['score']:.3f} ± {self.base['se']:.3f} (n={len(prompts)})",
+            file=sys.stderr,
+        )
         self.t0 = time.perf_counter()
 
     def _gain(self, r: dict) -> dict:
@@ -222,8 +285,11 @@ class ScoreTracker:
         self.eval_s += time.perf_counter() - t
         p = {"step": steps_done, "train_s": train_s, **self._gain(r)}
         self.points.append(p)
-        print(f"  step {steps_done}: {train_s:.0f} s training, VADER {p['score']:.3f} (gain {p['gain']:+.3f} ± "
-              f"{p['gain_se']:.3f}), held-out KL {p['kl']:.2f} nats/seq", file=sys.stderr)
+        print(
+            f"  step {steps_done}: {train_s:.0f} s training, VADER {p['score']:.3f} (gain {p['gain']:+.3f} ± "
+            f"{p['gain_se']:.3f}), held-out KL {p['kl']:.2f} nats/seq",
+            file=sys.stderr,
+        )
         return p["gain"] >= self.spec["gain"] and not self.spec["run_all"]
 
 
@@ -231,8 +297,8 @@ class ScoreTracker:
 def child_tether(spec: dict) -> dict:
     import torch
 
-    from tether.config import load_config
-    from tether.trainers.common import build_run
+    from tether.run.config import load_config
+    from tether.run.setup import build_run
     from tether.trainers.group import GRPOTrainer
 
     phases = Phases()
@@ -247,7 +313,7 @@ def child_tether(spec: dict) -> dict:
         patch(tb, "generate", phases, "generate", lambda ro: int(ro.response_mask.sum()))
         patch(tb, "checked_scores", phases, "reward")
         reference: list = [None]
-        import tether.rollout as tr
+        import tether.models.scoring as tr
 
         def which(model, *a, **k):
             return "reference" if model is reference[0] else "policy_nograd"
@@ -279,11 +345,19 @@ def child_tether(spec: dict) -> dict:
         # tether's own split, as logged in the run directory
         rows = [json.loads(line) for line in (run.writer.run_dir / "metrics.jsonl").read_text().splitlines()]
         for rec, row in zip(out["steps"], rows):
-            rec["logged"] = {k: row[k] for k in ("time/step", "time/generate", "time/score", "time/update") if k in row}
+            rec["logged"] = {
+                k: row[k] for k in ("time/step", "time/generate", "time/score", "time/update") if k in row
+            }
             rec["time"] = row.get("time/step", rec["time"])
     else:
-        tracker = ScoreTracker(spec, run.policy.lm, run.reference, run.tokenizer, heldout_prompts(config, spec["n_eval"]),
-                               run.scorer)
+        tracker = ScoreTracker(
+            spec,
+            run.policy.lm,
+            run.reference,
+            run.tokenizer,
+            heldout_prompts(config, spec["n_eval"]),
+            run.scorer,
+        )
         for step in range(spec["total_steps"]):
             trainer.step(step)
             if tracker.after_step(step + 1):
@@ -300,11 +374,12 @@ def child_trl(spec: dict) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from tether.config import load_config
-    from tether.data import PromptSampler
-    from tether.models import freeze, load_causal_lm, load_tokenizer, resolve_model_path
-    from tether.scorers import make_scorer
-    from tether.trainers.common import load_prompts
+    from tether.data.prompts import PromptSampler
+    from tether.judges.scorers import make_scorer
+    from tether.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
+    from tether.models.reference import freeze
+    from tether.run.config import load_config
+    from tether.run.setup import load_prompts
 
     if spec["threads"]:
         torch.set_num_threads(spec["threads"])
@@ -327,40 +402,87 @@ def child_trl(spec: dict) -> dict:
     def vader_reward(prompts, completions, **kwargs):
         return vader(completions)
 
-    gen_kwargs = {} if (spec["stop_at_eos"] or spec["mode"] == "score") else {"min_new_tokens": spec["max_new_tokens"]}
+    gen_kwargs = (
+        {} if (spec["stop_at_eos"] or spec["mode"] == "score") else {"min_new_tokens": spec["max_new_tokens"]}
+    )
     args = GRPOConfig(
-        output_dir=spec["out"], per_device_train_batch_size=n, num_generations=g, gradient_accumulation_steps=1,
-        num_iterations=1, max_completion_length=spec["max_new_tokens"], temperature=1.0, top_p=1.0, top_k=0,
-        beta=spec["beta"], learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-        max_grad_norm=1.0, optim="adamw_torch", bf16=False, fp16=False,
-        gradient_checkpointing=spec["trl_gradient_checkpointing"], use_cpu=True, max_steps=spec["total_steps"],
-        logging_steps=1, report_to="none", save_strategy="no", eval_strategy="no", seed=spec["seed"],
-        shuffle_dataset=False, disable_tqdm=True, dataloader_num_workers=0, disable_dropout=True,
-        generation_kwargs=gen_kwargs or None, model_init_kwargs={"dtype": "float32"}, log_completions=False,
-        mask_truncated_completions=False, scale_rewards="group", epsilon=0.2, use_vllm=False,
+        output_dir=spec["out"],
+        per_device_train_batch_size=n,
+        num_generations=g,
+        gradient_accumulation_steps=1,
+        num_iterations=1,
+        max_completion_length=spec["max_new_tokens"],
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        beta=spec["beta"],
+        learning_rate=lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        optim="adamw_torch",
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=spec["trl_gradient_checkpointing"],
+        use_cpu=True,
+        max_steps=spec["total_steps"],
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        eval_strategy="no",
+        seed=spec["seed"],
+        shuffle_dataset=False,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        disable_dropout=True,
+        generation_kwargs=gen_kwargs or None,
+        model_init_kwargs={"dtype": "float32"},
+        log_completions=False,
+        mask_truncated_completions=False,
+        scale_rewards="group",
+        epsilon=0.2,
+        use_vllm=False,
     )
     tokenizer = load_tokenizer(path)
-    trainer = GRPOTrainer(model=path, reward_funcs=vader_reward, args=args, train_dataset=dataset,
-                          processing_class=tokenizer)
+    trainer = GRPOTrainer(
+        model=path, reward_funcs=vader_reward, args=args, train_dataset=dataset, processing_class=tokenizer
+    )
     setup_s = time.perf_counter() - t_setup
     from transformers.trainer_callback import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)  # TRL still logs every step; it just does not print the dicts
-    out = {"engine": f"trl {trl.__version__}", "setup_s": setup_s, "threads": torch.get_num_threads(), "steps": [],
-           "checks": {"bf16": trainer.args.bf16, "gradient_checkpointing": trainer.args.gradient_checkpointing,
-                      "policy_dtype": str(next(trainer.model.parameters()).dtype),
-                      "ref_dtype": str(next(trainer.ref_model.parameters()).dtype) if trainer.ref_model else None,
-                      "optimizer": trainer.args.optim, "loss_type": trainer.args.loss_type,
-                      "lr_scheduler": str(trainer.args.lr_scheduler_type)}}
+    out = {
+        "engine": f"trl {trl.__version__}",
+        "setup_s": setup_s,
+        "threads": torch.get_num_threads(),
+        "steps": [],
+        "checks": {
+            "bf16": trainer.args.bf16,
+            "gradient_checkpointing": trainer.args.gradient_checkpointing,
+            "policy_dtype": str(next(trainer.model.parameters()).dtype),
+            "ref_dtype": str(next(trainer.ref_model.parameters()).dtype) if trainer.ref_model else None,
+            "optimizer": trainer.args.optim,
+            "loss_type": trainer.args.loss_type,
+            "lr_scheduler": str(trainer.args.lr_scheduler_type),
+        },
+    }
 
     if spec["mode"] == "steps":
         install_common(phases)
         ref = trainer.ref_model
         patch(trainer, "_generate", phases, "generate", lambda res: sum(len(c) for c in res[1]))
         patch(trainer, "_calculate_rewards", phases, "reward")
-        patch(trainer, "_get_per_token_logps_and_entropies", phases,
-              lambda model, *a, **k: "reference" if model is ref else
-              ("policy_fwd" if torch.is_grad_enabled() else "policy_nograd"))
+        patch(
+            trainer,
+            "_get_per_token_logps_and_entropies",
+            phases,
+            lambda model, *a, **k: (
+                "reference"
+                if model is ref
+                else ("policy_fwd" if torch.is_grad_enabled() else "policy_nograd")
+            ),
+        )
         patch(trainer, "compute_loss", phases, "policy_fwd")  # policy forward + GRPO loss
 
         class StepTimer(TrainerCallback):
@@ -377,7 +499,10 @@ def child_trl(spec: dict) -> dict:
                 now = time.perf_counter()
                 rec["wall"], StepTimer.last = now - StepTimer.last, now
                 out["steps"].append(rec)
-                print(f"  trl step {state.global_step - 1}: {rec['time']:.2f} s, {rec['tokens']} tokens", file=sys.stderr)
+                print(
+                    f"  trl step {state.global_step - 1}: {rec['time']:.2f} s, {rec['tokens']} tokens",
+                    file=sys.stderr,
+                )
 
         trainer.add_callback(StepTimer())
     else:
@@ -386,8 +511,16 @@ def child_trl(spec: dict) -> dict:
 
         class Evaluate(TrainerCallback):
             def on_train_begin(self, a, state, control, **kw):
-                tracker_box.append(ScoreTracker(spec, trainer.model, reference, tokenizer,
-                                                heldout_prompts(config, spec["n_eval"]), vader))
+                tracker_box.append(
+                    ScoreTracker(
+                        spec,
+                        trainer.model,
+                        reference,
+                        tokenizer,
+                        heldout_prompts(config, spec["n_eval"]),
+                        vader,
+                    )
+                )
 
             def on_step_end(self, a, state, control, **kw):
                 if tracker_box[0].after_step(state.global_step):
@@ -408,10 +541,13 @@ def run_child(engine: str, spec: dict, tmp: Path, tag: str) -> dict:
     spec_path.write_text(json.dumps(spec))
     print(f"compare_trl: {tag}: {engine} ...", file=sys.stderr, flush=True)
     t = time.perf_counter()
-    proc = subprocess.run([sys.executable, __file__, "--child", engine, "--spec", str(spec_path),
-                           "--result", str(result_path)])
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", engine, "--spec", str(spec_path), "--result", str(result_path)]
+    )
     if proc.returncode != 0:
-        raise SystemExit(f"compare_trl: the {engine} run failed (exit {proc.returncode}); see its output above")
+        raise SystemExit(
+            f"compare_trl: the {engine} run failed (exit {proc.returncode}); see its output above"
+        )
     res = json.loads(result_path.read_text())
     res["process_s"] = time.perf_counter() - t
     return res
@@ -424,9 +560,16 @@ def med(xs) -> float:
 
 def summarize(res: dict, warmup: int) -> dict:
     rows = res["steps"][warmup:]
-    s = {"engine": res["engine"], "n": len(rows), "step": med(r["time"] for r in rows),
-         "wall": med(r["wall"] for r in rows), "tokens": med(r["tokens"] for r in rows),
-         "rss": res["peak_rss_gb"], "setup": res["setup_s"], "threads": res["threads"]}
+    s = {
+        "engine": res["engine"],
+        "n": len(rows),
+        "step": med(r["time"] for r in rows),
+        "wall": med(r["wall"] for r in rows),
+        "tokens": med(r["tokens"] for r in rows),
+        "rss": res["peak_rss_gb"],
+        "setup": res["setup_s"],
+        "threads": res["threads"],
+    }
     s["phases"] = {p: med(r["phases"].get(p, 0.0) for r in rows) for p in PHASES}
     s["phases"]["other"] = med(r["time"] - sum(r["phases"].values()) for r in rows)
     if rows and "logged" in rows[0]:
@@ -442,26 +585,48 @@ def main_steps(args, spec: dict, tmp: Path) -> None:
         pair = {e: summarize(r, args.warmup) for e, r in results.items()}
         sums.append(pair)
         t, r = pair["tether"], pair["trl"]
-        print(f"pair {i + 1}: median step (after {args.warmup} warm-up) tether {t['step']:.3f} s, "
-              f"{r['engine']} {r['step']:.3f} s; tether/TRL = {t['step'] / r['step']:.2f}; "
-              f"peak RSS tether {t['rss']:.2f} GB, TRL {r['rss']:.2f} GB (ratio {t['rss'] / r['rss']:.2f})", flush=True)
+        print(
+            f"pair {i + 1}: median step (after {args.warmup} warm-up) tether {t['step']:.3f} s, "
+            f"{r['engine']} {r['step']:.3f} s; tether/TRL = {t['step'] / r['step']:.2f}; "
+            f"peak RSS tether {t['rss']:.2f} GB, TRL {r['rss']:.2f} GB (ratio {t['rss'] / r['rss']:.2f})",
+            flush=True,
+        )
 
     print()
     eos = "stop at EOS" if args.stop_at_eos else f"exactly {args.max_new_tokens} tokens (EOS suppressed)"
-    print(f"{args.completions} completions per step ({args.prompts_per_step} prompt(s) x "
-          f"{args.completions // args.prompts_per_step}), {eos}, beta {args.beta} fixed, lr {args.lr}, fp32, "
-          f"torch threads {sums[0]['tether']['threads']}; medians over steps {args.warmup}..{args.warmup + args.steps - 1}")
+    print(
+        f"{args.completions} completions per step ({args.prompts_per_step} prompt(s) x "
+        f"{args.completions // args.prompts_per_step}), {eos}, beta {args.beta} fixed, lr {args.lr}, fp32, "
+        f"torch threads {sums[0]['tether']['threads']}; medians over steps {args.warmup}..{args.warmup + args.steps - 1}"
+    )
     print()
-    cols = ["run", "median step s", "loop s/step", "tokens/step", "tokens/s", *[PHASE_LABELS[p] for p in PHASES],
-            "other", "peak RSS GB", "setup s"]
+    cols = [
+        "run",
+        "median step s",
+        "loop s/step",
+        "tokens/step",
+        "tokens/s",
+        *[PHASE_LABELS[p] for p in PHASES],
+        "other",
+        "peak RSS GB",
+        "setup s",
+    ]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for i, pair in enumerate(sums):
         for e in ("tether", "trl"):
             s = pair[e]
-            cells = [f"{s['engine']} #{i + 1}", f"{s['step']:.3f}", f"{s['wall']:.3f}", f"{s['tokens']:.0f}",
-                     f"{s['tokens'] / s['step']:.1f}", *[f"{s['phases'][p]:.3f}" for p in PHASES],
-                     f"{s['phases']['other']:.3f}", f"{s['rss']:.2f}", f"{s['setup']:.1f}"]
+            cells = [
+                f"{s['engine']} #{i + 1}",
+                f"{s['step']:.3f}",
+                f"{s['wall']:.3f}",
+                f"{s['tokens']:.0f}",
+                f"{s['tokens'] / s['step']:.1f}",
+                *[f"{s['phases'][p]:.3f}" for p in PHASES],
+                f"{s['phases']['other']:.3f}",
+                f"{s['rss']:.2f}",
+                f"{s['setup']:.1f}",
+            ]
             print("| " + " | ".join(cells) + " |")
     print()
     print("| pair | tether/TRL step time | tether/TRL peak RSS |")
@@ -473,36 +638,50 @@ def main_steps(args, spec: dict, tmp: Path) -> None:
     for i, pair in enumerate(sums):
         if "logged" in pair["tether"]:
             lg = pair["tether"]["logged"]
-            print(f"tether #{i + 1} metrics.jsonl medians: " + ", ".join(f"{k} {v:.3f} s" for k, v in lg.items()))
+            print(
+                f"tether #{i + 1} metrics.jsonl medians: "
+                + ", ".join(f"{k} {v:.3f} s" for k, v in lg.items())
+            )
 
 
 def main_score(args, spec: dict, tmp: Path) -> None:
     res = {}
     for engine in ("tether", "trl"):
-        s = dict(spec, total_steps=args.max_steps if engine == "trl" else args.tether_max_steps,
-                 eval_every=args.eval_every if engine == "trl" else (args.tether_eval_every or args.eval_every))
+        s = dict(
+            spec,
+            total_steps=args.max_steps if engine == "trl" else args.tether_max_steps,
+            eval_every=args.eval_every if engine == "trl" else (args.tether_eval_every or args.eval_every),
+        )
         res[engine] = run_child(engine, s, tmp, "score")
     print()
-    print(f"target: held-out VADER gain >= {args.gain:+.2f} over the reference ({args.n_eval} held-out prompts, "
-          f"eval seed {args.eval_seed}); TRL lr {args.trl_lr}, {args.trl_completions} completions/step; "
-          f"tether: GRPO defaults + {args.tether or 'no overrides'}")
+    print(
+        f"target: held-out VADER gain >= {args.gain:+.2f} over the reference ({args.n_eval} held-out prompts, "
+        f"eval seed {args.eval_seed}); TRL lr {args.trl_lr}, {args.trl_completions} completions/step; "
+        f"tether: GRPO defaults + {args.tether or 'no overrides'}"
+    )
     print()
     print("| run | step | training s | VADER | gain ± SE | held-out KL nats/seq |")
     print("|---|---|---|---|---|---|")
     for engine, r in res.items():
         for p in r["points"]:
-            print(f"| {r['engine']} | {p['step']} | {p['train_s']:.0f} | {p['score']:.3f} | "
-                  f"{p['gain']:+.3f} ± {p['gain_se']:.3f} | {p['kl']:.2f} |")
+            print(
+                f"| {r['engine']} | {p['step']} | {p['train_s']:.0f} | {p['score']:.3f} | "
+                f"{p['gain']:+.3f} ± {p['gain_se']:.3f} | {p['kl']:.2f} |"
+            )
     print()
     for engine, r in res.items():
         hit = next((p for p in r["points"][1:] if p["gain"] >= args.gain), None)
         if hit:
-            print(f"{r['engine']}: reached {hit['gain']:+.3f} at step {hit['step']} after {hit['train_s']:.0f} s of "
-                  f"training, held-out KL {hit['kl']:.2f} nats/seq")
+            print(
+                f"{r['engine']}: reached {hit['gain']:+.3f} at step {hit['step']} after {hit['train_s']:.0f} s of "
+                f"training, held-out KL {hit['kl']:.2f} nats/seq"
+            )
         else:
             last = r["points"][-1]
-            print(f"{r['engine']}: did not reach {args.gain:+.2f} in {last['step']} steps ({last['train_s']:.0f} s); "
-                  f"last gain {last['gain']:+.3f}, KL {last['kl']:.2f} nats/seq")
+            print(
+                f"{r['engine']}: did not reach {args.gain:+.2f} in {last['step']} steps ({last['train_s']:.0f} s); "
+                f"last gain {last['gain']:+.3f}, KL {last['kl']:.2f} nats/seq"
+            )
 
 
 def make_tiny_model(out: str) -> None:
@@ -510,45 +689,77 @@ def make_tiny_model(out: str) -> None:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from tether.models import resolve_model_path
+    from tether.models.loading import resolve_model_path
 
     src = resolve_model_path("smollm2-135m")
     tok = AutoTokenizer.from_pretrained(src)
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+    )
     LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(out)
     tok.save_pretrained(out)
     print(out)
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("mode", nargs="?", default="steps", choices=["steps", "score"])
-    ap.add_argument("--model", default="smollm2-135m", help="model.name: smollm2-135m or a save_pretrained folder")
+    ap.add_argument(
+        "--model", default="smollm2-135m", help="model.name: smollm2-135m or a save_pretrained folder"
+    )
     ap.add_argument("--pairs", type=int, default=2, help="steps: tether/TRL run pairs, alternated")
     ap.add_argument("--steps", type=int, default=12, help="steps: measured steps per run")
     ap.add_argument("--warmup", type=int, default=2, help="steps: steps run before measuring")
     ap.add_argument("--completions", type=int, default=8, help="steps: completions per step")
-    ap.add_argument("--prompts-per-step", type=int, default=1, help="steps: prompts per step (group = completions / this)")
+    ap.add_argument(
+        "--prompts-per-step", type=int, default=1, help="steps: prompts per step (group = completions / this)"
+    )
     ap.add_argument("--max-new-tokens", type=int, default=24)
-    ap.add_argument("--stop-at-eos", action="store_true", help="steps: let both stop at EOS (default: exactly N tokens)")
-    ap.add_argument("--beta", type=float, default=0.05, help="steps: fixed KL coefficient (TRL's beta, tether's kl.kl_coef)")
+    ap.add_argument(
+        "--stop-at-eos", action="store_true", help="steps: let both stop at EOS (default: exactly N tokens)"
+    )
+    ap.add_argument(
+        "--beta",
+        type=float,
+        default=0.05,
+        help="steps: fixed KL coefficient (TRL's beta, tether's kl.kl_coef)",
+    )
     ap.add_argument("--lr", type=float, default=1e-5, help="steps: learning rate of both")
-    ap.add_argument("--tether-kl", default="k3+", choices=["k3+", "k3", "k2"], help="steps: tether's kl.loss_estimator")
+    ap.add_argument(
+        "--tether-kl", default="k3+", choices=["k3+", "k3", "k2"], help="steps: tether's kl.loss_estimator"
+    )
     ap.add_argument("--trl-gradient-checkpointing", action="store_true", help="TRL's own default (off here)")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads in both (default: torch's default)")
+    ap.add_argument(
+        "--threads", type=int, default=None, help="torch threads in both (default: torch's default)"
+    )
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--tether", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                    help="extra tether config override (repeatable), e.g. --tether kl.exact=false")
+    ap.add_argument(
+        "--tether",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="extra tether config override (repeatable), e.g. --tether kl.exact=false",
+    )
     ap.add_argument("--trl-lr", type=float, default=6e-5, help="score: TRL learning rate")
     ap.add_argument("--trl-completions", type=int, default=8, help="score: TRL completions per step")
     ap.add_argument("--trl-prompts-per-step", type=int, default=1, help="score: TRL prompts per step")
     ap.add_argument("--max-steps", type=int, default=60, help="score: TRL step limit")
-    ap.add_argument("--tether-max-steps", type=int, default=16, help="score: tether step limit (its default run)")
+    ap.add_argument(
+        "--tether-max-steps", type=int, default=16, help="score: tether step limit (its default run)"
+    )
     ap.add_argument("--eval-every", type=int, default=5, help="score: evaluate TRL every k steps")
     ap.add_argument("--tether-eval-every", type=int, default=2, help="score: evaluate tether every k steps")
     ap.add_argument("--gain", type=float, default=0.15, help="score: target held-out VADER gain")
@@ -556,7 +767,9 @@ def main() -> int:
     ap.add_argument("--eval-seed", type=int, default=1234, help="score: sampling seed of every evaluation")
     ap.add_argument("--run-all", action="store_true", help="score: keep training after the target is reached")
     ap.add_argument("--keep", default=None, help="directory for the runs' outputs (default: a temporary one)")
-    ap.add_argument("--make-tiny-model", metavar="DIR", help="write a tiny random Llama for smoke tests and exit")
+    ap.add_argument(
+        "--make-tiny-model", metavar="DIR", help="write a tiny random Llama for smoke tests and exit"
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
@@ -577,14 +790,30 @@ def main() -> int:
     if importlib.util.find_spec("trl") is None:
         ap.error("needs TRL: pip install -e '.[bench]'")
 
-    spec = {"mode": args.mode, "model": args.model, "seed": args.seed, "threads": args.threads,
-            "completions": args.completions, "prompts_per_step": args.prompts_per_step,
-            "max_new_tokens": args.max_new_tokens, "stop_at_eos": args.stop_at_eos, "beta": args.beta,
-            "lr": args.lr, "tether_kl": args.tether_kl, "trl_gradient_checkpointing": args.trl_gradient_checkpointing,
-            "tether": args.tether, "trl_lr": args.trl_lr, "trl_completions": args.trl_completions,
-            "trl_prompts_per_step": args.trl_prompts_per_step, "gain": args.gain, "n_eval": args.n_eval,
-            "eval_seed": args.eval_seed, "run_all": args.run_all, "total_steps": args.warmup + args.steps,
-            "eval_every": args.eval_every}
+    spec = {
+        "mode": args.mode,
+        "model": args.model,
+        "seed": args.seed,
+        "threads": args.threads,
+        "completions": args.completions,
+        "prompts_per_step": args.prompts_per_step,
+        "max_new_tokens": args.max_new_tokens,
+        "stop_at_eos": args.stop_at_eos,
+        "beta": args.beta,
+        "lr": args.lr,
+        "tether_kl": args.tether_kl,
+        "trl_gradient_checkpointing": args.trl_gradient_checkpointing,
+        "tether": args.tether,
+        "trl_lr": args.trl_lr,
+        "trl_completions": args.trl_completions,
+        "trl_prompts_per_step": args.trl_prompts_per_step,
+        "gain": args.gain,
+        "n_eval": args.n_eval,
+        "eval_seed": args.eval_seed,
+        "run_all": args.run_all,
+        "total_steps": args.warmup + args.steps,
+        "eval_every": args.eval_every,
+    }
     tmp = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="tether-vs-trl-"))
     tmp.mkdir(parents=True, exist_ok=True)
     print(f"compare_trl: runs in {tmp}", file=sys.stderr)

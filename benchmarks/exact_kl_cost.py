@@ -6,7 +6,7 @@ Usage:
 
 Part 1, scoring memory. For each response length R and LM-head slice size (``kl.exact_chunk_size``)
 the no-grad scoring of B = ``--rows`` responses by the policy and the reference
-(``tether.rollout.score_policy_and_reference``) runs with the k3 estimator only, then with the
+(``tether.models.scoring.score_policy_and_reference``) runs with the k3 estimator only, then with the
 exact KL, and, for contrast, the way that holds both models' full (B, R, V) logits. The peak
 resident memory above the level just before the call is sampled from ``/proc/self/statm`` every
 millisecond; before each call ``malloc_trim`` hands freed memory back to the system, so the
@@ -67,25 +67,38 @@ class PeakRSS:
 def scoring_memory(args) -> None:
     import torch
 
-    from tether.kl import exact_kl_from_logits
-    from tether.logprobs import logprobs_from_logits
-    from tether.models import PolicyWithValue, load_causal_lm, make_reference, resolve_model_path
-    from tether.rollout import Rollout, response_forward, score_policy_and_reference
+    from tether.core.kl import exact_kl_from_logits
+    from tether.core.logprobs import logprobs_from_logits
+    from tether.models.loading import load_causal_lm, resolve_model_path
+    from tether.models.policy import PolicyWithValue
+    from tether.models.reference import make_reference
+    from tether.models.sampling import Rollout
+    from tether.models.scoring import response_forward, score_policy_and_reference
 
     lm = load_causal_lm(resolve_model_path(args.model))
     reference = make_reference(lm)
     V = lm.get_output_embeddings().weight.shape[0]
     B, P = args.rows, 8
-    print(f"## scoring memory: {B} responses, prompt {P} tokens, vocabulary {V}, float32, "
-          f"{torch.get_num_threads()} threads")
-    print("| R | chunk | k3 only: MB, s | exact KL: MB, s | exact - k3 MB | full (B,R,V) logits way: MB | "
-          "B*R*V*4 MB |")
+    print(
+        f"## scoring memory: {B} responses, prompt {P} tokens, vocabulary {V}, float32, "
+        f"{torch.get_num_threads()} threads"
+    )
+    print(
+        "| R | chunk | k3 only: MB, s | exact KL: MB, s | exact - k3 MB | full (B,R,V) logits way: MB | "
+        "B*R*V*4 MB |"
+    )
     print("|---|---|---|---|---|---|---|")
     g = torch.Generator().manual_seed(0)
     for R in args.lengths:
         ids = torch.randint(0, V, (B, R), generator=g)
-        ro = Rollout(["x"] * B, torch.randint(0, V, (B, P), generator=g), torch.ones(B, P, dtype=torch.long), ids,
-                     torch.ones(B, R, dtype=torch.bool), [""] * B)
+        ro = Rollout(
+            ["x"] * B,
+            torch.randint(0, V, (B, P), generator=g),
+            torch.ones(B, P, dtype=torch.long),
+            ids,
+            torch.ones(B, R, dtype=torch.bool),
+            [""] * B,
+        )
         for chunk in args.chunks:
             policy = PolicyWithValue(lm, head_chunk=chunk)
             res = {}
@@ -102,26 +115,40 @@ def scoring_memory(args) -> None:
                             exact_kl_from_logits(logits, ref_logits, 1.0, chunk)
                             del logits, ref_logits
                         else:
-                            score_policy_and_reference(policy, reference, ro, 1.0, exact_kl=mode == "exact",
-                                                       kl_chunk_size=chunk)
+                            score_policy_and_reference(
+                                policy, reference, ro, 1.0, exact_kl=mode == "exact", kl_chunk_size=chunk
+                            )
                     runs.append((m.extra / 2**20, time.perf_counter() - t))
                 res[mode] = (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs))
-            print(f"| {R} | {chunk} | {res['k3'][0]:.0f}, {res['k3'][1]:.2f} | {res['exact'][0]:.0f}, "
-                  f"{res['exact'][1]:.2f} | {res['exact'][0] - res['k3'][0]:+.0f} | {res['full'][0]:.0f} | "
-                  f"{B * R * V * 4 / 2**20:.0f} |", flush=True)
+            print(
+                f"| {R} | {chunk} | {res['k3'][0]:.0f}, {res['k3'][1]:.2f} | {res['exact'][0]:.0f}, "
+                f"{res['exact'][1]:.2f} | {res['exact'][0] - res['k3'][0]:+.0f} | {res['full'][0]:.0f} | "
+                f"{B * R * V * 4 / 2**20:.0f} |",
+                flush=True,
+            )
 
 
 def step_time(args) -> None:
     import torch
 
-    from tether.config import load_config
-    from tether.trainers.common import build_run
+    from tether.run.config import load_config
+    from tether.run.setup import build_run
     from tether.trainers.ppo import PPOTrainer
 
     out = tempfile.mkdtemp(prefix="tether-exact-kl-")
-    config = load_config(None, [f"model.name={args.model}", "eval.n_prompts=0", "eval.every=0",
-                                "train.save_model=false", "train.checkpoint_every=0", "train.progress=false",
-                                f"train.output_dir={out}", *args.overrides])
+    config = load_config(
+        None,
+        [
+            f"model.name={args.model}",
+            "eval.n_prompts=0",
+            "eval.every=0",
+            "train.save_model=false",
+            "train.checkpoint_every=0",
+            "train.progress=false",
+            f"train.output_dir={out}",
+            *args.overrides,
+        ],
+    )
     run = build_run(config)
     trainer = PPOTrainer(run)
     times = {False: [], True: []}
@@ -133,8 +160,10 @@ def step_time(args) -> None:
         print(f"  step {step}: kl.exact={config.kl.exact} {row['time/step']:.2f} s", file=sys.stderr)
     off, on = statistics.median(times[False]), statistics.median(times[True])
     c = config
-    print(f"## step time: PPO, batch {c.rollout.batch_size} x {c.rollout.max_new_tokens} tokens, "
-          f"{torch.get_num_threads()} threads, medians of {args.steps} steps each (alternating)")
+    print(
+        f"## step time: PPO, batch {c.rollout.batch_size} x {c.rollout.max_new_tokens} tokens, "
+        f"{torch.get_num_threads()} threads, medians of {args.steps} steps each (alternating)"
+    )
     print(f"k3 only {off:.2f} s, with the exact KL {on:.2f} s: +{100 * (on / off - 1):.1f}%")
 
 

@@ -10,7 +10,7 @@ Prints, for the embedded default model (fp32):
    M = 1 .. 64 rows, and at ``--rows`` rows for the alternatives: bf16 copies of the weights
    (the memory traffic halved; not what tether samples from), oneDNN's linear on the fp32 weights
    (a private torch op), and MKL-packed fp32 weights;
-2. one ``tether.rollout.generate`` call of ``--rows`` x ``--tokens`` tokens (transformers'
+2. one ``tether.models.sampling.generate`` call of ``--rows`` x ``--tokens`` tokens (transformers'
    dynamic cache) against a static cache, against MKL-packed weights in the decode steps
    (packed at every call, as a trained policy's changing weights would need), and with ``--compile`` a static cache under
    ``torch.compile`` (compile time printed apart; transformers' own ``compile_config`` is skipped
@@ -62,15 +62,17 @@ def main() -> int:
     import torch.nn.functional as F
     from transformers import StaticCache
 
-    from tether.models import load_causal_lm, load_tokenizer, resolve_model_path
-    from tether.rollout import generate
+    from tether.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
+    from tether.models.sampling import generate
 
     path = resolve_model_path(args.model)
     lm, tok = load_causal_lm(path), load_tokenizer(path)
     weights = [m.weight.detach() for m in lm.modules() if isinstance(m, torch.nn.Linear)]
     mb = sum(w.numel() * 4 for w in weights) / 2**20
-    print(f"{len(weights)} linear weights, {mb:.0f} MB fp32, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads")
+    print(
+        f"{len(weights)} linear weights, {mb:.0f} MB fp32, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads"
+    )
     print("\n| rows M | fp32 linear ms/token | GB/s of weights |\n|---|---|---|")
     for m in (1, 2, 4, 8, 16, 32, 64):
         ms = per_token_ms(weights, F.linear, m, torch.float32)
@@ -78,22 +80,33 @@ def main() -> int:
 
     M = args.rows
     variants = {"fp32 F.linear": (weights, F.linear, torch.float32)}
-    variants["bf16 copies of the weights, F.linear"] = ([w.to(torch.bfloat16) for w in weights], F.linear,
-                                                        torch.bfloat16)
+    variants["bf16 copies of the weights, F.linear"] = (
+        [w.to(torch.bfloat16) for w in weights],
+        F.linear,
+        torch.bfloat16,
+    )
     if hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         variants["fp32, oneDNN linear (torch.ops.mkldnn._linear_pointwise)"] = (
-            weights, lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""), torch.float32)
+            weights,
+            lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
+            torch.float32,
+        )
     if hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"):
         packed = {id(w): torch.ops.mkl._mkl_reorder_linear_weight(w, M) for w in weights}
         variants["fp32, MKL-packed weights (torch.ops.mkl._mkl_linear)"] = (
-            weights, lambda x, w: torch.ops.mkl._mkl_linear(x, packed[id(w)], w, None, M), torch.float32)
+            weights,
+            lambda x, w: torch.ops.mkl._mkl_linear(x, packed[id(w)], w, None, M),
+            torch.float32,
+        )
     # rounds of every variant in turn: drift in the machine's speed hits all of them
     seen: dict[str, list[float]] = {k: [] for k in variants}
     for _ in range(args.rounds):
         for name, (ws, fn, dtype) in variants.items():
             seen[name].append(per_token_ms(ws, fn, M, dtype, repeats=2))
     base = statistics.median(seen["fp32 F.linear"])
-    print(f"\n| M = {M}: variant | ms/token (median of {args.rounds} rounds) | x fp32 F.linear |\n|---|---|---|")
+    print(
+        f"\n| M = {M}: variant | ms/token (median of {args.rounds} rounds) | x fp32 F.linear |\n|---|---|---|"
+    )
     for name, ts in seen.items():
         print(f"| {name} | {statistics.median(ts):.1f} | {statistics.median(ts) / base:.2f} |", flush=True)
     del variants
@@ -117,7 +130,9 @@ def main() -> int:
 
         def forward(m, x):
             if x.dim() == 3 and x.shape[:2] == (M, 1):
-                return torch.ops.mkl._mkl_linear(x.reshape(M, -1), packed[m], m.weight, m.bias, M).unsqueeze(1)
+                return torch.ops.mkl._mkl_linear(x.reshape(M, -1), packed[m], m.weight, m.bias, M).unsqueeze(
+                    1
+                )
             return F.linear(x, m.weight, m.bias)
 
         for m in linears:

@@ -58,7 +58,11 @@ def main() -> int:
     ap.add_argument("--completions", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--prompts-per-step", type=int, default=1)
-    ap.add_argument("--stop-at-eos", action="store_true", help="let responses end at EOS (default: exactly --max-new-tokens)")
+    ap.add_argument(
+        "--stop-at-eos",
+        action="store_true",
+        help="let responses end at EOS (default: exactly --max-new-tokens)",
+    )
     ap.add_argument("--prompt-prefix", default="")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("overrides", nargs="*")
@@ -67,24 +71,37 @@ def main() -> int:
     import torch
 
     import compare_trl
-    from tether.config import load_config
-    from tether.data import PromptSampler
-    from tether.trainers.common import build_run
+    from tether.data.prompts import PromptSampler
+    from tether.run.config import load_config
+    from tether.run.setup import build_run
     from tether.trainers.group import GRPOTrainer
 
     if not args.stop_at_eos:
         compare_trl.force_min_new_tokens_in_tether()
-    print(f"GRPO, {args.completions} x {args.max_new_tokens} tokens per step ({args.prompts_per_step} prompt(s)"
-          f"{', each after a ' + str(len(args.prompt_prefix)) + '-character prefix' if args.prompt_prefix else ''}), "
-          f"fp32, {torch.get_num_threads()} threads; medians of {args.steps} steps each side, alternating")
+    print(
+        f"GRPO, {args.completions} x {args.max_new_tokens} tokens per step ({args.prompts_per_step} prompt(s)"
+        f"{', each after a ' + str(len(args.prompt_prefix)) + '-character prefix' if args.prompt_prefix else ''}), "
+        f"fp32, {torch.get_num_threads()} threads; medians of {args.steps} steps each side, alternating"
+    )
     print("| lever | off: s/step | on: s/step | time on/off | off: step peak MB | on: step peak MB |")
     print("|---|---|---|---|---|---|")
     for lever in args.levers:
         n = args.warmup + 2 * args.steps
-        spec = {"model": args.model, "seed": 0, "threads": None, "mode": "steps", "completions": args.completions,
-                "prompts_per_step": args.prompts_per_step, "max_new_tokens": args.max_new_tokens, "beta": 0.05, "tether_kl": "k3+",
-                "lr": 1e-5, "tether": args.overrides, "out": tempfile.mkdtemp(prefix=f"tether-lever-{lever}-"),
-                "total_steps": n}
+        spec = {
+            "model": args.model,
+            "seed": 0,
+            "threads": None,
+            "mode": "steps",
+            "completions": args.completions,
+            "prompts_per_step": args.prompts_per_step,
+            "max_new_tokens": args.max_new_tokens,
+            "beta": 0.05,
+            "tether_kl": "k3+",
+            "lr": 1e-5,
+            "tether": args.overrides,
+            "out": tempfile.mkdtemp(prefix=f"tether-lever-{lever}-"),
+            "total_steps": n,
+        }
         overrides = compare_trl.tether_overrides(spec)
         if args.prompt_prefix:
             overrides = overrides + ["rollout.max_prompt_tokens=256"]
@@ -92,7 +109,9 @@ def main() -> int:
         run = build_run(config)
         trainer = GRPOTrainer(run)
         if args.prompt_prefix:
-            trainer.sampler = PromptSampler([args.prompt_prefix + p for p in run.train_prompts], config.train.seed)
+            trainer.sampler = PromptSampler(
+                [args.prompt_prefix + p for p in run.train_prompts], config.train.seed
+            )
         seen = {False: [], True: []}
         for step in range(n):
             on = bool(step % 2)
@@ -101,11 +120,17 @@ def main() -> int:
                 row = trainer.step(step)
             if step >= args.warmup:
                 seen[on].append((row["time/step"], m.extra / 2**20))
-            print(f"  {lever} {'on ' if on else 'off'} step {step}: {row['time/step']:.2f} s, "
-                  f"+{m.extra / 2**20:.0f} MB", file=sys.stderr)
+            print(
+                f"  {lever} {'on ' if on else 'off'} step {step}: {row['time/step']:.2f} s, "
+                f"+{m.extra / 2**20:.0f} MB",
+                file=sys.stderr,
+            )
         off_t, on_t = (statistics.median(t for t, _ in seen[k]) for k in (False, True))
         off_m, on_m = (statistics.median(mb for _, mb in seen[k]) for k in (False, True))
-        print(f"| {lever} | {off_t:.2f} | {on_t:.2f} | {on_t / off_t:.3f} | {off_m:.0f} | {on_m:.0f} |", flush=True)
+        print(
+            f"| {lever} | {off_t:.2f} | {on_t:.2f} | {on_t / off_t:.3f} | {off_m:.0f} | {on_m:.0f} |",
+            flush=True,
+        )
         del trainer, run
     return 0
 

@@ -32,14 +32,27 @@ def _tiny_model(folder: Path) -> tuple[Path, Path]:
     from tokenizers import ByteLevelBPETokenizer
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    corpus = ["the movie was great and the acting was wonderful", "a terrible boring film with awful dialogue",
-              "i loved this story, a delightful and moving picture", "the plot is weak but the music is good"] * 4
+    corpus = [
+        "the movie was great and the acting was wonderful",
+        "a terrible boring film with awful dialogue",
+        "i loved this story, a delightful and moving picture",
+        "the plot is weak but the music is good",
+    ] * 4
     bpe = ByteLevelBPETokenizer()
     bpe.train_from_iterator(corpus, vocab_size=300, min_frequency=1, special_tokens=["<eos>"])
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>", pad_token="<eos>")
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+    )
     model_dir, prompts = folder / "model", folder / "prompts.txt"
     LlamaForCausalLM(cfg).save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
@@ -49,12 +62,14 @@ def _tiny_model(folder: Path) -> tuple[Path, Path]:
 
 def child(variant: str, steps: int, warmup: int, overrides: list[str]) -> dict:
     """Build a run, take ``warmup + steps`` PPO steps; the measurements of this process."""
-    from tether.config import load_config
-    from tether.trainers.common import build_run
+    from tether.run.config import load_config
+    from tether.run.setup import build_run
     from tether.trainers.ppo import PPOTrainer
 
     out = tempfile.mkdtemp(prefix=f"tether-lora-bench-{variant}-")
-    config = load_config(None, ["eval.n_prompts=0", "train.save_model=false", f"train.output_dir={out}", *overrides])
+    config = load_config(
+        None, ["eval.n_prompts=0", "train.save_model=false", f"train.output_dir={out}", *overrides]
+    )
     run = build_run(config)
     trainer = PPOTrainer(run)
     times = []
@@ -66,12 +81,13 @@ def child(variant: str, steps: int, warmup: int, overrides: list[str]) -> dict:
     c = config
     return {
         "variant": variant,
-        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2,  # ru_maxrss is KiB on Linux
+        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        / 1024**2,  # ru_maxrss is KiB on Linux
         "median_step_s": statistics.median(times),
         "trainable_params": sum(p.numel() for p in trainer.params),
         "total_params": sum(p.numel() for p in run.policy.parameters()),
         "batch": f"{c.rollout.batch_size} x {c.rollout.max_new_tokens} new tokens, minibatch "
-                 f"{c.optim.minibatch_size}, {c.optim.epochs} epochs",
+        f"{c.optim.minibatch_size}, {c.optim.epochs} epochs",
     }
 
 
@@ -80,7 +96,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3, help="measured steps per variant")
     ap.add_argument("--warmup", type=int, default=1, help="steps run before measuring")
     ap.add_argument("--lora-r", type=int, default=8, help="LoRA rank of the LoRA variant")
-    ap.add_argument("--tiny", action="store_true", help="a tiny random model instead of the default (smoke test)")
+    ap.add_argument(
+        "--tiny", action="store_true", help="a tiny random model instead of the default (smoke test)"
+    )
     ap.add_argument("--child", choices=["full", "lora"], help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="config overrides applied to both variants")
     args = ap.parse_args()
@@ -92,31 +110,53 @@ def main() -> int:
     overrides = list(args.overrides)
     if args.tiny:
         model_dir, prompts = _tiny_model(Path(tempfile.mkdtemp(prefix="tether-lora-bench-tiny-")))
-        overrides = [f"model.name={model_dir}", f"data.prompts={prompts}", "rollout.batch_size=8",
-                     "optim.minibatch_size=4", "rollout.max_new_tokens=8", *overrides]
+        overrides = [
+            f"model.name={model_dir}",
+            f"data.prompts={prompts}",
+            "rollout.batch_size=8",
+            "optim.minibatch_size=4",
+            "rollout.max_new_tokens=8",
+            *overrides,
+        ]
     results = {}
     for variant, extra in (("full", []), ("lora", [f"model.lora_r={args.lora_r}"])):
         t0 = time.perf_counter()
-        cmd = [sys.executable, __file__, "--child", variant, "--steps", str(args.steps),
-               "--warmup", str(args.warmup), *overrides, *extra]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            variant,
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+            *overrides,
+            *extra,
+        ]
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
         if proc.returncode != 0:
             print(f"the {variant} run failed (exit {proc.returncode}); its output is above", file=sys.stderr)
             return 1
         line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
-        results[variant] = json.loads(line[len("RESULT "):])
+        results[variant] = json.loads(line[len("RESULT ") :])
         print(f"{variant}: done in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
 
     full, lora = results["full"], results["lora"]
-    print(f"model: {'tiny random Llama (smoke test)' if args.tiny else 'default'}; batch {full['batch']}; "
-          f"LoRA rank {args.lora_r}; {args.steps} measured steps after {args.warmup} warm-up")
+    print(
+        f"model: {'tiny random Llama (smoke test)' if args.tiny else 'default'}; batch {full['batch']}; "
+        f"LoRA rank {args.lora_r}; {args.steps} measured steps after {args.warmup} warm-up"
+    )
     print(f"{'':<6} {'peak RSS':>10} {'median step':>12} {'trainable params':>18} {'total params':>14}")
     for r in (full, lora):
-        print(f"{r['variant']:<6} {r['peak_rss_gb']:>8.2f} GB {r['median_step_s']:>10.2f} s "
-              f"{r['trainable_params']:>18,} {r['total_params']:>14,}")
-    print(f"LoRA / full: peak RSS {lora['peak_rss_gb'] / full['peak_rss_gb']:.2f}x "
-          f"({full['peak_rss_gb'] - lora['peak_rss_gb']:+.2f} GB saved), "
-          f"median step {lora['median_step_s'] / full['median_step_s']:.2f}x")
+        print(
+            f"{r['variant']:<6} {r['peak_rss_gb']:>8.2f} GB {r['median_step_s']:>10.2f} s "
+            f"{r['trainable_params']:>18,} {r['total_params']:>14,}"
+        )
+    print(
+        f"LoRA / full: peak RSS {lora['peak_rss_gb'] / full['peak_rss_gb']:.2f}x "
+        f"({full['peak_rss_gb'] - lora['peak_rss_gb']:+.2f} GB saved), "
+        f"median step {lora['median_step_s'] / full['median_step_s']:.2f}x"
+    )
     return 0
 
 

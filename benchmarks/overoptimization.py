@@ -34,21 +34,33 @@ def main() -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from tether.config import load_config
-    from tether.train import train
+    from tether.run.config import load_config
+    from tether.training import train
 
     runs = {}
-    for name, extra in (("unleashed", ["kl.kl_coef=0.001", "kl.controller=fixed"]),
-                        ("default leash", [])):
+    for name, extra in (("unleashed", ["kl.kl_coef=0.001", "kl.controller=fixed"]), ("default leash", [])):
         out = Path(args.out) / name.replace(" ", "-")
         if not (out / "eval.json").exists():
-            cfg = load_config(None, [f"train.steps={args.steps}", f"optim.lr={args.lr}", "eval.every=2",
-                                     "eval.n_prompts=64", "train.save_model=false", "train.checkpoint_every=0",
-                                     f"train.output_dir={out}", *extra, *args.overrides])
+            cfg = load_config(
+                None,
+                [
+                    f"train.steps={args.steps}",
+                    f"optim.lr={args.lr}",
+                    "eval.every=2",
+                    "eval.n_prompts=64",
+                    "train.save_model=false",
+                    "train.checkpoint_every=0",
+                    f"train.output_dir={out}",
+                    *extra,
+                    *args.overrides,
+                ],
+            )
             train(cfg)
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         warn_file = out / "warnings.jsonl"
-        warns = [json.loads(line) for line in warn_file.read_text().splitlines()] if warn_file.exists() else []
+        warns = (
+            [json.loads(line) for line in warn_file.read_text().splitlines()] if warn_file.exists() else []
+        )
         runs[name] = (rows, warns, json.loads((out / "eval.json").read_text()))
 
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
@@ -62,10 +74,14 @@ def main() -> int:
         print(f"\n{name}: step proxy gold eval-KL")
         for s, p, g, k in zip(steps, proxy, gold, kls):
             print(f"  {s:3d} {p:6.3f} {g:7.3f} {k:7.2f}")
-        print(f"  gold peak {gold[peak]:.3f} at step {steps[peak]} (proxy {proxy[peak]:.3f}, KL {kls[peak]:.1f}); "
-              f"last eval: proxy {proxy[-1]:.3f}, gold {gold[-1]:.3f}, KL {kls[-1]:.1f}")
-        print(f"  final held-out ({final['n_prompts']} prompts): proxy gain {final['gain']:+.3f}, "
-              f"gold gain {final.get('gold_gain', float('nan')):+.3f}, KL {final['policy']['kl']:.2f} nats/seq")
+        print(
+            f"  gold peak {gold[peak]:.3f} at step {steps[peak]} (proxy {proxy[peak]:.3f}, KL {kls[peak]:.1f}); "
+            f"last eval: proxy {proxy[-1]:.3f}, gold {gold[-1]:.3f}, KL {kls[-1]:.1f}"
+        )
+        print(
+            f"  final held-out ({final['n_prompts']} prompts): proxy gain {final['gain']:+.3f}, "
+            f"gold gain {final.get('gold_gain', float('nan')):+.3f}, KL {final['policy']['kl']:.2f} nats/seq"
+        )
         for w in warns:
             print(f"  warning at step {w['step']}: {w['rule']}: {w['message']}")
         alarms = [w["step"] for w in warns if w["rule"] == "overoptimization"]

@@ -39,9 +39,19 @@ def make_tiny_llama(vocab_size: int, seed: int = 0, **overrides):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-               tie_word_embeddings=True, eos_token_id=0, pad_token_id=0, bos_token_id=None)
+    cfg = dict(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        eos_token_id=0,
+        pad_token_id=0,
+        bos_token_id=None,
+    )
     cfg.update(overrides)
     model = LlamaForCausalLM(LlamaConfig(**cfg))
     model.eval()
@@ -57,8 +67,11 @@ def tiny_tokenizer():
 def tiny_model_dir(tmp_path_factory, tiny_tokenizer) -> Path:
     """A saved tiny Llama + tokenizer folder, usable as ``model.name``."""
     out = tmp_path_factory.mktemp("tiny-llama")
-    model = make_tiny_llama(len(tiny_tokenizer), eos_token_id=tiny_tokenizer.eos_token_id,
-                            pad_token_id=tiny_tokenizer.pad_token_id)
+    model = make_tiny_llama(
+        len(tiny_tokenizer),
+        eos_token_id=tiny_tokenizer.eos_token_id,
+        pad_token_id=tiny_tokenizer.pad_token_id,
+    )
     model.save_pretrained(out)
     tiny_tokenizer.save_pretrained(out)
     return out
@@ -66,8 +79,11 @@ def tiny_model_dir(tmp_path_factory, tiny_tokenizer) -> Path:
 
 @pytest.fixture()
 def tiny_lm(tiny_tokenizer):
-    return make_tiny_llama(len(tiny_tokenizer), eos_token_id=tiny_tokenizer.eos_token_id,
-                           pad_token_id=tiny_tokenizer.pad_token_id)
+    return make_tiny_llama(
+        len(tiny_tokenizer),
+        eos_token_id=tiny_tokenizer.eos_token_id,
+        pad_token_id=tiny_tokenizer.pad_token_id,
+    )
 
 
 @pytest.fixture()

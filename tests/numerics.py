@@ -24,8 +24,15 @@ import torch
 
 EPS32 = float(torch.finfo(torch.float32).eps)  # 2**-23 = 1.19e-7, float32's unit roundoff times 2
 
-EXACT = {"step", "samples", "response/length", "response/eos_fraction", "kl/applied_in_reward",
-         "kl/applied_in_loss", "kl/reference_forwards"}
+EXACT = {
+    "step",
+    "samples",
+    "response/length",
+    "response/eos_fraction",
+    "kl/applied_in_reward",
+    "kl/applied_in_loss",
+    "kl/reference_forwards",
+}
 """Same samples or same counts: compared with ==."""
 
 SIGN_COUNTS = {"dpo/accuracy", "objective/k1_negative_fraction"}
@@ -47,27 +54,37 @@ def term_magnitudes(row: dict) -> dict[str, float]:
     v = abs(row.get("value/mean", 0.0)) + s  # a value estimate regresses to the returns (scores)
     g = row.get("policy/grad_norm", 0.0)
     return {
-        "objective/kl": L * m_tok, "objective/kl_exact": L * m_tok,
-        "objective/kl_per_token": m_tok, "objective/kl_exact_per_token": m_tok,
-        "policy/approx_kl": m_tok, "policy/kl_loss": m_tok,
+        "objective/kl": L * m_tok,
+        "objective/kl_exact": L * m_tok,
+        "objective/kl_per_token": m_tok,
+        "objective/kl_exact_per_token": m_tok,
+        "policy/approx_kl": m_tok,
+        "policy/kl_loss": m_tok,
         # exactly 0 when the first minibatch is scored in the old log-probs' own batch; a
         # micro-batch is another batch shape: exp(d) - 1 ~ d for a log-prob rounding d
         "policy/ratio_max_dev_first": m_tok,
-        "objective/non_score_reward": beta * L * m_tok, "objective/rlhf_reward": s + beta * L * m_tok,
+        "objective/non_score_reward": beta * L * m_tok,
+        "objective/rlhf_reward": s + beta * L * m_tok,
         # the adaptive controller moves beta by beta * clip(KL / target - 1) * n / horizon: at most
         # beta * n / (horizon * target) < beta per nat of KL (target * horizon > n)
         "objective/kl_coef": beta * L * m_tok,
-        "objective/scores": s, "objective/scores_std": s,
+        "objective/scores": s,
+        "objective/scores_std": s,
         # -sum p log p over the vocabulary: terms of one sign, so no cancellation (n_terms adds V)
         "objective/entropy": H,
         # whitened or group-normalized advantages have unit rms; the ratio is ~1; plus the KL term
         "policy/loss": 1.0 + beta * m_tok,
-        "policy/clipfrac": 1.0, "value/clipfrac": 1.0,
-        "value/loss": v * v, "value/mean": v, "value/explained_variance": 2.0,
+        "policy/clipfrac": 1.0,
+        "value/clipfrac": 1.0,
+        "value/loss": v * v,
+        "value/mean": v,
+        "value/explained_variance": 2.0,
         # a sum of N per-token gradients of random sign has a norm ~sqrt(N) times smaller than the
         # sum of their norms; sqrt(N) is folded in by the caller through n_terms ** 1.5
         "policy/grad_norm": g,
-        "dpo/loss": 1.0, "dpo/margin": beta * L * m_tok, "dpo/chosen_reward": beta * L * m_tok,
+        "dpo/loss": 1.0,
+        "dpo/margin": beta * L * m_tok,
+        "dpo/chosen_reward": beta * L * m_tok,
         "dpo/rejected_reward": beta * L * m_tok,
     }
 
@@ -102,13 +119,19 @@ def assert_rows_close(a: dict, b: dict, n_terms: int, vocab_size: int, where: st
         diff = abs(a[k] - b[k])
         assert diff <= tol or math.isclose(a[k], b[k], rel_tol=0, abs_tol=0), (
             f"{where}{k}: {a[k]!r} vs {b[k]!r}, difference {diff:.3g} > tolerance {tol:.3g} "
-            f"({n:.0f} terms x eps x magnitude {mags[k]:.3g})")
+            f"({n:.0f} terms x eps x magnitude {mags[k]:.3g})"
+        )
         used[k] = diff / tol if tol > 0 else 0.0
     return used
 
 
-def assert_grads_close(want: list[torch.Tensor], got: list[torch.Tensor], parts: list[list[torch.Tensor]],
-                       n_terms: int, where: str = "") -> float:
+def assert_grads_close(
+    want: list[torch.Tensor],
+    got: list[torch.Tensor],
+    parts: list[list[torch.Tensor]],
+    n_terms: int,
+    where: str = "",
+) -> float:
     """Assert accumulated gradients equal whole-minibatch ones within their summation rounding.
 
     Args:
@@ -134,6 +157,7 @@ def assert_grads_close(want: list[torch.Tensor], got: list[torch.Tensor], parts:
         diff = (w - g).abs()
         assert float(diff.max()) <= float(tol), (
             f"{where}parameter {i}: {int((diff > tol).sum())} entries off, largest difference "
-            f"{float(diff.max()):.3g} > tolerance {float(tol):.3g}")
+            f"{float(diff.max()):.3g} > tolerance {float(tol):.3g}"
+        )
         worst = max(worst, float(diff.max()) / max(float(tol), 1e-30))
     return worst

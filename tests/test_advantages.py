@@ -1,4 +1,4 @@
-"""Tests for tether.advantages: GAE and whitening."""
+"""Tests for tether.core.advantages: GAE and whitening."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from tether.advantages import WHITEN_EPS, gae, whiten
+from tether.core.advantages import WHITEN_EPS, gae, whiten
 
 F64 = torch.float64
 
@@ -92,7 +92,13 @@ def test_gae_masked_slots_do_not_leak(fill):
 
 def test_gae_float32_input():
     # float32 in, float32 out, to float32 precision
-    out = gae(torch.tensor([[0.0, 0.0, 1.0]]), torch.tensor([[0.5, 0.6, 0.7]]), torch.ones(1, 3, dtype=torch.bool), 1.0, 1.0)
+    out = gae(
+        torch.tensor([[0.0, 0.0, 1.0]]),
+        torch.tensor([[0.5, 0.6, 0.7]]),
+        torch.ones(1, 3, dtype=torch.bool),
+        1.0,
+        1.0,
+    )
     assert out.advantages.dtype == torch.float32
     torch.testing.assert_close(out.advantages, torch.tensor([[0.5, 0.4, 0.3]]), rtol=0, atol=1e-6)
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tether.checkpoint import latest_checkpoint
 from tether.cli import main
+from tether.run.checkpoint import latest_checkpoint
 
 _CALLS = {"n": 0}
 
@@ -38,11 +38,23 @@ text_score = _scorer_failing_late(lambda t: ["good"] * len(t))
 
 
 def _base(tiny_model_dir, prompts, out):
-    return ["train", f"model.name={tiny_model_dir}", f"data.prompts={prompts}", "data.heldout_fraction=0.2",
-            "rollout.batch_size=4", "rollout.max_new_tokens=6", "optim.minibatch_size=2", "train.steps=4",
-            "train.checkpoint_every=1", "eval.n_prompts=0", "eval.every=0", "eval.judge=tests.conftest:length_judge",
-            "train.progress=false",
-            "train.save_model=false", f"train.output_dir={out}"]
+    return [
+        "train",
+        f"model.name={tiny_model_dir}",
+        f"data.prompts={prompts}",
+        "data.heldout_fraction=0.2",
+        "rollout.batch_size=4",
+        "rollout.max_new_tokens=6",
+        "optim.minibatch_size=2",
+        "train.steps=4",
+        "train.checkpoint_every=1",
+        "eval.n_prompts=0",
+        "eval.every=0",
+        "eval.judge=tests.conftest:length_judge",
+        "train.progress=false",
+        "train.save_model=false",
+        f"train.output_dir={out}",
+    ]
 
 
 # (case, overrides, exit code, substrings of the error)
@@ -54,27 +66,56 @@ CONFIG_CASES = [
     ("unknown estimator", ["kl.estimator=k9"], 2, ["kl.estimator='k9'", "k1"]),
     ("unknown trainer", ["train.algo=a2c"], 2, ["train.algo='a2c'", "ppo"]),
     ("unknown controller", ["kl.controller=pid"], 2, ["kl.controller='pid'", "budget"]),
-    ("batch not divisible by group size", ["train.algo=grpo", "rollout.batch_size=6", "rollout.group_size=4"], 2,
-     ["rollout.batch_size=6", "rollout.group_size=4"]),
+    (
+        "batch not divisible by group size",
+        ["train.algo=grpo", "rollout.batch_size=6", "rollout.group_size=4"],
+        2,
+        ["rollout.batch_size=6", "rollout.group_size=4"],
+    ),
     ("minibatch not dividing the batch", ["optim.minibatch_size=3"], 2, ["optim.minibatch_size=3", "divide"]),
-    ("micro-batch not dividing the minibatch", ["optim.micro_batch_size=3"], 2,
-     ["optim.micro_batch_size=3", "divide optim.minibatch_size=2"]),
+    (
+        "micro-batch not dividing the minibatch",
+        ["optim.micro_batch_size=3"],
+        2,
+        ["optim.micro_batch_size=3", "divide optim.minibatch_size=2"],
+    ),
     ("NaN learning rate", ["optim.lr=nan"], 2, ["optim.lr", "finite"]),
     ("misspelled key", ["kl.kl_coeff=0.1"], 2, ["kl.kl_coeff", "kl_coef"]),
-    ("KL in reward and loss", ["kl.kl_in_reward=true", "kl.kl_in_loss=true"], 2,
-     ["counted twice", "kl.allow_double_kl"]),
+    (
+        "KL in reward and loss",
+        ["kl.kl_in_reward=true", "kl.kl_in_loss=true"],
+        2,
+        ["counted twice", "kl.allow_double_kl"],
+    ),
     ("k3 in the reward (biased)", ["kl.estimator=k3"], 2, ["kl.estimator='k3'", "kl.allow_biased_estimator"]),
-    ("k1 in the loss (biased)", ["train.algo=grpo", "rollout.group_size=2", "kl.loss_estimator=k1"], 2,
-     ["kl.loss_estimator='k1'", "allow_biased_estimator"]),
+    (
+        "k1 in the loss (biased)",
+        ["train.algo=grpo", "rollout.group_size=2", "kl.loss_estimator=k1"],
+        2,
+        ["kl.loss_estimator='k1'", "allow_biased_estimator"],
+    ),
     ("held-out fraction >= 1", ["data.heldout_fraction=1.5"], 2, ["data.heldout_fraction=1.5"]),
     ("zero response length", ["rollout.max_new_tokens=0"], 2, ["rollout.max_new_tokens=0", ">= 1"]),
     ("negative LoRA rank", ["model.lora_r=-1"], 2, ["model.lora_r=-1"]),
-    ("controller on the exact KL without it", ["kl.controller_signal=exact", "kl.exact=false"], 2,
-     ["kl.controller_signal='exact'", "kl.exact=true"]),
+    (
+        "controller on the exact KL without it",
+        ["kl.controller_signal=exact", "kl.exact=false"],
+        2,
+        ["kl.controller_signal='exact'", "kl.exact=true"],
+    ),
     ("override without a section", ["kl_coef=0.1"], 2, ["kl_coef"]),
-    ("controller holding a biased KL estimate", ["train.algo=grpo", "rollout.group_size=2", "kl.estimator=k2"], 2,
-     ["kl.estimator='k2'", "biased", "kl.controller_signal=exact"]),
-    ("DPO with a KL controller", ["train.algo=dpo", "kl.controller=budget"], 2, ["kl.controller='budget'", "dpo.beta"]),
+    (
+        "controller holding a biased KL estimate",
+        ["train.algo=grpo", "rollout.group_size=2", "kl.estimator=k2"],
+        2,
+        ["kl.estimator='k2'", "biased", "kl.controller_signal=exact"],
+    ),
+    (
+        "DPO with a KL controller",
+        ["train.algo=dpo", "kl.controller=budget"],
+        2,
+        ["kl.controller='budget'", "dpo.beta"],
+    ),
 ]
 
 
@@ -107,8 +148,16 @@ def _prompt_files(tmp_path: Path) -> dict[str, tuple[Path, list[str]]]:
     return files
 
 
-@pytest.mark.parametrize("case", ["empty prompt file", "malformed JSONL", "JSONL line without a prompt",
-                                  "prompt longer than the context", "missing prompt file"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "empty prompt file",
+        "malformed JSONL",
+        "JSONL line without a prompt",
+        "prompt longer than the context",
+        "missing prompt file",
+    ],
+)
 def test_prompt_file_errors(case, tiny_model_dir, tmp_path, capsys):
     path, words = _prompt_files(tmp_path)[case]
     out = tmp_path / "run"
@@ -129,7 +178,9 @@ SCORER_CASES = [
 
 
 @pytest.mark.parametrize("case,fn,words", SCORER_CASES, ids=[c[0] for c in SCORER_CASES])
-def test_scorer_errors_keep_the_last_checkpoint(case, fn, words, tiny_model_dir, prompt_file, tmp_path, capsys):
+def test_scorer_errors_keep_the_last_checkpoint(
+    case, fn, words, tiny_model_dir, prompt_file, tmp_path, capsys
+):
     _CALLS["n"] = 0
     out = tmp_path / "run"
     assert main(_base(tiny_model_dir, prompt_file, out) + [f"reward.scorer=tests.test_bad_inputs:{fn}"]) == 1
@@ -174,11 +225,14 @@ def test_run_directory_errors(tiny_model_dir, prompt_file, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_mixed_precision_is_refused_before_anything_is_written(precision, tiny_model_dir, prompt_file, tmp_path,
-                                                                monkeypatch, capsys):
+def test_mixed_precision_is_refused_before_anything_is_written(
+    precision, tiny_model_dir, prompt_file, tmp_path, monkeypatch, capsys
+):
     from accelerate.state import AcceleratorState
 
-    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", precision)  # what `accelerate launch --mixed_precision` sets
+    monkeypatch.setenv(
+        "ACCELERATE_MIXED_PRECISION", precision
+    )  # what `accelerate launch --mixed_precision` sets
     AcceleratorState._reset_state(reset_partial_state=True)  # accelerate keeps one state per process
     try:
         out = tmp_path / "run"
@@ -192,20 +246,28 @@ def test_mixed_precision_is_refused_before_anything_is_written(precision, tiny_m
     assert not out.exists()
 
 
-def test_a_run_that_fails_before_its_first_step_leaves_nothing_behind(tiny_model_dir, prompt_file, tmp_path,
-                                                                       capsys):
+def test_a_run_that_fails_before_its_first_step_leaves_nothing_behind(
+    tiny_model_dir, prompt_file, tmp_path, capsys
+):
     # the DPO pairs file is read after the model loads and config.yaml is written: the failure
     # removes what the run wrote, and the same command with the file fixed then runs
     out = tmp_path / "run"
     out.mkdir()  # an empty folder given as train.output_dir stays, emptied
-    args = _base(tiny_model_dir, prompt_file, out) + ["train.algo=dpo", f"dpo.pairs={tmp_path / 'pairs.jsonl'}",
-                                                      "train.steps=1", "dpo.n_pairs=2"]
+    args = _base(tiny_model_dir, prompt_file, out) + [
+        "train.algo=dpo",
+        f"dpo.pairs={tmp_path / 'pairs.jsonl'}",
+        "train.steps=1",
+        "dpo.n_pairs=2",
+    ]
     assert main(args) == 1
     assert "pairs.jsonl" in capsys.readouterr().err
     assert out.exists() and list(out.iterdir()) == []
-    (tmp_path / "pairs.jsonl").write_text("".join(
-        json.dumps({"prompt": f"the movie {i} was", "chosen": " great fun", "rejected": " dull"}) + "\n"
-        for i in range(4)))
+    (tmp_path / "pairs.jsonl").write_text(
+        "".join(
+            json.dumps({"prompt": f"the movie {i} was", "chosen": " great fun", "rejected": " dull"}) + "\n"
+            for i in range(4)
+        )
+    )
     assert main(args) == 0
     assert (out / "metrics.jsonl").exists()
 

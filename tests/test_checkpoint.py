@@ -12,17 +12,31 @@ from pathlib import Path
 
 import pytest
 
-from tether.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from tether.run.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _args(model_dir, prompts, out, steps=6):
-    return ["train", f"model.name={model_dir}", f"data.prompts={prompts}", "data.heldout_fraction=0.2",
-            "rollout.batch_size=4", "rollout.max_new_tokens=6", "optim.minibatch_size=2", f"train.steps={steps}",
-            "train.checkpoint_every=2", "eval.n_prompts=4", "eval.every=2", "eval.periodic_prompts=4",
-            "eval.judge=tests.conftest:length_judge", "reward.scorer=tests.conftest:slow_length_scorer",
-            "train.progress=false", "train.save_model=false", f"train.output_dir={out}"]
+    return [
+        "train",
+        f"model.name={model_dir}",
+        f"data.prompts={prompts}",
+        "data.heldout_fraction=0.2",
+        "rollout.batch_size=4",
+        "rollout.max_new_tokens=6",
+        "optim.minibatch_size=2",
+        f"train.steps={steps}",
+        "train.checkpoint_every=2",
+        "eval.n_prompts=4",
+        "eval.every=2",
+        "eval.periodic_prompts=4",
+        "eval.judge=tests.conftest:length_judge",
+        "reward.scorer=tests.conftest:slow_length_scorer",
+        "train.progress=false",
+        "train.save_model=false",
+        f"train.output_dir={out}",
+    ]
 
 
 def _rows(run_dir: Path) -> list[dict]:
@@ -34,8 +48,15 @@ def _tether(args, **kw):
     # one thread: the test's tiny model gains nothing from more, and oversubscribed OpenMP threads
     # can stall a loaded machine
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    return subprocess.Popen([sys.executable, "-m", "tether", *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "tether", *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **kw,
+    )
 
 
 def test_sigkill_then_resume_matches_uninterrupted(tiny_model_dir, prompt_file, tmp_path):
@@ -67,7 +88,9 @@ def test_sigkill_then_resume_matches_uninterrupted(tiny_model_dir, prompt_file, 
 def test_sigterm_checkpoints_and_stops(tiny_model_dir, prompt_file, tmp_path):
     out_dir = tmp_path / "term"
     p = _tether(_args(tiny_model_dir, prompt_file, out_dir, steps=50))
-    while not ((out_dir / "metrics.jsonl").exists() and (out_dir / "metrics.jsonl").read_text().count("\n") >= 1):
+    while not (
+        (out_dir / "metrics.jsonl").exists() and (out_dir / "metrics.jsonl").read_text().count("\n") >= 1
+    ):
         time.sleep(0.05)
     p.send_signal(signal.SIGTERM)
     out, _ = p.communicate(timeout=120)
@@ -79,7 +102,7 @@ def test_sigterm_checkpoints_and_stops(tiny_model_dir, prompt_file, tmp_path):
 
 
 def test_torn_checkpoint_write_keeps_the_previous_one(tiny_lm, tmp_path, monkeypatch):
-    from tether.models import PolicyWithValue
+    from tether.models.policy import PolicyWithValue
 
     policy = PolicyWithValue(tiny_lm)
     save_checkpoint(tmp_path, 1, policy, {"x": 1}, "fp")
@@ -116,14 +139,26 @@ def test_resume_of_a_folder_that_is_not_a_run(tmp_path, capsys):
 def test_budget_checkpoint_from_before_kp_resumes_as_pure_dual_ascent(tiny_model_dir, prompt_file, tmp_path):
     # a checkpoint written before kl.budget_kp existed holds only kl_coef, budget and eta; it ran
     # pure dual ascent, so the resumed controller must go on with kp = 0, not the new default 1.0
-    from tether.config import load_config
-    from tether.trainers.common import build_run
+    from tether.run.config import load_config
+    from tether.run.setup import build_run
     from tether.trainers.ppo import PPOTrainer
 
-    cfg = load_config(None, [f"model.name={tiny_model_dir}", f"data.prompts={prompt_file}", "rollout.batch_size=4",
-                             "optim.minibatch_size=2", "reward.scorer=tests.conftest:length_judge",
-                             f"train.output_dir={tmp_path / 'run'}", "kl.controller=budget", "kl.budget=6.0",
-                             "kl.budget_eta=0.01", "eval.n_prompts=0", "eval.every=0"])
+    cfg = load_config(
+        None,
+        [
+            f"model.name={tiny_model_dir}",
+            f"data.prompts={prompt_file}",
+            "rollout.batch_size=4",
+            "optim.minibatch_size=2",
+            "reward.scorer=tests.conftest:length_judge",
+            f"train.output_dir={tmp_path / 'run'}",
+            "kl.controller=budget",
+            "kl.budget=6.0",
+            "kl.budget_eta=0.01",
+            "eval.n_prompts=0",
+            "eval.every=0",
+        ],
+    )
     trainer = PPOTrainer(build_run(cfg))
     assert trainer.controller.kp == 1.0  # the config default
     state = trainer.state_dict()

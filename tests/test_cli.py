@@ -35,22 +35,45 @@ def _tiny_args(tiny_model_dir, prompt_file, out):
 def test_ppo_cli_end_to_end(tiny_model_dir, prompt_file, tmp_path, capsys):
     out = tmp_path / "run"
     assert main(_tiny_args(tiny_model_dir, prompt_file, out)) == 0
-    for name in ("config.yaml", "metrics.jsonl", "samples.jsonl", "eval.json", "training.png",
-                 "score_vs_kl.png", "policy/config.json", "policy/value_head.safetensors"):
+    for name in (
+        "config.yaml",
+        "metrics.jsonl",
+        "samples.jsonl",
+        "eval.json",
+        "training.png",
+        "score_vs_kl.png",
+        "policy/config.json",
+        "policy/value_head.safetensors",
+    ):
         assert (out / name).exists(), name
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
-    for key in ("objective/kl", "objective/kl_per_token", "objective/kl_coef", "objective/scores",
-                "objective/non_score_reward", "objective/rlhf_reward", "objective/entropy",
-                "response/length", "policy/clipfrac", "policy/approx_kl", "value/loss", "time/step",
-                "objective/kl_exact", "value/mean", "value/explained_variance"):
+    for key in (
+        "objective/kl",
+        "objective/kl_per_token",
+        "objective/kl_coef",
+        "objective/scores",
+        "objective/non_score_reward",
+        "objective/rlhf_reward",
+        "objective/entropy",
+        "response/length",
+        "policy/clipfrac",
+        "policy/approx_kl",
+        "value/loss",
+        "time/step",
+        "objective/kl_exact",
+        "value/mean",
+        "value/explained_variance",
+    ):
         assert key in rows[0], key
     # step 0: policy == reference, so every KL is exactly 0 and the first PPO ratio is exactly 1
     assert rows[0]["objective/kl"] == 0.0 and rows[0]["objective/kl_exact"] == 0.0
     assert rows[0]["policy/ratio_max_dev_first"] == 0.0
     # the logged non-score reward is -kl_coef * the logged KL (same numbers in reward and log)
     for r in rows:
-        assert r["objective/non_score_reward"] == pytest.approx(-r["objective/kl_coef"] * r["objective/kl"], abs=1e-6)
+        assert r["objective/non_score_reward"] == pytest.approx(
+            -r["objective/kl_coef"] * r["objective/kl"], abs=1e-6
+        )
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert {s["step"] for s in samples} == {0, 2}
     assert set(samples[0]) >= {"prompt", "response", "score", "kl", "reward"}
@@ -91,8 +114,12 @@ def test_other_trainers_cli_end_to_end(algo, tiny_model_dir, prompt_file, tmp_pa
     if algo == "dpo":
         args = [a for a in args if not a.startswith("rollout.group_size")]
         # a fine-grained scorer: VADER scores most of a random model's output 0, and ties are skipped
-        args += ["dpo.n_pairs=6", "dpo.candidates=2", "dpo.kl_eval_prompts=4",
-                 "reward.scorer=tests.conftest:length_judge"]
+        args += [
+            "dpo.n_pairs=6",
+            "dpo.candidates=2",
+            "dpo.kl_eval_prompts=4",
+            "reward.scorer=tests.conftest:length_judge",
+        ]
     assert main(args) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 3
@@ -111,14 +138,19 @@ def test_zero_beta_builds_no_reference(tiny_model_dir, prompt_file, tmp_path):
     """kl_coef 0 and no monitoring: no reference model, zero reference forwards, no KL logged."""
     import torch
 
-    from tether.config import load_config
-    from tether.losses import ppo_policy_loss
-    from tether.rollout import score_logprobs
-    from tether.trainers.common import build_run
+    from tether.core.losses import ppo_policy_loss
+    from tether.models.scoring import score_logprobs
+    from tether.run.config import load_config
+    from tether.run.setup import build_run
     from tether.trainers.group import GRPOTrainer
 
     args = _tiny_args(tiny_model_dir, prompt_file, tmp_path / "z")[1:] + [
-        "train.algo=grpo", "rollout.group_size=2", "kl.kl_coef=0", "kl.monitor=false", "eval.n_prompts=0"]
+        "train.algo=grpo",
+        "rollout.group_size=2",
+        "kl.kl_coef=0",
+        "kl.monitor=false",
+        "eval.n_prompts=0",
+    ]
     run = build_run(load_config(None, args))
     assert run.reference is None
     trainer = GRPOTrainer(run)
@@ -131,14 +163,19 @@ def test_zero_beta_builds_no_reference(tiny_model_dir, prompt_file, tmp_path):
     part = exp.rollout.select(idx)
     loss, _ = trainer.minibatch_loss(exp, idx, part, kl_coef=0.0)
     new = score_logprobs(run.policy, part, run.config.rollout.temperature)
-    pure = ppo_policy_loss(new.logprobs, exp.old_logprobs[idx], exp.advantages[idx], part.response_mask,
-                           run.config.ppo.clip_eps).loss
+    pure = ppo_policy_loss(
+        new.logprobs, exp.old_logprobs[idx], exp.advantages[idx], part.response_mask, run.config.ppo.clip_eps
+    ).loss
     assert torch.equal(loss, pure)
 
 
 def test_zero_beta_with_monitoring_still_logs_kl(tiny_model_dir, prompt_file, tmp_path):
     out = tmp_path / "m"
-    args = _tiny_args(tiny_model_dir, prompt_file, out) + ["train.algo=grpo", "rollout.group_size=2", "kl.kl_coef=0"]
+    args = _tiny_args(tiny_model_dir, prompt_file, out) + [
+        "train.algo=grpo",
+        "rollout.group_size=2",
+        "kl.kl_coef=0",
+    ]
     assert main(args) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all("objective/kl" in r for r in rows)
@@ -148,11 +185,22 @@ def test_zero_beta_with_monitoring_still_logs_kl(tiny_model_dir, prompt_file, tm
 def test_dpo_from_a_pairs_file(tiny_model_dir, prompt_file, tmp_path):
     """TRL's convention: one {"prompt", "chosen", "rejected"} object per line."""
     pairs = tmp_path / "pairs.jsonl"
-    pairs.write_text("".join(json.dumps({"prompt": f"the movie number {i} was", "chosen": "great and fun",
-                                         "rejected": "bad and dull"}) + "\n" for i in range(6)))
+    pairs.write_text(
+        "".join(
+            json.dumps(
+                {"prompt": f"the movie number {i} was", "chosen": "great and fun", "rejected": "bad and dull"}
+            )
+            + "\n"
+            for i in range(6)
+        )
+    )
     out = tmp_path / "dpo-file"
     args = _tiny_args(tiny_model_dir, prompt_file, out) + [
-        "train.algo=dpo", f"dpo.pairs={pairs}", "dpo.kl_eval_prompts=4", "optim.epochs=3"]
+        "train.algo=dpo",
+        f"dpo.pairs={pairs}",
+        "dpo.kl_eval_prompts=4",
+        "optim.epochs=3",
+    ]
     assert main(args) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     # the same pair every step: the policy learns to prefer "chosen", so the margin grows
@@ -167,23 +215,33 @@ def test_one_pass_reuses_the_update_forward(algo, tiny_model_dir, prompt_file, t
     # the old log-probs from the update's own forward. Every logged number must be the same as
     # with the separate no-grad forward; GRPO saves that forward, RLOO (KL in the reward: the
     # rewards need the old log-probs before the update) keeps it.
-    import tether.rollout
+    import tether.models.scoring
 
     forwards = []  # one entry per trunk forward: with grad (response_forward) or no-grad (response_hidden)
     for name in ("response_forward", "response_hidden"):
-        real = getattr(tether.rollout, name)
-        monkeypatch.setattr(tether.rollout, name, lambda *a, _real=real, **k: forwards.append(1) or _real(*a, **k))
+        real = getattr(tether.models.scoring, name)
+        monkeypatch.setattr(
+            tether.models.scoring, name, lambda *a, _real=real, **k: forwards.append(1) or _real(*a, **k)
+        )
     rows, calls = {}, {}
     for reuse in ("true", "false"):
         forwards.clear()
         out = tmp_path / f"run-{reuse}"
         args = _tiny_args(tiny_model_dir, prompt_file, out) + [
-            f"train.algo={algo}", "rollout.group_size=2", "optim.epochs=1", "optim.minibatch_size=4",
-            f"optim.reuse_forward={reuse}", "train.save_model=false", "reward.scorer=tests.conftest:length_judge",
-            "optim.lr=1e-3"]
+            f"train.algo={algo}",
+            "rollout.group_size=2",
+            "optim.epochs=1",
+            "optim.minibatch_size=4",
+            f"optim.reuse_forward={reuse}",
+            "train.save_model=false",
+            "reward.scorer=tests.conftest:length_judge",
+            "optim.lr=1e-3",
+        ]
         assert main(args) == 0
-        rows[reuse] = [{k: v for k, v in json.loads(line).items() if not k.startswith("time/")}
-                       for line in (out / "metrics.jsonl").read_text().splitlines()]
+        rows[reuse] = [
+            {k: v for k, v in json.loads(line).items() if not k.startswith("time/")}
+            for line in (out / "metrics.jsonl").read_text().splitlines()
+        ]
         calls[reuse] = len(forwards)
     assert len(rows["true"]) == 3
     # 3 steps: GRPO saves one policy forward per step; RLOO cannot
@@ -195,7 +253,13 @@ def test_one_pass_reuses_the_update_forward(algo, tiny_model_dir, prompt_file, t
 def test_report_and_tensorboard(tiny_model_dir, prompt_file, tmp_path, capsys):
     # a run with TensorBoard on, then `tether report` on its folder: one self-contained page
     out = tmp_path / "run"
-    assert main(_tiny_args(tiny_model_dir, prompt_file, out) + ["train.tensorboard=true", "train.save_model=false"]) == 0
+    assert (
+        main(
+            _tiny_args(tiny_model_dir, prompt_file, out)
+            + ["train.tensorboard=true", "train.save_model=false"]
+        )
+        == 0
+    )
     assert main(["report", str(out)]) == 0
     page = (out / "report.html").read_text()
     assert page.count('src="data:image/png;base64,') >= 2  # training.png and score_vs_kl.png inlined
@@ -221,9 +285,18 @@ def test_budget_controller_run_follows_its_rule(tiny_model_dir, prompt_file, tmp
     out = tmp_path / "run"
     eps, eta, kp = 0.01, 2.0, 3.0
     args = _tiny_args(tiny_model_dir, prompt_file, out) + [
-        "kl.controller=budget", f"kl.budget={eps}", f"kl.budget_eta={eta}", f"kl.budget_kp={kp}",
-        f"kl.controller_signal={signal}", "kl.kl_coef=0.1", "optim.lr=3e-3", "train.steps=4",
-        "train.save_model=false", "eval.n_prompts=0", "eval.every=0"]
+        "kl.controller=budget",
+        f"kl.budget={eps}",
+        f"kl.budget_eta={eta}",
+        f"kl.budget_kp={kp}",
+        f"kl.controller_signal={signal}",
+        "kl.kl_coef=0.1",
+        "optim.lr=3e-3",
+        "train.steps=4",
+        "train.save_model=false",
+        "eval.n_prompts=0",
+        "eval.every=0",
+    ]
     assert main(args) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     key = "objective/kl" if signal == "estimator" else "objective/kl_exact"
@@ -238,7 +311,7 @@ def test_budget_controller_run_follows_its_rule(tiny_model_dir, prompt_file, tmp
 
 def test_grpo_with_long_shared_prompts_end_to_end(tiny_model_dir, tmp_path, monkeypatch):
     """Groups of long prompts take the shared-prefix path in generation, scoring and the update."""
-    import tether.models as tm
+    import tether.models.head as tm
 
     words = "the movie was a film with great acting and a boring script but the music".split()
     lines = [" ".join(words[(i + j) % len(words)] for j in range(24)) + f" number {i}" for i in range(40)]
@@ -246,10 +319,15 @@ def test_grpo_with_long_shared_prompts_end_to_end(tiny_model_dir, tmp_path, monk
     prompts.write_text("\n".join(lines) + "\n")
     prefix_rows = []
     real = tm.prefix_cache
-    monkeypatch.setattr(tm, "prefix_cache", lambda lm, ids, *a: prefix_rows.append(ids.shape) or real(lm, ids, *a))
+    monkeypatch.setattr(
+        tm, "prefix_cache", lambda lm, ids, *a: prefix_rows.append(ids.shape) or real(lm, ids, *a)
+    )
     out = tmp_path / "run"
-    args = _tiny_args(tiny_model_dir, prompts, out) + ["train.algo=grpo", "rollout.group_size=2",
-                                                        "rollout.max_prompt_tokens=128"]
+    args = _tiny_args(tiny_model_dir, prompts, out) + [
+        "train.algo=grpo",
+        "rollout.group_size=2",
+        "rollout.max_prompt_tokens=128",
+    ]
     assert main(args) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["objective/kl"] == 0.0 and rows[0]["policy/ratio_max_dev_first"] == 0.0
@@ -265,14 +343,22 @@ def test_best_policy_is_kept_and_ends_the_run(tiny_model_dir, prompt_file, tmp_p
     # after step 3, the second evaluation without a new best, and ends with step 1's policy
     from safetensors.torch import load_file
 
-    from tether import train as train_module
+    from tether import training as train_module
 
     scripted = iter([0.1, 0.5, 0.3, 0.2, 0.9, 0.9])
-    monkeypatch.setattr(train_module.Evaluator, "periodic_row",
-                        lambda self: {"eval/proxy_score": next(scripted), "eval/kl": 0.0})
+    monkeypatch.setattr(
+        train_module.Evaluator,
+        "periodic_row",
+        lambda self: {"eval/proxy_score": next(scripted), "eval/kl": 0.0},
+    )
     out = tmp_path / "run"
     args = _tiny_args(tiny_model_dir, prompt_file, out) + [
-        "train.steps=6", "eval.every=1", "eval.best_by=proxy", "eval.patience=2", "train.checkpoint_every=1"]
+        "train.steps=6",
+        "eval.every=1",
+        "eval.best_by=proxy",
+        "eval.patience=2",
+        "train.checkpoint_every=1",
+    ]
     assert main(args) == 0
     text = capsys.readouterr()
     said = text.out + text.err
@@ -292,8 +378,11 @@ def test_best_policy_is_kept_and_ends_the_run(tiny_model_dir, prompt_file, tmp_p
 
 def _run_then_resume(tiny_model_dir, prompt_file, out, first: list[str], resumed: list[str]) -> list[dict]:
     """Train with ``first`` (checkpointing every step), resume with ``resumed``; the metric rows."""
-    args = _tiny_args(tiny_model_dir, prompt_file, out) + first + [
-        "train.checkpoint_every=1", "train.save_model=false", "eval.n_prompts=0", "eval.every=0"]
+    args = (
+        _tiny_args(tiny_model_dir, prompt_file, out)
+        + first
+        + ["train.checkpoint_every=1", "train.save_model=false", "eval.n_prompts=0", "eval.every=0"]
+    )
     assert main(args) == 0
     assert main(["train", "--resume", str(out)] + resumed) == 0
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -303,9 +392,13 @@ def test_resume_takes_the_new_controller_settings(tiny_model_dir, prompt_file, t
     # 2 steps at target 6, horizon 10000; resumed with target 1e-9 and horizon 10: each later
     # beta is the previous one times (1 + clip(KL / 1e-9 - 1, +-0.2) * 4 / 10) = x1.08, since the
     # exact KL of the updated policy is far above 1e-9 (the checkpoint's settings gave x1.00008)
-    rows = _run_then_resume(tiny_model_dir, prompt_file, tmp_path / "run",
-                            ["kl.controller_signal=exact", "optim.lr=3e-3", "train.steps=2"],
-                            ["train.steps=4", "kl.target=1e-9", "kl.horizon=10"])
+    rows = _run_then_resume(
+        tiny_model_dir,
+        prompt_file,
+        tmp_path / "run",
+        ["kl.controller_signal=exact", "optim.lr=3e-3", "train.steps=2"],
+        ["train.steps=4", "kl.target=1e-9", "kl.horizon=10"],
+    )
     assert "target 6 -> 1e-09, horizon 10000 -> 10" in caplog.text
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     beta = [r["objective/kl_coef"] for r in rows]
@@ -314,24 +407,33 @@ def test_resume_takes_the_new_controller_settings(tiny_model_dir, prompt_file, t
 
 
 def test_resume_of_a_fixed_beta_takes_the_new_beta(tiny_model_dir, prompt_file, tmp_path, caplog):
-    rows = _run_then_resume(tiny_model_dir, prompt_file, tmp_path / "run",
-                            ["kl.controller=fixed", "kl.kl_coef=0.05", "train.steps=1"],
-                            ["train.steps=2", "kl.kl_coef=0.2"])
+    rows = _run_then_resume(
+        tiny_model_dir,
+        prompt_file,
+        tmp_path / "run",
+        ["kl.controller=fixed", "kl.kl_coef=0.05", "train.steps=1"],
+        ["train.steps=2", "kl.kl_coef=0.2"],
+    )
     assert "kl_coef 0.05 -> 0.2" in caplog.text
     assert [r["objective/kl_coef"] for r in rows] == [0.05, 0.2]
     # config.yaml now holds the resumed settings (a later plain --resume keeps them), the first kept
-    from tether.config import load_config
+    from tether.run.config import load_config
 
     out = tmp_path / "run"
     assert load_config(out / "config.yaml", []).kl.kl_coef == 0.2
     assert load_config(out / "config.until-step-0.yaml", []).kl.kl_coef == 0.05
 
 
-def test_a_run_without_reference_writes_valid_json_and_says_kl_is_unmeasured(tiny_model_dir, prompt_file,
-                                                                              tmp_path, capsys):
+def test_a_run_without_reference_writes_valid_json_and_says_kl_is_unmeasured(
+    tiny_model_dir, prompt_file, tmp_path, capsys
+):
     out = tmp_path / "run"
-    args = _tiny_args(tiny_model_dir, prompt_file, out) + ["kl.kl_coef=0", "kl.monitor=false", "train.steps=1",
-                                                           "train.save_model=false"]
+    args = _tiny_args(tiny_model_dir, prompt_file, out) + [
+        "kl.kl_coef=0",
+        "kl.monitor=false",
+        "train.steps=1",
+        "train.save_model=false",
+    ]
     assert main(args) == 0
 
     def refuse(name):
@@ -347,19 +449,26 @@ def test_a_run_without_reference_writes_valid_json_and_says_kl_is_unmeasured(tin
 def test_trl_style_reward_function_gets_each_response_with_its_prompt(tiny_model_dir, prompt_file, tmp_path):
     out = tmp_path / "run"
     args = _tiny_args(tiny_model_dir, prompt_file, out) + [
-        "train.algo=grpo", "rollout.group_size=2", "train.sample_every=1", "train.save_model=false",
-        "reward.scorer=tests.conftest:prompt_length_scorer", "eval.judge=tests.conftest:prompt_length_scorer"]
+        "train.algo=grpo",
+        "rollout.group_size=2",
+        "train.sample_every=1",
+        "train.save_model=false",
+        "reward.scorer=tests.conftest:prompt_length_scorer",
+        "eval.judge=tests.conftest:prompt_length_scorer",
+    ]
     assert main(args) == 0
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 3 * 4
     for s in samples:  # the score and the gold judge's are those of the row's own prompt
-        assert s["score"] == pytest.approx(len(s["prompt"]) / 10) and s["gold"] == pytest.approx(len(s["prompt"]) / 10)
+        assert s["score"] == pytest.approx(len(s["prompt"]) / 10) and s["gold"] == pytest.approx(
+            len(s["prompt"]) / 10
+        )
     result = json.loads((out / "eval.json").read_text())
     assert result["reference"]["proxy_mean"] == pytest.approx(result["policy"]["proxy_mean"])  # same prompts
 
 
 def test_a_scorer_taking_prompts_without_them_is_a_clear_error():
-    from tether.scorers import checked_scores, takes_prompts
+    from tether.judges.contract import checked_scores, takes_prompts
 
     from .conftest import length_judge, prompt_length_scorer
 
@@ -369,19 +478,26 @@ def test_a_scorer_taking_prompts_without_them_is_a_clear_error():
         checked_scores(prompt_length_scorer, ["x", "y"], 3)
 
 
-def test_a_best_from_discarded_steps_survives_resume(tiny_model_dir, prompt_file, tmp_path, monkeypatch, capsys):
+def test_a_best_from_discarded_steps_survives_resume(
+    tiny_model_dir, prompt_file, tmp_path, monkeypatch, capsys
+):
     # best/ may hold a policy from steps after the last checkpoint (a kill, or a resume with other
     # settings): it stays the best to beat, and the run ends with it, never with a policy
     # that best/ no longer holds
     from safetensors.torch import load_file
 
-    from tether import train as train_module
+    from tether import training as train_module
 
     scores = {0: 0.1, 1: 0.5, 2: 0.3, 3: 0.6, 4: 0.2}  # 0.6 beats the history (0.5), not best/ (0.7)
     monkeypatch.setattr(train_module, "_log_step", _scripted_log_step(train_module._log_step, scores))
     out = tmp_path / "run"
     args = _tiny_args(tiny_model_dir, prompt_file, out) + [
-        "train.steps=3", "eval.every=1", "eval.best_by=proxy", "train.checkpoint_every=3", "train.save_model=false"]
+        "train.steps=3",
+        "eval.every=1",
+        "eval.best_by=proxy",
+        "train.checkpoint_every=3",
+        "train.save_model=false",
+    ]
     assert main(args) == 0
     meta = json.loads((out / "best" / "meta.json").read_text())
     assert meta["step"] == 1
@@ -399,7 +515,7 @@ def test_a_best_from_discarded_steps_survives_resume(tiny_model_dir, prompt_file
 
 def _scripted_log_step(real, scores):
     """_log_step with the periodic evaluation's proxy score replaced by ``scores[step]``."""
-    from tether import train as train_module
+    from tether import training as train_module
 
     def log_step(run, evaluator, monitor, tb, bar, step, row, rows):
         original = train_module.Evaluator.periodic_row
@@ -417,9 +533,20 @@ def test_resume_with_another_controller_carries_beta_into_it(tiny_model_dir, pro
     # then the budget controller from that beta, with its proportional term (not the pure dual
     # ascent that an old budget checkpoint without "dual" resumes with)
     eps, eta, kp = 1e-9, 0.3, 1.0
-    rows = _run_then_resume(tiny_model_dir, prompt_file, tmp_path / "run", ["train.steps=1", "optim.lr=3e-3"],
-                            ["train.steps=3", "kl.controller=budget", f"kl.budget={eps}", f"kl.budget_eta={eta}",
-                             f"kl.budget_kp={kp}", "kl.controller_signal=exact"])
+    rows = _run_then_resume(
+        tiny_model_dir,
+        prompt_file,
+        tmp_path / "run",
+        ["train.steps=1", "optim.lr=3e-3"],
+        [
+            "train.steps=3",
+            "kl.controller=budget",
+            f"kl.budget={eps}",
+            f"kl.budget_eta={eta}",
+            f"kl.budget_kp={kp}",
+            "kl.controller_signal=exact",
+        ],
+    )
     assert "kl.controller changed (adaptive -> budget)" in caplog.text
     beta1 = 0.05 * (1 - 0.2 * 4 / 10_000)
     assert rows[1]["objective/kl_coef"] == pytest.approx(beta1, rel=1e-12)

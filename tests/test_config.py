@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tether.config import Config, ConfigError, dump_config, load_config
+from tether.run.config import Config, ConfigError, dump_config, load_config
 
 
 def test_defaults_are_valid_and_roundtrip(tmp_path):
@@ -16,8 +16,16 @@ def test_defaults_are_valid_and_roundtrip(tmp_path):
 
 
 def test_overrides_are_typed():
-    c = load_config(None, ["optim.lr=3e-5", "kl.controller=fixed", "kl.exact=false",
-                           "model.trainable_layers=2", "train.output_dir=null"])
+    c = load_config(
+        None,
+        [
+            "optim.lr=3e-5",
+            "kl.controller=fixed",
+            "kl.exact=false",
+            "model.trainable_layers=2",
+            "train.output_dir=null",
+        ],
+    )
     assert c.optim.lr == 3e-5 and isinstance(c.optim.lr, float)
     assert c.kl.controller == "fixed" and c.kl.exact is False
     assert c.model.trainable_layers == 2 and c.train.output_dir is None
@@ -68,12 +76,17 @@ def test_config_is_plain_data():
     assert c.to_dict()["kl"]["estimator"] == "k1"
 
 
-@pytest.mark.parametrize("overrides,words", [
-    (["kl.kl_coef=0"], ["kl.kl_coef=0: no KL leash", "adaptive multiplies beta, so it stays 0"]),
-    (["kl.kl_coef=0", "kl.controller=fixed"], ["kl.kl_coef=0: no KL leash"]),
-    (["train.algo=grpo", "kl.estimator=abs", "kl.allow_biased_estimator=true"],
-     ["kl.estimator='abs' is biased", "allowed by kl.allow_biased_estimator"]),
-])
+@pytest.mark.parametrize(
+    "overrides,words",
+    [
+        (["kl.kl_coef=0"], ["kl.kl_coef=0: no KL leash", "adaptive multiplies beta, so it stays 0"]),
+        (["kl.kl_coef=0", "kl.controller=fixed"], ["kl.kl_coef=0: no KL leash"]),
+        (
+            ["train.algo=grpo", "kl.estimator=abs", "kl.allow_biased_estimator=true"],
+            ["kl.estimator='abs' is biased", "allowed by kl.allow_biased_estimator"],
+        ),
+    ],
+)
 def test_runs_without_a_sound_leash_are_warned_about(overrides, words):
     warnings = " | ".join(load_config(None, overrides).placement.warnings)
     for w in words:

@@ -1,17 +1,17 @@
-"""Tests for tether.controllers: fixed and adaptive (Ziegler et al. 2019) KL controllers."""
+"""Tests for tether.core.controllers: fixed and adaptive (Ziegler et al. 2019) KL controllers."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tether.controllers import (
+from tether.core.controllers import (
     ADAPTIVE_ERROR_CLIP,
     AdaptiveKLController,
     FixedKLController,
     make_controller,
 )
-from tether.kl import kl_stats
+from tether.core.kl import kl_stats
 
 
 def test_issue_example_from_kl_stats():
@@ -99,10 +99,10 @@ def test_make_controller_errors():
 
 
 def test_adaptive_reach_is_the_product_of_the_largest_steps():
-    from tether.controllers import adaptive_reach
+    from tether.core.controllers import adaptive_reach
 
     # 32 samples, horizon 10000: each update at most x(1 + 0.2 * 32 / 10000) = x1.00064
-    assert adaptive_reach(32, 10_000, 16) == pytest.approx(1.00064 ** 16, rel=1e-12)  # 1.0103
+    assert adaptive_reach(32, 10_000, 16) == pytest.approx(1.00064**16, rel=1e-12)  # 1.0103
     # and the controller itself, fed a KL far above target 16 times, moves beta by exactly that
     c = AdaptiveKLController(kl_coef=0.05, target=6.0, horizon=10_000)
     for _ in range(16):
@@ -111,7 +111,7 @@ def test_adaptive_reach_is_the_product_of_the_largest_steps():
 
 
 def test_adaptive_horizon_for_can_double_beta():
-    from tether.controllers import adaptive_horizon_for, adaptive_reach
+    from tether.core.controllers import adaptive_horizon_for, adaptive_reach
 
     # 32 samples, 16 steps: 6.4 / (2 ** (1/16) - 1) = 144.6, two digits rounded down: 140
     assert adaptive_horizon_for(32, 16) == 140

@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tether import distributed as D
-from tether.advantages import whiten
-from tether.config import ConfigError, check_world_size, load_config
-from tether.kl import masked_mean
-from tether.rollout import Rollout, gumbel_noise, generate, sample_seeds
+from tether.core import distributed as D
+from tether.core.advantages import whiten
+from tether.core.kl import masked_mean
+from tether.models.sampling import Rollout, generate, gumbel_noise, sample_seeds
+from tether.run.config import ConfigError, check_world_size, load_config
 
 from .conftest import make_tiny_llama
 
@@ -58,7 +58,8 @@ def _four_ranks(rank: int, world: int, init_file: str, out_dir: str) -> None:
         row = sample_metrics(ro, torch.tensor([0.5]), kl, torch.zeros(1, 2), None, 0.1, "k1")
         values, vmask, scores = _rank_data(rank)
         out = {
-            "rank": D.rank(), "world": D.world_size(),
+            "rank": D.rank(),
+            "world": D.world_size(),
             "kl_per_token": float(row["objective/kl_per_token"]),
             "token_mean": float(D.token_mean(kl, mask)),
             "whiten": D.whiten(values, vmask).tolist(),
@@ -133,8 +134,10 @@ def test_minibatches_do_not_depend_on_the_number_of_processes(world):
     B, mb = 16, 8
     one = D.stratified_minibatches(B, mb, torch.Generator().manual_seed(3), world=1, at=0)
     assert sorted(torch.cat(one).tolist()) == list(range(B))  # an epoch visits every row once
-    shards = [D.stratified_minibatches(B, mb, torch.Generator().manual_seed(3), world=world, at=r)
-              for r in range(world)]
+    shards = [
+        D.stratified_minibatches(B, mb, torch.Generator().manual_seed(3), world=world, at=r)
+        for r in range(world)
+    ]
     for k, rows in enumerate(one):
         # rank r's local row i is global row r * B / world + i
         union = sorted(i + r * (B // world) for r in range(world) for i in shards[r][k].tolist())
@@ -143,8 +146,9 @@ def test_minibatches_do_not_depend_on_the_number_of_processes(world):
 
 
 def test_config_refuses_batches_that_do_not_split():
-    c = load_config(None, ["train.algo=grpo", "rollout.batch_size=8", "rollout.group_size=4",
-                           "optim.minibatch_size=4"])
+    c = load_config(
+        None, ["train.algo=grpo", "rollout.batch_size=8", "rollout.group_size=4", "optim.minibatch_size=4"]
+    )
     check_world_size(c, 2)  # 2 groups of 4, minibatch 4: fine
     with pytest.raises(ConfigError, match="rollout.batch_size"):
         check_world_size(c, 4)  # 2 groups cannot go to 4 processes without splitting one
@@ -154,8 +158,16 @@ def test_config_refuses_batches_that_do_not_split():
 
 
 # ---- (c) sampling: per-sample seeds, exact Gumbel-max -----------------------------------------
-PROMPTS = ["the movie was", "a terrible boring film with", "good", "i loved this story, a delightful",
-           "worst", "an excellent, charming and funny comedy", "the plot is weak but", "bad bad"]
+PROMPTS = [
+    "the movie was",
+    "a terrible boring film with",
+    "good",
+    "i loved this story, a delightful",
+    "worst",
+    "an excellent, charming and funny comedy",
+    "the plot is weak but",
+    "bad bad",
+]
 
 
 def _eos_likely_lm(tok, seed=0, eos_bias=3.0):
@@ -175,7 +187,9 @@ def test_samples_of_a_batch_are_the_samples_of_its_shards(tiny_tokenizer):
     lm = _eos_likely_lm(tiny_tokenizer)
     seeds = sample_seeds(7, 3, range(len(PROMPTS)))
     whole = generate(lm, tiny_tokenizer, PROMPTS, 8, 0.9, seeds=seeds)
-    halves = [generate(lm, tiny_tokenizer, PROMPTS[s], 8, 0.9, seeds=seeds[s]) for s in (slice(0, 4), slice(4, 8))]
+    halves = [
+        generate(lm, tiny_tokenizer, PROMPTS[s], 8, 0.9, seeds=seeds[s]) for s in (slice(0, 4), slice(4, 8))
+    ]
     assert _rows(whole) == _rows(halves[0]) + _rows(halves[1])
     assert whole.response_mask.sum(-1).unique().numel() > 1, "the test needs responses of different lengths"
     # the seed of a sample is a function of (seed, step, index): another step draws other samples
@@ -196,11 +210,14 @@ def test_gumbel_sampler_is_the_argmax_of_tempered_logits_plus_its_noise(tiny_tok
     seeds = sample_seeds(0, 0, range(len(PROMPTS)))
     ro = generate(lm, tiny_tokenizer, PROMPTS, n, T, seeds=seeds)
     gens = [torch.Generator().manual_seed(int(s)) for s in seeds]
-    from tether.models import position_ids_from_mask
+    from tether.models.head import position_ids_from_mask
 
     with torch.no_grad():
-        logits = lm(input_ids=ro.input_ids, attention_mask=ro.attention_mask,
-                    position_ids=position_ids_from_mask(ro.attention_mask)).logits
+        logits = lm(
+            input_ids=ro.input_ids,
+            attention_mask=ro.attention_mask,
+            position_ids=position_ids_from_mask(ro.attention_mask),
+        ).logits
     R = ro.response_ids.shape[1]
     logits = logits[:, -R:].double()  # (B, R, V) predicting each response token
     checked, differs_at_t1 = 0, 0
@@ -211,7 +228,9 @@ def test_gumbel_sampler_is_the_argmax_of_tempered_logits_plus_its_noise(tiny_tok
         assert torch.equal(ro.response_ids[valid, t], want[valid]), f"position {t}"
         checked += int(valid.sum())
         differs_at_t1 += int(((logits[:, t] + noise).argmax(-1) != want)[valid].sum())
-    assert checked >= 20 and not ro.response_mask.all() and differs_at_t1 > 0, "T = 1 would have picked the same tokens: the test could not fail"
+    assert checked >= 20 and not ro.response_mask.all() and differs_at_t1 > 0, (
+        "T = 1 would have picked the same tokens: the test could not fail"
+    )
 
 
 # ---- (b) end to end: accelerate launch with 2 processes against 1 process ----------------------
@@ -219,14 +238,16 @@ def _eos_model_dir(tok, out: Path) -> Path:
     """A tiny Llama that ends early often (mean response ~3 of 6 tokens), so processes hold
     different numbers of valid tokens: a constant direction ``u`` added to the last hidden state
     (an MLP bias) and an EOS embedding (tied to the LM head) along ``u`` give EOS a logit of ~3."""
-    lm = make_tiny_llama(len(tok), seed=0, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                         mlp_bias=True)
+    lm = make_tiny_llama(
+        len(tok), seed=0, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, mlp_bias=True
+    )
     with torch.no_grad():
         for layer in lm.model.layers:
             for lin in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
                 lin.bias.zero_()
-        u = torch.nn.functional.normalize(torch.randn(lm.config.hidden_size, generator=torch.Generator().manual_seed(0)),
-                                          dim=0)
+        u = torch.nn.functional.normalize(
+            torch.randn(lm.config.hidden_size, generator=torch.Generator().manual_seed(0)), dim=0
+        )
         lm.model.layers[-1].mlp.down_proj.bias.copy_(u)
         lm.model.embed_tokens.weight[tok.eos_token_id] = 0.8 * u
     lm.save_pretrained(out)
@@ -235,16 +256,30 @@ def _eos_model_dir(tok, out: Path) -> Path:
 
 
 def _args(model_dir, prompts, out, algo):
-    args = [f"model.name={model_dir}", f"data.prompts={prompts}", "data.heldout_fraction=0.2",
-            "rollout.batch_size=8", "rollout.max_new_tokens=6", "optim.minibatch_size=4", "optim.epochs=2",
-            "train.steps=1", f"train.algo={algo}", "eval.n_prompts=0", "eval.every=0", "eval.judge=none",
-            "reward.scorer=tests.conftest:length_judge", "train.progress=false", "train.save_model=false",
-            "train.checkpoint_every=0", f"train.output_dir={out}",
-            # the per-tensor AdamW loop: with the fused kernel, DPO's KL after one update was 4e-5
-            # relative off between 1 and 2 processes, while 1-process loop, 2-process loop and
-            # 2-process fused agreed to 1e-7 (rounding inside the kernel, not data parallelism);
-            # fused against loop is tested in tests/test_optim.py
-            "optim.fused_adamw=false"]
+    args = [
+        f"model.name={model_dir}",
+        f"data.prompts={prompts}",
+        "data.heldout_fraction=0.2",
+        "rollout.batch_size=8",
+        "rollout.max_new_tokens=6",
+        "optim.minibatch_size=4",
+        "optim.epochs=2",
+        "train.steps=1",
+        f"train.algo={algo}",
+        "eval.n_prompts=0",
+        "eval.every=0",
+        "eval.judge=none",
+        "reward.scorer=tests.conftest:length_judge",
+        "train.progress=false",
+        "train.save_model=false",
+        "train.checkpoint_every=0",
+        f"train.output_dir={out}",
+        # the per-tensor AdamW loop: with the fused kernel, DPO's KL after one update was 4e-5
+        # relative off between 1 and 2 processes, while 1-process loop, 2-process loop and
+        # 2-process fused agreed to 1e-7 (rounding inside the kernel, not data parallelism);
+        # fused against loop is tested in tests/test_optim.py
+        "optim.fused_adamw=false",
+    ]
     return args + (["rollout.group_size=2"] if algo in ("grpo", "rloo") else [])
 
 
@@ -254,8 +289,19 @@ def _launch(args, processes: int) -> str:
         cmd = [sys.executable, "-m", "tether", "train", *args]
     else:  # --multi_gpu selects accelerate's torchrun launcher; on a CPU-only machine it runs gloo
         accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent)) or "accelerate"
-        cmd = [accelerate, "launch", "--multi_gpu", f"--num_processes={processes}", "--num_machines=1",
-               "--mixed_precision=no", "--dynamo_backend=no", "-m", "tether", "train", *args]
+        cmd = [
+            accelerate,
+            "launch",
+            "--multi_gpu",
+            f"--num_processes={processes}",
+            "--num_machines=1",
+            "--mixed_precision=no",
+            "--dynamo_backend=no",
+            "-m",
+            "tether",
+            "train",
+            *args,
+        ]
     p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p.stdout + p.stderr
@@ -294,10 +340,14 @@ def test_two_processes_log_the_first_step_of_one(algo, tiny_tokenizer, prompt_fi
             assert b["policy/ratio_max_dev_first"] == 0.0
     if algo != "dpo":
         # the same samples, whichever process drew them (the sample table gathers all processes)
-        sa, sb = ([json.loads(line)["response"] for line in (d / "samples.jsonl").read_text().splitlines()]
-                  for d in (one, two))
+        sa, sb = (
+            [json.loads(line)["response"] for line in (d / "samples.jsonl").read_text().splitlines()]
+            for d in (one, two)
+        )
         assert sa == sb
         assert 1.5 < a["response/length"] < 5.5, "the test needs responses of different lengths"
     worst = max(margins, key=margins.get)
-    print(f"{algo}: largest difference 1 vs 2 processes {margins[worst]:.2g} of its tolerance "
-          f"({worst}: {a[worst]!r} vs {b[worst]!r})")
+    print(
+        f"{algo}: largest difference 1 vs 2 processes {margins[worst]:.2g} of its tolerance "
+        f"({worst}: {a[worst]!r} vs {b[worst]!r})"
+    )

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from tether.config import load_config
-from tether.trainers.common import build_run
+from tether.run.config import load_config
+from tether.run.setup import build_run
 from tether.trainers.dpo import DPOTrainer
 
 pytestmark = pytest.mark.numerics  # every test here compares two computational paths
@@ -24,13 +24,34 @@ def test_step0_margins_are_exactly_zero(tiny_model_dir, prompt_file, tmp_path):
     """
     pairs = tmp_path / "pairs.jsonl"
     words = "the movie was great and the acting was wonderful but the plot".split()
-    pairs.write_text("".join(
-        json.dumps({"prompt": " ".join(words[: 1 + i % 12]), "chosen": "great and fun " * (1 + i % 3),
-                    "rejected": "bad " * (1 + i % 5)}) + "\n" for i in range(12)))
-    cfg = load_config(None, [
-        f"model.name={tiny_model_dir}", f"data.prompts={prompt_file}", "train.algo=dpo", f"dpo.pairs={pairs}",
-        "rollout.forward_batch_size=5", "eval.n_prompts=0", "eval.judge=none", "train.progress=false",
-        "reward.scorer=tests.conftest:length_judge", f"train.output_dir={tmp_path / 'run'}"])
+    pairs.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "prompt": " ".join(words[: 1 + i % 12]),
+                    "chosen": "great and fun " * (1 + i % 3),
+                    "rejected": "bad " * (1 + i % 5),
+                }
+            )
+            + "\n"
+            for i in range(12)
+        )
+    )
+    cfg = load_config(
+        None,
+        [
+            f"model.name={tiny_model_dir}",
+            f"data.prompts={prompt_file}",
+            "train.algo=dpo",
+            f"dpo.pairs={pairs}",
+            "rollout.forward_batch_size=5",
+            "eval.n_prompts=0",
+            "eval.judge=none",
+            "train.progress=false",
+            "reward.scorer=tests.conftest:length_judge",
+            f"train.output_dir={tmp_path / 'run'}",
+        ],
+    )
     trainer = DPOTrainer(build_run(cfg))
     order = torch.randperm(12, generator=torch.Generator().manual_seed(0))
     for size in (1, 2, 3, 12):

@@ -7,8 +7,13 @@ import math
 import pytest
 import torch
 
-from tether.bestofn import bon_kl_bound, bon_kl_empirical, bon_rank_probs, bon_scores
-from tether.frontier import fit_gao, gao_curve
+from tether.analysis.frontier import fit_gao, gao_curve
+from tether.core.bestofn import (
+    bon_kl_bound,
+    bon_kl_empirical,
+    bon_rank_probs,
+    bon_scores,
+)
 
 
 def test_bon_rank_probs_by_hand():
@@ -47,11 +52,13 @@ def test_gao_fit_recovers_known_coefficients(form):
 
 
 def test_sweep_keeps_the_placement_and_group_size_the_user_gave(tmp_path):
-    from tether.config import ConfigError, load_config
-    from tether.frontier import sweep_configs
+    from tether.analysis.frontier import sweep_configs
+    from tether.run.config import ConfigError, load_config
 
     sweep = [("ppo", 0.05), ("grpo", 0.05), ("rloo", 0.1)]
-    given = sweep_configs(load_config(None, ["kl.kl_in_reward=true", "rollout.group_size=8"]), sweep, tmp_path)
+    given = sweep_configs(
+        load_config(None, ["kl.kl_in_reward=true", "rollout.group_size=8"]), sweep, tmp_path
+    )
     for c, (algo, beta) in zip(given, sweep):
         assert (c.train.algo, c.kl.kl_coef, c.kl.controller) == (algo, beta, "fixed")
         assert c.kl.kl_in_reward and not c.kl.kl_in_loss and c.rollout.group_size == 8, algo
@@ -62,5 +69,7 @@ def test_sweep_keeps_the_placement_and_group_size_the_user_gave(tmp_path):
     assert (rloo.kl.kl_in_reward, rloo.rollout.group_size) == (True, 4)
     # a run that cannot be built is refused before any run (and before the folder) exists
     with pytest.raises(ConfigError, match="kl.kl_in_reward"):
-        sweep_configs(load_config(None, ["kl.kl_in_reward=true"]), [("ppo", 0.1), ("dpo", 0.1)], tmp_path / "f")
+        sweep_configs(
+            load_config(None, ["kl.kl_in_reward=true"]), [("ppo", 0.1), ("dpo", 0.1)], tmp_path / "f"
+        )
     assert not (tmp_path / "f").exists()

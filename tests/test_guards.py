@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from tether.cli import main
-from tether.config import ConfigError, dump_config, load_config
-from tether.leash import KLLeash
-from tether.kl import masked_mean
+from tether.core.kl import masked_mean
+from tether.core.leash import KLLeash
+from tether.run.config import ConfigError, dump_config, load_config
 
 from .test_cli import _tiny_args
 
@@ -26,13 +26,17 @@ def test_partial_run_folder_is_refused(tiny_model_dir, prompt_file, tmp_path, ca
 
 def test_dpo_with_only_ties_stops_with_a_reason(tiny_model_dir, prompt_file, tmp_path, capsys):
     args = _tiny_args(tiny_model_dir, prompt_file, tmp_path / "d") + [
-        "train.algo=dpo", "dpo.n_pairs=4", "dpo.candidates=2", "reward.scorer=tests.conftest:constant_scorer"]
+        "train.algo=dpo",
+        "dpo.n_pairs=4",
+        "dpo.candidates=2",
+        "reward.scorer=tests.conftest:constant_scorer",
+    ]
     assert main(args) == 1
     assert "dpo.candidates" in capsys.readouterr().err
 
 
 def test_model_generation_config_does_not_change_sampling(tiny_tokenizer, tiny_lm):
-    from tether.rollout import generate
+    from tether.models.sampling import generate
 
     tiny_lm.generation_config.suppress_tokens = list(range(10, len(tiny_tokenizer)))
     tiny_lm.generation_config.top_k = 5
@@ -50,7 +54,7 @@ def test_reference_forwards_are_counted(tiny_model_dir, prompt_file, tmp_path):
 
 
 def test_eos_fraction_counts_responses_that_ended(tiny_tokenizer, tiny_lm):
-    from tether.rollout import generate
+    from tether.models.sampling import generate
 
     eos = tiny_tokenizer.eos_token_id
     bias = torch.zeros(len(tiny_tokenizer))
@@ -63,8 +67,10 @@ def test_eos_fraction_counts_responses_that_ended(tiny_tokenizer, tiny_lm):
 
 
 def test_scorer_that_raises_names_the_step(tiny_model_dir, prompt_file, tmp_path, capsys):
-    args = _tiny_args(tiny_model_dir, prompt_file, tmp_path / "s") + ["reward.scorer=tests.conftest:broken_scorer",
-                                                                   "eval.n_prompts=0"]
+    args = _tiny_args(tiny_model_dir, prompt_file, tmp_path / "s") + [
+        "reward.scorer=tests.conftest:broken_scorer",
+        "eval.n_prompts=0",
+    ]
     assert main(args) == 1
     err = capsys.readouterr().err
     assert "step 0" in err and "scorer failed" in err and "Traceback" not in err
@@ -111,11 +117,12 @@ def test_non_finite_config_values_are_refused():
             load_config(None, [o])
 
 
-def test_a_reference_that_moves_stops_the_run_without_a_checkpoint(tiny_model_dir, prompt_file, tmp_path,
-                                                                   monkeypatch, capsys):
+def test_a_reference_that_moves_stops_the_run_without_a_checkpoint(
+    tiny_model_dir, prompt_file, tmp_path, monkeypatch, capsys
+):
     # with train.checkpoint_every=0 no checkpoint checks the fingerprint: the check after the
     # last step must still catch a reference changed during training, before eval and policy
-    from tether import train as train_module
+    from tether import training as train_module
 
     class Nudging(train_module.TRAINERS["ppo"]):
         def step(self, step):
@@ -133,8 +140,10 @@ def test_a_reference_that_moves_stops_the_run_without_a_checkpoint(tiny_model_di
     assert not (out / "eval.json").exists() and not (out / "policy").exists()
 
 
-CHAT = ("{{ bos_token }}{% for m in messages %}[user] {{ m['content'] }}\n{% endfor %}"
-        "{% if add_generation_prompt %}[assistant] {% endif %}")
+CHAT = (
+    "{{ bos_token }}{% for m in messages %}[user] {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}[assistant] {% endif %}"
+)
 
 
 def test_chat_template_prompts_carry_exactly_one_bos(tiny_tokenizer):
@@ -142,11 +151,13 @@ def test_chat_template_prompts_carry_exactly_one_bos(tiny_tokenizer):
 
     from tokenizers.processors import TemplateProcessing
 
-    from tether.rollout import prompt_texts, tokenize_prompts, use_chat_template
+    from tether.models.sampling import prompt_texts, tokenize_prompts, use_chat_template
 
     tok = copy.deepcopy(tiny_tokenizer)
     tok.add_special_tokens({"bos_token": "<bos>"})
-    with pytest.raises(ValueError, match="data.chat_template=true: the tokenizer of model.name has no chat template"):
+    with pytest.raises(
+        ValueError, match="data.chat_template=true: the tokenizer of model.name has no chat template"
+    ):
         use_chat_template(tok)
     tok.chat_template = CHAT
     use_chat_template(tok)
@@ -159,7 +170,9 @@ def test_chat_template_prompts_carry_exactly_one_bos(tiny_tokenizer):
     counts, _, _ = bos_count()  # the tokenizer adds no BOS: the template's stays
     assert counts == [1, 1]
     # a tokenizer that prepends BOS itself (Llama 3 style): the template's copy is dropped
-    tok._tokenizer.post_processor = TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", tok.bos_token_id)])
+    tok._tokenizer.post_processor = TemplateProcessing(
+        single="<bos> $A", special_tokens=[("<bos>", tok.bos_token_id)]
+    )
     counts, ids, mask = bos_count()
     assert counts == [1, 1] and all(int(row[m][0]) == tok.bos_token_id for row, m in zip(ids, mask.bool()))
 
@@ -167,7 +180,7 @@ def test_chat_template_prompts_carry_exactly_one_bos(tiny_tokenizer):
 def test_chat_template_run_shows_prompts_as_written(tiny_model_dir, prompt_file, tmp_path, monkeypatch):
     import shutil
 
-    from tether import rollout
+    from tether.models import sampling as rollout
 
     model = tmp_path / "chat-model"
     shutil.copytree(tiny_model_dir, model)
@@ -176,10 +189,15 @@ def test_chat_template_run_shows_prompts_as_written(tiny_model_dir, prompt_file,
     (model / "tokenizer_config.json").write_text(json.dumps(cfg))
     seen = []
     real = rollout.prompt_texts
-    monkeypatch.setattr(rollout, "prompt_texts", lambda tok, prompts: seen.extend(real(tok, prompts)) or real(tok, prompts))
+    monkeypatch.setattr(
+        rollout, "prompt_texts", lambda tok, prompts: seen.extend(real(tok, prompts)) or real(tok, prompts)
+    )
     out = tmp_path / "run"
-    args = _tiny_args(model, prompt_file, out) + ["data.chat_template=true", "rollout.max_prompt_tokens=40",
-                                                  "train.save_model=false"]
+    args = _tiny_args(model, prompt_file, out) + [
+        "data.chat_template=true",
+        "rollout.max_prompt_tokens=40",
+        "train.save_model=false",
+    ]
     assert main(args) == 0
     assert seen and all(t.startswith("[user] ") and t.endswith("\n[assistant] ") for t in seen)
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]

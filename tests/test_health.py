@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from tether.health import RULES, HealthMonitor, HealthThresholds
+from tether.core.health import RULES, HealthThresholds
+from tether.run.monitor import HealthMonitor
 
 T = HealthThresholds(window=6)
 
@@ -15,15 +16,17 @@ def healthy(n: int = 20) -> list[dict]:
     """Score rises slowly, KL rises to ~3 nats and levels off, entropy and length steady."""
     rows = []
     for s in range(n):
-        rows.append({
-            "step": s,
-            "objective/scores": 0.2 + 0.01 * s,
-            "objective/kl": min(3.0, 0.2 * s),
-            "objective/kl_per_token": min(3.0, 0.2 * s) / 24,
-            "objective/k1_negative_fraction": 0.45,
-            "objective/entropy": 3.5 - 0.02 * s,
-            "response/length": 24.0 - 0.1 * (s % 3),
-        })
+        rows.append(
+            {
+                "step": s,
+                "objective/scores": 0.2 + 0.01 * s,
+                "objective/kl": min(3.0, 0.2 * s),
+                "objective/kl_per_token": min(3.0, 0.2 * s) / 24,
+                "objective/k1_negative_fraction": 0.45,
+                "objective/entropy": 3.5 - 0.02 * s,
+                "response/length": 24.0 - 0.1 * (s % 3),
+            }
+        )
         if s % 2 == 0:  # eval points: proxy and gold rise together
             rows[-1]["eval/proxy_score"] = 0.2 + 0.02 * s
             rows[-1]["eval/gold_score"] = 0.1 + 0.01 * s

@@ -9,14 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tether.config import load_config
-from tether.kl import ESTIMATORS, estimate_kl, masked_sum
-from tether.trainers.common import build_run
+from tether.core.kl import ESTIMATORS, estimate_kl, masked_sum
+from tether.run.config import load_config
+from tether.run.setup import build_run
 from tether.trainers.ppo import PPOTrainer
 
 
 def test_default_prompts_are_real_and_split():
-    from tether.data import movie_prompts
+    from tether.data.prompts import movie_prompts
 
     train, held = movie_prompts(seed=0)
     assert len(train) > 9000 and len(held) > 400
@@ -29,8 +29,17 @@ def test_default_prompts_are_real_and_split():
 @pytest.fixture(scope="module")
 def real_step(tmp_path_factory):
     out = tmp_path_factory.mktemp("real") / "run"
-    config = load_config(None, ["rollout.batch_size=4", "optim.minibatch_size=2", "rollout.max_new_tokens=8",
-                                "eval.n_prompts=0", "train.progress=false", f"train.output_dir={out}"])
+    config = load_config(
+        None,
+        [
+            "rollout.batch_size=4",
+            "optim.minibatch_size=2",
+            "rollout.max_new_tokens=8",
+            "eval.n_prompts=0",
+            "train.progress=false",
+            f"train.output_dir={out}",
+        ],
+    )
     run = build_run(config)
     trainer = PPOTrainer(run)
     row = trainer.step(0)
@@ -51,7 +60,7 @@ def test_step_zero_kl_is_exactly_zero_and_ratio_one(real_step):
 
 def test_real_reference_stays_frozen(real_step):
     run, trainer, row = real_step
-    from tether.models import fingerprint
+    from tether.models.reference import fingerprint
 
     assert fingerprint(run.reference) == run.reference_fingerprint
     moved = any(not torch.equal(p, q) for p, q in zip(run.policy.lm.parameters(), run.reference.parameters()))

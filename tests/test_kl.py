@@ -1,4 +1,4 @@
-"""Tests for tether.kl: per-token estimators, masked aggregations, exact KL from logits.
+"""Tests for tether.core.kl: per-token estimators, masked aggregations, exact KL from logits.
 
 Expectations are checked by exact enumeration over a small vocabulary in float64 (an
 expectation is a finite sum, so unbiasedness is an equality, not sampling luck).
@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from tether.kl import (
+from tether.core.kl import (
     ESTIMATORS,
     estimate_kl,
     exact_kl_from_logits,
@@ -442,7 +442,7 @@ def test_k3_is_not_capped_where_the_policy_is_far_above_the_reference(ref):
     want = math.expm1(ref + 0.1) - (ref + 0.1)
     assert kl_k3(lp, lq).item() == pytest.approx(want, rel=1e-14)
     assert want > 23.8
-    from tether.losses import kl_loss_terms
+    from tether.core.losses import kl_loss_terms
 
     lp.requires_grad_(True)
     # k3_is's gradient on-policy (old = current): d/dlp [exp(lp - old) * k3] = k3 + (1 - exp(r))

@@ -12,10 +12,10 @@ import math
 import pytest
 import torch
 
-from tether.advantages import group_normalized_advantages, rloo_advantages
-from tether.leash import KLLeash
-from tether.losses import kl_loss_terms
-from tether.placement import check_placement
+from tether.core.advantages import group_normalized_advantages, rloo_advantages
+from tether.core.leash import KLLeash
+from tether.core.losses import kl_loss_terms
+from tether.core.placement import check_placement
 
 F64 = torch.float64
 
@@ -30,15 +30,19 @@ def expected_loss_grad(theta, ref_logp, estimator, old_logp=None):
     theta = theta.clone().requires_grad_(True)
     logp = torch.log_softmax(theta, -1)  # (V,) log pi_theta of every token
     sample_logp = (old_logp if old_logp is not None else logp).detach()
-    terms = kl_loss_terms(logp[None], ref_logp[None], estimator,
-                          old_logprobs=sample_logp[None] if estimator == "k3_is" else None)[0]
+    terms = kl_loss_terms(
+        logp[None],
+        ref_logp[None],
+        estimator,
+        old_logprobs=sample_logp[None] if estimator == "k3_is" else None,
+    )[0]
     (sample_logp.exp() * terms).sum().backward()
     return theta.grad
 
 
 def expected_reward_grad(theta, ref_logp, estimator):
     """Policy-gradient (score-function) gradient of E[-kl(y)] with kl in the reward."""
-    from tether.kl import estimate_kl
+    from tether.core.kl import estimate_kl
 
     theta = theta.clone().requires_grad_(True)
     logp = torch.log_softmax(theta, -1)
@@ -60,11 +64,13 @@ def test_two_token_case_by_hand():
     for est in ("k2", "k3+", "k3_is"):
         torch.testing.assert_close(expected_loss_grad(theta, ref_logp, est), th.grad, atol=1e-6, rtol=0)
     # k1 as a loss: E[grad log pi] = 0
-    torch.testing.assert_close(expected_loss_grad(theta, ref_logp, "k1"), torch.zeros(2, dtype=F64),
-                               atol=1e-12, rtol=0)
+    torch.testing.assert_close(
+        expected_loss_grad(theta, ref_logp, "k1"), torch.zeros(2, dtype=F64), atol=1e-12, rtol=0
+    )
     # k3 as a loss: pi - ref = [0.5 - 0.8, 0.5 - 0.2] = [-0.3, +0.3], the forward-KL gradient
-    torch.testing.assert_close(expected_loss_grad(theta, ref_logp, "k3"),
-                               torch.tensor([-0.3, 0.3], dtype=F64), atol=1e-12, rtol=0)
+    torch.testing.assert_close(
+        expected_loss_grad(theta, ref_logp, "k3"), torch.tensor([-0.3, 0.3], dtype=F64), atol=1e-12, rtol=0
+    )
 
 
 def test_random_16_token_case():
@@ -78,8 +84,9 @@ def test_random_16_token_case():
         torch.testing.assert_close(expected_loss_grad(theta, ref_logp, est), true, atol=1e-10, rtol=0)
     # k3_is stays exact off-policy: samples from another pi_old
     old = torch.log_softmax(torch.randn(16, generator=g, dtype=F64), -1)
-    torch.testing.assert_close(expected_loss_grad(theta, ref_logp, "k3_is", old_logp=old), true,
-                               atol=1e-10, rtol=0)
+    torch.testing.assert_close(
+        expected_loss_grad(theta, ref_logp, "k3_is", old_logp=old), true, atol=1e-10, rtol=0
+    )
     # ... while k3+ off-policy is not
     assert (expected_loss_grad(theta, ref_logp, "k3+", old_logp=old) - true).abs().max() > 1e-3
     assert (expected_loss_grad(theta, ref_logp, "k1") - true).abs().max() > 1e-3
@@ -146,8 +153,10 @@ def test_placement_both_refused_without_override():
     assert p.warnings and "counted twice" in p.warnings[0]
 
 
-@pytest.mark.parametrize("reward_on, est, field", [(True, "k3", "kl.estimator"), (False, "k1", "kl.loss_estimator"),
-                                                  (False, "k3", "kl.loss_estimator")])
+@pytest.mark.parametrize(
+    "reward_on, est, field",
+    [(True, "k3", "kl.estimator"), (False, "k1", "kl.loss_estimator"), (False, "k3", "kl.loss_estimator")],
+)
 def test_biased_estimators_refused_with_reason(reward_on, est, field):
     args = (True, False, est, "k2") if reward_on else (False, True, "k1", est)
     with pytest.raises(ValueError) as e:

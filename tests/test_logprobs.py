@@ -1,4 +1,4 @@
-"""Tests for tether.logprobs: tempered log-probs, entropy, response masks."""
+"""Tests for tether.core.logprobs: tempered log-probs, entropy, response masks."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from tether.logprobs import (
+from tether.core.logprobs import (
     entropy_from_logits,
     last_token_index,
     logprobs_from_logits,
@@ -164,6 +164,8 @@ def test_response_mask_none_eos_counts_everything():
 
 
 def test_last_token_index():
-    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [0, 0, 0, 0, 0]], dtype=torch.bool)
+    mask = torch.tensor(
+        [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [0, 0, 0, 0, 0]], dtype=torch.bool
+    )
     # last True positions: 2, 4, 0; empty row -> 0 (documented)
     assert last_token_index(mask).tolist() == [2, 4, 0, 0]

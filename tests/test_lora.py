@@ -15,21 +15,21 @@ import pytest
 import torch
 
 from tether.cli import main
-from tether.config import ConfigError, load_config
-from tether.models import (
+from tether.models.loading import load_causal_lm
+from tether.models.lora import (
     POLICY_ADAPTER,
     REFERENCE_ADAPTER,
     AdapterReference,
-    PolicyWithValue,
     adapter_of,
     add_lora,
-    check_reference,
-    fingerprint,
-    load_causal_lm,
-    make_reference,
 )
-from tether.rollout import Rollout, score_logprobs
-from tether.trainers.common import build_run, score_rollout
+from tether.models.policy import PolicyWithValue
+from tether.models.reference import check_reference, fingerprint, make_reference
+from tether.models.sampling import Rollout
+from tether.models.scoring import score_logprobs
+from tether.run.config import ConfigError, load_config
+from tether.run.setup import build_run
+from tether.trainers.common import score_rollout
 from tether.trainers.ppo import PPOTrainer
 
 from .conftest import make_tiny_llama
@@ -37,8 +37,13 @@ from .test_cli import _tiny_args
 
 
 def _lora_config(model_dir, prompts, out, *extra):
-    args = _tiny_args(model_dir, prompts, out)[1:] + ["eval.n_prompts=0", "eval.every=0", "train.save_model=false",
-                                                       "reward.scorer=tests.conftest:length_judge", *extra]
+    args = _tiny_args(model_dir, prompts, out)[1:] + [
+        "eval.n_prompts=0",
+        "eval.every=0",
+        "train.save_model=false",
+        "reward.scorer=tests.conftest:length_judge",
+        *extra,
+    ]
     return load_config(None, args)
 
 
@@ -95,9 +100,16 @@ def test_lora_cli_run_saves_an_adapter_and_a_run_can_start_from_it(tiny_model_di
     assert not (saved / REFERENCE_ADAPTER).exists() and not (saved / "model.safetensors").exists()
     # the trained adapter as the starting policy: the reference is base + that adapter, so KL 0 again
     second = tmp_path / "second"
-    assert main(_tiny_args(tiny_model_dir, prompt_file, second) + [f"model.adapter={saved}", "train.steps=1"]) == 0
+    assert (
+        main(_tiny_args(tiny_model_dir, prompt_file, second) + [f"model.adapter={saved}", "train.steps=1"])
+        == 0
+    )
     row = _rows(second)[0]
-    assert row["objective/kl"] == 0.0 and row["objective/kl_exact"] == 0.0 and row["policy/ratio_max_dev_first"] == 0.0
+    assert (
+        row["objective/kl"] == 0.0
+        and row["objective/kl_exact"] == 0.0
+        and row["policy/ratio_max_dev_first"] == 0.0
+    )
 
 
 # ---- (b) starting adapter: the reference is base + adapter, not the bare base ---------------
@@ -111,7 +123,9 @@ def test_starting_adapter_is_the_reference_not_the_bare_base(tmp_path):
     lm.save_pretrained(base_dir)
     prompt = torch.tensor([[1, 0, 1]])  # (1, P)
     response = torch.tensor([[0, 1, 0]])  # (1, R): the first response token is token 0
-    ro = Rollout(["p"], prompt, torch.ones_like(prompt), response, torch.ones_like(response, dtype=torch.bool), ["r"])
+    ro = Rollout(
+        ["p"], prompt, torch.ones_like(prompt), response, torch.ones_like(response, dtype=torch.bool), ["r"]
+    )
     with torch.no_grad():
         h = lm.model(input_ids=prompt).last_hidden_state[0, -1]  # (d,) predicts the first response token
 
@@ -145,7 +159,9 @@ def test_starting_adapter_is_the_reference_not_the_bare_base(tmp_path):
 
 
 def test_starting_adapter_run_step_zero_kl_is_zero(tiny_model_dir, prompt_file, tmp_path, trained_adapter):
-    run = build_run(_lora_config(tiny_model_dir, prompt_file, tmp_path / "r", f"model.adapter={trained_adapter}"))
+    run = build_run(
+        _lora_config(tiny_model_dir, prompt_file, tmp_path / "r", f"model.adapter={trained_adapter}")
+    )
     trainer = PPOTrainer(run)
     trainer.step(0)
     exp = trainer.last_experience
@@ -159,7 +175,9 @@ def test_starting_adapter_run_step_zero_kl_is_zero(tiny_model_dir, prompt_file, 
 
 # ---- (c) after an optimizer step: base and reference adapter bit-identical ------------------
 def test_only_the_policy_adapter_moves(tiny_model_dir, prompt_file, tmp_path, trained_adapter):
-    run = build_run(_lora_config(tiny_model_dir, prompt_file, tmp_path / "r", f"model.adapter={trained_adapter}"))
+    run = build_run(
+        _lora_config(tiny_model_dir, prompt_file, tmp_path / "r", f"model.adapter={trained_adapter}")
+    )
     before = _snapshot(run.policy.peft)
     head_before = _snapshot(run.policy.value_head)
     flags = {n: p.requires_grad for n, p in run.policy.named_parameters()}
@@ -168,7 +186,9 @@ def test_only_the_policy_adapter_moves(tiny_model_dir, prompt_file, tmp_path, tr
     names = {id(p): n for n, p in run.policy.named_parameters()}
     assert {adapter_of(names[id(p)]) for p in trainer.params} == {POLICY_ADAPTER, None}
     assert {names[id(p)] for p in trainer.params if adapter_of(names[id(p)]) is None} == {
-        "value_head.weight", "value_head.bias"}
+        "value_head.weight",
+        "value_head.bias",
+    }
     trainer.step(0)
     exp = trainer.last_experience
     after = run.policy.peft.state_dict()
@@ -193,9 +213,11 @@ def test_fingerprint_covers_base_and_reference_adapter_only(tiny_model_dir, trai
     reference = make_reference(peft_model)
     fp = fingerprint(reference)
     params = dict(peft_model.named_parameters())
-    for name, expect_change in ((next(k for k in params if adapter_of(k) == POLICY_ADAPTER), False),
-                                (next(k for k in params if adapter_of(k) == REFERENCE_ADAPTER), True),
-                                (next(k for k in params if adapter_of(k) is None), True)):
+    for name, expect_change in (
+        (next(k for k in params if adapter_of(k) == POLICY_ADAPTER), False),
+        (next(k for k in params if adapter_of(k) == REFERENCE_ADAPTER), True),
+        (next(k for k in params if adapter_of(k) is None), True),
+    ):
         with torch.no_grad():
             params[name].view(-1)[0] += 1e-3
         assert (fingerprint(reference) != fp) == expect_change, name
@@ -217,8 +239,13 @@ def test_trainable_base_is_refused_as_a_moving_reference(tiny_model_dir):
 def test_lora_resume_matches_uninterrupted(tiny_model_dir, prompt_file, tmp_path, trained_adapter):
     def args(out, steps):
         return _tiny_args(tiny_model_dir, prompt_file, out) + [
-            f"model.adapter={trained_adapter}", f"train.steps={steps}", "train.checkpoint_every=2",
-            "eval.n_prompts=0", "eval.every=0", "train.save_model=false"]
+            f"model.adapter={trained_adapter}",
+            f"train.steps={steps}",
+            "train.checkpoint_every=2",
+            "eval.n_prompts=0",
+            "eval.every=0",
+            "train.save_model=false",
+        ]
 
     full, split = tmp_path / "full", tmp_path / "split"
     assert main(args(full, 3)) == 0
@@ -236,20 +263,25 @@ def test_lora_resume_matches_uninterrupted(tiny_model_dir, prompt_file, tmp_path
 
 # ---- config --------------------------------------------------------------------------------
 def test_lora_config_fields():
-    c = load_config(None, ["model.lora_r=8", "model.lora_alpha=32", "model.lora_target_modules=q_proj,v_proj"])
+    c = load_config(
+        None, ["model.lora_r=8", "model.lora_alpha=32", "model.lora_target_modules=q_proj,v_proj"]
+    )
     assert c.model.lora and c.model.lora_r == 8 and c.model.lora_target_modules == ["q_proj", "v_proj"]
     assert load_config(None, ["model.lora_target_modules=[q_proj]"]).model.lora_target_modules == ["q_proj"]
     assert load_config(None, ["model.adapter=some/folder"]).model.lora
     assert not load_config().model.lora
 
 
-@pytest.mark.parametrize("overrides, field", [
-    (["model.lora_r=-1"], "model.lora_r"),
-    (["model.lora_alpha=0"], "model.lora_alpha"),
-    (["model.lora_target_modules=[]"], "model.lora_target_modules"),
-    (["model.adapter=some/folder", "model.lora_r=4"], "model.lora_r"),
-    (["model.lora_r=4", "model.trainable_layers=1"], "model.trainable_layers"),
-])
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (["model.lora_r=-1"], "model.lora_r"),
+        (["model.lora_alpha=0"], "model.lora_alpha"),
+        (["model.lora_target_modules=[]"], "model.lora_target_modules"),
+        (["model.adapter=some/folder", "model.lora_r=4"], "model.lora_r"),
+        (["model.lora_r=4", "model.trainable_layers=1"], "model.trainable_layers"),
+    ],
+)
 def test_bad_lora_config_names_the_field(overrides, field):
     with pytest.raises(ConfigError) as e:
         load_config(None, overrides)
@@ -263,7 +295,7 @@ def test_adapter_folder_must_exist(tiny_model_dir, tmp_path):
 
 @pytest.mark.numerics
 def test_reference_generates_as_the_starting_policy(tiny_model_dir, tiny_tokenizer, trained_adapter):
-    from tether.rollout import generate
+    from tether.models.sampling import generate
 
     peft_model = add_lora(load_causal_lm(tiny_model_dir), 0, 16.0, ["q_proj"], adapter=str(trained_adapter))
     policy, reference = PolicyWithValue(peft_model), make_reference(peft_model)
@@ -280,9 +312,22 @@ def test_reference_generates_as_the_starting_policy(tiny_model_dir, tiny_tokeniz
 
 def test_dpo_with_lora_runs(tiny_model_dir, prompt_file, tmp_path):
     out = tmp_path / "dpo"
-    assert main(_tiny_args(tiny_model_dir, prompt_file, out) + [
-        "train.algo=dpo", "model.lora_r=4", "dpo.n_pairs=4", "dpo.candidates=2", "train.steps=1",
-        "dpo.kl_eval_prompts=2", "eval.n_prompts=0", "eval.every=0",
-        "reward.scorer=tests.conftest:length_judge"]) == 0
+    assert (
+        main(
+            _tiny_args(tiny_model_dir, prompt_file, out)
+            + [
+                "train.algo=dpo",
+                "model.lora_r=4",
+                "dpo.n_pairs=4",
+                "dpo.candidates=2",
+                "train.steps=1",
+                "dpo.kl_eval_prompts=2",
+                "eval.n_prompts=0",
+                "eval.every=0",
+                "reward.scorer=tests.conftest:length_judge",
+            ]
+        )
+        == 0
+    )
     row = _rows(out)[0]
     assert "dpo/loss" in row and row["objective/kl_exact"] > 0  # the adapter moved in its first update

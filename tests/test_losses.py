@@ -1,4 +1,4 @@
-"""Tests for tether.losses: PPO clipped surrogate and clipped value loss."""
+"""Tests for tether.core.losses: PPO clipped surrogate and clipped value loss."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from tether.losses import clipped_value_loss, ppo_policy_loss
+from tether.core.losses import clipped_value_loss, ppo_policy_loss
 
 F64 = torch.float64
 INF, NAN = float("inf"), float("nan")
@@ -110,8 +110,13 @@ def test_value_loss_hand_worked():
     # clipfrac = 1 / 3
     # grad = 0.5 * (1/3) * [0, 2*(1.5-1.0), 2*(1.1-0.0), 0] = [0, 0.5/3, 1.1/3, 0] = [0, 1/6, 0.3667, 0]
     values = _t([[1.5, 1.5, 1.1, 7.0]], grad=True)
-    out = clipped_value_loss(values, _t([[1.0, 1.0, 1.0, 1.0]]), _t([[2.0, 1.0, 0.0, -3.0]]),
-                             torch.tensor([[1, 1, 1, 0]], dtype=torch.bool), clip_eps_value=0.2)
+    out = clipped_value_loss(
+        values,
+        _t([[1.0, 1.0, 1.0, 1.0]]),
+        _t([[2.0, 1.0, 0.0, -3.0]]),
+        torch.tensor([[1, 1, 1, 0]], dtype=torch.bool),
+        clip_eps_value=0.2,
+    )
     assert out.loss.item() == pytest.approx(0.35, abs=1e-14)
     assert out.clipfrac.item() == pytest.approx(1 / 3, abs=1e-7)
     out.loss.backward()
@@ -122,14 +127,18 @@ def test_value_loss_unclipped_when_values_unchanged():
     # values == old_values: v_clip == values, loss = 0.5 * mean (V - R)^2
     # (V - R) = [1, -2] -> 0.5 * (1 + 4) / 2 = 1.25
     values = _t([[1.0, 0.0]], grad=True)
-    out = clipped_value_loss(values, values.detach().clone(), _t([[0.0, 2.0]]), torch.ones(1, 2, dtype=torch.bool))
+    out = clipped_value_loss(
+        values, values.detach().clone(), _t([[0.0, 2.0]]), torch.ones(1, 2, dtype=torch.bool)
+    )
     assert out.loss.item() == pytest.approx(1.25, abs=1e-14)
     assert out.clipfrac.item() == 0.0
 
 
 def test_value_loss_masked_nonfinite_targets_forward_finite():
     values = _t([[1.0, NAN]], grad=True)
-    out = clipped_value_loss(values, _t([[1.0, INF]]), _t([[2.0, NAN]]), torch.tensor([[1, 0]], dtype=torch.bool))
+    out = clipped_value_loss(
+        values, _t([[1.0, INF]]), _t([[2.0, NAN]]), torch.tensor([[1, 0]], dtype=torch.bool)
+    )
     # only token 0: 0.5 * (1 - 2)^2 = 0.5
     assert out.loss.item() == pytest.approx(0.5, abs=1e-14)
     assert torch.isfinite(out.clipfrac)
@@ -137,6 +146,8 @@ def test_value_loss_masked_nonfinite_targets_forward_finite():
 
 def test_value_loss_masked_nonfinite_gradient_is_finite():
     values = _t([[1.0, NAN]], grad=True)
-    out = clipped_value_loss(values, _t([[1.0, 0.0]]), _t([[2.0, 0.0]]), torch.tensor([[1, 0]], dtype=torch.bool))
+    out = clipped_value_loss(
+        values, _t([[1.0, 0.0]]), _t([[2.0, 0.0]]), torch.tensor([[1, 0]], dtype=torch.bool)
+    )
     out.loss.backward()
     assert torch.isfinite(values.grad).all()

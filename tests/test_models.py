@@ -7,17 +7,13 @@ import copy
 import pytest
 import torch
 
-from tether.logprobs import response_mask_from_tokens
-from tether.models import (
-    PolicyWithValue,
-    check_reference,
-    disable_dropout,
-    fingerprint,
-    freeze,
-    make_reference,
-    position_ids_from_mask,
-)
-from tether.rollout import Rollout, generate, score_logprobs, tokenize_prompts
+from tether.core.logprobs import response_mask_from_tokens
+from tether.models.head import position_ids_from_mask
+from tether.models.loading import disable_dropout
+from tether.models.policy import PolicyWithValue
+from tether.models.reference import check_reference, fingerprint, freeze, make_reference
+from tether.models.sampling import Rollout, generate, tokenize_prompts
+from tether.models.scoring import score_logprobs
 
 from .conftest import make_tiny_llama
 
@@ -115,8 +111,11 @@ def test_scoring_uses_the_sampling_temperature(tiny_tokenizer, tiny_lm):
     ro = _rollout(tiny_tokenizer, tiny_lm, temperature=0.7)
     reference = make_reference(tiny_lm)
     with torch.no_grad():
-        logits = tiny_lm(input_ids=ro.input_ids, attention_mask=ro.attention_mask,
-                         position_ids=position_ids_from_mask(ro.attention_mask)).logits
+        logits = tiny_lm(
+            input_ids=ro.input_ids,
+            attention_mask=ro.attention_mask,
+            position_ids=position_ids_from_mask(ro.attention_mask),
+        ).logits
         R = ro.response_ids.shape[1]
         want = torch.log_softmax(logits[:, -R:] / 0.7, -1).gather(-1, ro.response_ids[..., None])[..., 0]
         untempered = torch.log_softmax(logits[:, -R:], -1).gather(-1, ro.response_ids[..., None])[..., 0]
@@ -150,7 +149,7 @@ def test_fingerprint_sees_a_changed_weight(tiny_lm):
 
 # ---- the LM head in slices: no-grad scoring never holds (B, R, V) logits ---------------------
 def test_head_row_slices_by_hand():
-    from tether.models import head_row_slices
+    from tether.models.head import head_row_slices
 
     # R = 3, 7 positions per slice: max(1, 7 // 3) = 2 rows -> rows [0:2], [2:4], [4:5]
     assert head_row_slices(5, 3, 7) == [slice(0, 2), slice(2, 4), slice(4, 5)]
@@ -165,10 +164,10 @@ def test_head_row_slices_by_hand():
 @pytest.mark.numerics
 @pytest.mark.parametrize("chunk", [1, 7, 10**6])
 def test_sliced_scoring_equals_the_full_forward_bit_for_bit(tiny_tokenizer, tiny_lm, monkeypatch, chunk):
-    import tether.rollout as tr
-    from tether.kl import exact_kl_from_logits
-    from tether.logprobs import entropy_from_logits, logprobs_from_logits
-    from tether.rollout import response_forward, score_policy_and_reference
+    import tether.models.scoring as tr
+    from tether.core.kl import exact_kl_from_logits
+    from tether.core.logprobs import entropy_from_logits, logprobs_from_logits
+    from tether.models.scoring import response_forward, score_policy_and_reference
 
     reference = make_reference(tiny_lm)
     policy = PolicyWithValue(tiny_lm, head_chunk=chunk)
@@ -204,8 +203,8 @@ def test_sliced_scoring_equals_the_full_forward_bit_for_bit(tiny_tokenizer, tiny
 @pytest.mark.numerics
 def test_shared_prompt_prefix_scores_like_the_full_forward(tiny_tokenizer, tiny_lm, monkeypatch):
     """Prefix sharing: each distinct prompt through the trunk once, numbers as the full forward's."""
-    import tether.models as tm
-    from tether.rollout import score_logprobs, score_policy_and_reference
+    import tether.models.head as tm
+    from tether.models.scoring import score_logprobs, score_policy_and_reference
 
     monkeypatch.setattr(tm, "SHARED_PREFIX_MIN_POSITIONS", 1)  # the test's prompts are short
     # groups of 3 rows per prompt; "good" is one token, so its prefix (the prompt without its
@@ -216,8 +215,9 @@ def test_shared_prompt_prefix_scores_like_the_full_forward(tiny_tokenizer, tiny_
     reference = make_reference(tiny_lm)
     trunk = tiny_lm.model
     batch_rows = []
-    hook = trunk.register_forward_pre_hook(lambda m, a, kw: batch_rows.append(kw["input_ids"].shape[0]),
-                                           with_kwargs=True)
+    hook = trunk.register_forward_pre_hook(
+        lambda m, a, kw: batch_rows.append(kw["input_ids"].shape[0]), with_kwargs=True
+    )
     with torch.no_grad():
         full = score_logprobs(plain, ro, 0.8).logprobs
         assert batch_rows == [9]
@@ -245,9 +245,9 @@ def test_shared_prompt_prefix_scores_like_the_full_forward(tiny_tokenizer, tiny_
 
 
 def test_reference_forwards_count_a_shared_prefix_scoring_once(tiny_tokenizer, tiny_lm, monkeypatch):
-    import tether.models as tm
-    from tether.models import count_reference_forwards
-    from tether.rollout import score_logprobs
+    import tether.models.head as tm
+    from tether.models.reference import count_reference_forwards
+    from tether.models.scoring import score_logprobs
 
     monkeypatch.setattr(tm, "SHARED_PREFIX_MIN_POSITIONS", 1)
     reference = make_reference(tiny_lm)
@@ -262,15 +262,16 @@ def test_reference_forwards_count_a_shared_prefix_scoring_once(tiny_tokenizer, t
 
 @pytest.mark.numerics
 def test_generation_from_a_shared_prompt_cache_draws_the_same_samples(tiny_tokenizer, tiny_lm, monkeypatch):
-    import tether.models as tm
-    from tether.rollout import generate
+    import tether.models.head as tm
+    from tether.models.sampling import generate
 
     monkeypatch.setattr(tm, "SHARED_PREFIX_MIN_POSITIONS", 1)
     prompts = [p for p in PROMPTS for _ in range(3)]  # "good" (one token) has an all-padding prefix
     rows = []
     trunk = tiny_lm.model
-    hook = trunk.register_forward_pre_hook(lambda m, a, kw: rows.append(tuple(kw["input_ids"].shape)),
-                                           with_kwargs=True)
+    hook = trunk.register_forward_pre_hook(
+        lambda m, a, kw: rows.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+    )
     plain = generate(tiny_lm, tiny_tokenizer, prompts, 6, 1.0, seeds=range(9))
     P = plain.prompt_ids.shape[1]
     assert rows[0] == (9, P)  # the whole prompt of every row at once
@@ -283,14 +284,17 @@ def test_generation_from_a_shared_prompt_cache_draws_the_same_samples(tiny_token
 
 
 def test_short_prompt_prefixes_are_not_shared(tiny_tokenizer, tiny_lm, monkeypatch):
-    import tether.models as tm
-    from tether.rollout import generate, score_logprobs
+    import tether.models.head as tm
+    from tether.models.sampling import generate
+    from tether.models.scoring import score_logprobs
 
     prompts = [p for p in PROMPTS for _ in range(2)]
     ro = _rollout(tiny_tokenizer, tiny_lm, prompts)
     P = ro.prompt_ids.shape[1]
     calls = []
-    hook = tiny_lm.model.register_forward_pre_hook(lambda m, a, kw: calls.append(kw["input_ids"].shape), with_kwargs=True)
+    hook = tiny_lm.model.register_forward_pre_hook(
+        lambda m, a, kw: calls.append(kw["input_ids"].shape), with_kwargs=True
+    )
     shared = PolicyWithValue(tiny_lm, share_prefix=True)
     for min_positions, trunk_calls in [(P, 1), (P - 1, 2)]:  # the prefix is P - 1 positions
         monkeypatch.setattr(tm, "SHARED_PREFIX_MIN_POSITIONS", min_positions)
@@ -309,15 +313,27 @@ def test_a_hybrid_model_whose_cache_cannot_be_gathered_runs_the_plain_path(tiny_
     """LFM2 (convolution + attention layers): its cache has no batch_select_indices; no crash, plain numbers."""
     import transformers
 
-    import tether.models as tm
-    from tether.rollout import generate, score_logprobs
+    import tether.models.head as tm
+    from tether.models.sampling import generate
+    from tether.models.scoring import score_logprobs
 
     monkeypatch.setattr(tm, "SHARED_PREFIX_MIN_POSITIONS", 1)
     torch.manual_seed(0)
-    lm = transformers.Lfm2ForCausalLM(transformers.Lfm2Config(
-        vocab_size=len(tiny_tokenizer), hidden_size=32, intermediate_size=64, block_ff_dim=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, layer_types=["conv", "full_attention"],
-        eos_token_id=0, pad_token_id=0, bos_token_id=None)).eval()
+    lm = transformers.Lfm2ForCausalLM(
+        transformers.Lfm2Config(
+            vocab_size=len(tiny_tokenizer),
+            hidden_size=32,
+            intermediate_size=64,
+            block_ff_dim=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            layer_types=["conv", "full_attention"],
+            eos_token_id=0,
+            pad_token_id=0,
+            bos_token_id=None,
+        )
+    ).eval()
     assert not tm.can_share_prefix(lm) and tm.can_share_prefix(make_tiny_llama(len(tiny_tokenizer)))
     prompts = [p for p in PROMPTS for _ in range(2)]
     plain = generate(lm, tiny_tokenizer, prompts, 4, 1.0, seeds=range(6))

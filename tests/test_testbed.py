@@ -13,7 +13,7 @@ Tolerances, stated once:
   of the exact KL of the policies that sampled them;
 * sequence bed (V = 5, T = 3): PPO and RLOO KL(pi || pi*) < 1e-3, DPO < 1e-2, GRPO within 5e-3
   of its own, computed fixed point (it is not pi*: see the xfail tests and the module
-  docstring of tether.testbed).
+  docstring of tether.testing.testbed).
 
 All runs are seeded and use one torch thread (restored afterwards).
 """
@@ -26,8 +26,12 @@ import math
 import pytest
 import torch
 
-from tether import testbed as tb
-from tether.controllers import BudgetKLController, FixedKLController, make_controller
+from tether.core.controllers import (
+    BudgetKLController,
+    FixedKLController,
+    make_controller,
+)
+from tether.testing import testbed as tb
 
 F64 = torch.float64
 REF = [0.4, 0.3, 0.2, 0.1]
@@ -60,7 +64,9 @@ def pi_star(bed: tb.TabularBed, beta: float) -> torch.Tensor:
 
 
 def J(bed: tb.TabularBed, table: torch.Tensor, beta: float) -> float:
-    return float(tb.objective(tb.sequence_logprobs(table, bed.vocab, bed.length), ref_logp(bed), bed.rewards, beta))
+    return float(
+        tb.objective(tb.sequence_logprobs(table, bed.vocab, bed.length), ref_logp(bed), bed.rewards, beta)
+    )
 
 
 def test_bandit_optimum_by_hand():
@@ -70,8 +76,9 @@ def test_bandit_optimum_by_hand():
     # pi* = [0.4 / Z, 0.815485 / Z, 1.477811 / Z, 2.008554 / Z]
     #     = [0.085073, 0.173439, 0.314304, 0.427184]
     star = pi_star(bed, BETA).exp()
-    torch.testing.assert_close(star, torch.tensor([0.085073, 0.173439, 0.314304, 0.427184], dtype=F64),
-                               atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        star, torch.tensor([0.085073, 0.173439, 0.314304, 0.427184], dtype=F64), atol=1e-6, rtol=0
+    )
     # E_pi*[r] = 0.173439 + 2 * 0.314304 + 3 * 0.427184 = 2.083599
     # KL(pi* || pi_ref) = sum pi* log(pi* / pi_ref) = 0.535643; J(pi*) = 2.083599 - 0.535643
     #                   = 1.547956 = beta * log Z = log 4.701849
@@ -115,8 +122,12 @@ def test_sequence_bed_optimum_is_a_table_policy():
     assert gap > 0.01  # an arbitrary policy is worse
     # for T = 1 the per-token fixed point with scale c is pi*(beta / c)
     band = bed_bandit()
-    torch.testing.assert_close(tb.per_token_kl_in_loss_fixed_point(band, BETA, 0.5),
-                               tb.optimal_table(band, BETA / 0.5), atol=1e-12, rtol=0)
+    torch.testing.assert_close(
+        tb.per_token_kl_in_loss_fixed_point(band, BETA, 0.5),
+        tb.optimal_table(band, BETA / 0.5),
+        atol=1e-12,
+        rtol=0,
+    )
 
 
 def test_sampler_matches_the_table():
@@ -135,7 +146,7 @@ BANDIT = tb.TrainSettings(steps=100, batch_size=1024, group_size=G)
 BANDIT_DPO = tb.TrainSettings(steps=100, batch_size=4096)  # labels are noisy: 4096 fresh pairs per batch
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def bandit_run(name: str) -> tb.RunLog:
     """Runs by name, each at most once per session. Dr. GRPO (no std scaling): see the xfail test."""
     bed = bed_bandit()
@@ -143,19 +154,28 @@ def bandit_run(name: str) -> tb.RunLog:
         # correct configurations
         "ppo": lambda: tb.train_ppo(bed, BETA, BANDIT),
         "grpo-k2": lambda: tb.train_group(bed, "grpo", BETA, BANDIT, loss_estimator="k2", scale_by_std=False),
-        "grpo-k3+": lambda: tb.train_group(bed, "grpo", BETA, BANDIT, loss_estimator="k3+", scale_by_std=False),
-        "grpo-k3_is": lambda: tb.train_group(bed, "grpo", BETA, BANDIT, loss_estimator="k3_is", scale_by_std=False),
+        "grpo-k3+": lambda: tb.train_group(
+            bed, "grpo", BETA, BANDIT, loss_estimator="k3+", scale_by_std=False
+        ),
+        "grpo-k3_is": lambda: tb.train_group(
+            bed, "grpo", BETA, BANDIT, loss_estimator="k3_is", scale_by_std=False
+        ),
         # GRPO's other placement: k1 in the reward (kl.kl_in_reward=true), with the std scaling on
-        "grpo-kl-in-reward": lambda: tb.train_group(bed, "grpo", BETA, BANDIT, kl_in_reward=True, kl_in_loss=False),
+        "grpo-kl-in-reward": lambda: tb.train_group(
+            bed, "grpo", BETA, BANDIT, kl_in_reward=True, kl_in_loss=False
+        ),
         "rloo": lambda: tb.train_group(bed, "rloo", BETA, BANDIT),
         "dpo": lambda: tb.train_dpo(bed, BETA, BANDIT_DPO),
         # biased configurations
-        "grpo k1 in the loss": lambda: tb.train_group(bed, "grpo", BETA, BANDIT, loss_estimator="k1",
-                                                      scale_by_std=False),
+        "grpo k1 in the loss": lambda: tb.train_group(
+            bed, "grpo", BETA, BANDIT, loss_estimator="k1", scale_by_std=False
+        ),
         "rloo k3 in the reward": lambda: tb.train_group(bed, "rloo", BETA, BANDIT, estimator="k3"),
         "ppo k3 in the reward": lambda: tb.train_ppo(bed, BETA, BANDIT, estimator="k3"),
         "rloo KL twice": lambda: tb.train_group(bed, "rloo", BETA, BANDIT, kl_in_loss=True),
-        "grpo KL twice": lambda: tb.train_group(bed, "grpo", BETA, BANDIT, kl_in_reward=True, scale_by_std=False),
+        "grpo KL twice": lambda: tb.train_group(
+            bed, "grpo", BETA, BANDIT, kl_in_reward=True, scale_by_std=False
+        ),
         "ppo KL twice": lambda: tb.train_ppo(bed, BETA, BANDIT, kl_in_loss=True),
     }
     return runs[name]()
@@ -179,8 +199,10 @@ def test_bandit_trainer_reaches_the_optimum(name):
     j, j_star = J(bed, log.table, BETA), J(bed, tb.optimal_table(bed, BETA), BETA)
     est, se, exact = logged_vs_exact(log)
     steps = (BANDIT_DPO if name == "dpo" else BANDIT).steps
-    msg = (f"{name}: after {steps} batches KL(pi || pi*) = {dist:.3e} nats, J = {j:.6f} vs J* = {j_star:.6f}, "
-           f"logged KL {est:.4f} +- {se:.4f} vs exact {exact:.4f}")
+    msg = (
+        f"{name}: after {steps} batches KL(pi || pi*) = {dist:.3e} nats, J = {j:.6f} vs J* = {j_star:.6f}, "
+        f"logged KL {est:.4f} +- {se:.4f} vs exact {exact:.4f}"
+    )
     print(msg)
     assert dist < 1e-3, msg
     assert abs(j - j_star) < 1e-3, msg  # = beta * dist
@@ -239,8 +261,10 @@ def test_biased_configuration_lands_away_from_the_optimum(name, correct, floor):
     dist = tb.kl_to(bandit_run(name).table, bed, star)
     good = tb.kl_to(bandit_run(correct).table, bed, star)
     probs = torch.softmax(bandit_run(name).table[0], -1).tolist()
-    msg = (f"{name}: KL(pi || pi*) = {dist:.3e} vs {good:.3e} for {correct}; "
-           f"pi = [{', '.join(f'{p:.4f}' for p in probs)}]")
+    msg = (
+        f"{name}: KL(pi || pi*) = {dist:.3e} vs {good:.3e} for {correct}; "
+        f"pi = [{', '.join(f'{p:.4f}' for p in probs)}]"
+    )
     print(msg)
     assert dist > floor and dist > 10 * good, msg
 
@@ -251,8 +275,9 @@ def test_kl_counted_twice_is_the_optimum_for_twice_beta(name):
     #        = [0.212039, 0.262195, 0.288191, 0.237574], at KL 0.1376 from pi*(1)
     bed = bed_bandit()
     star2 = pi_star(bed, 2 * BETA)
-    torch.testing.assert_close(star2.exp(), torch.tensor([0.212039, 0.262195, 0.288191, 0.237574], dtype=F64),
-                               atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        star2.exp(), torch.tensor([0.212039, 0.262195, 0.288191, 0.237574], dtype=F64), atol=1e-6, rtol=0
+    )
     # GRPO's mean-centering makes its fixed point pi*(2 G / (G - 1)) (see above): 2e-4 slack
     dist = tb.kl_to(bandit_run(name).table, bed, star2)
     msg = f"{name}: KL(pi || pi*(2 beta)) = {dist:.2e}"
@@ -272,11 +297,15 @@ def test_convergence_check_catches_a_flipped_kl_sign(monkeypatch):
     assert dist > 0.1 and abs(est - exact) > 3 * se
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "GRPO with scale_by_std=True (tether's default) and the KL in the loss: advantages are "
-    "divided by the group reward std while the KL term is not, so beta acts in units of the "
-    "reward's std, not reward units. (4 r, 4 beta) has the same pi* as (r, beta) but gets the "
-    "same advantages with 4x the leash."))
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "GRPO with scale_by_std=True (tether's default) and the KL in the loss: advantages are "
+        "divided by the group reward std while the KL term is not, so beta acts in units of the "
+        "reward's std, not reward units. (4 r, 4 beta) has the same pi* as (r, beta) but gets the "
+        "same advantages with 4x the leash."
+    ),
+)
 def test_grpo_std_scaling_keeps_beta_in_reward_units():
     bed = bed_bandit(scale=4.0)
     log = tb.train_group(bed, "grpo", 4 * BETA, BANDIT, scale_by_std=True)
@@ -290,7 +319,9 @@ def test_grpo_with_kl_in_the_reward_keeps_beta_in_reward_units():
     # (4 r - 4 beta k1 - mean) / std = the (r, beta) ones exactly, so the fixed point is pi*(r, beta)
     # with or without the std scaling; the xfail above is a property of the loss placement only.
     bed = bed_bandit(scale=4.0)
-    log = tb.train_group(bed, "grpo", 4 * BETA, BANDIT, scale_by_std=True, kl_in_reward=True, kl_in_loss=False)
+    log = tb.train_group(
+        bed, "grpo", 4 * BETA, BANDIT, scale_by_std=True, kl_in_reward=True, kl_in_loss=False
+    )
     dist = tb.kl_to(log.table, bed, pi_star(bed, 4 * BETA))
     print(f"GRPO (std-scaled, KL in the reward) on (4 r, 4 beta): KL(pi || pi*) = {dist:.2e}")
     assert dist < 1e-3, f"GRPO (std-scaled, KL in the reward) on (4 r, 4 beta): KL(pi || pi*) = {dist:.3f}"
@@ -307,35 +338,51 @@ def seq_bed() -> tb.TabularBed:
     return tb.random_sequence_bed(seed=0, reward_scale=2.0)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def seq_run(name: str) -> tb.RunLog:
     bed = seq_bed()
     runs = {
         "ppo": lambda: tb.train_ppo(bed, SEQ_BETA, SEQ),
         "rloo": lambda: tb.train_group(bed, "rloo", SEQ_BETA, SEQ),
-        "grpo-k3+": lambda: tb.train_group(bed, "grpo", SEQ_BETA, SEQ, loss_estimator="k3+", scale_by_std=False),
-        "grpo-k3_is": lambda: tb.train_group(bed, "grpo", SEQ_BETA, SEQ, loss_estimator="k3_is",
-                                             scale_by_std=False),
+        "grpo-k3+": lambda: tb.train_group(
+            bed, "grpo", SEQ_BETA, SEQ, loss_estimator="k3+", scale_by_std=False
+        ),
+        "grpo-k3_is": lambda: tb.train_group(
+            bed, "grpo", SEQ_BETA, SEQ, loss_estimator="k3_is", scale_by_std=False
+        ),
         # k1 summed over the response, in the reward before the group baseline: the sequence-level
         # score-function gradient of the KL, so pi* is the fixed point (std scaling on or off)
-        "grpo-kl-in-reward": lambda: tb.train_group(bed, "grpo", SEQ_BETA, SEQ, kl_in_reward=True, kl_in_loss=False),
-        "dr-grpo-kl-in-reward": lambda: tb.train_group(bed, "grpo", SEQ_BETA, SEQ, kl_in_reward=True,
-                                                       kl_in_loss=False, scale_by_std=False),
+        "grpo-kl-in-reward": lambda: tb.train_group(
+            bed, "grpo", SEQ_BETA, SEQ, kl_in_reward=True, kl_in_loss=False
+        ),
+        "dr-grpo-kl-in-reward": lambda: tb.train_group(
+            bed, "grpo", SEQ_BETA, SEQ, kl_in_reward=True, kl_in_loss=False, scale_by_std=False
+        ),
         "dpo": lambda: tb.train_dpo(bed, SEQ_BETA, SEQ_DPO),
     }
     return runs[name]()
 
 
-@pytest.mark.parametrize("name,tol", [("ppo", 1e-3), ("rloo", 1e-3), ("grpo-kl-in-reward", 1e-3),
-                                      ("dr-grpo-kl-in-reward", 1e-3), ("dpo", 1e-2)])
+@pytest.mark.parametrize(
+    "name,tol",
+    [
+        ("ppo", 1e-3),
+        ("rloo", 1e-3),
+        ("grpo-kl-in-reward", 1e-3),
+        ("dr-grpo-kl-in-reward", 1e-3),
+        ("dpo", 1e-2),
+    ],
+)
 def test_sequence_bed_trainer_reaches_the_optimum(name, tol):
     bed = seq_bed()
     star = pi_star(bed, SEQ_BETA)
     log = seq_run(name)
     dist = tb.kl_to(log.table, bed, star)
     est, se, exact = logged_vs_exact(log)
-    msg = (f"sequence bed {name}: KL(pi || pi*) = {dist:.3e} (KL(pi* || pi_ref) = "
-           f"{float(tb.exact_kl(star, ref_logp(bed))):.4f}), logged KL {est:.4f} +- {se:.4f} vs exact {exact:.4f}")
+    msg = (
+        f"sequence bed {name}: KL(pi || pi*) = {dist:.3e} (KL(pi* || pi_ref) = "
+        f"{float(tb.exact_kl(star, ref_logp(bed))):.4f}), logged KL {est:.4f} +- {se:.4f} vs exact {exact:.4f}"
+    )
     print(msg)
     assert dist < tol, msg
     assert abs(est - exact) < 3 * se, msg
@@ -353,17 +400,23 @@ def test_sequence_grpo_reaches_its_per_token_fixed_point(name):
     gap = float(tb.exact_kl(fixed, star))
     to_fixed = tb.kl_to(seq_run(name).table, bed, fixed)
     to_star = tb.kl_to(seq_run(name).table, bed, star)
-    msg = (f"sequence bed {name}: KL(pi || per-token fixed point) = {to_fixed:.2e}, "
-           f"KL(pi || pi*) = {to_star:.3e}, KL(fixed point || pi*) = {gap:.3e}")
+    msg = (
+        f"sequence bed {name}: KL(pi || per-token fixed point) = {to_fixed:.2e}, "
+        f"KL(pi || pi*) = {to_star:.3e}, KL(fixed point || pi*) = {gap:.3e}"
+    )
     print(msg)
     assert gap > 1e-2, msg  # the bed tells the two apart
     assert to_fixed < 5e-3 and to_star > 1e-2, msg
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "GRPO's KL in the loss (k2, k3+, k3_is per token) omits the score-function term of the "
-    "sequence KL, E[grad log pi(y_s) * sum_{t > s} kl_t]: on multi-token responses it does not "
-    "maximize J = E[r] - beta KL(pi || pi_ref). See test_sequence_grpo_reaches_its_per_token_fixed_point."))
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "GRPO's KL in the loss (k2, k3+, k3_is per token) omits the score-function term of the "
+        "sequence KL, E[grad log pi(y_s) * sum_{t > s} kl_t]: on multi-token responses it does not "
+        "maximize J = E[r] - beta KL(pi || pi_ref). See test_sequence_grpo_reaches_its_per_token_fixed_point."
+    ),
+)
 def test_sequence_grpo_reaches_the_optimum():
     bed = seq_bed()
     dist = tb.kl_to(seq_run("grpo-k3+").table, bed, pi_star(bed, SEQ_BETA))
@@ -412,9 +465,14 @@ def test_budget_controller_validation_and_factory():
     for bad in (float("nan"), float("inf"), -float("inf")):
         with pytest.raises(ValueError, match="finite"):
             BudgetKLController(kl_coef=0.1, budget=1.0).update(bad, 1)
-    for kw, match in (({"budget": 0.0}, "budget"), ({"budget": -1.0}, "budget"), ({"budget": float("nan")}, "budget"),
-                      ({"budget": 1.0, "eta": 0.0}, "eta"), ({"budget": 1.0, "eta": -0.1}, "eta"),
-                      ({"budget": 1.0, "kl_coef": -0.1}, "kl_coef")):
+    for kw, match in (
+        ({"budget": 0.0}, "budget"),
+        ({"budget": -1.0}, "budget"),
+        ({"budget": float("nan")}, "budget"),
+        ({"budget": 1.0, "eta": 0.0}, "eta"),
+        ({"budget": 1.0, "eta": -0.1}, "eta"),
+        ({"budget": 1.0, "kl_coef": -0.1}, "kl_coef"),
+    ):
         with pytest.raises(ValueError, match=match):
             BudgetKLController(**{"kl_coef": 0.1, **kw})
     c = make_controller("budget", 0.2, budget=0.3, eta=0.5)
@@ -451,10 +509,12 @@ def test_budget_controller_holds_the_kl_on_the_bandit(kp):
     mean_dev = abs(float(measured.mean()) - eps) / eps
     exact_dev = float((exact - eps).abs().max()) / eps
     batch_dev = float((measured - eps).abs().max()) / eps
-    msg = (f"budget {eps}: last half measured KL mean {float(measured.mean()):.4f} ({mean_dev:.1%} off), "
-           f"exact KL in [{float(exact.min()):.4f}, {float(exact.max()):.4f}] (max {exact_dev:.1%} off), "
-           f"single-batch estimates up to {batch_dev:.1%} off (sampling noise, SE ~8%); "
-           f"beta {c.kl_coef:.4f} (dual {c.dual:.4f}) vs beta*(eps) {beta_star:.4f} (kp {kp})")
+    msg = (
+        f"budget {eps}: last half measured KL mean {float(measured.mean()):.4f} ({mean_dev:.1%} off), "
+        f"exact KL in [{float(exact.min()):.4f}, {float(exact.max()):.4f}] (max {exact_dev:.1%} off), "
+        f"single-batch estimates up to {batch_dev:.1%} off (sampling noise, SE ~8%); "
+        f"beta {c.kl_coef:.4f} (dual {c.dual:.4f}) vs beta*(eps) {beta_star:.4f} (kp {kp})"
+    )
     print(msg)
     assert beta_star == pytest.approx(1.36867, abs=1e-4)
     assert mean_dev < 0.10, msg
@@ -470,14 +530,18 @@ def test_budget_controller_holds_the_kl_with_the_kl_in_the_loss():
     beta_needed = beta_for_budget(bed, eps) * (G - 1) / G
     c = BudgetKLController(kl_coef=1.0, budget=eps, eta=0.2, kp=1.0)
     settings = tb.TrainSettings(steps=150, batch_size=1024, group_size=G, lr_final_fraction=0.2)
-    log = tb.train_on_policy(bed, "grpo", c, settings, kl_in_reward=False, kl_in_loss=True, loss_estimator="k3+")
+    log = tb.train_on_policy(
+        bed, "grpo", c, settings, kl_in_reward=False, kl_in_loss=True, loss_estimator="k3+"
+    )
     half = settings.steps // 2
     measured = torch.tensor([float(k.mean()) for k in log.kl_estimates[half:]])
     exact = torch.tensor(log.exact_kls[half:])
     mean_dev = abs(float(measured.mean()) - eps) / eps
     exact_dev = float((exact - eps).abs().max()) / eps
-    msg = (f"budget {eps}, KL in the loss: last half measured KL mean {float(measured.mean()):.4f} "
-           f"({mean_dev:.1%} off), exact KL max {exact_dev:.1%} off; dual {c.dual:.4f} vs {beta_needed:.4f}")
+    msg = (
+        f"budget {eps}, KL in the loss: last half measured KL mean {float(measured.mean()):.4f} "
+        f"({mean_dev:.1%} off), exact KL max {exact_dev:.1%} off; dual {c.dual:.4f} vs {beta_needed:.4f}"
+    )
     print(msg)
     assert mean_dev < 0.10 and exact_dev < 0.10, msg
     # looser than the reward placement's 5%: measured 1.2803 (5.0% under), the multiplier wanders
@@ -499,7 +563,9 @@ def test_best_of_n_by_hand_and_tie_break():
     # ties: rewards [1, 1, 0], pi_ref [0.2, 0.3, 0.5]; the lower index wins a tie, so the order
     # worst..best is [2, 1, 0] with F = [0.5, 0.8, 1.0]; N = 2:
     # p[2] = 0.25, p[1] = 0.64 - 0.25 = 0.39, p[0] = 1 - 0.64 = 0.36
-    tie = tb.best_of_n_logprobs(torch.tensor([0.2, 0.3, 0.5], dtype=F64).log(), torch.tensor([1.0, 1.0, 0.0]), 2)
+    tie = tb.best_of_n_logprobs(
+        torch.tensor([0.2, 0.3, 0.5], dtype=F64).log(), torch.tensor([1.0, 1.0, 0.0]), 2
+    )
     torch.testing.assert_close(tie.exp(), torch.tensor([0.36, 0.39, 0.25], dtype=F64), atol=1e-12, rtol=0)
 
 

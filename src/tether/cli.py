@@ -11,32 +11,55 @@ import sys
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tether", description="RLHF fine-tuning on a visible KL leash.")
     sub = p.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="train a policy (PPO, GRPO, RLOO or DPO: train.algo) against a scorer, on a KL leash",
-                       description="Override any config field with section.field=value, e.g. "
-                                   "kl.kl_coef=0.1 optim.lr=2e-5 train.steps=10")
+    t = sub.add_parser(
+        "train",
+        help="train a policy (PPO, GRPO, RLOO or DPO: train.algo) against a scorer, on a KL leash",
+        description="Override any config field with section.field=value, e.g. "
+        "kl.kl_coef=0.1 optim.lr=2e-5 train.steps=10",
+    )
     t.add_argument("--config", help="YAML config file")
-    t.add_argument("--resume", metavar="RUN_DIR",
-                   help="continue RUN_DIR from its last checkpoint (its config.yaml; overrides may extend train.steps)")
+    t.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue RUN_DIR from its last checkpoint (its config.yaml; overrides may extend train.steps)",
+    )
     t.add_argument("overrides", nargs="*", help="section.field=value")
-    fr = sub.add_parser("frontier", help="sweep runs and best-of-N; plot proxy and gold score against KL",
-                        description="Each sweep entry is ALGO:KL_COEF (a fixed beta). Overrides apply to every run; "
-                        "a KL placement or group size left unset is each trainer's default.")
+    fr = sub.add_parser(
+        "frontier",
+        help="sweep runs and best-of-N; plot proxy and gold score against KL",
+        description="Each sweep entry is ALGO:KL_COEF (a fixed beta). Overrides apply to every run; "
+        "a KL placement or group size left unset is each trainer's default.",
+    )
     fr.add_argument("--config", help="YAML config file for every run")
     fr.add_argument("--out", default="runs/frontier", help="output folder (default runs/frontier)")
-    fr.add_argument("--sweep", default="ppo:0.01,ppo:0.05,ppo:0.2,grpo:0.05",
-                    help="comma-separated ALGO:KL_COEF runs (default ppo:0.01,ppo:0.05,ppo:0.2,grpo:0.05)")
+    fr.add_argument(
+        "--sweep",
+        default="ppo:0.01,ppo:0.05,ppo:0.2,grpo:0.05",
+        help="comma-separated ALGO:KL_COEF runs (default ppo:0.01,ppo:0.05,ppo:0.2,grpo:0.05)",
+    )
     fr.add_argument("--bon", default="1,2,4,8,16", help="best-of-N values (default 1,2,4,8,16)")
-    fr.add_argument("--bon-prompts", type=int, default=None,
-                    help="held-out prompts for best-of-N (default eval.periodic_prompts, the RL runs' prompts)")
+    fr.add_argument(
+        "--bon-prompts",
+        type=int,
+        default=None,
+        help="held-out prompts for best-of-N (default eval.periodic_prompts, the RL runs' prompts)",
+    )
     fr.add_argument("overrides", nargs="*", help="section.field=value for every run")
     rp = sub.add_parser("report", help="write a self-contained HTML report of a run directory")
     rp.add_argument("run_dir")
     rp.add_argument("--out", help="output file (default RUN_DIR/report.html)")
     r = sub.add_parser("reward", help="reward models fitted on human preferences")
     rsub = r.add_subparsers(dest="reward_command", required=True)
-    f = rsub.add_parser("fit", help="fit a Bradley-Terry head on MiniLM embeddings of ICWSM-2014 human ratings")
-    f.add_argument("--out", help="output folder (default: the cached default judge, ~/.cache/tether/reward_models/minilm-bt)")
-    f.add_argument("--min-gap", type=float, default=2.0, help="minimum difference of mean human ratings in a pair")
+    f = rsub.add_parser(
+        "fit", help="fit a Bradley-Terry head on MiniLM embeddings of ICWSM-2014 human ratings"
+    )
+    f.add_argument(
+        "--out",
+        help="output folder (default: the cached default judge, ~/.cache/tether/reward_models/minilm-bt)",
+    )
+    f.add_argument(
+        "--min-gap", type=float, default=2.0, help="minimum difference of mean human ratings in a pair"
+    )
     f.add_argument("--seed", type=int, default=0)
     return p
 
@@ -50,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "reward":
         return _reward_fit(args)
     if args.command == "report":
-        from tether.report import write_report
+        from tether.analysis.report import write_report
 
         try:
             out = write_report(args.run_dir, args.out)
@@ -59,11 +82,17 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(f"tether: report written to {out}")
         return 0
-    from tether.config import ConfigError, load_config
+    from tether.run.config import ConfigError, load_config
 
     overrides = list(args.overrides)
     if args.command == "frontier":  # short runs with periodic held-out evaluation, unless overridden
-        overrides = ["train.steps=8", "eval.every=2", "eval.n_prompts=0", "train.checkpoint_every=0", *overrides]
+        overrides = [
+            "train.steps=8",
+            "eval.every=2",
+            "eval.n_prompts=0",
+            "train.checkpoint_every=0",
+            *overrides,
+        ]
     resume = getattr(args, "resume", None)
     if resume:
         from pathlib import Path
@@ -73,7 +102,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         args.config = str(Path(resume) / "config.yaml")
         if not Path(args.config).is_file():
-            print(f"tether: error: --resume {resume}: not a tether run directory (no config.yaml)", file=sys.stderr)
+            print(
+                f"tether: error: --resume {resume}: not a tether run directory (no config.yaml)",
+                file=sys.stderr,
+            )
             return 1
         overrides.append(f"train.output_dir={resume}")
     try:
@@ -84,9 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         if args.command == "train":
-            from tether.train import train
-
-            from tether.train import Interrupted
+            from tether.training import Interrupted, train
 
             try:
                 train(config, resume=bool(resume))
@@ -95,15 +125,18 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "frontier":
             from pathlib import Path
 
-            from tether.frontier import frontier
-
-            from tether.train import Interrupted
+            from tether.analysis.frontier import frontier
+            from tether.training import Interrupted
 
             try:
-                out = frontier(config, sweep, [int(n) for n in args.bon.split(",")], Path(args.out), args.bon_prompts)
+                out = frontier(
+                    config, sweep, [int(n) for n in args.bon.split(",")], Path(args.out), args.bon_prompts
+                )
             except Interrupted as e:
-                print(f"tether: frontier stopped; the interrupted run is resumable: tether train --resume {e}",
-                      file=sys.stderr)
+                print(
+                    f"tether: frontier stopped; the interrupted run is resumable: tether train --resume {e}",
+                    file=sys.stderr,
+                )
                 return 130
             print(f"tether: frontier written to {out / 'frontier.png'} and {out / 'frontier.csv'}")
     except (ValueError, FileNotFoundError, FileExistsError, RuntimeError, FloatingPointError) as e:
@@ -122,7 +155,7 @@ def _quiet_transformers() -> None:
 
 
 def _parse_sweep(text: str) -> list[tuple[str, float]]:
-    from tether.config import ALGOS, ConfigError
+    from tether.run.config import ALGOS, ConfigError
 
     out = []
     for item in text.split(","):
@@ -139,16 +172,18 @@ def _parse_sweep(text: str) -> list[tuple[str, float]]:
 def _reward_fit(args) -> int:
     import json
 
-    from tether.reward_model import default_rm_dir, fit_reward_model
+    from tether.judges.reward_model import default_rm_dir, fit_reward_model
 
     out = args.out or default_rm_dir()
     report = fit_reward_model(out, min_gap=args.min_gap, seed=args.seed)
     rm, vd = report["reward_model"], report["vader"]
     print(json.dumps(report, indent=2))
-    print(f"tether: held-out pairs (human ratings differ >= {args.min_gap}): "
-          f"reward model accuracy {rm['pairwise_accuracy']:.3f}, VADER {vd['pairwise_accuracy']:.3f}; "
-          f"Pearson r with human ratings: reward model {rm['pearson_with_human']:.3f}, "
-          f"VADER {vd['pearson_with_human']:.3f}")
+    print(
+        f"tether: held-out pairs (human ratings differ >= {args.min_gap}): "
+        f"reward model accuracy {rm['pairwise_accuracy']:.3f}, VADER {vd['pairwise_accuracy']:.3f}; "
+        f"Pearson r with human ratings: reward model {rm['pearson_with_human']:.3f}, "
+        f"VADER {vd['pearson_with_human']:.3f}"
+    )
     print(f"tether: saved to {out} (use it as reward.scorer=rm:{out} or eval.judge=rm:{out})")
     return 0
 

@@ -12,7 +12,7 @@ A subclass supplies ``advantages`` (per-token advantages and returns from shaped
 6. advantages;
 7. epochs of minibatch updates (+ kl_coef * KL surrogate if the KL is in the loss);
 8. update kl_coef from the same KL numbers that were logged;
-9. metrics, each reduced over every process (tether.distributed).
+9. metrics, each reduced over every process (tether.core.distributed).
 """
 
 from __future__ import annotations
@@ -24,14 +24,27 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from tether import distributed as D
-from tether.controllers import AdaptiveKLController, BudgetKLController, FixedKLController, make_controller
-from tether.data import PromptSampler
-from tether.kl import estimate_kl, sequence_kl
-from tether.leash import KLLeash
-from tether.rollout import Rollout, generate, sample_seeds, score_logprobs
-from tether.scorers import checked_scores
-from tether.trainers.common import Run, ScoredBatch, make_optimizer, micro_batches, optimizer_step, score_rollout
+from tether.core import distributed as D
+from tether.core.controllers import (
+    AdaptiveKLController,
+    BudgetKLController,
+    FixedKLController,
+    make_controller,
+)
+from tether.core.kl import estimate_kl, sequence_kl
+from tether.core.leash import KLLeash
+from tether.data.prompts import PromptSampler
+from tether.judges.contract import checked_scores
+from tether.models.sampling import Rollout, generate, sample_seeds
+from tether.models.scoring import score_logprobs
+from tether.run.setup import Run
+from tether.trainers.common import (
+    ScoredBatch,
+    make_optimizer,
+    micro_batches,
+    optimizer_step,
+    score_rollout,
+)
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +76,15 @@ class OnPolicyTrainer:
         c = self.cfg = run.config
         self.group_size = c.rollout.group_size
         self.sampler = PromptSampler(run.train_prompts, c.train.seed)
-        self.controller = make_controller(c.kl.controller, c.kl.kl_coef, c.kl.target, c.kl.horizon,
-                                          budget=c.kl.budget, eta=c.kl.budget_eta, kp=c.kl.budget_kp)
+        self.controller = make_controller(
+            c.kl.controller,
+            c.kl.kl_coef,
+            c.kl.target,
+            c.kl.horizon,
+            budget=c.kl.budget,
+            eta=c.kl.budget_eta,
+            kp=c.kl.budget_kp,
+        )
         self.leash = KLLeash(c.kl.kl_in_reward, c.kl.kl_in_loss, c.kl.loss_estimator)
         if not self.uses_values:  # no loss reaches the value head: frozen, so DDP waits for no gradient of it
             run.policy.value_head.requires_grad_(False)
@@ -78,10 +98,17 @@ class OnPolicyTrainer:
         self.last_experience: Experience | None = None
         # one update on the whole batch with no value head and no KL in the reward: the policy's
         # old log-probs are those of the update's own forward (optim.reuse_forward)
-        self.one_pass = (c.optim.reuse_forward and c.optim.epochs == 1 and c.optim.minibatch_size == c.rollout.batch_size
-                         and not self.uses_values and not c.kl.kl_in_reward
-                         and (c.optim.micro_batch_size is None
-                              or c.optim.micro_batch_size >= c.optim.minibatch_size // D.world_size()))
+        self.one_pass = (
+            c.optim.reuse_forward
+            and c.optim.epochs == 1
+            and c.optim.minibatch_size == c.rollout.batch_size
+            and not self.uses_values
+            and not c.kl.kl_in_reward
+            and (
+                c.optim.micro_batch_size is None
+                or c.optim.micro_batch_size >= c.optim.minibatch_size // D.world_size()
+            )
+        )
         self._graded = None
         self._first_micro = True
 
@@ -91,36 +118,66 @@ class OnPolicyTrainer:
         t0 = time.perf_counter()
         # 1. sample prompts, each group_size times (consecutive rows form a group); every process
         #    draws the same global batch and keeps its contiguous shard
-        prompts = [p for p in self.sampler.next_batch(c.rollout.batch_size // self.group_size)
-                   for _ in range(self.group_size)]
+        prompts = [
+            p
+            for p in self.sampler.next_batch(c.rollout.batch_size // self.group_size)
+            for _ in range(self.group_size)
+        ]
         mine = D.shard(len(prompts))
         # 2. generate responses from the current policy; sample i of the step is seeded by
         #    (seed, step, i), so the samples do not depend on the number of processes
-        rollout = generate(run.policy.lm, run.tokenizer, prompts[mine], c.rollout.max_new_tokens,
-                           c.rollout.temperature, c.rollout.max_prompt_tokens,
-                           seeds=sample_seeds(c.train.seed, step, range(len(prompts))[mine]),
-                           share_prefix=run.policy.share_prefix)
+        rollout = generate(
+            run.policy.lm,
+            run.tokenizer,
+            prompts[mine],
+            c.rollout.max_new_tokens,
+            c.rollout.temperature,
+            c.rollout.max_prompt_tokens,
+            seeds=sample_seeds(c.train.seed, step, range(len(prompts))[mine]),
+            share_prefix=run.policy.share_prefix,
+        )
         t_gen = time.perf_counter()
         # 3. score responses with the reward model
         scores = torch.tensor(checked_scores(run.scorer, rollout.responses, step, rollout.prompts))
         # 4. old log-probs (+ values) and reference log-probs, no grad
         #    (in one pass, optim.reuse_forward: the update's own forward, whose graph step 7 reuses)
         minibatches = self.minibatch_indices()
-        scored = score_rollout(run.policy, run.reference, rollout, c.rollout.temperature, minibatches,
-                               with_values=self.uses_values, exact_kl=c.kl.exact,
-                               exact_chunk_size=c.kl.exact_chunk_size,
-                               graded_policy=self.model if self.one_pass else None)
+        scored = score_rollout(
+            run.policy,
+            run.reference,
+            rollout,
+            c.rollout.temperature,
+            minibatches,
+            with_values=self.uses_values,
+            exact_kl=c.kl.exact,
+            exact_chunk_size=c.kl.exact_chunk_size,
+            graded_policy=self.model if self.one_pass else None,
+        )
         self._graded = scored.graded
         t_score = time.perf_counter()
         # 5. per-token KL and rewards (the leash applies the KL in the reward if placed there)
         kl_coef = self.controller.kl_coef
-        kl = (estimate_kl(scored.old_logprobs, scored.ref_logprobs, c.kl.estimator)
-              if scored.ref_logprobs is not None else None)
+        kl = (
+            estimate_kl(scored.old_logprobs, scored.ref_logprobs, c.kl.estimator)
+            if scored.ref_logprobs is not None
+            else None
+        )
         shaped = self.leash.reward(scores, kl, kl_coef, rollout.response_mask)
         # 6. advantages
         advantages, returns = self.advantages(shaped.rewards, scored, rollout.response_mask)
-        exp = Experience(rollout, scores, scored.old_logprobs, scored.ref_logprobs, scored.values, kl,
-                         shaped.rewards, shaped.non_score_reward, advantages, returns, minibatches)
+        exp = Experience(
+            rollout,
+            scores,
+            scored.old_logprobs,
+            scored.ref_logprobs,
+            scored.values,
+            kl,
+            shaped.rewards,
+            shaped.non_score_reward,
+            advantages,
+            returns,
+            minibatches,
+        )
         # 7. update epochs
         update = self.update(exp, kl_coef)
         t_update = time.perf_counter()
@@ -133,17 +190,27 @@ class OnPolicyTrainer:
             self.controller.update(float(stats[unit]), n_steps=c.rollout.batch_size)
         # 9. metrics
         row = self.metrics(step, exp, scored, update, kl_coef)
-        row.update({"time/step": t_update - t0, "time/generate": t_gen - t0,
-                    "time/score": t_score - t_gen, "time/update": t_update - t_score})
+        row.update(
+            {
+                "time/step": t_update - t0,
+                "time/generate": t_gen - t0,
+                "time/score": t_score - t_gen,
+                "time/update": t_update - t_score,
+            }
+        )
         self.last_experience = exp
         return row
 
     # ---- checkpointing ---------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Optimizer, controller, minibatch RNG and data position (see :mod:`tether.checkpoint`)."""
-        return {"optimizer": self.optimizer.state_dict(), "controller": self.controller.state_dict(),
-                "generator": self.generator.get_state(), "sampler": self.sampler.state_dict(),
-                "leash_counts": dict(self.leash.counts)}
+        """Optimizer, controller, minibatch RNG and data position (see :mod:`tether.run.checkpoint`)."""
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "controller": self.controller.state_dict(),
+            "generator": self.generator.get_state(),
+            "sampler": self.sampler.state_dict(),
+            "leash_counts": dict(self.leash.counts),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
@@ -165,8 +232,12 @@ class OnPolicyTrainer:
                 self.controller.kl_coef = saved["kl_coef"]
                 if now == "budget":
                     self.controller.dual = saved["kl_coef"]
-            log.warning("tether: resuming with kl.controller changed (%s -> %s); beta for the next step: %g",
-                        kind, now, self.controller.kl_coef)
+            log.warning(
+                "tether: resuming with kl.controller changed (%s -> %s); beta for the next step: %g",
+                kind,
+                now,
+                self.controller.kl_coef,
+            )
             return
         if kind == "budget" and "dual" not in saved:
             # a budget checkpoint from before budget_kp: it ran pure dual ascent, so it goes on with it
@@ -174,29 +245,48 @@ class OnPolicyTrainer:
             self.controller.kp = 0.0
             return
         state = ("dual",) if now == "fixed" else ("kl_coef", "dual")
-        changed = [f"{name} {saved[name]:g} -> {getattr(self.controller, name):g}" for name in saved
-                   if name not in state and hasattr(self.controller, name)
-                   and saved[name] != getattr(self.controller, name)]
+        changed = [
+            f"{name} {saved[name]:g} -> {getattr(self.controller, name):g}"
+            for name in saved
+            if name not in state
+            and hasattr(self.controller, name)
+            and saved[name] != getattr(self.controller, name)
+        ]
         for name in state:
             if name in saved:
                 setattr(self.controller, name, saved[name])
         if changed:
-            log.warning("tether: resuming with the controller's settings changed (%s); beta for the next step: %g",
-                        ", ".join(changed), self.controller.kl_coef)
+            log.warning(
+                "tether: resuming with the controller's settings changed (%s); beta for the next step: %g",
+                ", ".join(changed),
+                self.controller.kl_coef,
+            )
 
     # ---- to override -----------------------------------------------------------------------
     def advantages(self, rewards: Tensor, scored: ScoredBatch, mask: Tensor) -> tuple[Tensor, Tensor | None]:
         raise NotImplementedError
 
-    def minibatch_loss(self, exp: Experience, idx: Tensor, part: Rollout, kl_coef: float) -> tuple[Tensor, dict]:
+    def minibatch_loss(
+        self, exp: Experience, idx: Tensor, part: Rollout, kl_coef: float
+    ) -> tuple[Tensor, dict]:
         raise NotImplementedError
 
     # ---- shared pieces ---------------------------------------------------------------------
-    def add_kl_loss(self, loss: Tensor, stats: dict, logprobs: Tensor, exp: Experience, idx: Tensor,
-                    mask: Tensor, kl_coef: float) -> Tensor:
+    def add_kl_loss(
+        self,
+        loss: Tensor,
+        stats: dict,
+        logprobs: Tensor,
+        exp: Experience,
+        idx: Tensor,
+        mask: Tensor,
+        kl_coef: float,
+    ) -> Tensor:
         """``loss + kl_coef * KL surrogate`` when the KL is placed in the loss (logged once)."""
         ref = exp.ref_logprobs[idx] if exp.ref_logprobs is not None else None
-        kl_term = self.leash.loss(logprobs, ref, kl_coef, mask, exp.old_logprobs[idx], count=self._first_micro)
+        kl_term = self.leash.loss(
+            logprobs, ref, kl_coef, mask, exp.old_logprobs[idx], count=self._first_micro
+        )
         if kl_term is None:
             return loss
         stats["policy/kl_loss"] = kl_term
@@ -212,8 +302,10 @@ class OnPolicyTrainer:
 
     def minibatch_indices(self) -> list[Tensor]:
         """This process's rows of each minibatch of an epoch (the same minibatches for any number
-        of processes, see :func:`tether.distributed.stratified_minibatches`)."""
-        return D.stratified_minibatches(self.cfg.rollout.batch_size, self.cfg.optim.minibatch_size, self.generator)
+        of processes, see :func:`tether.core.distributed.stratified_minibatches`)."""
+        return D.stratified_minibatches(
+            self.cfg.rollout.batch_size, self.cfg.optim.minibatch_size, self.generator
+        )
 
     def update(self, exp: Experience, kl_coef: float) -> dict:
         """Epochs of minibatch steps; returns the minibatch-mean of each loss statistic.
@@ -223,7 +315,7 @@ class OnPolicyTrainer:
         token-mean loss of the whole minibatch; DDP averages the gradients, hence the factor
         ``world``. With ``optim.micro_batch_size`` the process's rows go through forward and
         backward in chunks, each loss scaled by its chunk's share of the minibatch's tokens
-        (:func:`tether.distributed.token_shares`), the gradients accumulating until the one
+        (:func:`tether.core.distributed.token_shares`), the gradients accumulating until the one
         optimizer step: the same update, up to float summation order. The statistics (losses,
         clip fractions, approx_kl: token means) are reduced the same way, once at the end.
         """
@@ -245,13 +337,24 @@ class OnPolicyTrainer:
                     devs.append(stats.pop("_ratio_dev", None))
                     for k, v in stats.items():
                         if not k.startswith("_"):
-                            weighted[k] = (weighted.get(k, 0.0)
-                                           + float(v.detach() if torch.is_tensor(v) else v) * float(shares[j]))
+                            weighted[k] = weighted.get(k, 0.0) + float(
+                                v.detach() if torch.is_tensor(v) else v
+                            ) * float(shares[j])
                     return loss * (shares[j] * world)
 
-                grad_norms.append(float(optimizer_step(
-                    self.optimizer, self.params, [lambda j=j: micro_loss(j) for j in range(len(micro))],
-                    c.optim.max_grad_norm, self.name, self.accelerator, self.model)))
+                grad_norms.append(
+                    float(
+                        optimizer_step(
+                            self.optimizer,
+                            self.params,
+                            [lambda j=j: micro_loss(j) for j in range(len(micro))],
+                            c.optim.max_grad_norm,
+                            self.name,
+                            self.accelerator,
+                            self.model,
+                        )
+                    )
+                )
                 if epoch == 0 and i == 0 and devs[0] is not None:
                     # before any update the ratio must be exactly 1 (same inputs, same weights)
                     first_dev = D.all_reduce_max(torch.stack(devs).max())
@@ -269,8 +372,15 @@ class OnPolicyTrainer:
         row = {
             "step": step,
             "samples": (step + 1) * self.cfg.rollout.batch_size,
-            **sample_metrics(exp.rollout, exp.scores, exp.kl, scored.entropy, scored.exact_kl, kl_coef,
-                             self.cfg.kl.estimator),
+            **sample_metrics(
+                exp.rollout,
+                exp.scores,
+                exp.kl,
+                scored.entropy,
+                scored.exact_kl,
+                kl_coef,
+                self.cfg.kl.estimator,
+            ),
             "kl/applied_in_reward": self.leash.counts["reward"],
             "kl/applied_in_loss": self.leash.counts["loss"],
             "kl/reference_forwards": self.run.reference_forwards[0],
@@ -279,13 +389,20 @@ class OnPolicyTrainer:
         return row
 
 
-def sample_metrics(rollout: Rollout, scores: Tensor, kl: Tensor | None, entropy: Tensor,
-                   exact_kl: Tensor | None, kl_coef: float, estimator: str) -> dict:
+def sample_metrics(
+    rollout: Rollout,
+    scores: Tensor,
+    kl: Tensor | None,
+    entropy: Tensor,
+    exact_kl: Tensor | None,
+    kl_coef: float,
+    estimator: str,
+) -> dict:
     """The ``objective/*`` and ``response/*`` metrics of a batch of the policy's samples.
 
     Every value is over the global batch (all processes): per-token values are token-weighted
     means, per-sequence values means over sequences, the score's spread the global standard
-    deviation (:mod:`tether.distributed`; in one process these are the plain batch statistics).
+    deviation (:mod:`tether.core.distributed`; in one process these are the plain batch statistics).
 
     Args:
         rollout: the samples; its ``response_mask`` (B, T) masks every per-token value.
@@ -322,7 +439,11 @@ def sample_metrics(rollout: Rollout, scores: Tensor, kl: Tensor | None, entropy:
     return row
 
 
-CONTROLLER_CLASSES = {"fixed": FixedKLController, "adaptive": AdaptiveKLController, "budget": BudgetKLController}
+CONTROLLER_CLASSES = {
+    "fixed": FixedKLController,
+    "adaptive": AdaptiveKLController,
+    "budget": BudgetKLController,
+}
 """``kl.controller`` name -> class, to tell which controller a checkpoint's state came from."""
 
 

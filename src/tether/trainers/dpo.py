@@ -26,15 +26,21 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from tether import distributed as D
-from tether.data import PromptSampler
-from tether.kl import estimate_kl, masked_sum
-from tether.losses import DPOLoss, dpo_loss
-from tether.rollout import generate, rollout_from_responses, sample_seeds, score_logprobs, score_policy_and_reference
-from tether.scorers import checked_scores
-from tether.shaping import shape_rewards
+from tether.core import distributed as D
+from tether.core.kl import estimate_kl, masked_sum
+from tether.core.losses import DPOLoss, dpo_loss
+from tether.core.shaping import shape_rewards
+from tether.data.prompts import PromptSampler
+from tether.judges.contract import checked_scores
+from tether.models.sampling import generate, sample_seeds
+from tether.models.scoring import (
+    rollout_from_responses,
+    score_logprobs,
+    score_policy_and_reference,
+)
+from tether.run.setup import Run
 from tether.trainers.base import Experience, sample_metrics
-from tether.trainers.common import Run, make_optimizer, micro_batches, optimizer_step
+from tether.trainers.common import make_optimizer, micro_batches, optimizer_step
 
 
 class Pairs(NamedTuple):
@@ -62,12 +68,17 @@ def read_pair_file(path: str | Path, tokenizer) -> tuple[list[str], list[Tensor]
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"dpo.pairs: {path}:{i} is not valid JSON ({e.msg})") from None
-        if not isinstance(obj, dict) or not all(isinstance(obj.get(k), str) and obj.get(k)
-                                                for k in ("prompt", "chosen", "rejected")):
-            raise ValueError(f'dpo.pairs: {path}:{i} needs non-empty "prompt", "chosen" and "rejected" strings')
+        if not isinstance(obj, dict) or not all(
+            isinstance(obj.get(k), str) and obj.get(k) for k in ("prompt", "chosen", "rejected")
+        ):
+            raise ValueError(
+                f'dpo.pairs: {path}:{i} needs non-empty "prompt", "chosen" and "rejected" strings'
+            )
         prompts.append(obj["prompt"])
         for text, out in ((obj["chosen"], chosen), (obj["rejected"], rejected)):
-            out.append(torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"] + eos, dtype=torch.long))
+            out.append(
+                torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"] + eos, dtype=torch.long)
+            )
     if not prompts:
         raise ValueError(f"dpo.pairs: {path} holds no pairs")
     return prompts, chosen, rejected
@@ -79,12 +90,18 @@ class DPOTrainer:
     def __init__(self, run: Run):
         self.run = run
         c = self.cfg = run.config
-        run.policy.value_head.requires_grad_(False)  # DPO has no value loss; DDP then waits for no gradient of it
+        run.policy.value_head.requires_grad_(
+            False
+        )  # DPO has no value loss; DDP then waits for no gradient of it
         self.params = [p for p in run.policy.lm.parameters() if p.requires_grad]
         if not self.params:
-            raise ValueError("model.trainable_layers=0 leaves DPO nothing to train; raise it or leave it unset")
+            raise ValueError(
+                "model.trainable_layers=0 leaves DPO nothing to train; raise it or leave it unset"
+            )
         self.accelerator = run.accelerator
-        self.model = run.accelerator.prepare(run.policy) if run.accelerator else run.policy  # DDP under accelerate
+        self.model = (
+            run.accelerator.prepare(run.policy) if run.accelerator else run.policy
+        )  # DDP under accelerate
         self.optimizer = make_optimizer(self.params, c.optim.lr, c.optim.weight_decay, c.optim.fused_adamw)
         self.generator = torch.Generator().manual_seed(c.train.seed)
         self.pairs = self.build_pairs()
@@ -112,14 +129,23 @@ class DPOTrainer:
                 raise ValueError(
                     f"dpo.pairs=sampled: only {len(prompts)} of {c.dpo.n_pairs} prompts gave candidates with "
                     f"different scores after {tried} tries (ties are skipped); raise dpo.candidates or "
-                    "rollout.max_new_tokens, use a finer-grained reward.scorer, or give a pairs file")
+                    "rollout.max_new_tokens, use a finer-grained reward.scorer, or give a pairs file"
+                )
             batch = sampler.next_batch(per_call)
             # seeded by candidate index (step -1: not a training step), the same on every process
-            ro = generate(run.reference, run.tokenizer, [p for p in batch for _ in range(k)],
-                          c.rollout.max_new_tokens, c.rollout.temperature, c.rollout.max_prompt_tokens,
-                          seeds=sample_seeds(c.train.seed, -1, range(tried * k, (tried + per_call) * k)))
+            ro = generate(
+                run.reference,
+                run.tokenizer,
+                [p for p in batch for _ in range(k)],
+                c.rollout.max_new_tokens,
+                c.rollout.temperature,
+                c.rollout.max_prompt_tokens,
+                seeds=sample_seeds(c.train.seed, -1, range(tried * k, (tried + per_call) * k)),
+            )
             tried += per_call
-            scores = torch.tensor(checked_scores(run.scorer, ro.responses, "DPO pair sampling", ro.prompts)).view(-1, k)
+            scores = torch.tensor(
+                checked_scores(run.scorer, ro.responses, "DPO pair sampling", ro.prompts)
+            ).view(-1, k)
             for g, prompt in enumerate(batch):
                 best, worst = int(scores[g].argmax()), int(scores[g].argmin())
                 if scores[g, best] == scores[g, worst]:
@@ -133,9 +159,16 @@ class DPOTrainer:
         return prompts[:n], chosen[:n], rejected[:n]
 
     def sequence_logps(self, model, prompts: list[str], responses: list[Tensor]) -> Tensor:
-        ro = rollout_from_responses(self.run.tokenizer, prompts, responses, self.cfg.rollout.max_prompt_tokens)
-        lp = score_logprobs(model, ro, self.cfg.rollout.temperature, head_chunk=self.run.policy.head_chunk,
-                          share_prefix=self.run.policy.share_prefix).logprobs
+        ro = rollout_from_responses(
+            self.run.tokenizer, prompts, responses, self.cfg.rollout.max_prompt_tokens
+        )
+        lp = score_logprobs(
+            model,
+            ro,
+            self.cfg.rollout.temperature,
+            head_chunk=self.run.policy.head_chunk,
+            share_prefix=self.run.policy.share_prefix,
+        ).logprobs
         return masked_sum(lp, ro.response_mask, dim=-1)  # (N,)
 
     def pair_loss(self, rows: Tensor) -> DPOLoss:
@@ -150,16 +183,28 @@ class DPOTrainer:
         forward per micro-batch.
         """
         P, i = self.pairs, rows.tolist()
-        prompts, chosen, rejected = [P.prompts[k] for k in i], [P.chosen[k] for k in i], [P.rejected[k] for k in i]
+        prompts, chosen, rejected = (
+            [P.prompts[k] for k in i],
+            [P.chosen[k] for k in i],
+            [P.rejected[k] for k in i],
+        )
         with torch.no_grad():
             ref_chosen = self.sequence_logps(self.run.reference, prompts, chosen)
             ref_rejected = self.sequence_logps(self.run.reference, prompts, rejected)
-        return dpo_loss(self.sequence_logps(self.model, prompts, chosen),
-                        self.sequence_logps(self.model, prompts, rejected), ref_chosen, ref_rejected, self.cfg.dpo.beta)
+        return dpo_loss(
+            self.sequence_logps(self.model, prompts, chosen),
+            self.sequence_logps(self.model, prompts, rejected),
+            ref_chosen,
+            ref_rejected,
+            self.cfg.dpo.beta,
+        )
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "generator": self.generator.get_state(),
-                "position": self.position}
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "generator": self.generator.get_state(),
+            "position": self.position,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
@@ -186,16 +231,32 @@ class DPOTrainer:
                 def micro_loss(sub: Tensor) -> Tensor:
                     out = self.pair_loss(sub)
                     share = len(sub) / len(minibatch)  # these pairs' fraction of the minibatch's
-                    for k, v in (("dpo/loss", out.loss), ("dpo/margin", out.margin), ("dpo/accuracy", out.accuracy),
-                                 ("dpo/chosen_reward", out.chosen_rewards.mean()),
-                                 ("dpo/rejected_reward", out.rejected_rewards.mean())):
+                    for k, v in (
+                        ("dpo/loss", out.loss),
+                        ("dpo/margin", out.margin),
+                        ("dpo/accuracy", out.accuracy),
+                        ("dpo/chosen_reward", out.chosen_rewards.mean()),
+                        ("dpo/rejected_reward", out.rejected_rewards.mean()),
+                    ):
                         weighted[k] = weighted.get(k, 0.0) + float(v.detach()) * share
                     return out.loss * (share * world)
 
-                grad_norms.append(float(optimizer_step(
-                    self.optimizer, self.params,
-                    [lambda sub=sub: micro_loss(sub) for sub in micro_batches(idx, c.optim.micro_batch_size)],
-                    c.optim.max_grad_norm, "DPO", self.accelerator, self.model)))
+                grad_norms.append(
+                    float(
+                        optimizer_step(
+                            self.optimizer,
+                            self.params,
+                            [
+                                lambda sub=sub: micro_loss(sub)
+                                for sub in micro_batches(idx, c.optim.micro_batch_size)
+                            ],
+                            c.optim.max_grad_norm,
+                            "DPO",
+                            self.accelerator,
+                            self.model,
+                        )
+                    )
+                )
         keys = sorted(weighted)
         totals = D.all_reduce_sum(torch.tensor([weighted[k] for k in keys], dtype=torch.float64))
         stats = {k: float(t) / len(grad_norms) for k, t in zip(keys, totals)}
@@ -205,9 +266,16 @@ class DPOTrainer:
         probe = self.probe(step)
         t_probe = time.perf_counter()
         # 4. metrics
-        row = {"step": step, "samples": (step + 1) * len(batch), "objective/kl_coef": c.dpo.beta, **probe,
-               **stats,
-               "time/step": t_probe - t0, "time/update": t_update - t0, "time/probe": t_probe - t_update}
+        row = {
+            "step": step,
+            "samples": (step + 1) * len(batch),
+            "objective/kl_coef": c.dpo.beta,
+            **probe,
+            **stats,
+            "time/step": t_probe - t0,
+            "time/update": t_update - t0,
+            "time/probe": t_probe - t_update,
+        }
         return row
 
     @torch.no_grad()
@@ -217,15 +285,39 @@ class DPOTrainer:
         if not prompts:
             return {}
         mine = D.shard(len(prompts))  # this process's share of the probe
-        ro = generate(run.policy.lm, run.tokenizer, prompts[mine], c.rollout.max_new_tokens, c.rollout.temperature,
-                      c.rollout.max_prompt_tokens, seeds=sample_seeds(c.eval.seed, step, range(len(prompts))[mine]))
-        pol, ref, exact = score_policy_and_reference(run.policy, run.reference, ro, c.rollout.temperature,
-                                                     exact_kl=c.kl.exact, kl_chunk_size=c.kl.exact_chunk_size)
+        ro = generate(
+            run.policy.lm,
+            run.tokenizer,
+            prompts[mine],
+            c.rollout.max_new_tokens,
+            c.rollout.temperature,
+            c.rollout.max_prompt_tokens,
+            seeds=sample_seeds(c.eval.seed, step, range(len(prompts))[mine]),
+        )
+        pol, ref, exact = score_policy_and_reference(
+            run.policy,
+            run.reference,
+            ro,
+            c.rollout.temperature,
+            exact_kl=c.kl.exact,
+            kl_chunk_size=c.kl.exact_chunk_size,
+        )
         mask = ro.response_mask
         kl = estimate_kl(pol.logprobs, ref.logprobs, c.kl.estimator)
         scores = torch.tensor(checked_scores(run.scorer, ro.responses, step, ro.prompts))
         shaped = shape_rewards(scores, kl, c.dpo.beta, mask)
-        self.last_experience = Experience(ro, scores, pol.logprobs, ref.logprobs, None, kl, shaped.rewards,
-                                          shaped.non_score_reward, torch.zeros_like(kl), None, [])
+        self.last_experience = Experience(
+            ro,
+            scores,
+            pol.logprobs,
+            ref.logprobs,
+            None,
+            kl,
+            shaped.rewards,
+            shaped.non_score_reward,
+            torch.zeros_like(kl),
+            None,
+            [],
+        )
         # beta is DPO's leash; the row's objective/kl_coef is set by the caller to the same beta
         return sample_metrics(ro, scores, kl, pol.entropy, exact, c.dpo.beta, c.kl.estimator)

@@ -15,10 +15,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from tether.advantages import group_normalized_advantages, rloo_advantages
-from tether.kl import masked_sum
-from tether.losses import ppo_policy_loss
-from tether.rollout import Rollout
+from tether.core.advantages import group_normalized_advantages, rloo_advantages
+from tether.core.kl import masked_sum
+from tether.core.losses import ppo_policy_loss
+from tether.models.sampling import Rollout
 from tether.trainers.base import Experience, OnPolicyTrainer
 from tether.trainers.common import ScoredBatch
 
@@ -34,12 +34,18 @@ class GroupTrainer(OnPolicyTrainer):
         adv = self.sequence_advantages(seq_rewards)  # (B,)
         return torch.where(mask, adv[:, None], 0.0), None  # (B, R)
 
-    def minibatch_loss(self, exp: Experience, idx: Tensor, part: Rollout, kl_coef: float) -> tuple[Tensor, dict]:
+    def minibatch_loss(
+        self, exp: Experience, idx: Tensor, part: Rollout, kl_coef: float
+    ) -> tuple[Tensor, dict]:
         c, mask = self.cfg, part.response_mask
         logprobs = self.policy_logprobs(part)  # (B, R), with grad
         pl = ppo_policy_loss(logprobs, exp.old_logprobs[idx], exp.advantages[idx], mask, c.ppo.clip_eps)
-        stats = {"policy/loss": pl.loss, "policy/clipfrac": pl.clipfrac, "policy/approx_kl": pl.approx_kl,
-                 "_ratio_dev": torch.where(mask, (pl.ratio - 1).abs(), 0.0).max()}
+        stats = {
+            "policy/loss": pl.loss,
+            "policy/clipfrac": pl.clipfrac,
+            "policy/approx_kl": pl.approx_kl,
+            "_ratio_dev": torch.where(mask, (pl.ratio - 1).abs(), 0.0).max(),
+        }
         return self.add_kl_loss(pl.loss, stats, logprobs, exp, idx, mask, kl_coef), stats
 
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from tether import distributed as D
-from tether.advantages import gae
-from tether.losses import clipped_value_loss, ppo_policy_loss
-from tether.rollout import Rollout, score_logprobs
+from tether.core import distributed as D
+from tether.core.advantages import gae
+from tether.core.losses import clipped_value_loss, ppo_policy_loss
+from tether.models.sampling import Rollout
+from tether.models.scoring import score_logprobs
 from tether.trainers.base import Experience, OnPolicyTrainer
 from tether.trainers.common import ScoredBatch
 
@@ -28,15 +29,24 @@ class PPOTrainer(OnPolicyTrainer):
         adv = D.whiten(out.advantages, mask) if p.whiten_advantages else out.advantages
         return adv, out.returns
 
-    def minibatch_loss(self, exp: Experience, idx: Tensor, part: Rollout, kl_coef: float) -> tuple[Tensor, dict]:
+    def minibatch_loss(
+        self, exp: Experience, idx: Tensor, part: Rollout, kl_coef: float
+    ) -> tuple[Tensor, dict]:
         c, mask = self.cfg, part.response_mask
         new = score_logprobs(self.model, part, c.rollout.temperature, with_values=True)
         pl = ppo_policy_loss(new.logprobs, exp.old_logprobs[idx], exp.advantages[idx], mask, c.ppo.clip_eps)
         vl = clipped_value_loss(new.values, exp.values[idx], exp.returns[idx], mask, c.ppo.clip_eps_value)
-        stats = {"policy/loss": pl.loss, "policy/clipfrac": pl.clipfrac, "policy/approx_kl": pl.approx_kl,
-                 "value/loss": vl.loss, "value/clipfrac": vl.clipfrac,
-                 "_ratio_dev": torch.where(mask, (pl.ratio - 1).abs(), 0.0).max()}
-        loss = self.add_kl_loss(pl.loss + c.ppo.vf_coef * vl.loss, stats, new.logprobs, exp, idx, mask, kl_coef)
+        stats = {
+            "policy/loss": pl.loss,
+            "policy/clipfrac": pl.clipfrac,
+            "policy/approx_kl": pl.approx_kl,
+            "value/loss": vl.loss,
+            "value/clipfrac": vl.clipfrac,
+            "_ratio_dev": torch.where(mask, (pl.ratio - 1).abs(), 0.0).max(),
+        }
+        loss = self.add_kl_loss(
+            pl.loss + c.ppo.vf_coef * vl.loss, stats, new.logprobs, exp, idx, mask, kl_coef
+        )
         return loss, stats
 
     def metrics(self, step: int, exp: Experience, scored: ScoredBatch, update: dict, kl_coef: float) -> dict:

@@ -1,0 +1,244 @@
+"""The reward-against-KL frontier: a sweep of RL runs and best-of-N, proxy and gold, one picture.
+
+``tether frontier`` trains several short runs (kl_coef values x trainers), each logging held-out
+``eval/proxy_score``, ``eval/gold_score`` and ``eval/kl`` every ``eval.every`` steps, samples
+best-of-N from the reference for N = 1, 2, 4, 8, 16, and plots proxy and gold score against
+KL (nats per sequence) with the functional forms of Gao et al. 2022 ("Scaling Laws for Reward
+Model Overoptimization", arXiv 2210.10760, eq. 1-2) fitted, d = sqrt(KL):
+
+* best-of-N: ``R(d) = d (a - b d)``
+* RL:        ``R(d) = d (a - b log d)``
+
+where R is the score gain over the reference. Points go to ``frontier.csv``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from tether.core.bestofn import bon_kl_bound, bon_kl_empirical, bon_scores
+from tether.judges.contract import Scorer, checked_scores
+from tether.run.config import Config
+
+FIT_MIN_POINTS = 6
+"""Below this many points with KL > 0, a fit's legend says it is illustrative only."""
+
+
+def fit_gao(kl: list[float], gain: list[float], form: str) -> tuple[float, float]:
+    """Least-squares (a, b) of ``d (a - b d)`` ("bon") or ``d (a - b log d)`` ("rl"), d = sqrt(KL).
+
+    Points with KL <= 0 carry no information about (a, b) (both forms are 0 at d = 0) and are
+    dropped; fewer than 2 usable points give (nan, nan).
+    """
+    rows = [(math.sqrt(k), g) for k, g in zip(kl, gain) if k > 0]
+    if len(rows) < 2:
+        return float("nan"), float("nan")
+    d = torch.tensor([r[0] for r in rows], dtype=torch.float64)
+    y = torch.tensor([r[1] for r in rows], dtype=torch.float64)
+    second = -d * d if form == "bon" else -d * torch.log(d)
+    X = torch.stack([d, second], dim=1)  # (n, 2)
+    sol = torch.linalg.lstsq(X, y[:, None]).solution[:, 0]
+    return float(sol[0]), float(sol[1])
+
+
+def gao_curve(a: float, b: float, form: str, kl: torch.Tensor) -> torch.Tensor:
+    d = kl.clamp(min=1e-12).sqrt()
+    return d * (a - b * d) if form == "bon" else d * (a - b * torch.log(d))
+
+
+# ---- the sweep -------------------------------------------------------------------------------
+def best_of_n_points(
+    config: Config, proxy: Scorer, gold: Scorer, ns: list[int], n_prompts: int
+) -> list[dict]:
+    """Sample max(ns) reference completions per held-out prompt; best-of-N points for every N."""
+    from tether.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
+    from tether.models.sampling import generate, use_chat_template
+    from tether.run.setup import load_prompts
+
+    c = config
+    _, held = load_prompts(c)
+    prompts = held[:n_prompts]
+    path = resolve_model_path(c.model.name)
+    tok, lm = load_tokenizer(path), load_causal_lm(path)
+    if c.data.chat_template:
+        use_chat_template(tok)
+    m = max(ns)
+    P, G = [], []
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(c.eval.seed)
+        per = max(1, c.eval.batch_size // m)
+        for i in range(0, len(prompts), per):
+            batch = [p for p in prompts[i : i + per] for _ in range(m)]
+            with torch.no_grad():
+                ro = generate(
+                    lm,
+                    tok,
+                    batch,
+                    c.rollout.max_new_tokens,
+                    c.rollout.temperature,
+                    c.rollout.max_prompt_tokens,
+                )
+            P.append(
+                torch.tensor(checked_scores(proxy, ro.responses, "best-of-N (proxy)", ro.prompts)).view(-1, m)
+            )
+            G.append(
+                torch.tensor(checked_scores(gold, ro.responses, "best-of-N (gold)", ro.prompts)).view(-1, m)
+            )
+    proxy_t, gold_t = torch.cat(P), torch.cat(G)
+    points = []
+    for n in ns:
+        ps, gs = bon_scores(proxy_t, gold_t, n)
+        points.append(
+            {
+                "method": "best-of-N",
+                "run": f"bon-{n}",
+                "N": n,
+                "step": "",
+                "kl": bon_kl_empirical(n, m),
+                "kl_bound": bon_kl_bound(n),
+                "proxy": ps,
+                "gold": gs,
+            }
+        )
+    return points
+
+
+def run_points(run_dir: Path, label: str) -> list[dict]:
+    """Held-out (KL, proxy, gold) points of one run: every periodic eval, and eval.json's end point."""
+    pts = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if "eval/gold_score" in r and "eval/kl" in r:
+            pts.append(
+                {
+                    "method": "RL",
+                    "run": label,
+                    "N": "",
+                    "step": r["step"],
+                    "kl": max(r["eval/kl"], 0.0),
+                    "kl_bound": "",
+                    "proxy": r["eval/proxy_score"],
+                    "gold": r["eval/gold_score"],
+                }
+            )
+    return pts
+
+
+def frontier(
+    base: Config,
+    sweep: list[tuple[str, float]],
+    ns: list[int],
+    out: Path,
+    bon_prompts: int | None = None,
+) -> Path:
+    """Run the sweep ``[(algo, kl_coef), ...]`` and best-of-N; write frontier.csv and frontier.png."""
+    from tether.judges.scorers import make_scorer
+    from tether.training import train
+
+    if base.eval.judge == "none":
+        raise ValueError("tether frontier plots a gold score: eval.judge cannot be none (default minilm-rm)")
+    configs = sweep_configs(base, sweep, out)  # every run's config checked before anything runs
+    out.mkdir(parents=True, exist_ok=True)
+    proxy, gold = make_scorer(base.reward.scorer), make_scorer(base.eval.judge)
+    # the same held-out prompts as the runs' periodic evaluations, so both share one baseline
+    points = best_of_n_points(base, proxy, gold, ns, bon_prompts or base.eval.periodic_prompts)
+    ref_proxy, ref_gold = points[0]["proxy"], points[0]["gold"]  # N = 1 is the reference
+    for (algo, beta), c in zip(sweep, configs):
+        run_dir = train(c, scorer=proxy, judge=gold)
+        points += run_points(run_dir, f"{algo} beta={beta:g}")
+        _write_csv(points, out / "frontier.csv")
+    _write_csv(points, out / "frontier.csv")
+    plot_frontier(points, ref_proxy, ref_gold, out / "frontier.png")
+    return out
+
+
+def sweep_configs(base: Config, sweep: list[tuple[str, float]], out: Path) -> list[Config]:
+    """One config per ``(algo, kl_coef)`` of the sweep: ``base`` with that trainer and a fixed beta.
+
+    The KL placement and group size are what the user gave (``base.unresolved``); those left
+    to the trainer's default are resolved again for each trainer (GRPO: KL in the loss, groups
+    of 4; PPO: in the reward, no groups).
+
+    Raises:
+        ConfigError: a run of the sweep is not a valid config (e.g. ``kl.kl_in_reward=true``
+            with a DPO run), before anything is trained.
+    """
+    given = getattr(base, "unresolved", {})
+    return [
+        replace(
+            base,
+            train=replace(
+                base.train, algo=algo, output_dir=str(out / f"{algo}-beta{beta:g}"), save_model=False
+            ),
+            kl=replace(
+                base.kl,
+                kl_coef=beta,
+                controller="fixed",
+                kl_in_reward=given.get("kl.kl_in_reward"),
+                kl_in_loss=given.get("kl.kl_in_loss"),
+            ),
+            rollout=replace(base.rollout, group_size=given.get("rollout.group_size")),
+        )
+        for algo, beta in sweep
+    ]
+
+
+def _write_csv(points: list[dict], path: Path) -> None:
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["method", "run", "N", "step", "kl", "kl_bound", "proxy", "gold"])
+        w.writeheader()
+        w.writerows(points)
+
+
+def plot_frontier(points: list[dict], ref_proxy: float, ref_gold: float, out: Path) -> Path:
+    """Proxy and gold score against KL for every run and best-of-N, with the Gao et al. fits."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharex=True)
+    runs = list(dict.fromkeys(p["run"] for p in points if p["method"] == "RL"))
+    cmap = plt.get_cmap("tab10")
+    for ax, key, ref in ((axes[0], "proxy", ref_proxy), (axes[1], "gold", ref_gold)):
+        bon = [p for p in points if p["method"] == "best-of-N"]
+        ax.plot([p["kl"] for p in bon], [p[key] for p in bon], "k--o", label="best-of-N (reference)")
+        for n_pt in bon:
+            ax.annotate(
+                f"N={n_pt['N']}",
+                (n_pt["kl"], n_pt[key]),
+                textcoords="offset points",
+                xytext=(3, -10),
+                fontsize=7,
+            )
+        for i, run in enumerate(runs):
+            pts = sorted((p for p in points if p["run"] == run), key=lambda p: p["step"])
+            ax.plot([p["kl"] for p in pts], [p[key] for p in pts], "-o", color=cmap(i), ms=4, label=run)
+        all_kl = [p["kl"] for p in points]
+        grid = torch.linspace(1e-3, max(all_kl + [1.0]) * 1.05, 200, dtype=torch.float64)
+        for form, pts, style in (
+            ("bon", bon, "k:"),
+            ("rl", [p for p in points if p["method"] == "RL"], "r:"),
+        ):
+            a, b = fit_gao([p["kl"] for p in pts], [p[key] - ref for p in pts], form)
+            if a == a:
+                used = sum(p["kl"] > 0 for p in pts)
+                # two parameters from a handful of points: a shape to look at, not a measurement
+                few = f" ({used} points: illustrative)" if used < FIT_MIN_POINTS else ""
+                label = f"fit {'d(a-bd)' if form == 'bon' else 'd(a-b log d)'}: a={a:.3f}, b={b:.3f}{few}"
+                ax.plot(grid, ref + gao_curve(a, b, form, grid), style, lw=1.5, label=label)
+        ax.set_xlabel("KL(pi || pi_ref), nats per sequence (held out)")
+        ax.set_ylabel(f"{key} score")
+        ax.set_title(f"{key} score against KL")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

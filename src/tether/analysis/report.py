@@ -1,0 +1,124 @@
+"""``tether report RUN_DIR``: one self-contained HTML page of a run (images inlined as base64)."""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+from pathlib import Path
+
+
+def _img(path: Path) -> str:
+    if not path.exists():
+        return ""
+    data = base64.b64encode(path.read_bytes()).decode()
+    return f'<img alt="{html.escape(path.name)}" src="data:image/png;base64,{data}" style="max-width:100%">'
+
+
+def _rows(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = []
+    for i, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            raise ValueError(f"{path}:{i} is not valid JSON (a run killed mid-write?)") from None
+    return rows
+
+
+def _table(rows: list[dict], cols: list[str]) -> str:
+    def cell(v):
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return html.escape(str(v))
+
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
+    body = "".join("<tr>" + "".join(f"<td>{cell(r.get(c, ''))}</td>" for c in cols) + "</tr>" for r in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Write ``report.html``: config, metric plots, the run's frontier point, warnings, samples.
+
+    Raises:
+        FileNotFoundError: ``run_dir`` holds no ``metrics.jsonl``.
+    """
+    run = Path(run_dir)
+    if not (run / "metrics.jsonl").exists():
+        raise FileNotFoundError(f"{run} is not a tether run directory (no metrics.jsonl)")
+    out = Path(out) if out else run / "report.html"
+    metrics = _rows(run / "metrics.jsonl")
+    if not metrics:
+        raise ValueError(f"{run / 'metrics.jsonl'} holds no steps yet")
+    samples = _rows(run / "samples.jsonl")
+    warnings = _rows(run / "warnings.jsonl")
+    ev = json.loads((run / "eval.json").read_text()) if (run / "eval.json").exists() else None
+    config = (run / "config.yaml").read_text() if (run / "config.yaml").exists() else ""
+
+    parts = [f"<h1>tether run {html.escape(run.name)}</h1>"]
+    last = metrics[-1]
+    parts.append(
+        "<h2>Summary</h2>"
+        + _table(
+            [
+                {
+                    "steps": len(metrics),
+                    "final score": last.get("objective/scores", ""),
+                    "final KL (nats/seq)": last.get("objective/kl", ""),
+                    "final exact KL": last.get("objective/kl_exact", ""),
+                    "final beta": last.get("objective/kl_coef", ""),
+                }
+            ],
+            ["steps", "final score", "final KL (nats/seq)", "final exact KL", "final beta"],
+        )
+    )
+    if ev:
+        pts = [
+            {
+                "model": k,
+                "KL (nats/seq)": ev[k].get("kl", ""),
+                "proxy": ev[k].get("proxy_mean", ""),
+                "proxy SE": ev[k].get("proxy_se", ""),
+                "gold": ev[k].get("gold_mean", ""),
+                "gold SE": ev[k].get("gold_se", ""),
+            }
+            for k in ("reference", "policy")
+        ]
+        parts.append(
+            "<h2>Frontier point (held-out prompts)</h2>"
+            + _table(pts, ["model", "KL (nats/seq)", "proxy", "proxy SE", "gold", "gold SE"])
+            + f"<p>proxy gain {ev.get('gain', float('nan')):+.3f} ± {ev.get('gain_se_unpaired', 0):.3f}"
+            + (
+                f"; gold gain {ev['gold_gain']:+.3f} ± {ev['gold_gain_se_unpaired']:.3f}"
+                if "gold_gain" in ev
+                else ""
+            )
+            + "</p>"
+        )
+    parts.append("<h2>Metrics</h2>" + _img(run / "training.png") + _img(run / "score_vs_kl.png"))
+    parts.append(
+        "<h2>Health warnings</h2>"
+        + (_table(warnings, ["rule", "step", "message", "cause", "fix"]) if warnings else "<p>none fired</p>")
+    )
+    steps = sorted({s["step"] for s in samples})
+    if steps:
+        picks = dict.fromkeys([steps[0], steps[len(steps) // 2], steps[-1]])
+        parts.append("<h2>Samples (start, middle, end)</h2>")
+        for st in picks:
+            rows = [s for s in samples if s["step"] == st][:8]
+            parts.append(
+                f"<h3>step {st}</h3>" + _table(rows, ["prompt", "response", "score", "gold", "kl", "reward"])
+            )
+    parts.append(f"<h2>Config</h2><pre>{html.escape(config)}</pre>")
+    style = (
+        "body{font-family:sans-serif;max-width:1200px;margin:auto}table{border-collapse:collapse;"
+        "margin:8px 0}td,th{border:1px solid #ccc;padding:3px 6px;font-size:13px;text-align:left}"
+    )
+    out.write_text(
+        f"<!doctype html><html><head><meta charset='utf-8'><title>tether {html.escape(run.name)}"
+        f"</title><style>{style}</style></head><body>{''.join(parts)}</body></html>"
+    )
+    return out

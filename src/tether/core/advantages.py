@@ -1,0 +1,147 @@
+"""Advantage estimators: GAE and whitening. Torch only.
+
+Sources: Schulman et al. 2016, "High-Dimensional Continuous Control Using Generalized Advantage
+Estimation", arXiv 1506.02438, eq. 11-16; whitening as in lm-human-preferences and
+Huang et al. 2024, "The N+ Implementation Details of RLHF with PPO", detail 8.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from tether.core.kl import at_least_fp32, masked_mean, masked_var
+
+# Added to the variance before the square root when whitening, so a batch whose valid values
+# are all equal gives zeros instead of NaN. 1e-8 is the value of lm-human-preferences and TRL.
+WHITEN_EPS = 1e-8
+
+
+class GAEOutput(NamedTuple):
+    advantages: Tensor
+    """(B, T) float32 A_t, zero where masked."""
+    returns: Tensor
+    """(B, T) float32 value targets A_t + V_t, zero where masked."""
+
+
+def gae(
+    rewards: Tensor, values: Tensor, response_mask: Tensor, gamma: float = 1.0, gae_lambda: float = 0.95
+) -> GAEOutput:
+    """Generalized advantage estimation over each response.
+
+    ``delta_t = r_t + gamma * V_{t+1} - V_t`` and ``A_t = delta_t + gamma * lambda * A_{t+1}``,
+    where ``V_{t+1} = 0`` and ``A_{t+1} = 0`` past the last valid token (the episode ends at the
+    first EOS or at truncation). Masked positions are skipped entirely: neither their rewards nor
+    their values reach a valid token.
+
+    Args:
+        rewards: (B, T) per-token rewards (see :func:`tether.core.shaping.shape_rewards`).
+        values: (B, T) value estimates V(x, y_<t) at each response position.
+        response_mask: (B, T) bool, True where the token counts (a prefix of each row).
+        gamma: discount in [0, 1].
+        gae_lambda: GAE lambda in [0, 1].
+
+    Returns:
+        :class:`GAEOutput`.
+    """
+    mask = response_mask.bool()
+    r = torch.where(mask, at_least_fp32(rewards), 0.0)
+    v = torch.where(mask, at_least_fp32(values), 0.0)
+    T = r.shape[-1]
+    advantages = torch.zeros_like(r)
+    next_value = torch.zeros_like(r[:, 0])
+    next_adv = torch.zeros_like(r[:, 0])
+    for t in reversed(range(T)):
+        delta = r[:, t] + gamma * next_value - v[:, t]
+        adv_t = delta + gamma * gae_lambda * next_adv
+        valid = mask[:, t]
+        advantages[:, t] = torch.where(valid, adv_t, 0.0)
+        # an invalid slot hands nothing back to the slot before it
+        next_value = torch.where(valid, v[:, t], 0.0)
+        next_adv = advantages[:, t]
+    returns = torch.where(mask, advantages + v, 0.0)
+    return GAEOutput(advantages=advantages, returns=returns)
+
+
+def whiten(values: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
+    """Normalize to zero mean and unit variance over the valid slots.
+
+    ``(x - mean) / sqrt(var + WHITEN_EPS)`` with mean and unbiased variance over ``mask``;
+    masked slots are set to 0. With ``shift_mean=False`` the mean is added back.
+
+    Args:
+        values: (B, T) float.
+        mask: (B, T) bool.
+        shift_mean: subtract the mean (True) or only rescale (False).
+
+    Returns:
+        (B, T) float32.
+    """
+    mean, var = masked_mean(values, mask), masked_var(values, mask)
+    out = (at_least_fp32(values) - mean) * torch.rsqrt(var + WHITEN_EPS)
+    if not shift_mean:
+        out = out + mean
+    return torch.where(mask.bool(), out, 0.0)
+
+
+# Added to the group standard deviation in GRPO's normalization, so a group whose rewards are
+# all equal gets advantage 0 instead of NaN (Shao et al. 2024 use the same form; TRL uses 1e-4).
+GROUP_STD_EPS = 1e-4
+
+
+def _groups(scores: Tensor, group_size: int) -> Tensor:
+    if scores.dim() != 1 or group_size < 1 or scores.shape[0] % group_size != 0:
+        raise ValueError(
+            f"scores {tuple(scores.shape)} must be (B,) with B divisible by group_size={group_size}"
+        )
+    return at_least_fp32(scores).view(-1, group_size)  # (B / G, G), consecutive rows form a group
+
+
+def group_normalized_advantages(scores: Tensor, group_size: int, scale_by_std: bool = True) -> Tensor:
+    """GRPO outcome advantages: ``(r_i - mean_g r) / (std_g r + GROUP_STD_EPS)`` within each group.
+
+    Source: Shao et al. 2024, "DeepSeekMath", arXiv 2402.03300, section 4.1.2 (outcome
+    supervision); ``std`` is the unbiased sample standard deviation of the group, as in TRL.
+    With ``scale_by_std=False`` only the mean is removed (Liu et al. 2025, "Dr. GRPO").
+
+    Args:
+        scores: (B,) sequence rewards; rows ``g*G .. g*G + G - 1`` are the G completions of
+            prompt g.
+        group_size: G >= 1 (G = 1 gives zeros).
+
+    Returns:
+        (B,) advantages, one per sequence.
+
+    Raises:
+        ValueError: B is not a multiple of ``group_size``.
+    """
+    g = _groups(scores, group_size)
+    centered = g - g.mean(-1, keepdim=True)
+    if scale_by_std and group_size > 1:
+        centered = centered / (g.std(-1, keepdim=True) + GROUP_STD_EPS)
+    return centered.reshape(-1)
+
+
+def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
+    """RLOO: each sample's reward minus the mean reward of the other k - 1 samples of its prompt.
+
+    ``A_i = r_i - (sum_j r_j - r_i) / (k - 1)``. Source: Ahmadian et al. 2024, "Back to Basics",
+    arXiv 2402.14740, eq. 6 (Kool et al. 2019).
+
+    Args:
+        rewards: (B,) sequence rewards (the score, minus beta * KL when the KL is in the reward).
+        group_size: k >= 2 samples per prompt, consecutive rows.
+
+    Returns:
+        (B,) advantages.
+
+    Raises:
+        ValueError: k < 2, or B not a multiple of k.
+    """
+    if group_size < 2:
+        raise ValueError(f"RLOO needs group_size >= 2 samples per prompt, got {group_size}")
+    g = _groups(rewards, group_size)
+    baseline = (g.sum(-1, keepdim=True) - g) / (group_size - 1)
+    return (g - baseline).reshape(-1)

@@ -1,0 +1,199 @@
+"""Health rules: the seeds' warning signs as pure functions of the metric history.
+
+Each rule takes the list of metric rows (dicts, oldest first) and its thresholds, and returns a
+:class:`Alarm` or None. Rules never look at models or configs.
+:class:`tether.run.monitor.HealthMonitor` runs them every step, prints each alarm once when it
+starts, and records it in ``warnings.jsonl``.
+
+Sources for the causes and fixes: the seeds' "Warning signs" and "What to monitor"; Gao et al.
+2022, "Scaling Laws for Reward Model Overoptimization" (arXiv 2210.10760).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass
+class Alarm:
+    rule: str
+    step: int
+    message: str
+    cause: str
+    fix: str
+
+
+@dataclass
+class HealthThresholds:
+    window: int = 6
+    """Steps (or eval points, for the over-optimization alarm) each rule looks back over."""
+    kl_growth_factor: float = 3.0
+    """KL exploding: mean KL of the window's second half > factor x its first half ..."""
+    kl_explode_floor: float = 2.0
+    """... and above this many nats per sequence."""
+    kl_stuck_below: float = 0.05
+    """KL stuck: every KL in the window below this (nats per sequence) ..."""
+    score_flat_tol: float = 0.02
+    """... while the score's change over the window is below this (scorer units)."""
+    entropy_collapse_fraction: float = 0.5
+    """Entropy collapse: entropy below this fraction of its first value."""
+    length_growth_factor: float = 1.5
+    """Length running away: mean length above this factor of its first value."""
+    k1_negative_tol: float = 0.0
+    """Negative k1: per-token mean k1 below -tol at every step of the window."""
+    overopt_min_change: float = 0.02
+    """Over-optimization: proxy up and gold down, each by at least this over the window."""
+
+    def __post_init__(self) -> None:
+        if self.window < 2:
+            raise ValueError(f"health.window={self.window!r} is invalid: must be >= 2")
+        for name in ("kl_growth_factor", "length_growth_factor"):
+            if getattr(self, name) <= 1:
+                raise ValueError(f"health.{name}={getattr(self, name)!r} is invalid: must be > 1")
+        if not 0 < self.entropy_collapse_fraction < 1:
+            raise ValueError(
+                f"health.entropy_collapse_fraction={self.entropy_collapse_fraction!r} "
+                "is invalid: must be in (0, 1)"
+            )
+
+
+def _series(history: list[dict], key: str) -> list[tuple[int, float]]:
+    return [(r["step"], float(r[key])) for r in history if isinstance(r.get(key), (int, float))]
+
+
+def _half_means(values: list[float]) -> tuple[float, float]:
+    h = len(values) // 2
+    return sum(values[:h]) / h, sum(values[h:]) / (len(values) - h)
+
+
+def kl_exploding(history: list[dict], t: HealthThresholds) -> Alarm | None:
+    """KL exploding: over the last ``t.window`` steps, the mean ``objective/kl`` (nats per
+    sequence) of the second half is above ``t.kl_explode_floor`` and ``t.kl_growth_factor``
+    times the first half's (the seeds' warning sign "KL explodes")."""
+    s = _series(history, "objective/kl")[-t.window :]
+    if len(s) < t.window:
+        return None
+    first, second = _half_means([v for _, v in s])
+    if second > t.kl_explode_floor and second > t.kl_growth_factor * max(first, 1e-8):
+        return Alarm(
+            "kl_exploding",
+            s[-1][0],
+            f"KL grew from {first:.2f} to {second:.2f} nats/seq over {t.window} steps",
+            "the policy is running away from the reference (learning rate too high, beta too low, "
+            "or a reference that is not the starting model)",
+            "lower optim.lr, raise kl.kl_coef or use kl.controller=adaptive with a kl.target, "
+            "and check the reference",
+        )
+    return None
+
+
+def kl_stuck(history: list[dict], t: HealthThresholds) -> Alarm | None:
+    """KL stuck: every ``objective/kl`` of the window below ``t.kl_stuck_below`` nats per
+    sequence while the score's half-window means differ by less than ``t.score_flat_tol``
+    (the seeds' warning sign "KL stays near zero")."""
+    kl = _series(history, "objective/kl")[-t.window :]
+    sc = _series(history, "objective/scores")[-t.window :]
+    if len(kl) < t.window or len(sc) < t.window:
+        return None
+    first, second = _half_means([v for _, v in sc])
+    if all(v < t.kl_stuck_below for _, v in kl) and abs(second - first) < t.score_flat_tol:
+        return Alarm(
+            "kl_stuck",
+            kl[-1][0],
+            f"KL below {t.kl_stuck_below} nats/seq and score flat ({first:.3f} -> {second:.3f}) "
+            f"for {t.window} steps",
+            "the policy is not learning: beta too high or learning rate too low",
+            "lower kl.kl_coef (or raise kl.target) or raise optim.lr",
+        )
+    return None
+
+
+def entropy_collapse(history: list[dict], t: HealthThresholds) -> Alarm | None:
+    """Entropy collapse: ``objective/entropy`` (nats per token) below
+    ``t.entropy_collapse_fraction`` of its first logged value."""
+    s = _series(history, "objective/entropy")
+    if len(s) < 2:
+        return None
+    if s[-1][1] < t.entropy_collapse_fraction * s[0][1]:
+        return Alarm(
+            "entropy_collapse",
+            s[-1][0],
+            f"entropy fell from {s[0][1]:.2f} to {s[-1][1]:.2f} nats/token",
+            "the policy is collapsing onto a few outputs (mode collapse, reward hacking)",
+            "raise kl.kl_coef, lower optim.lr, or stop earlier",
+        )
+    return None
+
+
+def length_runaway(history: list[dict], t: HealthThresholds) -> Alarm | None:
+    """Length running away: ``response/length`` (tokens) above ``t.length_growth_factor`` times
+    its first value. Responses at the ``rollout.max_new_tokens`` cap from the start cannot grow,
+    so the rule is silent then."""
+    s = _series(history, "response/length")
+    if len(s) < 2 or s[0][1] <= 0:
+        return None
+    if s[-1][1] > t.length_growth_factor * s[0][1]:
+        return Alarm(
+            "length_runaway",
+            s[-1][0],
+            f"mean response length grew from {s[0][1]:.1f} to {s[-1][1]:.1f} tokens",
+            "the scorer rewards length (a common proxy exploit); rising length often comes with rising KL",
+            "normalize the score by length, cap rollout.max_new_tokens, or raise kl.kl_coef",
+        )
+    return None
+
+
+def k1_negative(history: list[dict], t: HealthThresholds) -> Alarm | None:
+    """Mean k1 negative: ``objective/kl_per_token`` below ``-t.k1_negative_tol`` at every step of
+    the window, k1 runs only (a true KL is never negative; a persistent negative mean means
+    sampling and scoring disagree)."""
+    rows = [r for r in history if "objective/k1_negative_fraction" in r]  # the estimator is k1
+    s = _series(rows, "objective/kl_per_token")[-t.window :]
+    if len(s) < t.window:
+        return None
+    if all(v < -t.k1_negative_tol for _, v in s):
+        return Alarm(
+            "k1_negative",
+            s[-1][0],
+            f"mean per-token k1 negative for {t.window} steps (last {s[-1][1]:.4f} nats/token)",
+            "sampling and scoring disagree: a temperature, top-k/top-p or precision mismatch "
+            "between generation and the log-probabilities (a true KL is never negative)",
+            "sample with plain softmax at rollout.temperature and score at the same temperature "
+            "and precision",
+        )
+    return None
+
+
+def overoptimization(history: list[dict], t: HealthThresholds) -> Alarm | None:
+    """Over-optimization (Gao et al. 2022): over the last ``t.window`` periodic evaluations (at
+    least 3), the held-out proxy score's half-window means rose and the gold score's fell, each
+    by more than ``t.overopt_min_change``."""
+    proxy = _series(history, "eval/proxy_score")[-t.window :]
+    gold = _series(history, "eval/gold_score")[-t.window :]
+    n = min(len(proxy), len(gold))
+    if n < 3:
+        return None
+    proxy, gold = proxy[-n:], gold[-n:]
+    p1, p2 = _half_means([v for _, v in proxy])
+    g1, g2 = _half_means([v for _, v in gold])
+    if p2 - p1 > t.overopt_min_change and g1 - g2 > t.overopt_min_change:
+        return Alarm(
+            "overoptimization",
+            proxy[-1][0],
+            f"proxy score rose {p1:.3f} -> {p2:.3f} while the gold score fell {g1:.3f} -> {g2:.3f}",
+            "reward over-optimization: the policy exploits the proxy's errors (Gao et al. 2022)",
+            "raise kl.kl_coef or lower kl.target, or keep the policy at the gold score's peak "
+            "(eval.best_by=gold, with eval.patience to stop there)",
+        )
+    return None
+
+
+RULES: dict[str, Callable[[list[dict], HealthThresholds], Alarm | None]] = {
+    "kl_exploding": kl_exploding,
+    "kl_stuck": kl_stuck,
+    "entropy_collapse": entropy_collapse,
+    "length_runaway": length_runaway,
+    "k1_negative": k1_negative,
+    "overoptimization": overoptimization,
+}

@@ -1,0 +1,79 @@
+"""The KL leash applied where the placement says, exactly once per step, and counted.
+
+Torch and tether's math modules only; takes tensors, scalars and two booleans, never a config.
+Trainers call :meth:`KLLeash.reward` once per rollout batch and :meth:`KLLeash.loss` once per
+minibatch; ``counts`` records how often each placement actually entered the objective, so a test
+can prove that the KL is counted once (and a run with both off never touches it).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from tether.core.kl import masked_mean
+from tether.core.losses import KLLossEstimator, kl_loss_terms
+from tether.core.shaping import ShapedRewards, shape_rewards
+
+
+class KLLeash:
+    """Applies ``-kl_coef * kl`` in the reward and/or ``kl_coef * KL surrogate`` in the loss.
+
+    Args:
+        kl_in_reward: shape per-token rewards with the KL (PPO, RLOO).
+        kl_in_loss: add the KL surrogate to the loss (GRPO).
+        loss_estimator: surrogate for the loss placement (see :func:`tether.core.losses.kl_loss_terms`).
+    """
+
+    def __init__(self, kl_in_reward: bool, kl_in_loss: bool, loss_estimator: KLLossEstimator = "k3+"):
+        self.kl_in_reward = kl_in_reward
+        self.kl_in_loss = kl_in_loss
+        self.loss_estimator = loss_estimator
+        self.counts = {"reward": 0, "loss": 0}
+
+    def reward(
+        self, scores: Tensor, kl: Tensor | None, kl_coef: float, response_mask: Tensor
+    ) -> ShapedRewards:
+        """Per-token rewards: the score on the last real token, plus ``-kl_coef * kl_t`` if in the reward.
+
+        Args:
+            scores: (B,) scorer values.
+            kl: (B, T) per-token KL estimate (nats), or None when no reference runs.
+            kl_coef: beta >= 0.
+            response_mask: (B, T) bool.
+
+        Returns:
+            :class:`tether.core.shaping.ShapedRewards`, (B, T) each.
+        """
+        if self.kl_in_reward and kl is not None:
+            self.counts["reward"] += 1
+            return shape_rewards(scores, kl, kl_coef, response_mask)
+        zeros = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
+        return shape_rewards(scores, zeros, 0.0, response_mask)
+
+    def loss(
+        self,
+        logprobs: Tensor,
+        ref_logprobs: Tensor | None,
+        kl_coef: float,
+        response_mask: Tensor,
+        old_logprobs: Tensor | None = None,
+        count: bool = True,
+    ) -> Tensor | None:
+        """``kl_coef * masked_mean(surrogate)`` to add to the loss, or None if not in the loss.
+
+        None (not a zero tensor) when the placement is off or ``kl_coef`` is 0, so the loss of a
+        run without the term is bit-identical to the pure policy-gradient loss. ``count``: add
+        one to ``counts["loss"]`` (once per gradient step: false for the micro-batches after the
+        first of a minibatch, which are parts of the same term).
+        """
+        if not self.kl_in_loss or kl_coef == 0 or ref_logprobs is None:
+            return None
+        self.counts["loss"] += int(count)
+        mask = response_mask.bool()
+        # masked slots may hold -inf/NaN; neutral values there keep them out of every gradient
+        logprobs = torch.where(mask, logprobs, 0.0)
+        ref_logprobs = torch.where(mask, ref_logprobs, 0.0)
+        old_logprobs = torch.where(mask, old_logprobs, 0.0) if old_logprobs is not None else None
+        terms = kl_loss_terms(logprobs, ref_logprobs, self.loss_estimator, old_logprobs)
+        return kl_coef * masked_mean(terms, response_mask)

@@ -1,0 +1,222 @@
+"""PPO losses: clipped surrogate and clipped value loss. Torch only.
+
+Source: Schulman et al. 2017, "Proximal Policy Optimization Algorithms", arXiv 1707.06347,
+eq. 7 (L^CLIP) and eq. 9; value clipping as in OpenAI baselines / lm-human-preferences.
+All losses are token-level means over ``response_mask`` (every valid token of the minibatch
+weighs the same).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal, NamedTuple
+
+import torch
+from torch import Tensor
+
+from tether.core.kl import K3_LOG_RATIO_CLAMP, masked_mean
+from tether.core.placement import LOSS_ESTIMATOR_OK
+
+
+class PolicyLoss(NamedTuple):
+    loss: Tensor
+    """scalar, to minimize: -mean_t min(ratio_t A_t, clip(ratio_t, 1 -+ clip_eps) A_t)."""
+    clipfrac: Tensor
+    """scalar, fraction of valid tokens where the clipped branch was taken."""
+    approx_kl: Tensor
+    """scalar, mean k3 estimate of KL(pi_old || pi_theta) on valid tokens (nats per token)."""
+    ratio: Tensor
+    """(B, T) pi_theta / pi_old, detached."""
+
+
+def ppo_policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    clip_eps: float = 0.2,
+) -> PolicyLoss:
+    """PPO clipped surrogate loss (Schulman et al. 2017, eq. 7), negated for minimization.
+
+    ``ratio = exp(logprobs - old_logprobs)``;
+    ``loss = mean_valid max(-A * ratio, -A * clip(ratio, 1 - clip_eps, 1 + clip_eps))``.
+
+    Args:
+        logprobs: (B, T) log pi_theta of the taken tokens, with grad.
+        old_logprobs: (B, T) log pi_old at rollout time, no grad.
+        advantages: (B, T) advantages, no grad.
+        response_mask: (B, T) bool.
+        clip_eps: clip range epsilon > 0.
+
+    Returns:
+        :class:`PolicyLoss`.
+    """
+    log_ratio = logprobs - old_logprobs.detach()
+    # masked slots may hold anything (even -inf - -inf); zero them before exp so no NaN/inf
+    # reaches a gradient through torch.where's unselected branch.
+    log_ratio = torch.where(response_mask.bool(), log_ratio, 0.0)
+    ratio = torch.exp(log_ratio)
+    adv = advantages.detach()
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
+    loss = masked_mean(torch.maximum(unclipped, clipped), response_mask)
+    with torch.no_grad():
+        clipfrac = masked_mean((clipped > unclipped).float(), response_mask)
+        # k3 of KL(old || new) on samples of old: (ratio - 1) - log ratio
+        approx_kl = masked_mean((ratio - 1.0) - log_ratio, response_mask)
+    return PolicyLoss(loss=loss, clipfrac=clipfrac, approx_kl=approx_kl, ratio=ratio.detach())
+
+
+class ValueLoss(NamedTuple):
+    loss: Tensor
+    """scalar: 0.5 * mean_valid max((V - R)^2, (V_clipped - R)^2)."""
+    clipfrac: Tensor
+    """scalar, fraction of valid tokens where the clipped value loss was larger."""
+
+
+def clipped_value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    response_mask: Tensor,
+    clip_eps_value: float = 0.2,
+) -> ValueLoss:
+    """Clipped value-function loss.
+
+    ``V_clipped = old_values + clip(values - old_values, -clip_eps_value, clip_eps_value)``;
+    ``loss = 0.5 * mean_valid max((values - returns)^2, (V_clipped - returns)^2)``.
+
+    Args:
+        values: (B, T) current value predictions, with grad.
+        old_values: (B, T) values at rollout time.
+        returns: (B, T) targets (GAE advantages + old values).
+        response_mask: (B, T) bool.
+        clip_eps_value: clip range for the value change, > 0.
+
+    Returns:
+        :class:`ValueLoss`.
+    """
+    mask = response_mask.bool()
+    # zero masked slots first, so NaN/inf there reaches neither the loss nor the gradient
+    values = torch.where(mask, values, 0.0)
+    old_values = torch.where(mask, old_values.detach(), 0.0)
+    returns = torch.where(mask, returns.detach(), 0.0)
+    v_clipped = old_values + torch.clamp(values - old_values, -clip_eps_value, clip_eps_value)
+    loss_unclipped = (values - returns).pow(2)
+    loss_clipped = (v_clipped - returns).pow(2)
+    loss = 0.5 * masked_mean(torch.maximum(loss_unclipped, loss_clipped), response_mask)
+    with torch.no_grad():
+        clipfrac = masked_mean((loss_clipped > loss_unclipped).float(), response_mask)
+    return ValueLoss(loss=loss, clipfrac=clipfrac)
+
+
+# ---- KL in the loss (GRPO placement) --------------------------------------------------------
+# Which per-token surrogate to differentiate so that the expected gradient is the gradient of
+# the reverse KL(pi_theta || pi_ref). Tang & Munos 2025, "On a few pitfalls in KL divergence
+# gradient estimation for RL", arXiv 2506.09477; Schulman 2020. Exact checks by enumeration are
+# in tests/test_kl_placement.py and the table in docs/kl.md.
+# Which of them are allowed, and why the others are refused: tether.core.placement.
+KLLossEstimator = Literal["k2", "k3+", "k3_is", "k1", "k3"]
+
+
+def kl_loss_terms(
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    estimator: KLLossEstimator = "k3+",
+    old_logprobs: Tensor | None = None,
+) -> Tensor:
+    """Per-token KL surrogate to add (times kl_coef) to the loss; (B, T), unmasked.
+
+    * ``k2``: ``0.5 (log pi - log pi_ref)^2``; on-policy its expected gradient is
+      ``grad KL(pi || pi_ref)``.
+    * ``k3+``: value of k3 (unbiased, >= 0, what is logged) with the gradient of k2
+      (straight-through: ``k2 + stopgrad(k3 - k2)``).
+    * ``k3_is``: ``(pi / pi_old) * k3`` for minibatches sampled from ``pi_old``; its expectation
+      under pi_old is exactly KL(pi || pi_ref) for every theta, so its gradient is exact
+      off-policy too. Needs ``old_logprobs``.
+    * ``k1``, ``k3``: computed only for the tests that show why they are refused.
+
+    Args:
+        logprobs: (B, T) log pi_theta with grad.
+        ref_logprobs: (B, T) log pi_ref, no grad.
+        estimator: see above.
+        old_logprobs: (B, T) log pi_old (for ``k3_is``).
+
+    Raises:
+        ValueError: unknown estimator, or ``k3_is`` without ``old_logprobs``.
+    """
+    if estimator not in KL_LOSS_SURROGATES:
+        raise ValueError(f"unknown kl.loss_estimator {estimator!r}; choose one of {list(LOSS_ESTIMATOR_OK)}")
+    return KL_LOSS_SURROGATES[estimator](logprobs - ref_logprobs.detach(), logprobs, old_logprobs)
+
+
+def _k3(log_ratio: Tensor) -> Tensor:
+    """k3 of ``log_ratio = log pi - log pi_ref`` (as :func:`tether.core.kl.kl_k3`, r clamped from above)."""
+    r = (-log_ratio).clamp(max=K3_LOG_RATIO_CLAMP)
+    return torch.expm1(r) - r
+
+
+def _k2(log_ratio: Tensor) -> Tensor:
+    return 0.5 * log_ratio.pow(2)
+
+
+def _k3_is(log_ratio: Tensor, logprobs: Tensor, old_logprobs: Tensor | None) -> Tensor:
+    if old_logprobs is None:
+        raise ValueError("kl.loss_estimator=k3_is needs old_logprobs (the sampling policy)")
+    # the importance weight pi / pi_old, its exponent clamped from above as k3's
+    return torch.exp((logprobs - old_logprobs.detach()).clamp(max=K3_LOG_RATIO_CLAMP)) * _k3(log_ratio)
+
+
+KL_LOSS_SURROGATES: dict[str, Callable[[Tensor, Tensor, Tensor | None], Tensor]] = {
+    "k2": lambda lr, lp, old: _k2(lr),
+    "k3+": lambda lr, lp, old: _k2(lr) + (_k3(lr) - _k2(lr)).detach(),  # k3's value, k2's gradient
+    "k3_is": _k3_is,
+    "k1": lambda lr, lp, old: lr,
+    "k3": lambda lr, lp, old: _k3(lr),
+}
+"""``kl.loss_estimator`` -> surrogate of ``(log_ratio, logprobs, old_logprobs)``, see
+:func:`kl_loss_terms`."""
+
+
+class DPOLoss(NamedTuple):
+    loss: Tensor
+    """scalar: mean over pairs of -log sigmoid(beta * margin)."""
+    chosen_rewards: Tensor
+    """(N,) implicit rewards beta * (log pi(y_w) - log pi_ref(y_w)), nats times beta."""
+    rejected_rewards: Tensor
+    """(N,) beta * (log pi(y_l) - log pi_ref(y_l))."""
+    margin: Tensor
+    """scalar: mean of chosen_rewards - rejected_rewards."""
+    accuracy: Tensor
+    """scalar: fraction of pairs with chosen_rewards > rejected_rewards."""
+
+
+def dpo_loss(
+    chosen_logps: Tensor,
+    rejected_logps: Tensor,
+    ref_chosen_logps: Tensor,
+    ref_rejected_logps: Tensor,
+    beta: float,
+) -> DPOLoss:
+    """DPO loss (Rafailov et al. 2023, arXiv 2305.18290, eq. 7).
+
+    ``L = -log sigmoid(beta * [(log pi(y_w) - log pi_ref(y_w)) - (log pi(y_l) - log pi_ref(y_l))])``
+    with sequence log-probabilities (sums over each response's ``response_mask``). beta plays
+    the role of the KL coefficient of the objective whose optimum DPO fits.
+
+    Args:
+        chosen_logps, rejected_logps: (N,) policy sequence log-probs, nats, with grad.
+        ref_chosen_logps, ref_rejected_logps: (N,) reference sequence log-probs, nats.
+        beta: > 0.
+
+    Returns:
+        :class:`DPOLoss`.
+    """
+    chosen = beta * (chosen_logps - ref_chosen_logps.detach())
+    rejected = beta * (rejected_logps - ref_rejected_logps.detach())
+    logits = chosen - rejected
+    loss = -torch.nn.functional.logsigmoid(logits).mean()
+    with torch.no_grad():
+        margin = logits.mean()
+        accuracy = (logits > 0).float().mean()
+    return DPOLoss(loss, chosen.detach(), rejected.detach(), margin, accuracy)

@@ -1,0 +1,263 @@
+"""Rollouts: tokenize prompts, sample responses, score them with policy and reference.
+
+This is the only math-adjacent module that talks to models. Everything it returns is a tensor
+whose shape is written beside it; masks follow the glossary (``response_mask`` True = counts).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+
+from tether.core.logprobs import (
+    response_mask_from_tokens,
+)
+from tether.models import (
+    head,  # head.prefix_cache and head.shares_prefix looked up at call time
+)
+from tether.models.head import (
+    cache_argument,
+    position_ids_from_mask,
+)
+from tether.models.lora import AdapterReference
+
+
+@dataclass
+class Rollout:
+    """One batch of prompts and sampled responses.
+
+    Attributes:
+        prompts: B prompt strings.
+        prompt_ids: (B, P) long, left-padded.
+        prompt_mask: (B, P) long, 0 on padding.
+        response_ids: (B, R) long; slots after the first EOS hold the pad token.
+        response_mask: (B, R) bool, True up to and including the first EOS.
+        responses: B decoded responses (up to, not including, EOS).
+        ended: (B,) bool, True where the response ended with EOS (not cut at the length cap).
+    """
+
+    prompts: list[str]
+    prompt_ids: Tensor
+    prompt_mask: Tensor
+    response_ids: Tensor
+    response_mask: Tensor
+    responses: list[str]
+    ended: Tensor | None = None
+
+    @property
+    def input_ids(self) -> Tensor:
+        """(B, P + R - 1): prompt and response without its last token (it predicts nothing)."""
+        return torch.cat([self.prompt_ids, self.response_ids], dim=1)[:, :-1]
+
+    @property
+    def attention_mask(self) -> Tensor:
+        """(B, P + R - 1): prompt padding masked; response slots all attend (a post-EOS slot
+        comes after every valid token, so causal attention keeps it out of their logits)."""
+        ones = torch.ones_like(self.response_ids)
+        return torch.cat([self.prompt_mask, ones], dim=1)[:, :-1]
+
+    def select(self, idx: Tensor) -> Rollout:
+        """Rows ``idx`` of this rollout (for minibatches)."""
+        rows = idx.tolist()
+        return Rollout(
+            prompts=[self.prompts[i] for i in rows],
+            prompt_ids=self.prompt_ids[idx],
+            prompt_mask=self.prompt_mask[idx],
+            response_ids=self.response_ids[idx],
+            response_mask=self.response_mask[idx],
+            responses=[self.responses[i] for i in rows],
+            ended=self.ended[idx] if self.ended is not None else None,
+        )
+
+
+CHAT_TEMPLATE_FLAG = "tether_chat_template"
+"""Attribute set on a tokenizer by :func:`use_chat_template` (``data.chat_template``)."""
+
+
+def use_chat_template(tokenizer) -> None:
+    """Make every prompt tether tokenizes with ``tokenizer`` one user message formatted by the
+    tokenizer's chat template (:func:`prompt_texts`).
+
+    Raises:
+        ValueError: the tokenizer has no chat template.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            "data.chat_template=true: the tokenizer of model.name has no chat template "
+            "(tokenizer_config.json or chat_template.jinja); use a chat model or data.chat_template=false"
+        )
+    setattr(tokenizer, CHAT_TEMPLATE_FLAG, True)
+
+
+def prompt_texts(tokenizer, prompts: Sequence[str]) -> list[str]:
+    """The text tether tokenizes for each prompt: the prompt itself, or with
+    :func:`use_chat_template` the chat template applied to ``[{"role": "user", "content": prompt}]``
+    with the assistant's turn opened (``add_generation_prompt=True``), what a chat model was tuned
+    on. A BOS token the template writes is dropped when the tokenizer adds its own (no double BOS).
+    """
+    if not getattr(tokenizer, CHAT_TEMPLATE_FLAG, False):
+        return list(prompts)
+    texts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+        )
+        for p in prompts
+    ]
+    bos = tokenizer.bos_token
+    if bos and tokenizer("a", add_special_tokens=True)["input_ids"][:1] == [tokenizer.bos_token_id]:
+        texts = [t[len(bos) :] if t.startswith(bos) else t for t in texts]
+    return texts
+
+
+def tokenize_prompts(tokenizer, prompts: list[str], max_prompt_tokens: int) -> tuple[Tensor, Tensor]:
+    """Left-padded prompt ids and mask, (B, P) each (of :func:`prompt_texts`: with
+    ``data.chat_template`` the chat-formatted prompts).
+
+    Raises:
+        ValueError: a prompt is empty after tokenization or longer than ``max_prompt_tokens``
+            (the prompt is quoted; fix: shorten it or raise ``rollout.max_prompt_tokens``).
+    """
+    enc = tokenizer(
+        prompt_texts(tokenizer, prompts), return_tensors="pt", padding=True, add_special_tokens=True
+    )
+    lengths = enc["attention_mask"].sum(-1)
+    for p, n in zip(prompts, lengths.tolist()):
+        if n == 0:
+            raise ValueError(f"prompt {p!r} is empty after tokenization")
+        if n > max_prompt_tokens:
+            raise ValueError(
+                f"prompt {p[:60]!r} has {n} tokens > rollout.max_prompt_tokens={max_prompt_tokens}; "
+                "shorten it or raise rollout.max_prompt_tokens"
+            )
+    return enc["input_ids"], enc["attention_mask"]
+
+
+def sample_seeds(seed: int, step: int, indices: Sequence[int]) -> Tensor:
+    """One sampling seed per sample: a hash of (run seed, step, global sample index).
+
+    A sample's random stream then depends only on which sample it is, not on how the step's
+    batch is split over processes or generate calls (``tests/test_distributed.py``).
+
+    Returns:
+        (len(indices),) long, each in [0, 2**63).
+    """
+
+    def one(i: int) -> int:
+        digest = hashlib.blake2b(f"tether:{seed}:{step}:{i}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") & (2**63 - 1)
+
+    return torch.tensor([one(int(i)) for i in indices], dtype=torch.long)
+
+
+def gumbel_noise(generators: list[torch.Generator], vocab_size: int) -> Tensor:
+    """(B, V) float64 i.i.d. Gumbel(0, 1) noise, row b drawn from ``generators[b]``.
+
+    ``g = -log(-log(u))`` with ``u ~ U[0, 1)`` in float64 (53-bit resolution: ``u == 0``, which
+    gives ``-inf``, has probability 2**-53 per draw, against 2**-24 in float32).
+    """
+    u = torch.stack([torch.rand(vocab_size, dtype=torch.float64, generator=g) for g in generators])
+    return -torch.log(-torch.log(u))
+
+
+class GumbelMaxSampler(LogitsProcessor):
+    """Turns greedy decoding into exact sampling from softmax(logits / temperature), per-row seeded.
+
+    Gumbel-max trick: if ``g_v`` are i.i.d. Gumbel(0, 1), ``argmax_v (z_v + g_v)`` is distributed
+    exactly as ``softmax(z)`` (Gumbel 1954; Maddison et al. 2014, "A* Sampling", section 2). Here
+    ``z = logits / temperature``: the temperature is applied once, in this processor, and nothing
+    else touches the logits (greedy decoding adds no warper). Row ``b`` draws its noise from its
+    own generator seeded with ``seeds[b]``, one vocabulary-sized draw per decoding step, so a row's
+    sample does not depend on the other rows of the batch.
+    """
+
+    def __init__(self, seeds: Sequence[int], temperature: float):
+        self.generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
+        self.temperature = temperature
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        z = scores.to(torch.float64) / self.temperature  # (B, V)
+        return z + gumbel_noise(self.generators, scores.shape[-1]).to(z.device)
+
+
+@torch.no_grad()
+def generate(
+    lm: nn.Module,
+    tokenizer,
+    prompts: list[str],
+    max_new_tokens: int,
+    temperature: float,
+    max_prompt_tokens: int = 64,
+    seeds: Sequence[int] | Tensor | None = None,
+    share_prefix: bool = False,
+) -> Rollout:
+    """Sample one response per prompt from ``lm`` at ``temperature`` (no top-k, no top-p).
+
+    Pure ancestral sampling from softmax(logits / temperature), so the log-probabilities that
+    :func:`score_logprobs` computes at the same temperature are those of the sampling
+    distribution. Sampling is :class:`GumbelMaxSampler` under greedy decoding: row ``b`` is
+    seeded with ``seeds[b]`` (see :func:`sample_seeds`), so the samples of a batch are the
+    samples of its shards, concatenated. Without ``seeds``, one seed per row is drawn from the
+    global torch RNG (seed it for reproducibility).
+
+    This replaced transformers' multinomial sampling (one RNG stream for the whole batch); the
+    distribution is the same, but runs of earlier tether versions draw different samples.
+
+    With ``share_prefix`` every prompt but its last token goes into a
+    :func:`tether.models.head.prefix_cache` first (rows of a group share one prompt: it runs once),
+    and generation starts from that cache; prompts shorter than
+    :data:`tether.models.head.SHARED_PREFIX_MIN_POSITIONS` + 1 tokens are generated whole.
+    """
+    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, max_prompt_tokens)
+    if seeds is None:
+        seeds = torch.randint(0, 2**62, (len(prompts),))
+    seeds = [int(s) for s in seeds]
+    if len(seeds) != len(prompts):
+        raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+    eos = tokenizer.eos_token_id
+    # A fresh GenerationConfig, not the model folder's: a saved generation_config.json may carry
+    # suppress_tokens, repetition penalties, top-k ... that would make the samples differ from
+    # softmax(logits / temperature), the distribution every log-probability is computed under.
+    # transformers fills unset fields of a passed config from the model's own, so the model's is
+    # swapped out for the call. Greedy decoding: the sampler below draws the sample.
+    gen = GenerationConfig(
+        do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id
+    )
+    cache = {}
+    base = lm.lm if isinstance(lm, AdapterReference) else lm
+    if share_prefix and head.shares_prefix(base, prompt_ids.shape[1] - 1):
+        with lm.active() if isinstance(lm, AdapterReference) else nullcontext():
+            prefix = head.prefix_cache(
+                base, prompt_ids[:, :-1], prompt_mask[:, :-1], position_ids_from_mask(prompt_mask)[:, :-1]
+            )
+        cache = {cache_argument(getattr(base, base.base_model_prefix)): prefix}
+    saved, lm.generation_config = lm.generation_config, gen
+    try:
+        out = lm.generate(
+            input_ids=prompt_ids,
+            attention_mask=prompt_mask,
+            generation_config=gen,
+            logits_processor=LogitsProcessorList([GumbelMaxSampler(seeds, temperature)]),
+            **cache,
+        )
+    finally:
+        lm.generation_config = saved
+    response_ids = out[:, prompt_ids.shape[1] :]  # (B, R<=max_new_tokens)
+    response_mask = response_mask_from_tokens(response_ids, eos)  # (B, R)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    response_ids = torch.where(response_mask, response_ids, torch.full_like(response_ids, pad))
+    texts = [
+        tokenizer.decode(ids[m & (ids != eos)] if eos is not None else ids[m], skip_special_tokens=True)
+        for ids, m in zip(response_ids, response_mask)
+    ]
+    ended = (
+        ((response_ids == eos) & response_mask).any(-1)
+        if eos is not None
+        else torch.zeros(len(prompts), dtype=torch.bool)
+    )
+    return Rollout(prompts, prompt_ids, prompt_mask, response_ids, response_mask, texts, ended)

@@ -1,0 +1,204 @@
+"""Rollouts: tokenize prompts, sample responses, score them with policy and reference.
+
+This is the only math-adjacent module that talks to models. Everything it returns is a tensor
+whose shape is written beside it; masks follow the glossary (``response_mask`` True = counts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from tether.core.kl import exact_kl_from_logits
+from tether.core.logprobs import (
+    entropy_from_logits,
+    logprobs_from_logits,
+)
+from tether.models.head import (
+    HEAD_CHUNK_POSITIONS,
+    head_logits,
+    head_row_slices,
+    position_ids_from_mask,
+    tail_hidden,
+    tail_logits,
+)
+from tether.models.policy import PolicyWithValue
+from tether.models.sampling import Rollout, tokenize_prompts
+
+
+def response_forward(
+    model: nn.Module,
+    rollout: Rollout,
+    with_values: bool = False,
+    head_chunk: int = HEAD_CHUNK_POSITIONS,
+    share_prefix: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Logits (B, R, V) predicting each response token, and values (B, R) if asked.
+
+    Works for a :class:`PolicyWithValue` (also wrapped by ``accelerator.prepare``, e.g. in DDP,
+    whose forward syncs gradients) and for a bare causal LM (the reference). Position ids
+    start at 0 on each row's first real prompt token, so a row scores the same inside a padded
+    batch as alone. ``head_chunk`` and ``share_prefix`` (:func:`tether.models.head.tail_hidden`) are
+    a bare LM's settings; a policy uses its own.
+    """
+    input_ids, attention_mask = rollout.input_ids, rollout.attention_mask  # (B, L)
+    position_ids = position_ids_from_mask(attention_mask)
+    R = rollout.response_ids.shape[1]
+    if isinstance(getattr(model, "module", model), PolicyWithValue):
+        return model(input_ids, attention_mask, position_ids, n_keep=R, with_values=with_values)
+    return tail_logits(model, input_ids, attention_mask, position_ids, R, head_chunk, share_prefix)[0], None
+
+
+def response_hidden(
+    model: nn.Module, rollout: Rollout, share_prefix: bool = False
+) -> tuple[nn.Module, Tensor]:
+    """The causal LM behind ``model`` and its last hidden states (B, R, d) at the response positions.
+
+    ``share_prefix`` is a bare LM's setting (:func:`tether.models.head.tail_hidden`); a policy uses its own.
+    """
+    if isinstance(model, PolicyWithValue):
+        model, share_prefix = model.lm, model.share_prefix
+    position_ids = position_ids_from_mask(rollout.attention_mask)
+    return model, tail_hidden(
+        model,
+        rollout.input_ids,
+        rollout.attention_mask,
+        position_ids,
+        rollout.response_ids.shape[1],
+        share_prefix,
+    )
+
+
+@dataclass
+class Scored:
+    """Per-token quantities of one model on a rollout, all (B, R) float32."""
+
+    logprobs: Tensor
+    values: Tensor | None = None
+    entropy: Tensor | None = None
+    logits: Tensor | None = None
+    """(B, R, V) kept only when asked (exact KL)."""
+
+
+def score_logprobs(
+    model: nn.Module,
+    rollout: Rollout,
+    temperature: float,
+    with_values: bool = False,
+    with_entropy: bool = False,
+    keep_logits: bool = False,
+    head_chunk: int = HEAD_CHUNK_POSITIONS,
+    share_prefix: bool = False,
+) -> Scored:
+    """log pi(y_t | x, y_<t) of the rollout's responses at the sampling temperature.
+
+    The same call serves policy, old policy and reference, so temperature and precision agree.
+    ``head_chunk``, ``share_prefix``: a bare LM's LM-head slice size and prefix sharing (pass
+    the policy's when scoring its reference); a :class:`PolicyWithValue` uses its own.
+    """
+    logits, values = response_forward(
+        model, rollout, with_values=with_values, head_chunk=head_chunk, share_prefix=share_prefix
+    )
+    return Scored(
+        logprobs=logprobs_from_logits(logits, rollout.response_ids, temperature),
+        values=values,
+        entropy=entropy_from_logits(logits, temperature) if with_entropy else None,
+        logits=logits if keep_logits else None,
+    )
+
+
+@torch.no_grad()
+def score_policy_and_reference(
+    policy: PolicyWithValue,
+    reference: nn.Module | None,
+    rollout: Rollout,
+    temperature: float,
+    with_values: bool = False,
+    exact_kl: bool = False,
+    policy_logits: Tensor | None = None,
+    kl_chunk_size: int = 1024,
+) -> tuple[Scored, Scored | None, Tensor | None]:
+    """No-grad scoring of a rollout by the policy and the reference, one LM-head slice at a time.
+
+    Each model runs its trunk once to the last hidden states (B, R, d); then, one
+    :func:`tether.models.head.head_row_slices` slice at a time (``policy.head_chunk`` positions, at
+    least one row), the LM head gives both models' logits for that slice only, and the
+    log-probs, the policy's entropy and the exact per-token KL are taken from them before the
+    next slice. No (B, R, V) logits are made here (``policy_logits``, when given, are the update's
+    own, held by its graph anyway): the extra memory of the exact KL is
+    O(max(head_chunk, R) * V), independent of B.
+
+    The slices are those the update's forward uses (:func:`tether.models.head.apply_head`), so the
+    numbers equal a full forward's bit for bit (tested): the first PPO ratio stays exactly 1 and
+    the step-0 KL exactly 0.
+
+    Args:
+        policy: the policy (bare, not DDP-wrapped: this is no-grad scoring).
+        reference: the frozen reference, or None (then no ref log-probs and no exact KL).
+        rollout: B rows with R response positions.
+        temperature: the sampling temperature (> 0).
+        with_values: also the value head's estimates.
+        exact_kl: also the exact full-vocabulary KL per token (needs a reference).
+        policy_logits: (B, R, V) the policy's logits when already computed (the update's graded
+            forward, detached): the policy's trunk is then not run again.
+        kl_chunk_size: positions per float32 chunk inside :func:`tether.core.kl.exact_kl_from_logits`.
+
+    Returns:
+        (policy Scored with logprobs, entropy and values if asked; reference Scored with logprobs
+        or None; exact KL (B, R) float32 nats or None). Unmasked.
+    """
+    B, R = rollout.response_ids.shape
+    tokens = rollout.response_ids
+    exact_kl = exact_kl and reference is not None
+    policy_lm = hidden = values = None
+    if policy_logits is None:
+        policy_lm, hidden = response_hidden(policy, rollout)
+        values = policy.values(hidden) if with_values else None
+    ref_lm, ref_hidden = (
+        response_hidden(reference, rollout, policy.share_prefix) if reference is not None else (None, None)
+    )
+    logprobs, entropy = torch.empty(B, R), torch.empty(B, R)
+    ref_logprobs = torch.empty(B, R) if reference is not None else None
+    exact = torch.empty(B, R) if exact_kl else None
+    for rows in head_row_slices(B, R, policy.head_chunk):
+        z = (
+            policy_logits[rows] if policy_logits is not None else head_logits(policy_lm, hidden[rows])
+        )  # (b, R, V)
+        logprobs[rows] = logprobs_from_logits(z, tokens[rows], temperature)
+        entropy[rows] = entropy_from_logits(z, temperature)
+        if reference is not None:
+            z_ref = head_logits(ref_lm, ref_hidden[rows])
+            ref_logprobs[rows] = logprobs_from_logits(z_ref, tokens[rows], temperature)
+            if exact_kl:
+                exact[rows] = exact_kl_from_logits(z, z_ref, temperature, kl_chunk_size)
+            del z_ref
+        del z
+    ref = Scored(ref_logprobs) if reference is not None else None
+    return Scored(logprobs, values, entropy), ref, exact
+
+
+def rollout_from_responses(
+    tokenizer, prompts: list[str], responses: list[Tensor], max_prompt_tokens: int = 64
+) -> Rollout:
+    """A :class:`Rollout` of given response token ids (e.g. DPO's chosen or rejected).
+
+    Args:
+        prompts: B prompt strings.
+        responses: B 1-D long tensors, each a response (ending with EOS if it ended there).
+
+    Returns:
+        Rollout with responses right-padded with the pad token and ``response_mask`` True on
+        each response's own tokens.
+    """
+    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, max_prompt_tokens)
+    R = max(1, max(len(r) for r in responses))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    ids = torch.full((len(responses), R), pad, dtype=torch.long)
+    mask = torch.zeros((len(responses), R), dtype=torch.bool)
+    for i, r in enumerate(responses):
+        ids[i, : len(r)] = r
+        mask[i, : len(r)] = True
+    texts = tokenizer.batch_decode([r for r in responses], skip_special_tokens=True)
+    return Rollout(list(prompts), prompt_ids, prompt_mask, ids, mask, texts)

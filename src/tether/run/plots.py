@@ -1,0 +1,121 @@
+"""PNG plots of a run: training curves and score against KL (matplotlib, headless)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+_PANELS = [
+    ("objective/scores", "score (mean)"),
+    ("objective/kl", "KL, nats per sequence"),
+    ("objective/kl_coef", "kl_coef (beta)"),
+    ("objective/rlhf_reward", "score - beta KL"),
+    ("objective/entropy", "entropy, nats per token"),
+    ("response/length", "response length, tokens"),
+]
+
+
+def plot_training(
+    history: list[dict], out: Path, kl_target: float | None = None, target_label: str = "target"
+) -> Path:
+    """Six panels against step: score, KL (with the target or budget, nats per sequence, labelled
+    ``target_label``), beta, RLHF reward, entropy, length."""
+    steps = [r["step"] for r in history]
+    fig, axes = plt.subplots(2, 3, figsize=(13, 6.5))
+    for ax, (key, label) in zip(axes.flat, _PANELS):
+        ys = [r.get(key) for r in history]
+        pts = [(s, y) for s, y in zip(steps, ys) if isinstance(y, (int, float))]
+        if pts:
+            ax.plot(*zip(*pts), marker=".", lw=1, label="training batch")
+        if key == "objective/scores":
+            for ekey, elabel in (
+                ("eval/proxy_score", "held-out proxy"),
+                ("eval/gold_score", "held-out gold"),
+            ):
+                ev = [(s, r[ekey]) for s, r in zip(steps, history) if isinstance(r.get(ekey), (int, float))]
+                if ev:
+                    ax.plot(*zip(*ev), marker="s", lw=1, label=elabel)
+            ax.legend(fontsize=7)
+        if key == "objective/kl":
+            exact = [
+                (s, r["objective/kl_exact"])
+                for s, r in zip(steps, history)
+                if isinstance(r.get("objective/kl_exact"), (int, float))
+            ]
+            if exact:
+                ax.plot(*zip(*exact), lw=1, alpha=0.7, label="exact (full vocab)")
+            if kl_target is not None:
+                ax.axhline(kl_target, ls="--", c="gray", label=target_label)
+            ax.legend(fontsize=7)
+        ax.set_title(label, fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def plot_score_vs_kl(history: list[dict], out: Path, evals: list[dict] | None = None) -> Path:
+    """Training score against KL (nats per sequence), colored by step; held-out points on top."""
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    pts = [
+        (r["objective/kl"], r["objective/scores"], r["step"])
+        for r in history
+        if isinstance(r.get("objective/kl"), (int, float))
+    ]
+    if pts:
+        kl, sc, st = zip(*pts)
+        s = ax.scatter(kl, sc, c=st, cmap="viridis", s=18, label="training batches")
+        fig.colorbar(s, ax=ax, label="step", pad=0.16)  # room for the gold axis
+    gold_ax = None
+    for e in evals or []:
+        if e["kl"] != e["kl"]:  # no reference: no KL
+            continue
+        ax.errorbar(e["kl"], e["proxy_mean"], yerr=e["proxy_se"], fmt="s", c="crimson", capsize=3)
+        ax.annotate(
+            f"{e['name']} (held out)",
+            (e["kl"], e["proxy_mean"]),
+            textcoords="offset points",
+            xytext=(-10, 8),
+            fontsize=8,
+            color="crimson",
+        )
+        if "gold_mean" in e:  # the gold judge has its own scale: a second y axis
+            gold_ax = gold_ax or ax.twinx()
+            gold_ax.errorbar(e["kl"], e["gold_mean"], yerr=e["gold_se"], fmt="D", c="goldenrod", capsize=3)
+            gold_ax.annotate(
+                f"{e['name']} (gold)",
+                (e["kl"], e["gold_mean"]),
+                textcoords="offset points",
+                xytext=(-10, -14),
+                fontsize=8,
+                color="goldenrod",
+            )
+    if gold_ax is not None:
+        gold_ax.set_ylabel("gold score, held out (diamonds)", color="goldenrod")
+    if not pts:
+        ax.text(
+            0.5,
+            0.5,
+            "no KL measured: no reference model\n(kl.kl_coef=0 and kl.monitor=false)",
+            transform=ax.transAxes,
+            ha="center",
+            va="center",
+            color="gray",
+        )
+    ax.margins(x=0.15, y=0.1)
+    ax.set_xlabel("KL(pi_theta || pi_ref), nats per sequence")
+    ax.set_ylabel("proxy score (dots: training batches; squares: held out)")
+    ax.set_title("score against KL")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -1,0 +1,258 @@
+"""What every trainer shares: building a run (models, data, scorer, run dir) and scoring rollouts."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from torch import nn
+
+from tether.core.distributed import barrier, gather_objects, is_main
+from tether.data.prompts import (
+    DEFAULT_PROMPTS,
+    movie_prompts,
+    prompt_file_lines,
+    read_prompt_file,
+    split_prompts,
+)
+from tether.judges.contract import Scorer
+from tether.judges.scorers import make_scorer
+from tether.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
+from tether.models.lora import add_lora
+from tether.models.policy import PolicyWithValue
+from tether.models.reference import (
+    check_reference,
+    count_reference_forwards,
+    fingerprint,
+    make_reference,
+)
+from tether.models.sampling import prompt_texts, use_chat_template
+from tether.run.config import Config, check_world_size, dump_config
+from tether.run.metrics import RunWriter
+
+log = logging.getLogger(__name__)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def default_run_dir(algo: str) -> Path:
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"{algo}-{stamp}"
+
+
+def load_prompts(config: Config) -> tuple[list[str], list[str]]:
+    """(train, heldout) prompts for ``config.data``."""
+    d = config.data
+    if d.prompts == DEFAULT_PROMPTS:
+        return movie_prompts(config.train.seed, d.min_words, d.max_words, d.heldout_fraction)
+    return split_prompts(read_prompt_file(d.prompts), d.heldout_fraction)
+
+
+def freeze_lower_layers(lm: nn.Module, trainable_layers: int | None) -> None:
+    """Keep only the last ``trainable_layers`` blocks (and the final norm) trainable."""
+    if trainable_layers is None:
+        return
+    trunk = getattr(lm, lm.base_model_prefix)
+    for p in lm.parameters():
+        p.requires_grad_(False)
+    layers = getattr(trunk, "layers", None) or getattr(trunk, "h", None)
+    if layers is None:
+        raise ValueError(
+            f"model.trainable_layers: cannot find the transformer blocks of {type(lm).__name__} "
+            "(no .layers or .h); leave model.trainable_layers unset"
+        )
+    for block in list(layers)[len(layers) - trainable_layers :] if trainable_layers else []:
+        for p in block.parameters():
+            p.requires_grad_(True)
+    if trainable_layers and hasattr(trunk, "norm"):
+        for p in trunk.norm.parameters():
+            p.requires_grad_(True)
+
+
+def check_prompt_lengths(
+    tokenizer, prompts: list[str], max_prompt_tokens: int, source: str | None = None
+) -> None:
+    """Refuse, before training starts, any prompt that is empty or longer than the limit.
+
+    Args:
+        source: the prompt file, if any: the error then names its line (``FILE:LINE``).
+
+    Raises:
+        ValueError: naming the prompt (and its file and line) and the field to change.
+    """
+    for start in range(0, len(prompts), 2048):
+        chunk = prompts[start : start + 2048]
+        lengths = [
+            len(ids)
+            for ids in tokenizer(prompt_texts(tokenizer, chunk), add_special_tokens=True)["input_ids"]
+        ]
+        for i, (p, n) in enumerate(zip(chunk, lengths)):
+            if n == 0 or n > max_prompt_tokens:
+                where = f"prompt {start + i + 1}"
+                if source is not None:
+                    where = f"data.prompts: {source}:{prompt_line(source, p)}:"
+                raise ValueError(
+                    f"{where} ({p[:60]!r}) has {n} tokens; rollout.max_prompt_tokens="
+                    f"{max_prompt_tokens} (shorten the prompt or raise rollout.max_prompt_tokens)"
+                )
+
+
+def prompt_line(path: str | Path, prompt: str) -> int | str:
+    """1-based line of ``prompt``'s first occurrence in a prompt file (``"?"`` if absent)."""
+    return next((i for i, p in prompt_file_lines(path) if p == prompt), "?")
+
+
+@dataclass
+class Run:
+    """Everything a trainer needs, built from a validated :class:`Config`."""
+
+    config: Config
+    policy: PolicyWithValue
+    reference: nn.Module | None
+    """None when no KL is used or monitored (kl_coef 0 and kl.monitor false)."""
+    tokenizer: object
+    scorer: Scorer
+    train_prompts: list[str]
+    heldout_prompts: list[str]
+    writer: RunWriter
+    reference_fingerprint: str | None
+    reference_forwards: list[int]
+    """[count] of reference forward passes of this process (a pre-hook increments it)."""
+    accelerator: Accelerator | None = None
+    """accelerate's handle on the processes (one without ``accelerate launch``); the trainers
+    wrap the policy with ``accelerator.prepare`` (DDP when there are several)."""
+    run_dir_existed: bool = False
+    """The run directory existed (empty) before this run, see :func:`discard_failed_start`."""
+
+
+def check_full_precision(mixed_precision: str) -> None:
+    """Refuse accelerate's mixed precision (``accelerate launch --mixed_precision`` or
+    ``ACCELERATE_MIXED_PRECISION``) before anything is written.
+
+    ``accelerator.prepare`` would run the update's forward under bf16/fp16 autocast while the old
+    and reference log-probs come from the fp32 model: the seeds' precision mismatch (bf16 is
+    0.028 nats per token off fp32 on SmolLM2, docs/performance.md), so the first ratio is not 1
+    and the step-0 KL of the update's forward is not 0.
+
+    Raises:
+        ValueError: ``mixed_precision`` is not ``"no"``.
+    """
+    if mixed_precision != "no":
+        raise ValueError(
+            f"accelerate's mixed_precision={mixed_precision!r} (from `accelerate launch "
+            "--mixed_precision` or ACCELERATE_MIXED_PRECISION): tether scores the old and reference "
+            "log-probs in fp32, so an autocast update would see a precision mismatch (a first ratio "
+            "!= 1); run with --mixed_precision no (or unset ACCELERATE_MIXED_PRECISION)"
+        )
+
+
+def build_run(config: Config, scorer: Scorer | None = None, resume: bool = False) -> Run:
+    """Load model, reference, tokenizer, prompts and scorer; create the run directory.
+
+    The config is validated before this is called; data and scorer load before the model so a
+    bad prompt file or scorer fails in seconds, not after the model loads.
+    """
+    if config.train.threads:
+        torch.set_num_threads(config.train.threads)
+    # tether's tensors live on the CPU; several processes talk over gloo (docs/distributed.md)
+    accelerator = Accelerator(cpu=True)
+    check_full_precision(accelerator.mixed_precision)
+    check_world_size(config, accelerator.num_processes)
+    seed_everything(config.train.seed)
+    train_prompts, heldout = load_prompts(config)
+    scorer = scorer if scorer is not None else make_scorer(config.reward.scorer)
+    run_dir = Path(config.train.output_dir) if config.train.output_dir else default_run_dir(config.train.algo)
+    run_dir = gather_objects(run_dir)[0]  # rank 0's (a default name holds the time)
+    if not resume and run_dir.exists() and any(run_dir.iterdir()):
+        hint = (
+            f" or continue it with: tether train --resume {run_dir}"
+            if (run_dir / "checkpoints").exists()
+            else ""
+        )
+        raise FileExistsError(
+            f"train.output_dir={run_dir} already holds a run (it is not empty); "
+            f"choose another directory{hint}"
+        )
+    if resume and not (run_dir / "config.yaml").exists():
+        raise FileNotFoundError(f"--resume {run_dir}: not a tether run directory (no config.yaml)")
+    barrier()  # every process checked the folder before the first one writes into it
+    existed = run_dir.exists()
+    writer = RunWriter(run_dir)
+    try:
+        if not resume and is_main():
+            dump_config(config, run_dir / "config.yaml")
+
+        for w in config.placement.warnings:
+            log.warning("tether: warning: %s", w)
+        path = resolve_model_path(config.model.name)
+        tokenizer = load_tokenizer(path)
+        if config.data.chat_template:
+            use_chat_template(tokenizer)
+        check_prompt_lengths(
+            tokenizer,
+            train_prompts + heldout,
+            config.rollout.max_prompt_tokens,
+            None if config.data.prompts == DEFAULT_PROMPTS else config.data.prompts,
+        )
+        lm = load_causal_lm(path)
+        m = config.model
+        if m.lora:  # a peft model: the policy trains adapters, the reference reuses its frozen base
+            lm = add_lora(lm, m.lora_r, m.lora_alpha, m.lora_target_modules, m.adapter)
+        needs_reference = config.placement.needs_reference or config.train.algo == "dpo"
+        reference = make_reference(lm) if needs_reference else None
+        forwards = [0]
+        if reference is not None:
+            # count on the trunk: every path (scoring, generation) runs it exactly once per forward
+            count_reference_forwards(reference, forwards)
+        freeze_lower_layers(lm, config.model.trainable_layers)
+        # rows share prompts only in groups; otherwise the prefix pass would be one trunk call more
+        share_prefix = config.model.share_prompt_prefix and config.rollout.group_size > 1
+        policy = PolicyWithValue(lm, head_chunk=config.kl.exact_chunk_size, share_prefix=share_prefix)
+        if reference is not None:
+            check_reference(policy, reference)
+        return Run(
+            config,
+            policy,
+            reference,
+            tokenizer,
+            scorer,
+            train_prompts,
+            heldout,
+            writer,
+            fingerprint(reference) if reference is not None else None,
+            forwards,
+            accelerator,
+            existed,
+        )
+    except BaseException:
+        if not resume and is_main():
+            discard_failed_start(run_dir, existed)
+        raise
+
+
+def discard_failed_start(run_dir: Path, existed: bool) -> None:
+    """Remove what a run that failed before its first step wrote (config.yaml, the reference's
+    evaluation ...), so the same command can be run again once the input is fixed.
+
+    The folder was checked to be empty or absent when the run started, so everything in it is
+    this run's; a folder that existed (empty) is emptied, not removed.
+    """
+    if not run_dir.exists():
+        return
+    if not existed:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return
+    for child in run_dir.iterdir():
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child, ignore_errors=True)
+        else:
+            child.unlink(missing_ok=True)

@@ -1,0 +1,690 @@
+"""A tabular test bed where the optimum of ``J = E[r] - beta * KL(pi || pi_ref)`` is known exactly.
+
+Torch and tether's pure math modules only (no transformers, no models). Two beds share one
+representation, an autoregressive *table policy*:
+
+* the one-step **bandit**: one token position, a vocabulary of A actions (``length = 1``);
+* the **sequence bed**: a vocabulary of V tokens and sequences of exactly T tokens (no EOS). The
+  policy is a logits table with one row per prefix ``y_<t`` (``1 + V + ... + V^(T-1)`` rows:
+  ``1 + 5 + 25 = 31`` for V = 5, T = 3), the reference a table of the same shape, and the reward
+  a table over all ``V^T`` whole sequences (125).
+
+Everything the continuous-model trainers only estimate is computed here by enumeration over all
+sequences, in float64: the sequence-level KL(pi || pi_ref), the objective J, the optimum
+
+    pi*(y) = pi_ref(y) exp(r(y) / beta) / Z,   Z = sum_y pi_ref(y) exp(r(y) / beta)
+
+(Ziegler et al. 2019, arXiv 1909.08593; Rafailov et al. 2023, arXiv 2305.18290, eq. 4), and
+KL(pi || pi*). pi* is itself a table policy (:func:`optimal_table`, soft values by backward
+recursion), and ``J(pi*) - J(pi) = beta * KL(pi || pi*)`` exactly, so KL(pi || pi*) is the
+distance that matters.
+
+The trainers (:func:`train_on_policy` with its wrappers :func:`train_ppo` and :func:`train_group`,
+and :func:`train_dpo`) sample rollouts from the table with ``torch.multinomial`` and run the same
+pure functions as tether's real trainers
+(:mod:`tether.core.kl`, :mod:`tether.core.leash`, :mod:`tether.core.shaping`, :mod:`tether.core.advantages`,
+:mod:`tether.core.losses`, :mod:`tether.core.controllers`), in the same order as
+:class:`tether.trainers.base.OnPolicyTrainer`, so a sign error or a double count in those
+functions moves the policy measurably away from pi*. Adam acts on the logit tables.
+
+Where a configuration is *not* expected to reach pi*, the fixed point it should reach instead is
+computed too (:func:`per_token_kl_in_loss_fixed_point`): a per-token KL surrogate in the loss
+(GRPO's placement) regularizes each position's local KL but not the KL its choice causes at
+later positions, so on sequences it converges to a different, computable table.
+
+Best-of-N sampling from pi_ref is enumerated exactly as well (:func:`best_of_n_logprobs`) and its
+KL compared with the formula ``log N - (N - 1) / N`` (:func:`best_of_n_kl_table`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
+
+import torch
+from torch import Tensor
+
+from tether.core.advantages import (
+    gae,
+    group_normalized_advantages,
+    rloo_advantages,
+    whiten,
+)
+from tether.core.bestofn import bon_kl_bound
+from tether.core.controllers import FixedKLController, KLController
+from tether.core.kl import KLEstimator, estimate_kl, kl_stats, masked_sum, sequence_kl
+from tether.core.leash import KLLeash
+from tether.core.logprobs import logprobs_from_logits
+from tether.core.losses import (
+    KLLossEstimator,
+    clipped_value_loss,
+    dpo_loss,
+    ppo_policy_loss,
+)
+
+F64 = torch.float64
+
+
+# ---- the bed ------------------------------------------------------------------------------------
+def num_prefixes(vocab: int, length: int) -> int:
+    """Rows of a table policy: the number of prefixes ``y_<t`` for t = 0 .. T-1, ``sum_t V^t``."""
+    return sum(vocab**t for t in range(length))
+
+
+def prefix_offsets(vocab: int, length: int) -> list[int]:
+    """First table row of each position t: ``offset_t = sum_{s < t} V^s`` (0, 1, 1 + V, ...)."""
+    return [num_prefixes(vocab, t) for t in range(length)]
+
+
+@dataclass(frozen=True)
+class TabularBed:
+    """A table policy's world: vocabulary, length, reference table and reward table.
+
+    Attributes:
+        vocab: V >= 2 tokens (actions) per position.
+        length: T >= 1 tokens per sequence, fixed (every position counts: no EOS, no padding).
+        ref_logits: (P, V) float64 reference logits, one row per prefix, P = ``num_prefixes``;
+            row ``offset_t + code(y_<t)`` holds the logits of position t after prefix y_<t.
+        rewards: (V^T,) float64 reward of each whole sequence, indexed by :func:`sequence_index`.
+    """
+
+    vocab: int
+    length: int
+    ref_logits: Tensor
+    rewards: Tensor
+
+    def __post_init__(self) -> None:
+        if self.vocab < 2 or self.length < 1:
+            raise ValueError(f"need vocab >= 2 and length >= 1, got {self.vocab}, {self.length}")
+        P, N = num_prefixes(self.vocab, self.length), self.vocab**self.length
+        if tuple(self.ref_logits.shape) != (P, self.vocab):
+            raise ValueError(f"ref_logits {tuple(self.ref_logits.shape)} must be ({P}, {self.vocab})")
+        if tuple(self.rewards.shape) != (N,):
+            raise ValueError(f"rewards {tuple(self.rewards.shape)} must be ({N},)")
+        if not (torch.isfinite(self.ref_logits).all() and torch.isfinite(self.rewards).all()):
+            raise ValueError("ref_logits and rewards must be finite")
+
+    @property
+    def num_prefixes(self) -> int:
+        return num_prefixes(self.vocab, self.length)
+
+    @property
+    def num_sequences(self) -> int:
+        return self.vocab**self.length
+
+
+def bandit(ref_probs: list[float] | Tensor, rewards: list[float] | Tensor) -> TabularBed:
+    """The one-step bandit: one position, ``pi_ref = ref_probs`` (> 0, sums to 1), reward per action.
+
+    Example:
+        ``bandit([0.4, 0.3, 0.2, 0.1], [0, 1, 2, 3])``: a (1, 4) reference table of log-probs.
+    """
+    p = torch.as_tensor(ref_probs, dtype=F64)
+    if (p <= 0).any() or abs(float(p.sum()) - 1.0) > 1e-12:
+        raise ValueError(f"ref_probs must be > 0 and sum to 1, got {p.tolist()}")
+    return TabularBed(
+        vocab=p.numel(), length=1, ref_logits=p.log()[None, :], rewards=torch.as_tensor(rewards, dtype=F64)
+    )
+
+
+def random_sequence_bed(
+    seed: int = 0, vocab: int = 5, length: int = 3, ref_scale: float = 1.0, reward_scale: float = 1.0
+) -> TabularBed:
+    """A sequence bed with a random reference table and a random reward table (fixed seed).
+
+    ``ref_logits ~ ref_scale * N(0, 1)`` per entry and ``rewards ~ reward_scale * U(0, 1)`` per
+    sequence, drawn from ``torch.Generator().manual_seed(seed)`` in float64.
+    """
+    g = torch.Generator().manual_seed(seed)
+    P = num_prefixes(vocab, length)
+    ref = ref_scale * torch.randn(P, vocab, generator=g, dtype=F64)
+    rewards = reward_scale * torch.rand(vocab**length, generator=g, dtype=F64)
+    return TabularBed(vocab, length, ref, rewards)
+
+
+# ---- indexing and enumeration -------------------------------------------------------------------
+def prefix_indices(tokens: Tensor, vocab: int) -> Tensor:
+    """Table row of every position: ``offset_t + code(y_<t)``, code in base V (first token most significant).
+
+    Args:
+        tokens: (B, T) long in [0, V).
+        vocab: V.
+
+    Returns:
+        (B, T) long row indices into a (P, V) table.
+    """
+    B, T = tokens.shape
+    offsets = prefix_offsets(vocab, T)
+    code = torch.zeros(B, dtype=torch.long, device=tokens.device)
+    rows = torch.empty_like(tokens)
+    for t in range(T):
+        rows[:, t] = offsets[t] + code
+        code = code * vocab + tokens[:, t]
+    return rows
+
+
+def sequence_index(tokens: Tensor, vocab: int) -> Tensor:
+    """Index of each whole sequence in the reward table: its base-V code, (B, T) -> (B,) long."""
+    code = torch.zeros(tokens.shape[0], dtype=torch.long, device=tokens.device)
+    for t in range(tokens.shape[1]):
+        code = code * vocab + tokens[:, t]
+    return code
+
+
+def all_sequences(vocab: int, length: int) -> Tensor:
+    """Every sequence, row n = base-V digits of n: (V^T, T) long, so ``sequence_index`` is arange."""
+    n = torch.arange(vocab**length)
+    return torch.stack([(n // vocab ** (length - 1 - t)) % vocab for t in range(length)], dim=-1)
+
+
+def token_logprobs(table: Tensor, tokens: Tensor, vocab: int) -> Tensor:
+    """Per-token log pi(y_t | y_<t) of a table policy, through tether's own log-prob function.
+
+    Gathers each position's logits row from the table and calls
+    :func:`tether.core.logprobs.logprobs_from_logits` (temperature 1), the function every tether
+    trainer uses for the policy, the old policy and the reference alike.
+
+    Args:
+        table: (P, V) logits (with grad for the policy).
+        tokens: (B, T) long.
+        vocab: V.
+
+    Returns:
+        (B, T) log-probabilities, nats, in the table's float dtype (float64 stays float64).
+    """
+    logits = table[prefix_indices(tokens, vocab)]  # (B, T, V)
+    return logprobs_from_logits(logits, tokens)
+
+
+def sequence_logprobs(table: Tensor, vocab: int, length: int) -> Tensor:
+    """log pi(y) = sum_t log pi(y_t | y_<t) of every sequence: (V^T,), nats, in ``all_sequences`` order."""
+    return token_logprobs(table, all_sequences(vocab, length).to(table.device), vocab).sum(-1)
+
+
+def exact_kl(logp: Tensor, logq: Tensor) -> Tensor:
+    """KL(p || q) = sum_y p(y) (log p(y) - log q(y)) over an enumerated support, nats (scalar).
+
+    Terms with p(y) = 0 are 0 (the ``xlogy`` convention), so a -inf in ``logq`` where p is 0
+    never gives NaN.
+
+    Args:
+        logp: (N,) log p over all N outcomes (normalized).
+        logq: (N,) log q over the same outcomes.
+    """
+    p = logp.exp()
+    return torch.where(p > 0, p * (logp - logq), torch.zeros_like(p)).sum()
+
+
+def objective(logp: Tensor, ref_logp: Tensor, rewards: Tensor, beta: float) -> Tensor:
+    """Exact ``J(pi) = E_pi[r] - beta * KL(pi || pi_ref)`` (reward units) by enumeration.
+
+    Args:
+        logp: (N,) log pi over all sequences; ref_logp: (N,) log pi_ref; rewards: (N,).
+        beta: KL coefficient >= 0, reward units per nat.
+    """
+    return (logp.exp() * rewards).sum() - beta * exact_kl(logp, ref_logp)
+
+
+def optimal_logprobs(ref_logp: Tensor, rewards: Tensor, beta: float) -> Tensor:
+    """log pi*(y) = log pi_ref(y) + r(y) / beta - log Z, the maximizer of J (all sequences).
+
+    Source: the Gibbs variational principle; Rafailov et al. 2023, arXiv 2305.18290, eq. 4.
+    ``log Z = logsumexp(log pi_ref + r / beta)`` and ``J(pi*) = beta * log Z``.
+
+    Args:
+        ref_logp: (N,) log pi_ref of every sequence. rewards: (N,). beta: > 0.
+
+    Returns:
+        (N,) normalized log-probabilities, nats.
+    """
+    if not beta > 0:
+        raise ValueError(f"beta must be > 0 for the optimum to exist, got {beta}")
+    return torch.log_softmax(ref_logp + rewards / beta, dim=-1)
+
+
+def _level_rows(bed: TabularBed, t: int) -> slice:
+    off = prefix_offsets(bed.vocab, bed.length)[t]
+    return slice(off, off + bed.vocab**t)
+
+
+def optimal_table(bed: TabularBed, beta: float) -> Tensor:
+    """pi* as a table policy: ``pi*(a | p) = pi_ref(a | p) exp(W(p a) - W(p))`` (soft values).
+
+    Backward recursion over positions: ``W(y) = r(y) / beta`` for whole sequences and
+    ``W(p) = log sum_a pi_ref(a | p) exp(W(p a))`` for a prefix p, so the logits row of p is
+    ``log pi_ref(. | p) + W(p .)``. The product over positions telescopes to
+    ``pi_ref(y) exp(r(y) / beta) / exp(W(empty))`` = pi*(y) with Z = exp(W(empty)): the optimum
+    over whole sequences is exactly a table policy (tested against :func:`optimal_logprobs`).
+
+    Returns:
+        (P, V) float64 logits (rows are normalized log-probs).
+    """
+    if not beta > 0:
+        raise ValueError(f"beta must be > 0, got {beta}")
+    V = bed.vocab
+    table = torch.empty_like(bed.ref_logits, dtype=F64)
+    W = bed.rewards.to(F64) / beta  # (V^T,) soft value of each whole sequence, indexed by code
+    for t in reversed(range(bed.length)):
+        rows = _level_rows(bed, t)
+        logits = torch.log_softmax(bed.ref_logits[rows].to(F64), -1) + W.view(V**t, V)  # (V^t, V)
+        table[rows] = torch.log_softmax(logits, -1)
+        W = logits.logsumexp(-1)  # (V^t,) soft value of each prefix of length t
+    return table
+
+
+def per_token_kl_in_loss_fixed_point(bed: TabularBed, beta: float, reward_scale: float = 1.0) -> Tensor:
+    """Fixed point of a policy gradient on the score with a per-token KL surrogate in the loss.
+
+    This is GRPO's placement on a table policy: advantages from the (scaled, baselined) sequence
+    score ``c * r(y)``, plus ``beta * sum_t kl_t`` where each per-token surrogate (k2, k3+, k3_is)
+    has on-policy expected gradient ``grad KL(pi(. | p) || pi_ref(. | p))`` *at the sampled prefix
+    p, with the prefix distribution held fixed*. The expected update at prefix p is then zero iff
+    ``pi(a | p) propto pi_ref(a | p) exp(c * Q(p a) / beta)`` with ``Q(p a) = E_pi[r | p a]`` the
+    plain expected score (no future KL), which is solved by backward recursion. It differs from
+    :func:`optimal_table` for T > 1: the true gradient of the sequence KL also charges a token for
+    the KL it causes at later positions (``E[grad log pi(y_s) sum_{t > s} kl_t]``), which the
+    per-token surrogate omits. For T = 1 it is ``optimal_table(bed, beta / c)``.
+
+    Args:
+        bed: the bed.
+        beta: KL coefficient in the loss, > 0.
+        reward_scale: c > 0, the factor the advantages apply to the score (1 for an unbiased
+            baseline; (G - 1) / G for GRPO's mean-centered advantages without std scaling).
+
+    Returns:
+        (P, V) float64 logits (normalized log-probs per row).
+    """
+    if not (beta > 0 and reward_scale > 0):
+        raise ValueError(f"beta and reward_scale must be > 0, got {beta}, {reward_scale}")
+    V = bed.vocab
+    table = torch.empty_like(bed.ref_logits, dtype=F64)
+    Q = bed.rewards.to(F64)  # (V^T,) expected score after each whole sequence
+    for t in reversed(range(bed.length)):
+        rows = _level_rows(bed, t)
+        logp = torch.log_softmax(
+            torch.log_softmax(bed.ref_logits[rows].to(F64), -1) + reward_scale * Q.view(V**t, V) / beta, -1
+        )  # (V^t, V)
+        table[rows] = logp
+        Q = (logp.exp() * Q.view(V**t, V)).sum(-1)  # (V^t,) E_pi[r | prefix]
+    return table
+
+
+def sample(table: Tensor, vocab: int, length: int, n: int, generator: torch.Generator) -> Tensor:
+    """Draw n sequences from a table policy, position by position, with ``torch.multinomial``.
+
+    Args:
+        table: (P, V) logits (no grad needed). vocab, length: V and T. n: number of sequences.
+        generator: the seeded generator every draw uses (reproducible).
+
+    Returns:
+        (n, T) long tokens.
+    """
+    offsets = prefix_offsets(vocab, length)
+    probs_table = torch.softmax(table.detach().to(F64), -1)  # (P, V)
+    tokens = torch.empty(n, length, dtype=torch.long)
+    code = torch.zeros(n, dtype=torch.long)
+    for t in range(length):
+        probs = probs_table[offsets[t] + code]  # (n, V)
+        tokens[:, t] = torch.multinomial(probs, 1, replacement=True, generator=generator)[:, 0]
+        code = code * vocab + tokens[:, t]
+    return tokens
+
+
+# ---- best-of-N ----------------------------------------------------------------------------------
+def best_of_n_logprobs(ref_logp: Tensor, rewards: Tensor, n: int) -> Tensor:
+    """Exact distribution of best-of-n sampling from pi_ref: n i.i.d. draws, keep the best.
+
+    "Best" is a strict total order: higher reward wins, and among equal rewards the lower index
+    wins (a fixed, consistent tie-break). With outcomes ranked by that order,
+    ``F(y) = pi_ref(outcomes ranked <= y)`` and ``F_<(y) = F(y) - pi_ref(y)``, the kept outcome
+    is y exactly when all n draws rank <= y and not all rank < y:
+    ``p_n(y) = F(y)^n - F_<(y)^n``.
+
+    Args:
+        ref_logp: (N,) log pi_ref over all outcomes (sequences), normalized.
+        rewards: (N,) reward of each outcome.
+        n: number of draws, >= 1.
+
+    Returns:
+        (N,) float64 log p_n (an outcome with pi_ref > 0 always has p_n > 0).
+    """
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    N = ref_logp.numel()
+    r = rewards.to(F64)
+    # ascending rank: lower reward first; among equal rewards the higher index first, so the
+    # lower index ranks higher (wins). Two stable sorts give the lexicographic order.
+    by_index_desc = torch.arange(N - 1, -1, -1)
+    order = by_index_desc[torch.sort(r[by_index_desc], stable=True).indices]  # (N,) worst .. best
+    p_sorted = ref_logp.to(F64).exp()[order]
+    # Clamps (rounding only, both at most a few ulp): the cumulative sum can end a hair above 1,
+    # and F - p of the worst-ranked outcome a hair below 0.
+    F = torch.cumsum(p_sorted, 0).clamp(max=1.0)
+    F_lt = (F - p_sorted).clamp(min=0.0)
+    p_n = torch.empty(N, dtype=F64)
+    p_n[order] = F.pow(n) - F_lt.pow(n)
+    return p_n.log()
+
+
+class BestOfNRow(NamedTuple):
+    n: int
+    kl: float
+    """exact KL(best-of-n || pi_ref), nats."""
+    bound: float
+    """log n - (n - 1) / n, nats."""
+
+
+def best_of_n_kl_table(
+    ref_logp: Tensor, rewards: Tensor, ns: range | list[int] = range(1, 17)
+) -> list[BestOfNRow]:
+    """Exact KL of best-of-n to pi_ref next to the bound, one row per n.
+
+    Args:
+        ref_logp: (N,) log pi_ref over all outcomes. rewards: (N,). ns: the n to tabulate.
+    """
+    ref = ref_logp.to(F64)
+    return [
+        BestOfNRow(n, float(exact_kl(best_of_n_logprobs(ref, rewards, n), ref)), bon_kl_bound(n)) for n in ns
+    ]
+
+
+# ---- trainers -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TrainSettings:
+    """Hyperparameters of a test-bed run.
+
+    Attributes:
+        steps: rollout batches (DPO: batches of fresh pairs).
+        batch_size: sequences per rollout batch B (DPO: pairs per batch).
+        group_size: GRPO/RLOO G, consecutive rows of one (the only) prompt; must divide B.
+        epochs: passes over each batch; minibatches: gradient steps per pass (must divide B).
+        lr: Adam learning rate on the policy table at step 0; it follows a cosine down to
+            ``lr * lr_final_fraction`` at the last step, so the sampling noise of the last
+            updates is small.
+        value_lr: Adam learning rate of PPO's value table (same schedule).
+        average_from: fraction of the run after which the policy's per-row log-probs are
+            averaged (Polyak-Ruppert averaging); the returned table is that average.
+        clip_eps, clip_eps_value: PPO ratio and value clip ranges.
+        vf_coef: weight of PPO's value loss.
+        gamma, gae_lambda: GAE parameters (PPO).
+        seed: seeds the sampling generator, the minibatch permutations and the DPO labels.
+    """
+
+    steps: int = 100
+    batch_size: int = 1024
+    group_size: int = 64
+    epochs: int = 2
+    minibatches: int = 2
+    lr: float = 0.05
+    lr_final_fraction: float = 0.02
+    value_lr: float = 0.1
+    average_from: float = 0.5
+    clip_eps: float = 0.2
+    clip_eps_value: float = 0.2
+    vf_coef: float = 0.5
+    gamma: float = 1.0
+    gae_lambda: float = 0.95
+    seed: int = 0
+
+    def lr_at(self, step: int, base: float) -> float:
+        """Cosine from ``base`` at step 0 to ``base * lr_final_fraction`` at the last step."""
+        frac = step / max(1, self.steps - 1)
+        lo = base * self.lr_final_fraction
+        return lo + (base - lo) * 0.5 * (1.0 + math.cos(math.pi * frac))
+
+
+@dataclass
+class RunLog:
+    """What a test-bed run returns.
+
+    Attributes:
+        table: (P, V) float64 final policy logits, the average of the per-row log-probs over the
+            averaging window (see :class:`TrainSettings`).
+        kl_estimates: per batch, the (B,) per-sequence sampled KL estimate that was logged (and,
+            when the KL is in the reward, shaped into it and fed to the controller), nats per
+            sequence. DPO: on policy samples drawn after each update (a probe, as in tether).
+        exact_kls: per batch, the exact KL(pi_sample || pi_ref) of the policy those sequences were
+            sampled from, nats per sequence.
+        kl_coefs: beta used at each batch.
+        counts: the leash's counts (how many times the KL entered reward and loss).
+    """
+
+    table: Tensor
+    kl_estimates: list[Tensor] = field(default_factory=list)
+    exact_kls: list[float] = field(default_factory=list)
+    kl_coefs: list[float] = field(default_factory=list)
+    counts: dict = field(default_factory=dict)
+
+
+class _Averager:
+    """Running mean of per-row log-probs of the policy table (Polyak-Ruppert averaging)."""
+
+    def __init__(self) -> None:
+        self.total: Tensor | None = None
+        self.count = 0
+
+    def add(self, table: Tensor) -> None:
+        logp = torch.log_softmax(table.detach().to(F64), -1)
+        self.total = logp if self.total is None else self.total + logp
+        self.count += 1
+
+    def mean(self) -> Tensor:
+        assert self.total is not None
+        return torch.log_softmax(self.total / self.count, -1)
+
+
+def kl_to(table: Tensor, bed: TabularBed, target_logp: Tensor) -> float:
+    """KL(pi_table || target) over whole sequences, nats; ``target_logp`` is (V^T,) log-probs."""
+    return float(exact_kl(sequence_logprobs(table.detach().to(F64), bed.vocab, bed.length), target_logp))
+
+
+def _check_settings(s: TrainSettings, group: bool) -> None:
+    if s.batch_size % s.minibatches:
+        raise ValueError(f"minibatches={s.minibatches} must divide batch_size={s.batch_size}")
+    if group and s.batch_size % s.group_size:
+        raise ValueError(f"group_size={s.group_size} must divide batch_size={s.batch_size}")
+
+
+Algo = Literal["ppo", "grpo", "rloo"]
+
+
+def train_on_policy(
+    bed: TabularBed,
+    algo: Algo,
+    controller: KLController,
+    settings: TrainSettings = TrainSettings(),
+    estimator: KLEstimator = "k1",
+    kl_in_reward: bool = True,
+    kl_in_loss: bool = False,
+    loss_estimator: KLLossEstimator = "k3+",
+    scale_by_std: bool = True,
+) -> RunLog:
+    """PPO, GRPO or RLOO on the bed, step for step as :class:`tether.trainers.base.OnPolicyTrainer`.
+
+    Each batch: sample B sequences from the current table (one prompt, so consecutive rows form
+    the groups); old and reference log-probs (B, T) via :func:`token_logprobs`; the per-token KL
+    ``estimate_kl(old, ref, estimator)``; rewards from :meth:`tether.core.leash.KLLeash.reward` (score
+    on the last token, ``-kl_coef * kl_t`` if the KL is in the reward); advantages (PPO:
+    :func:`tether.core.advantages.gae` on a value table per prefix, then :func:`whiten`; GRPO:
+    :func:`group_normalized_advantages`; RLOO: :func:`rloo_advantages`, both of the summed
+    sequence reward and broadcast to every token); ``epochs x minibatches`` Adam steps on
+    :func:`tether.core.losses.ppo_policy_loss` (+ PPO's :func:`clipped_value_loss`) + the leash's loss
+    term; then ``controller.update`` with the batch mean of the per-sequence KL, the number
+    that was logged. No placement check is made here: biased configurations are the point of
+    some runs (tether's :func:`tether.core.placement.check_placement` refuses them in real runs).
+
+    Args:
+        bed: the test bed. algo: "ppo", "grpo" or "rloo".
+        controller: holds beta (e.g. :class:`FixedKLController`); updated once per batch.
+        settings: see :class:`TrainSettings`.
+        estimator: per-token estimator logged, shaped into the reward and controlled on.
+        kl_in_reward, kl_in_loss, loss_estimator: the placement, as :class:`KLLeash`.
+        scale_by_std: GRPO only, divide by the group std (False: Dr. GRPO).
+
+    Returns:
+        :class:`RunLog`.
+    """
+    s = settings
+    _check_settings(s, group=algo != "ppo")
+    V, T, B = bed.vocab, bed.length, s.batch_size
+    gen = torch.Generator().manual_seed(s.seed)
+    table = bed.ref_logits.clone().to(F64).requires_grad_(True)  # start at pi = pi_ref
+    params = [{"params": [table], "lr": s.lr}]
+    values = None
+    if algo == "ppo":
+        values = torch.zeros(bed.num_prefixes, dtype=F64, requires_grad=True)  # V(prefix)
+        params.append({"params": [values], "lr": s.value_lr})
+    opt = torch.optim.Adam(params)
+    leash = KLLeash(kl_in_reward, kl_in_loss, loss_estimator)
+    ref_seq_logp = sequence_logprobs(bed.ref_logits.to(F64), V, T)
+    avg = _Averager()
+    log = RunLog(table=table)
+    mask = torch.ones(B, T, dtype=torch.bool)  # fixed length: every token counts
+    for step in range(s.steps):
+        for group, base in zip(opt.param_groups, (s.lr, s.value_lr)):
+            group["lr"] = s.lr_at(step, base)
+        # 1-3. sample from the current policy and score whole sequences
+        tokens = sample(table, V, T, B, gen)  # (B, T)
+        scores = bed.rewards[sequence_index(tokens, V)]  # (B,)
+        rows = prefix_indices(tokens, V)  # (B, T)
+        # 4. old and reference log-probs (and values), no grad
+        with torch.no_grad():
+            old_logprobs = token_logprobs(table, tokens, V)  # (B, T)
+            ref_logprobs = token_logprobs(bed.ref_logits.to(F64), tokens, V)
+            old_values = values[rows] if values is not None else None
+            log.exact_kls.append(float(exact_kl(sequence_logprobs(table, V, T), ref_seq_logp)))
+        # 5. per-token KL and rewards (the same KL is logged and controlled on)
+        kl_coef = controller.kl_coef
+        kl = estimate_kl(old_logprobs, ref_logprobs, estimator)  # (B, T)
+        shaped = leash.reward(scores, kl, kl_coef, mask)
+        # 6. advantages
+        returns = None
+        if algo == "ppo":
+            out = gae(shaped.rewards, old_values, mask, s.gamma, s.gae_lambda)
+            advantages, returns = whiten(out.advantages, mask), out.returns
+        else:
+            seq_rewards = masked_sum(shaped.rewards, mask, dim=-1)  # (B,)
+            seq_adv = (
+                group_normalized_advantages(seq_rewards, s.group_size, scale_by_std)
+                if algo == "grpo"
+                else rloo_advantages(seq_rewards, s.group_size)
+            )
+            advantages = torch.where(mask, seq_adv[:, None], 0.0)  # (B, T)
+        # 7. epochs of minibatch updates
+        for _ in range(s.epochs):
+            for idx in torch.randperm(B, generator=gen).split(B // s.minibatches):
+                m = mask[idx]
+                new_logprobs = token_logprobs(table, tokens[idx], V)
+                loss = ppo_policy_loss(new_logprobs, old_logprobs[idx], advantages[idx], m, s.clip_eps).loss
+                if values is not None:
+                    vl = clipped_value_loss(
+                        values[rows[idx]], old_values[idx], returns[idx], m, s.clip_eps_value
+                    )
+                    loss = loss + s.vf_coef * vl.loss
+                kl_term = leash.loss(new_logprobs, ref_logprobs[idx], kl_coef, m, old_logprobs[idx])
+                if kl_term is not None:
+                    loss = loss + kl_term
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+        # 8. the controller sees the logged number (nats per sequence)
+        controller.update(float(kl_stats(kl, mask)["kl_per_sequence"]), n_steps=B)
+        # 9. log
+        log.kl_estimates.append(sequence_kl(kl, mask).detach())
+        log.kl_coefs.append(kl_coef)
+        if step >= s.average_from * s.steps:
+            avg.add(table)
+    log.table = avg.mean()
+    log.counts = dict(leash.counts)
+    return log
+
+
+def train_ppo(bed: TabularBed, beta: float, settings: TrainSettings = TrainSettings(), **kw) -> RunLog:
+    """PPO with k1 in the reward and a fixed beta (keywords as :func:`train_on_policy`)."""
+    return train_on_policy(bed, "ppo", FixedKLController(beta), settings, **kw)
+
+
+def train_group(
+    bed: TabularBed,
+    algo: Literal["grpo", "rloo"],
+    beta: float,
+    settings: TrainSettings = TrainSettings(),
+    **kw,
+) -> RunLog:
+    """GRPO (default placement: KL in the loss) or RLOO (default: k1 in the reward), fixed beta.
+
+    Keywords override the placement, as :func:`train_on_policy`.
+    """
+    defaults = (
+        dict(kl_in_reward=False, kl_in_loss=True)
+        if algo == "grpo"
+        else dict(kl_in_reward=True, kl_in_loss=False)
+    )
+    return train_on_policy(bed, algo, FixedKLController(beta), settings, **{**defaults, **kw})
+
+
+def bradley_terry_pairs(bed: TabularBed, n: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """n preference pairs: two sequences from pi_ref, the first preferred w.p. sigmoid(r_a - r_b).
+
+    The Bradley-Terry model of the reward table (Bradley & Terry 1952; Rafailov et al. 2023,
+    eq. 1), whose DPO optimum is pi* (Rafailov et al. 2023, eq. 4-5).
+
+    Returns:
+        ``(chosen, rejected)``, each (n, T) long.
+    """
+    V, T = bed.vocab, bed.length
+    a = sample(bed.ref_logits, V, T, n, generator)
+    b = sample(bed.ref_logits, V, T, n, generator)
+    p_a = torch.sigmoid(bed.rewards[sequence_index(a, V)] - bed.rewards[sequence_index(b, V)])  # (n,)
+    a_wins = (torch.rand(n, generator=generator, dtype=F64) < p_a)[:, None]
+    return torch.where(a_wins, a, b), torch.where(a_wins, b, a)
+
+
+def train_dpo(bed: TabularBed, beta: float, settings: TrainSettings = TrainSettings()) -> RunLog:
+    """DPO on fresh Bradley-Terry pairs from pi_ref every batch, with tether's :func:`dpo_loss`.
+
+    Sequence log-probs are the masked sums of :func:`token_logprobs`. After each batch a probe of
+    B policy samples logs the per-sequence k1 estimate of KL(pi || pi_ref), as tether's DPO
+    trainer does on held-out prompts.
+    """
+    s = settings
+    _check_settings(s, group=False)
+    V, T, B = bed.vocab, bed.length, s.batch_size
+    gen = torch.Generator().manual_seed(s.seed)
+    table = bed.ref_logits.clone().to(F64).requires_grad_(True)
+    opt = torch.optim.Adam([table], lr=s.lr)
+    ref_table = bed.ref_logits.to(F64)
+    ref_seq_logp = sequence_logprobs(ref_table, V, T)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    avg = _Averager()
+    log = RunLog(table=table)
+    for step in range(s.steps):
+        opt.param_groups[0]["lr"] = s.lr_at(step, s.lr)
+        chosen, rejected = bradley_terry_pairs(bed, B, gen)
+        with torch.no_grad():
+            ref_c = masked_sum(token_logprobs(ref_table, chosen, V), mask, dim=-1)  # (B,)
+            ref_r = masked_sum(token_logprobs(ref_table, rejected, V), mask, dim=-1)
+        for _ in range(s.epochs):
+            for idx in torch.randperm(B, generator=gen).split(B // s.minibatches):
+                m = mask[idx]
+                out = dpo_loss(
+                    masked_sum(token_logprobs(table, chosen[idx], V), m, dim=-1),
+                    masked_sum(token_logprobs(table, rejected[idx], V), m, dim=-1),
+                    ref_c[idx],
+                    ref_r[idx],
+                    beta,
+                )
+                opt.zero_grad(set_to_none=True)
+                out.loss.backward()
+                opt.step()
+        with torch.no_grad():  # probe: the policy's own samples, k1 per sequence
+            probe = sample(table, V, T, B, gen)
+            kl = estimate_kl(token_logprobs(table, probe, V), token_logprobs(ref_table, probe, V), "k1")
+            log.kl_estimates.append(sequence_kl(kl, mask))
+            log.exact_kls.append(float(exact_kl(sequence_logprobs(table, V, T), ref_seq_logp)))
+            log.kl_coefs.append(beta)
+        if step >= s.average_from * s.steps:
+            avg.add(table)
+    log.table = avg.mean()
+    return log

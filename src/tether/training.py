@@ -1,0 +1,517 @@
+"""The training driver: build a run, evaluate the reference, train, watch its health, evaluate, plot."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import signal
+import time
+from pathlib import Path
+
+import torch
+import yaml
+from tqdm.auto import tqdm
+
+from tether.core import distributed as D
+from tether.core.health import Alarm
+from tether.core.kl import masked_sum, sequence_kl
+from tether.judges.contract import Scorer, checked_scores
+from tether.judges.scorers import make_scorer
+from tether.models.reference import fingerprint
+from tether.run.checkpoint import (
+    best_folder,
+    latest_checkpoint,
+    load_checkpoint,
+    load_policy_weights,
+    rng_state,
+    save_best,
+    save_checkpoint,
+    set_rng_state,
+)
+from tether.run.config import Config
+from tether.run.evaluation import EvalResult, compare, evaluate
+from tether.run.metrics import sample_table
+from tether.run.monitor import HealthMonitor
+from tether.run.plots import plot_score_vs_kl, plot_training
+from tether.run.setup import Run, build_run, discard_failed_start
+from tether.run.signals import Interrupted, install_signal_handlers
+from tether.trainers.dpo import DPOTrainer
+from tether.trainers.group import GRPOTrainer, RLOOTrainer
+from tether.trainers.ppo import PPOTrainer
+
+log = logging.getLogger(__name__)
+
+TRAINERS = {"ppo": PPOTrainer, "grpo": GRPOTrainer, "rloo": RLOOTrainer, "dpo": DPOTrainer}
+"""``train.algo`` -> trainer class; each has ``step(step) -> dict`` and ``last_experience``."""
+
+
+def _say(msg: str, progress: bool) -> None:
+    if D.is_main():  # one voice for all processes
+        (tqdm.write if progress else print)(msg)
+
+
+class Evaluator:
+    """Held-out evaluation with the proxy (training scorer) and the gold judge, same sampling."""
+
+    def __init__(self, run: Run, judge: Scorer | None):
+        self.run, c = run, run.config
+        self.scorers: dict[str, Scorer] = {"proxy": run.scorer}
+        if judge is not None:
+            self.scorers["gold"] = judge
+        self.heldout = run.heldout_prompts[: c.eval.n_prompts]
+        self.periodic = run.heldout_prompts[: c.eval.periodic_prompts]
+
+    def __call__(self, name: str, prompts: list[str]):
+        c, run = self.run.config, self.run
+        return evaluate(
+            name,
+            run.policy.lm,
+            run.reference,
+            run.tokenizer,
+            prompts,
+            self.scorers,
+            c.rollout.max_new_tokens,
+            c.rollout.temperature,
+            c.eval.seed,
+            c.eval.batch_size,
+            c.rollout.max_prompt_tokens,
+        )
+
+    def periodic_row(self) -> dict:
+        s = self("periodic", self.periodic).summary()
+        row = {"eval/proxy_score": s["proxy_mean"], "eval/kl": s["kl"]}
+        if "gold_mean" in s:
+            row["eval/gold_score"] = s["gold_mean"]
+        return {k: v for k, v in row.items() if v == v}  # drop NaN (no reference)
+
+
+def train(
+    config: Config, scorer: Scorer | None = None, judge: Scorer | None = None, resume: bool = False
+) -> Path:
+    """Run ``config`` end to end (or continue it from its last checkpoint); returns the run directory.
+
+    Under ``accelerate launch`` every process runs this; only rank 0 writes the run directory,
+    evaluates and prints (docs/distributed.md).
+
+    Writes into the run directory: ``config.yaml``, ``metrics.jsonl``, ``samples.jsonl``,
+    ``eval.json`` (held-out proxy and gold scores of reference and final policy),
+    ``warnings.jsonl`` (health alarms), ``training.png``, ``score_vs_kl.png``, ``checkpoints/``
+    and ``policy/``.
+
+    Raises:
+        Interrupted: after Ctrl-C or SIGTERM, once a checkpoint is written.
+        RuntimeError: on resume, the reference no longer matches its recorded fingerprint.
+    """
+    t_start = time.perf_counter()
+    c = config
+    if judge is None and c.eval.judge != "none" and (c.eval.n_prompts or c.eval.every):
+        judge = make_scorer(c.eval.judge)  # before the model loads: a bad judge fails fast
+    run = build_run(config, scorer, resume=resume)
+    try:
+        return _train(run, judge, resume, t_start)
+    except BaseException:
+        if not resume and D.is_main() and not run.writer.history:
+            # nothing was trained: leave no half-made run that would block the same command
+            discard_failed_start(run.writer.run_dir, run.run_dir_existed)
+        raise
+
+
+def _train(run: Run, judge: Scorer | None, resume: bool, t_start: float) -> Path:
+    c = run.config
+    w, show = run.writer, c.train.progress
+    trainer = TRAINERS[c.train.algo](run)
+    evaluator = Evaluator(run, judge)
+    monitor = HealthMonitor(c.health, w.run_dir / "warnings.jsonl")
+    start = _resume(run, trainer, monitor) if resume else _start(run)
+    _say(
+        f"tether: run directory {w.run_dir}"
+        + (f", resuming after step {start - 1}" if resume else "")
+        + (f"; {D.world_size()} processes (data parallel)" if D.is_distributed() else ""),
+        show,
+    )
+    _say(f"tether: {len(run.train_prompts)} training prompts, {len(run.heldout_prompts)} held out", show)
+    if resume and start >= c.train.steps:
+        _say(
+            f"tether: the run already has its train.steps={c.train.steps} steps (raise train.steps to train "
+            "on); evaluating its policy again",
+            show,
+        )
+    if not run.heldout_prompts and (c.eval.n_prompts or c.eval.every):
+        _say(
+            f"tether: warning: no held-out prompts (data.heldout_fraction={c.data.heldout_fraction:g} "
+            f"of {len(run.train_prompts)} prompts picked none), so no held-out evaluation, gold score "
+            "or eval.json; "
+            "raise data.heldout_fraction or add prompts",
+            show,
+        )
+    tb = _tensorboard(w.run_dir) if c.train.tensorboard else None
+
+    before = _reference_eval(evaluator, w.run_dir, show) if D.is_main() else None
+    D.barrier()
+    stop, previous_handlers = install_signal_handlers()
+    try:
+        last = _loop(run, trainer, evaluator, monitor, tb, start, stop)
+    finally:
+        for sig, h in previous_handlers.items():
+            signal.signal(sig, h)
+    return _finish(run, evaluator, monitor, tb, before, t_start, last)
+
+
+def _loop(
+    run: Run, trainer, evaluator: Evaluator, monitor: HealthMonitor, tb, start: int, stop: list[str]
+) -> int:
+    """Train from step ``start``; returns the last step run (earlier than the last of
+    ``train.steps`` when eval.patience stopped it)."""
+    c, w, show = run.config, run.writer, run.config.train.progress
+    main = D.is_main()
+    bar = tqdm(
+        range(start, c.train.steps),
+        desc=f"tether {c.train.algo}",
+        disable=not (show and main),
+        unit="step",
+        initial=start,
+        total=c.train.steps,
+    )
+    step = start - 1  # a resumed run that has no step left
+    for step in bar:
+        row = trainer.step(step)  # every process; the row holds the global metrics
+        sample_step = (
+            step % c.train.sample_every == 0 or step == c.train.steps - 1
+        ) and trainer.last_experience is not None
+        # the sample table holds the samples of every process
+        rows = (
+            [r for part in D.gather_objects(sample_rows(trainer.last_experience)) for r in part]
+            if sample_step
+            else None
+        )
+        early = _log_step(run, evaluator, monitor, tb, bar, step, row, rows) if main else None
+        # every process asks: did any process get a signal, or rank 0's evaluation say stop?
+        # (so that all stop after the same step)
+        stopping, stop_early = (
+            bool(x) for x in D.all_reduce_max(torch.tensor([float(bool(stop)), float(bool(early))]))
+        )
+        every = c.train.checkpoint_every
+        # also after the last step, so that --resume with a larger train.steps extends the run
+        if stopping or (every and ((step + 1) % every == 0 or step + 1 == c.train.steps or stop_early)):
+            path = _checkpoint(run, trainer, step)
+            if stopping:
+                _say(
+                    f"tether: stopped by {(stop or ['a signal to another process'])[0]} after step {step}; "
+                    f"checkpoint {path}. Continue with: tether train --resume {w.run_dir}",
+                    show,
+                )
+                raise Interrupted(str(w.run_dir))
+        if stop_early:
+            _say(f"tether: stopping early after step {step}: {early}", show)
+            break
+    bar.close()
+    return step
+
+
+def _log_step(
+    run: Run,
+    evaluator: Evaluator,
+    monitor: HealthMonitor,
+    tb,
+    bar,
+    step: int,
+    row: dict,
+    rows: list[dict] | None,
+) -> str | None:
+    """Rank 0: periodic evaluation (and the best policy), metrics.jsonl, TensorBoard, health
+    alarms, samples. Returns why to stop early (eval.patience), or None."""
+    c, w, show = run.config, run.writer, run.config.train.progress
+    evaluated = c.eval.every and (step % c.eval.every == 0 or step == c.train.steps - 1)
+    if evaluated:
+        row.update(evaluator.periodic_row())
+    w.log(row)
+    early = _keep_best(run, step) if evaluated and c.eval.best_by != "none" else None
+    if tb is not None:
+        for k, v in w.history[-1].items():
+            if isinstance(v, (int, float)) and k != "step":
+                tb.add_scalar(k, v, step)
+    bar.set_postfix(
+        {
+            k: f"{row[key]:.3f}"
+            for k, key in (
+                ("score", "objective/scores"),
+                ("kl", "objective/kl"),
+                ("beta", "objective/kl_coef"),
+            )
+            if key in row
+        }
+    )
+    for alarm in monitor.check(w.history):
+        _say(
+            f"tether: WARNING [{alarm.rule}] step {alarm.step}: {alarm.message}.\n"
+            f"  likely cause: {alarm.cause}\n  fix: {alarm.fix}",
+            show,
+        )
+    if rows is not None:
+        if "gold" in evaluator.scorers:
+            golds = checked_scores(
+                evaluator.scorers["gold"],
+                [r["response"] for r in rows],
+                f"step {step} samples (gold judge)",
+                [r["prompt"] for r in rows],
+            )
+            for r, g in zip(rows, golds):
+                r["gold"] = float(g)
+        w.samples(step, rows)
+        _say(f"\nstep {step}\n" + sample_table(rows[:4]), show)
+    return early
+
+
+BEST_KEYS = {"gold": "eval/gold_score", "proxy": "eval/proxy_score"}
+"""``eval.best_by`` -> the periodic evaluation's metric it maximizes."""
+
+
+def _keep_best(run: Run, step: int) -> str | None:
+    """After a periodic evaluation: save the policy to <run>/best if its score beats every earlier
+    one, those in the history and the one <run>/best holds (which may come from steps a resumed
+    run discarded: <run>/best always holds the best policy the run has produced); return why to
+    stop when eval.patience evaluations in a row brought no new best."""
+    c, w = run.config, run.writer
+    key = BEST_KEYS[c.eval.best_by]
+    evals = [(r["step"], r[key], r.get("eval/kl")) for r in w.history if isinstance(r.get(key), (int, float))]
+    if not evals or evals[-1][0] != step:
+        return None
+    saved = _best_meta(run)
+    prior = [(s, v) for s, v, _ in evals[:-1]] + ([(saved["step"], saved["score"])] if saved else [])
+    best_step, best_score = max(prior, key=lambda sv: sv[1]) if prior else (None, -math.inf)
+    if evals[-1][1] > best_score:
+        save_best(
+            w.run_dir, run.policy, {"step": step, "metric": key, "score": evals[-1][1], "kl": evals[-1][2]}
+        )
+        return None
+    since = sum(s > best_step for s, _, _ in evals)
+    if c.eval.patience and since >= c.eval.patience:
+        return (
+            f"{key} has not improved on step {best_step}'s {best_score:.3f} in {since} "
+            f"evaluations (eval.patience={c.eval.patience})"
+        )
+    return None
+
+
+def _best_meta(run: Run) -> dict | None:
+    """<run>/best's meta.json when it holds a policy chosen by this run's eval.best_by, else None."""
+    folder = best_folder(run.writer.run_dir)
+    if folder is None:
+        return None
+    meta = json.loads((folder / "meta.json").read_text())
+    return meta if meta.get("metric") == BEST_KEYS[run.config.eval.best_by] else None
+
+
+def _finish(
+    run: Run, evaluator: Evaluator, monitor: HealthMonitor, tb, before, t_start: float, last: int
+) -> Path:
+    _check_reference(run, f"after the last step ({last})")
+    if D.is_main():
+        _final_eval_and_plots(run, evaluator, monitor, tb, before, t_start)
+    D.barrier()  # the other processes wait for rank 0's evaluation, so the run ends together
+    return run.writer.run_dir
+
+
+def _final_eval_and_plots(
+    run: Run, evaluator: Evaluator, monitor: HealthMonitor, tb, before, t_start: float
+) -> None:
+    c, w, show = run.config, run.writer, run.config.train.progress
+    best = _restore_best(run) if c.eval.best_by != "none" else None
+    evals = [before.summary()] if before else []
+    if before:
+        after = evaluator("policy", evaluator.heldout)
+        result = compare(before, after)
+        result["policy_step"] = best["step"] if best else w.history[-1]["step"]
+        w.write_json("eval.json", result)
+        evals.append(after.summary())
+        gold = (
+            f"; gold {result['gold_gain']:+.3f} ± {result['gold_gain_se_unpaired']:.3f}"
+            if "gold_gain" in result
+            else ""
+        )
+        _say(
+            f"tether: held-out proxy score {before.summary()['proxy_mean']:.3f} -> "
+            f"{after.summary()['proxy_mean']:.3f} (gain {result['gain']:+.3f} ± "
+            f"{result['gain_se_unpaired']:.3f} SE, z = {result['gain_z_unpaired']:.1f}){gold}; "
+            + (
+                f"held-out KL {after.kl:.2f} nats/seq"
+                if after.kl == after.kl
+                else "held-out KL not measured (no reference model: kl.kl_coef=0 and kl.monitor=false)"
+            ),
+            show,
+        )
+
+    per_seq = c.kl.target_unit == "nats_per_sequence" and c.train.algo != "dpo"
+    target = {"adaptive": c.kl.target, "budget": c.kl.budget}.get(c.kl.controller) if per_seq else None
+    plot_training(
+        w.history,
+        w.run_dir / "training.png",
+        kl_target=target,
+        target_label="budget" if c.kl.controller == "budget" else "target",
+    )
+    plot_score_vs_kl(w.history, w.run_dir / "score_vs_kl.png", evals)
+    if tb is not None:
+        tb.close()
+    if c.train.save_model:
+        save_policy(run.policy, run.tokenizer, w.run_dir / "policy")
+    if monitor.fired:
+        _say(f"tether: {len(monitor.fired)} health warning(s), see {w.run_dir / 'warnings.jsonl'}", show)
+    _say(f"tether: done in {time.perf_counter() - t_start:.0f} s; plots and metrics in {w.run_dir}", show)
+
+
+def _restore_best(run: Run) -> dict | None:
+    """Load <run>/best into the policy if it is not the last step's; return its meta.json."""
+    meta = _best_meta(run)
+    if meta is None:
+        return None
+    if meta["step"] != run.writer.history[-1]["step"]:
+        load_policy_weights(run.writer.run_dir / "best", run.policy)
+        _say(
+            f"tether: ending with the policy of step {meta['step']}, the best {meta['metric']} "
+            f"({meta['score']:.3f}; eval.best_by={run.config.eval.best_by})",
+            run.config.train.progress,
+        )
+    return meta
+
+
+def _start(run: Run) -> int:
+    if D.is_main():
+        (run.writer.run_dir / "reference.json").write_text(
+            json.dumps({"fingerprint": run.reference_fingerprint})
+        )
+    return 0
+
+
+def _resume(run: Run, trainer, monitor: HealthMonitor) -> int:
+    """Restore the newest checkpoint; check the rebuilt reference against its fingerprint."""
+    w = run.writer
+    path = latest_checkpoint(w.run_dir)
+    if path is None:
+        raise FileNotFoundError(
+            f"--resume {w.run_dir}: no complete checkpoint in {w.run_dir / 'checkpoints'}"
+        )
+    recorded = json.loads((w.run_dir / "reference.json").read_text())["fingerprint"]
+    if recorded != run.reference_fingerprint:
+        raise RuntimeError(
+            f"--resume {w.run_dir}: the reference rebuilt from {run.config.model.name} does not match "
+            f"the fingerprint recorded when the run started ({recorded[:12]}... vs "
+            f"{str(run.reference_fingerprint)[:12]}...): the reference would have moved"
+        )
+    meta, state = load_checkpoint(path, run.policy)
+    trainer.load_state_dict(state["trainer"])
+    set_rng_state(state["rng"])
+    run.reference_forwards[0] = state["reference_forwards"]
+    if not D.is_main():
+        return meta["step"] + 1
+    w.truncate_after(meta["step"])
+    _record_resumed_config(run, meta["step"])
+    monitor.fired = (
+        [Alarm(**a) for a in map(json.loads, (w.run_dir / "warnings.jsonl").read_text().splitlines())]
+        if (w.run_dir / "warnings.jsonl").exists()
+        else []
+    )
+    return meta["step"] + 1
+
+
+def _record_resumed_config(run: Run, step: int) -> None:
+    """When ``--resume`` changed settings, config.yaml becomes the config the run goes on with (so
+    a later plain ``--resume`` keeps them) and the one it had is kept as config.until-step-N.yaml."""
+    path = run.writer.run_dir / "config.yaml"
+    before = yaml.safe_load(path.read_text())
+    now = run.config.to_dict(resolved=False)
+    now["train"]["output_dir"] = before["train"]["output_dir"]  # --resume names the folder; not a change
+    if now == before:
+        return
+    kept = path.with_name(f"config.until-step-{step}.yaml")
+    kept.write_text(path.read_text())
+    path.write_text(yaml.safe_dump(now, sort_keys=False))
+    _say(
+        f"tether: config.yaml now holds the resumed settings; the run's earlier config is {kept.name}",
+        run.config.train.progress,
+    )
+
+
+def _checkpoint(run: Run, trainer, step: int) -> Path:
+    """Rank 0 writes the checkpoint (policy, optimizer and trainer state are the same on every
+    process); every process checks its own reference first, and all stop if any one moved."""
+    _check_reference(run, f"step {step}")
+    path = run.writer.run_dir / "checkpoints"
+    if D.is_main():
+        path = save_checkpoint(
+            run.writer.run_dir,
+            step,
+            run.policy,
+            {
+                "trainer": trainer.state_dict(),
+                "rng": rng_state(),
+                "reference_forwards": run.reference_forwards[0],
+            },
+            run.reference_fingerprint,
+        )
+    D.barrier()
+    return path
+
+
+def _check_reference(run: Run, when: str) -> None:
+    """Every process checks its reference against the fingerprint taken when the run started;
+    all stop if any one moved (before a checkpoint or the final evaluation is written)."""
+    moved = run.reference is not None and fingerprint(run.reference) != run.reference_fingerprint
+    if D.all_reduce_max(torch.tensor(float(moved))) > 0:
+        raise RuntimeError(
+            f"{when}: the reference model's weights changed since the run started; "
+            "stopping (the last checkpoint is kept)"
+        )
+
+
+def _reference_eval(evaluator: Evaluator, run_dir: Path, show: bool):
+    """The reference's held-out evaluation, computed once and kept in eval_reference.json."""
+    if not evaluator.heldout:
+        return None
+    path = run_dir / "eval_reference.json"
+    if path.exists():
+        return EvalResult.from_json(json.loads(path.read_text()))
+    before = evaluator("reference", evaluator.heldout)  # evaluate() forks the RNG
+    path.write_text(json.dumps(before.to_json()))
+    s = before.summary()
+    _say(
+        f"tether: reference held-out proxy score {s['proxy_mean']:.3f} ± {s['proxy_se']:.3f}"
+        + (f", gold {s['gold_mean']:.3f} ± {s['gold_se']:.3f}" if "gold_mean" in s else "")
+        + f" (n={len(evaluator.heldout)})",
+        show,
+    )
+    return before
+
+
+def _tensorboard(run_dir: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        raise RuntimeError(
+            "train.tensorboard=true needs the tensorboard package: pip install tensorboard"
+        ) from e
+    return SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+
+def sample_rows(exp) -> list[dict]:
+    """One dict per sample: prompt, response, score, kl (nats/seq), reward (score - beta KL)."""
+    mask = exp.rollout.response_mask
+    kl_seq = (
+        sequence_kl(exp.kl, mask).tolist() if exp.kl is not None else [None] * len(mask)
+    )  # None: no reference
+    rew_seq = masked_sum(exp.rewards, mask, dim=-1)
+    return [
+        {"prompt": p, "response": r, "score": float(s), "kl": k, "reward": float(rw)}
+        for p, r, s, k, rw in zip(exp.rollout.prompts, exp.rollout.responses, exp.scores, kl_seq, rew_seq)
+    ]
+
+
+def save_policy(policy, tokenizer, out: Path) -> None:
+    from safetensors.torch import save_file
+
+    policy.save_pretrained(out)  # the model, or for a LoRA run its adapter (a peft folder)
+    tokenizer.save_pretrained(out)
+    save_file(
+        {k: v.contiguous() for k, v in policy.value_head.state_dict().items()},
+        str(out / "value_head.safetensors"),
+    )
