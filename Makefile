@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.tether-installed
 
-.PHONY: demo test test-other-kernels install bench clean
+.PHONY: demo test test-other-kernels lint install bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -36,6 +36,12 @@ OTHER_KERNELS := $(shell grep -q avx512f /proc/cpuinfo 2>/dev/null \
 	|| echo ATEN_CPU_CAPABILITY=default)
 test-other-kernels: $(STAMP)
 	$(OTHER_KERNELS) $(BIN)/python -m pytest -q -m numerics $(PYTEST_ARGS)
+
+# Gates: formatting, lint (line length 110) and a type check of core/ (pyproject.toml)
+lint: $(STAMP)
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
+	$(BIN)/mypy src/tether/core
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/step_time.py

@@ -37,7 +37,7 @@ def main() -> int:
     from tether.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
     from tether.models.policy import PolicyWithValue
     from tether.models.sampling import generate
-    from tether.models.scoring import score_logprobs
+    from tether.models.scoring import rollout_logprobs
 
     flags = open("/proc/cpuinfo").read().split()
     print(
@@ -68,7 +68,7 @@ def main() -> int:
 
     def fwd_bwd():
         policy.zero_grad(set_to_none=True)
-        lp = score_logprobs(policy, ro, 1.0).logprobs
+        lp = rollout_logprobs(policy, ro, 1.0).logprobs
         lp.float().sum().backward()
         return lp.detach().float()
 
@@ -80,7 +80,8 @@ def main() -> int:
     (g32, u32, lp32), (g16, u16, lp16) = res[False], res[True]
     diff = (lp16 - lp32).abs()
     print(
-        f"generate {args.completions} x {args.max_new_tokens} tokens: fp32 {g32:.2f} s, bf16 autocast {g16:.2f} s "
+        f"generate {args.completions} x {args.max_new_tokens} tokens: fp32 {g32:.2f} s, bf16 autocast "
+        f"{g16:.2f} s "
         f"(x{g32 / g16:.2f} speed)"
     )
     print(f"policy forward + backward: fp32 {u32:.2f} s, bf16 autocast {u16:.2f} s (x{u32 / u16:.2f} speed)")

@@ -66,10 +66,12 @@ def main() -> int:
         mean_exact = sum(r["objective/kl_exact"] for r in half) / len(half)
         within = sum(abs(k / args.kl - 1) <= 0.10 for k in kls)
         print(
-            f"{name:>8}: steps {half[0]['step']}-{half[-1]['step']}: mean measured KL {mean_kl:.3f} +- {se:.3f} "
+            f"{name:>8}: steps {half[0]['step']}-{half[-1]['step']}: mean measured KL {mean_kl:.3f} "
+            f"+- {se:.3f} "
             f"nats/seq (exact {mean_exact:.3f}), target {args.kl}: {100 * (mean_kl / args.kl - 1):+.1f}% "
             f"(exact {100 * (mean_exact / args.kl - 1):+.1f}%); {within}/{len(kls)} single steps within 10%; "
-            f"beta {min(r['objective/kl_coef'] for r in half):.4f}..{max(r['objective/kl_coef'] for r in half):.4f}, "
+            f"beta {min(r['objective/kl_coef'] for r in half):.4f}.."
+            f"{max(r['objective/kl_coef'] for r in half):.4f}, "
             f"final {rows[-1]['objective/kl_coef']:.4f}"
         )
     a1.axhline(args.kl, ls="--", c="gray", label="budget = target")

@@ -37,7 +37,7 @@ default, the exact full-vocabulary KL and the entropy as metrics (``kl.exact``; 
 Neither runs a separate no-grad policy forward here: with one epoch over one minibatch tether
 takes the old log-probs from the update's own forward (``optim.reuse_forward``, on by default;
 ``--tether optim.reuse_forward=false`` restores the extra forward), as TRL does with
-``num_iterations=1``. In that mode tether's graded policy forward runs inside its scoring step
+``num_iterations=1``. In that mode tether's update_forward policy forward runs inside its scoring step
 and is counted under "policy no-grad" in the phase table.
 
 Phases come from wrappers installed in each child, never from edits to either library:
@@ -318,7 +318,7 @@ def child_tether(spec: dict) -> dict:
         def which(model, *a, **k):
             return "reference" if model is reference[0] else "policy_nograd"
 
-        patch(tc, "score_logprobs", phases, which)  # the graded forward (optim.reuse_forward)
+        patch(tc, "rollout_logprobs", phases, which)  # the update_forward forward (optim.reuse_forward)
         patch(tr, "response_hidden", phases, which)  # each model's trunk in no-grad scoring
         patch(tr, "head_logits", phases, which)  # each model's LM head, one slice at a time
         patch(tr, "exact_kl_from_logits", phases, "exact_kl")
@@ -597,7 +597,8 @@ def main_steps(args, spec: dict, tmp: Path) -> None:
     print(
         f"{args.completions} completions per step ({args.prompts_per_step} prompt(s) x "
         f"{args.completions // args.prompts_per_step}), {eos}, beta {args.beta} fixed, lr {args.lr}, fp32, "
-        f"torch threads {sums[0]['tether']['threads']}; medians over steps {args.warmup}..{args.warmup + args.steps - 1}"
+        f"torch threads {sums[0]['tether']['threads']}; medians over steps "
+        f"{args.warmup}..{args.warmup + args.steps - 1}"
     )
     print()
     cols = [
@@ -655,31 +656,34 @@ def main_score(args, spec: dict, tmp: Path) -> None:
         res[engine] = run_child(engine, s, tmp, "score")
     print()
     print(
-        f"target: held-out VADER gain >= {args.gain:+.2f} over the reference ({args.n_eval} held-out prompts, "
+        f"target: held-out VADER gain >= {args.gain:+.2f} over the reference ({args.n_eval} held-out "
+        "prompts, "
         f"eval seed {args.eval_seed}); TRL lr {args.trl_lr}, {args.trl_completions} completions/step; "
         f"tether: GRPO defaults + {args.tether or 'no overrides'}"
     )
     print()
     print("| run | step | training s | VADER | gain ± SE | held-out KL nats/seq |")
     print("|---|---|---|---|---|---|")
-    for engine, r in res.items():
+    for _engine, r in res.items():
         for p in r["points"]:
             print(
                 f"| {r['engine']} | {p['step']} | {p['train_s']:.0f} | {p['score']:.3f} | "
                 f"{p['gain']:+.3f} ± {p['gain_se']:.3f} | {p['kl']:.2f} |"
             )
     print()
-    for engine, r in res.items():
+    for _engine, r in res.items():
         hit = next((p for p in r["points"][1:] if p["gain"] >= args.gain), None)
         if hit:
             print(
-                f"{r['engine']}: reached {hit['gain']:+.3f} at step {hit['step']} after {hit['train_s']:.0f} s of "
+                f"{r['engine']}: reached {hit['gain']:+.3f} at step {hit['step']} after "
+                f"{hit['train_s']:.0f} s of "
                 f"training, held-out KL {hit['kl']:.2f} nats/seq"
             )
         else:
             last = r["points"][-1]
             print(
-                f"{r['engine']}: did not reach {args.gain:+.2f} in {last['step']} steps ({last['train_s']:.0f} s); "
+                f"{r['engine']}: did not reach {args.gain:+.2f} in {last['step']} steps "
+                f"({last['train_s']:.0f} s); "
                 f"last gain {last['gain']:+.3f}, KL {last['kl']:.2f} nats/seq"
             )
 

@@ -4,9 +4,9 @@ Usage:
     python benchmarks/exact_kl_cost.py [--lengths 24 96] [--chunks 256 1024] [--rows 32]
                                        [--steps 5 --warmup 1] [--model smollm2-135m]
 
-Part 1, scoring memory. For each response length R and LM-head slice size (``kl.exact_chunk_size``)
+Part 1, scoring memory. For each response length R and LM-head slice size (``model.head_chunk_size``)
 the no-grad scoring of B = ``--rows`` responses by the policy and the reference
-(``tether.models.scoring.score_policy_and_reference``) runs with the k3 estimator only, then with the
+(``tether.models.scoring.policy_and_reference_logprobs``) runs with the k3 estimator only, then with the
 exact KL, and, for contrast, the way that holds both models' full (B, R, V) logits. The peak
 resident memory above the level just before the call is sampled from ``/proc/self/statm`` every
 millisecond; before each call ``malloc_trim`` hands freed memory back to the system, so the
@@ -73,7 +73,7 @@ def scoring_memory(args) -> None:
     from tether.models.policy import PolicyWithValue
     from tether.models.reference import make_reference
     from tether.models.sampling import Rollout
-    from tether.models.scoring import response_forward, score_policy_and_reference
+    from tether.models.scoring import policy_and_reference_logprobs, response_forward
 
     lm = load_causal_lm(resolve_model_path(args.model))
     reference = make_reference(lm)
@@ -115,7 +115,7 @@ def scoring_memory(args) -> None:
                             exact_kl_from_logits(logits, ref_logits, 1.0, chunk)
                             del logits, ref_logits
                         else:
-                            score_policy_and_reference(
+                            policy_and_reference_logprobs(
                                 policy, reference, ro, 1.0, exact_kl=mode == "exact", kl_chunk_size=chunk
                             )
                     runs.append((m.extra / 2**20, time.perf_counter() - t))

@@ -1,6 +1,7 @@
 """What bounds generation on this CPU: the decode step's matrix products, and what might beat them.
 
-Usage: python benchmarks/generation_floor.py [--model smollm2-135m] [--rows 8] [--tokens 24] [--rounds 5] [--compile]
+Usage: python benchmarks/generation_floor.py [--model smollm2-135m] [--rows 8] [--tokens 24] [--rounds 5]
+       [--compile]
        [--profile]
 
 Prints, for the embedded default model (fp32):
@@ -12,7 +13,8 @@ Prints, for the embedded default model (fp32):
    (a private torch op), and MKL-packed fp32 weights;
 2. one ``tether.models.sampling.generate`` call of ``--rows`` x ``--tokens`` tokens (transformers'
    dynamic cache) against a static cache, against MKL-packed weights in the decode steps
-   (packed at every call, as a trained policy's changing weights would need), and with ``--compile`` a static cache under
+   (packed at every call, as a trained policy's changing weights would need), and with
+   ``--compile`` a static cache under
    ``torch.compile`` (compile time printed apart; transformers' own ``compile_config`` is skipped
    on CPU, so the model's forward is compiled directly);
 3. with ``--profile``, where one ``generate`` call's time goes: torch profiler's self CPU time

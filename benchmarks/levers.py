@@ -42,7 +42,7 @@ def _set_fused(trainer, on: bool) -> None:
 
 
 LEVERS = {
-    "reuse_forward": lambda trainer, config, on: setattr(trainer, "one_pass", on),
+    "reuse_forward": lambda trainer, config, on: setattr(trainer, "reuse_forward", on),
     "exact_kl": lambda trainer, config, on: setattr(config.kl, "exact", on),
     "fused_adamw": lambda trainer, config, on: _set_fused(trainer, on),
     "share_prefix": lambda trainer, config, on: setattr(trainer.run.policy, "share_prefix", on),
@@ -80,7 +80,8 @@ def main() -> int:
         compare_trl.force_min_new_tokens_in_tether()
     print(
         f"GRPO, {args.completions} x {args.max_new_tokens} tokens per step ({args.prompts_per_step} prompt(s)"
-        f"{', each after a ' + str(len(args.prompt_prefix)) + '-character prefix' if args.prompt_prefix else ''}), "
+        + (f", each after a {len(args.prompt_prefix)}-character prefix" if args.prompt_prefix else "")
+        + "), "
         f"fp32, {torch.get_num_threads()} threads; medians of {args.steps} steps each side, alternating"
     )
     print("| lever | off: s/step | on: s/step | time on/off | off: step peak MB | on: step peak MB |")

@@ -75,7 +75,8 @@ def main() -> int:
         for s, p, g, k in zip(steps, proxy, gold, kls):
             print(f"  {s:3d} {p:6.3f} {g:7.3f} {k:7.2f}")
         print(
-            f"  gold peak {gold[peak]:.3f} at step {steps[peak]} (proxy {proxy[peak]:.3f}, KL {kls[peak]:.1f}); "
+            f"  gold peak {gold[peak]:.3f} at step {steps[peak]} (proxy {proxy[peak]:.3f}, KL "
+            f"{kls[peak]:.1f}); "
             f"last eval: proxy {proxy[-1]:.3f}, gold {gold[-1]:.3f}, KL {kls[-1]:.1f}"
         )
         print(

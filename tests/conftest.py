@@ -94,6 +94,14 @@ def prompt_file(tmp_path) -> Path:
     return p
 
 
+def metric_rows(run_dir: Path, timings: bool = False) -> list[dict]:
+    """The rows of ``run_dir/metrics.jsonl``; without ``time/*`` keys unless ``timings``."""
+    import json
+
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return rows if timings else [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+
+
 def length_judge(texts: list[str]) -> list[float]:
     """A cheap stand-in gold judge for tests: response length in characters / 100."""
     return [len(t) / 100 for t in texts]
@@ -119,3 +127,33 @@ def prompt_length_scorer(prompts: list[str], completions: list[str], **kwargs) -
     """A TRL-style reward function (prompts and completions by name): the prompt's length / 10."""
     assert len(prompts) == len(completions)
     return [len(p) / 10 for p in prompts]
+
+
+# ---- test tiers -------------------------------------------------------------------------------
+TIERS = {
+    # exact enumeration on small vocabularies and tabular optima: equalities, not sampling luck
+    "oracle": {"test_kl", "test_testbed", "test_kl_placement"},
+    # whole runs through the CLI or accelerate launch, on tiny random models
+    "e2e": {
+        "test_cli",
+        "test_checkpoint",
+        "test_distributed",
+        "test_frontier",
+        "test_lora",
+        "test_optim",
+        "test_guards",
+        "test_bad_inputs",
+        "test_dpo",
+    },
+    # the real SmolLM2-135M, ICWSM prompts and MiniLM judge (also marked `slow`)
+    "real": {"test_integration", "test_reward_model"},
+}
+"""Each test module's tier; every other module is `unit` (hand-worked values, fast path against slow
+path, one function at a time). Select one with ``pytest -m unit`` (``oracle``, ``e2e``, ``real``)."""
+
+
+def pytest_collection_modifyitems(config, items):
+    tier_of = {module: tier for tier, modules in TIERS.items() for module in modules}
+    for item in items:
+        module = item.module.__name__.rpartition(".")[2]
+        item.add_marker(getattr(pytest.mark, tier_of.get(module, "unit")))

@@ -14,6 +14,8 @@ import pytest
 
 from tether.run.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 
+from .conftest import metric_rows
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -37,11 +39,6 @@ def _args(model_dir, prompts, out, steps=6):
         "train.save_model=false",
         f"train.output_dir={out}",
     ]
-
-
-def _rows(run_dir: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
 
 
 def _tether(args, **kw):
@@ -79,7 +76,7 @@ def test_sigkill_then_resume_matches_uninterrupted(tiny_model_dir, prompt_file, 
     p = _tether(["train", "--resume", str(killed)])
     out, _ = p.communicate(timeout=300)
     assert p.returncode == 0, out
-    a, b = _rows(full), _rows(killed)
+    a, b = metric_rows(full), metric_rows(killed)
     assert [r["step"] for r in b] == list(range(6))
     assert a == b  # every metric of every step, bit for bit (CPU, fixed seed)
     assert json.loads((full / "eval.json").read_text()) == json.loads((killed / "eval.json").read_text())
@@ -97,7 +94,7 @@ def test_sigterm_checkpoints_and_stops(tiny_model_dir, prompt_file, tmp_path):
     assert p.returncode == 130, out
     assert "--resume" in out
     ckpt = latest_checkpoint(out_dir)
-    last = _rows(out_dir)[-1]["step"]
+    last = metric_rows(out_dir)[-1]["step"]
     assert ckpt is not None and json.loads((ckpt / "meta.json").read_text())["step"] == last
 
 

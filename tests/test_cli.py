@@ -124,7 +124,10 @@ def test_other_trainers_cli_end_to_end(algo, tiny_model_dir, prompt_file, tmp_pa
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 3
     assert all("objective/kl" in r and "objective/scores" in r for r in rows)
-    assert rows[0]["objective/kl"] == 0.0 or algo == "dpo"  # DPO's probe runs after its first update
+    if algo == "dpo":  # DPO's probe samples the policy after its first update: the leash has moved
+        assert rows[0]["objective/kl_exact"] > 0.0
+    else:  # policy == reference at step 0
+        assert rows[0]["objective/kl"] == 0.0 and rows[0]["objective/kl_exact"] == 0.0
     if algo == "grpo":
         assert rows[-1]["kl/applied_in_loss"] > 0 and rows[-1]["kl/applied_in_reward"] == 0
     if algo == "rloo":
@@ -139,7 +142,7 @@ def test_zero_beta_builds_no_reference(tiny_model_dir, prompt_file, tmp_path):
     import torch
 
     from tether.core.losses import ppo_policy_loss
-    from tether.models.scoring import score_logprobs
+    from tether.models.scoring import rollout_logprobs
     from tether.run.config import load_config
     from tether.run.setup import build_run
     from tether.trainers.group import GRPOTrainer
@@ -161,8 +164,8 @@ def test_zero_beta_builds_no_reference(tiny_model_dir, prompt_file, tmp_path):
     exp = trainer.last_experience
     idx = exp.minibatches[0]
     part = exp.rollout.select(idx)
-    loss, _ = trainer.minibatch_loss(exp, idx, part, kl_coef=0.0)
-    new = score_logprobs(run.policy, part, run.config.rollout.temperature)
+    loss = trainer.minibatch_loss(exp.select(idx), kl_coef=0.0).loss
+    new = rollout_logprobs(run.policy, part, run.config.rollout.temperature)
     pure = ppo_policy_loss(
         new.logprobs, exp.old_logprobs[idx], exp.advantages[idx], part.response_mask, run.config.ppo.clip_eps
     ).loss
@@ -210,7 +213,7 @@ def test_dpo_from_a_pairs_file(tiny_model_dir, prompt_file, tmp_path):
 
 @pytest.mark.numerics
 @pytest.mark.parametrize("algo", ["grpo", "rloo"])
-def test_one_pass_reuses_the_update_forward(algo, tiny_model_dir, prompt_file, tmp_path, monkeypatch):
+def test_reuse_forward_takes_the_update_forward(algo, tiny_model_dir, prompt_file, tmp_path, monkeypatch):
     # One epoch over one minibatch (as TRL's GRPO with num_iterations=1): optim.reuse_forward takes
     # the old log-probs from the update's own forward. Every logged number must be the same as
     # with the separate no-grad forward; GRPO saves that forward, RLOO (KL in the reward: the
@@ -501,7 +504,7 @@ def test_a_best_from_discarded_steps_survives_resume(
     assert main(args) == 0
     meta = json.loads((out / "best" / "meta.json").read_text())
     assert meta["step"] == 1
-    # as if a discarded step 3 had scored 0.7 and been saved (its weights: step 1's here)
+    # as if a discarded step 3 had forwards 0.7 and been saved (its weights: step 1's here)
     (out / "best" / "meta.json").write_text(json.dumps({**meta, "step": 3, "score": 0.7}))
     capsys.readouterr()
     assert main(["train", "--resume", str(out), "train.steps=5", "train.save_model=true"]) == 0
@@ -529,7 +532,8 @@ def _scripted_log_step(real, scores):
 
 
 def test_resume_with_another_controller_carries_beta_into_it(tiny_model_dir, prompt_file, tmp_path, caplog):
-    # step 0 under the adaptive controller: KL 0 (policy == reference), so beta = 0.05 * (1 - 0.2 * 4 / 10000);
+    # step 0 under the adaptive controller: KL 0 (policy == reference), so
+    # beta = 0.05 * (1 - 0.2 * 4 / 10000);
     # then the budget controller from that beta, with its proportional term (not the pure dual
     # ascent that an old budget checkpoint without "dual" resumes with)
     eps, eta, kp = 1e-9, 0.3, 1.0

@@ -14,6 +14,8 @@ from tether.run.config import load_config
 from tether.run.setup import build_run
 from tether.trainers.ppo import PPOTrainer
 
+pytestmark = pytest.mark.slow  # the real SmolLM2-135M and the real ICWSM prompts
+
 
 def test_default_prompts_are_real_and_split():
     from tether.data.prompts import movie_prompts

@@ -1,6 +1,6 @@
 """LoRA through peft: the policy trains adapters, the reference is the same base (no second copy).
 
-Two cases, each checked through tether's own code path (``build_run``, ``score_rollout``, the
+Two cases, each checked through tether's own code path (``build_run``, ``old_and_ref_logprobs``, the
 PPO step): a fresh adapter (``B = 0``), where the reference is the base with adapters disabled,
 and a starting adapter, where the reference is base + a frozen copy of that adapter. In both
 step-0 KL is exactly 0; with a starting adapter the bare base would be the wrong reference.
@@ -8,7 +8,6 @@ step-0 KL is exactly 0; with a starting adapter the bare base would be the wrong
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
@@ -26,13 +25,13 @@ from tether.models.lora import (
 from tether.models.policy import PolicyWithValue
 from tether.models.reference import check_reference, fingerprint, make_reference
 from tether.models.sampling import Rollout
-from tether.models.scoring import score_logprobs
+from tether.models.scoring import rollout_logprobs
 from tether.run.config import ConfigError, load_config
 from tether.run.setup import build_run
-from tether.trainers.common import score_rollout
+from tether.trainers.common import old_and_ref_logprobs
 from tether.trainers.ppo import PPOTrainer
 
-from .conftest import make_tiny_llama
+from .conftest import make_tiny_llama, metric_rows
 from .test_cli import _tiny_args
 
 
@@ -45,11 +44,6 @@ def _lora_config(model_dir, prompts, out, *extra):
         *extra,
     ]
     return load_config(None, args)
-
-
-def _rows(run_dir) -> list[dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
 
 
 def _snapshot(model) -> dict[str, torch.Tensor]:
@@ -92,7 +86,7 @@ def test_fresh_adapter_step_zero_kl_is_exactly_zero(tiny_model_dir, prompt_file,
 def test_lora_cli_run_saves_an_adapter_and_a_run_can_start_from_it(tiny_model_dir, prompt_file, tmp_path):
     first = tmp_path / "first"
     assert main(_tiny_args(tiny_model_dir, prompt_file, first) + ["model.lora_r=4"]) == 0
-    rows = _rows(first)
+    rows = metric_rows(first)
     assert rows[0]["objective/kl"] == 0.0 and rows[0]["objective/kl_exact"] == 0.0
     assert rows[-1]["objective/kl_exact"] > 0  # the adapter did train
     saved = first / "policy"
@@ -104,7 +98,7 @@ def test_lora_cli_run_saves_an_adapter_and_a_run_can_start_from_it(tiny_model_di
         main(_tiny_args(tiny_model_dir, prompt_file, second) + [f"model.adapter={saved}", "train.steps=1"])
         == 0
     )
-    row = _rows(second)[0]
+    row = metric_rows(second)[0]
     assert (
         row["objective/kl"] == 0.0
         and row["objective/kl_exact"] == 0.0
@@ -143,18 +137,20 @@ def test_starting_adapter_is_the_reference_not_the_bare_base(tmp_path):
     policy, reference = PolicyWithValue(peft_model), make_reference(peft_model)
     check_reference(policy, reference)
     assert reference.adapter == REFERENCE_ADAPTER
-    scored = score_rollout(policy, reference, ro, 1.0, [torch.arange(1)], with_values=True, exact_kl=True)
-    assert torch.equal(scored.old_logprobs, scored.ref_logprobs)  # step-0 KL exactly 0
-    assert torch.equal(scored.exact_kl, torch.zeros_like(scored.exact_kl))
+    forwards = old_and_ref_logprobs(
+        policy, reference, ro, 1.0, [torch.arange(1)], with_values=True, exact_kl=True
+    )
+    assert torch.equal(forwards.old_logprobs, forwards.ref_logprobs)  # step-0 KL exactly 0
+    assert torch.equal(forwards.exact_kl, torch.zeros_like(forwards.exact_kl))
 
     # The wrong reference, the bare base (logits [0, 0]):
     #   log pi(0)     = log(e / (1 + e)) = 1 - log(1 + e) = -0.313262
     #   log p_base(0) = log(1 / 2)                          = -0.693147
     #   k1 = log pi(0) - log p_base(0)                      =  0.379885 nats
-    bare = score_logprobs(load_causal_lm(base_dir), ro, 1.0).logprobs
+    bare = rollout_logprobs(load_causal_lm(base_dir), ro, 1.0).logprobs
     assert float(bare[0, 0]) == pytest.approx(math.log(0.5), abs=1e-7)
-    assert float(scored.old_logprobs[0, 0]) == pytest.approx(1 - math.log(1 + math.e), abs=1e-5)
-    k1_wrong = float(scored.old_logprobs[0, 0] - bare[0, 0])
+    assert float(forwards.old_logprobs[0, 0]) == pytest.approx(1 - math.log(1 + math.e), abs=1e-5)
+    k1_wrong = float(forwards.old_logprobs[0, 0] - bare[0, 0])
     assert k1_wrong == pytest.approx(0.379885, abs=1e-5)
 
 
@@ -169,7 +165,7 @@ def test_starting_adapter_run_step_zero_kl_is_zero(tiny_model_dir, prompt_file, 
     assert torch.equal(exp.old_logprobs, exp.ref_logprobs)
     # with the adapters disabled (the bare base) the same tokens score differently
     with torch.no_grad():
-        bare = score_logprobs(AdapterReference(run.policy.peft, None), exp.rollout, 1.0).logprobs
+        bare = rollout_logprobs(AdapterReference(run.policy.peft, None), exp.rollout, 1.0).logprobs
     assert float((exp.old_logprobs - bare)[mask].abs().max()) > 1e-3
 
 
@@ -202,8 +198,8 @@ def test_only_the_policy_adapter_moves(tiny_model_dir, prompt_file, tmp_path, tr
     assert {n: p.requires_grad for n, p in run.policy.named_parameters()} == flags  # switching restored them
     check_reference(run.policy, run.reference)
     with torch.no_grad():
-        ref_again = score_logprobs(run.reference, exp.rollout, 1.0).logprobs
-        pol_again = score_logprobs(run.policy, exp.rollout, 1.0).logprobs
+        ref_again = rollout_logprobs(run.reference, exp.rollout, 1.0).logprobs
+        pol_again = rollout_logprobs(run.policy, exp.rollout, 1.0).logprobs
     assert torch.equal(ref_again, exp.ref_logprobs)  # the reference did not move
     assert not torch.equal(pol_again, exp.old_logprobs)  # the policy did
 
@@ -256,7 +252,7 @@ def test_lora_resume_matches_uninterrupted(tiny_model_dir, prompt_file, tmp_path
     saved = load_file(str(ckpt / "policy.safetensors"))
     assert saved and all(adapter_of(k) == POLICY_ADAPTER for k in saved)  # the adapter only, no base
     assert main(["train", "--resume", str(split), "train.steps=3"]) == 0
-    a, b = _rows(full), _rows(split)
+    a, b = metric_rows(full), metric_rows(split)
     assert [r["step"] for r in b] == [0, 1, 2]
     assert a == b  # every metric of every step, bit for bit (CPU, fixed seed)
 
@@ -329,5 +325,5 @@ def test_dpo_with_lora_runs(tiny_model_dir, prompt_file, tmp_path):
         )
         == 0
     )
-    row = _rows(out)[0]
+    row = metric_rows(out)[0]
     assert "dpo/loss" in row and row["objective/kl_exact"] > 0  # the adapter moved in its first update

@@ -13,7 +13,7 @@ from tether.models.loading import disable_dropout
 from tether.models.policy import PolicyWithValue
 from tether.models.reference import check_reference, fingerprint, freeze, make_reference
 from tether.models.sampling import Rollout, generate, tokenize_prompts
-from tether.models.scoring import score_logprobs
+from tether.models.scoring import rollout_logprobs
 
 from .conftest import make_tiny_llama
 
@@ -30,13 +30,13 @@ def test_dropout_in_config_scores_twice_identically(tiny_tokenizer):
     ro = _rollout(tiny_tokenizer, lm)
     lm.train()  # even in train mode, dropout must be off once tether prepared the model
     with torch.no_grad():
-        a = score_logprobs(lm, ro, 1.0).logprobs
-        b = score_logprobs(lm, ro, 1.0).logprobs
+        a = rollout_logprobs(lm, ro, 1.0).logprobs
+        b = rollout_logprobs(lm, ro, 1.0).logprobs
     assert not torch.equal(a, b), "the test model must really drop out before disable_dropout"
     disable_dropout(lm)
     with torch.no_grad():
-        a = score_logprobs(lm, ro, 1.0).logprobs
-        b = score_logprobs(lm, ro, 1.0).logprobs
+        a = rollout_logprobs(lm, ro, 1.0).logprobs
+        b = rollout_logprobs(lm, ro, 1.0).logprobs
     assert torch.equal(a, b)
     assert lm.config.attention_dropout == 0.0
 
@@ -47,16 +47,16 @@ def test_reference_is_frozen_across_an_optimizer_step(tiny_tokenizer, tiny_lm):
     check_reference(policy, reference)
     ro = _rollout(tiny_tokenizer, tiny_lm)
     with torch.no_grad():
-        ref_before = score_logprobs(reference, ro, 1.0).logprobs.clone()
-        pol_before = score_logprobs(policy, ro, 1.0).logprobs.clone()
+        ref_before = rollout_logprobs(reference, ro, 1.0).logprobs.clone()
+        pol_before = rollout_logprobs(policy, ro, 1.0).logprobs.clone()
     fp_before = fingerprint(reference)
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
-    out = score_logprobs(policy, ro, 1.0, with_values=True)
+    out = rollout_logprobs(policy, ro, 1.0, with_values=True)
     (out.logprobs.sum() + out.values.sum()).backward()
     opt.step()
     with torch.no_grad():
-        ref_after = score_logprobs(reference, ro, 1.0).logprobs
-        pol_after = score_logprobs(policy, ro, 1.0).logprobs
+        ref_after = rollout_logprobs(reference, ro, 1.0).logprobs
+        pol_after = rollout_logprobs(policy, ro, 1.0).logprobs
     assert torch.equal(ref_before, ref_after)  # bit-identical
     assert not torch.equal(pol_before, pol_after)  # while the policy did move
     assert fingerprint(reference) == fp_before
@@ -92,11 +92,11 @@ def test_completion_scores_the_same_padded_or_alone(tiny_tokenizer, tiny_lm):
     ro = _rollout(tiny_tokenizer, tiny_lm, n=8)
     assert ro.prompt_mask.sum(-1).unique().numel() > 1, "prompts must need different padding"
     with torch.no_grad():
-        batch = score_logprobs(tiny_lm, ro, 0.7).logprobs
+        batch = rollout_logprobs(tiny_lm, ro, 0.7).logprobs
         for i, p in enumerate(PROMPTS):
             ids, mask = tokenize_prompts(tiny_tokenizer, [p], 64)
             alone = Rollout([p], ids, mask, ro.response_ids[i : i + 1], ro.response_mask[i : i + 1], [""])
-            single = score_logprobs(tiny_lm, alone, 0.7).logprobs
+            single = rollout_logprobs(tiny_lm, alone, 0.7).logprobs
             m = ro.response_mask[i]
             torch.testing.assert_close(single[0][m], batch[i][m], rtol=0, atol=1e-5)
 
@@ -120,7 +120,7 @@ def test_scoring_uses_the_sampling_temperature(tiny_tokenizer, tiny_lm):
         want = torch.log_softmax(logits[:, -R:] / 0.7, -1).gather(-1, ro.response_ids[..., None])[..., 0]
         untempered = torch.log_softmax(logits[:, -R:], -1).gather(-1, ro.response_ids[..., None])[..., 0]
         for model in (tiny_lm, PolicyWithValue(tiny_lm), reference):
-            got = score_logprobs(model, ro, 0.7).logprobs
+            got = rollout_logprobs(model, ro, 0.7).logprobs
             torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
             assert not torch.allclose(got, untempered, atol=1e-3)
 
@@ -157,7 +157,7 @@ def test_head_row_slices_by_hand():
     assert head_row_slices(3, 3, 2) == [slice(0, 1), slice(1, 2), slice(2, 3)]
     assert head_row_slices(4, 3, 10**6) == [slice(0, 4)]
     assert head_row_slices(0, 3, 8) == []
-    with pytest.raises(ValueError, match="kl.exact_chunk_size"):
+    with pytest.raises(ValueError, match="model.head_chunk_size"):
         head_row_slices(4, 3, 0)
 
 
@@ -167,7 +167,7 @@ def test_sliced_scoring_equals_the_full_forward_bit_for_bit(tiny_tokenizer, tiny
     import tether.models.scoring as tr
     from tether.core.kl import exact_kl_from_logits
     from tether.core.logprobs import entropy_from_logits, logprobs_from_logits
-    from tether.models.scoring import response_forward, score_policy_and_reference
+    from tether.models.scoring import policy_and_reference_logprobs, response_forward
 
     reference = make_reference(tiny_lm)
     policy = PolicyWithValue(tiny_lm, head_chunk=chunk)
@@ -176,7 +176,7 @@ def test_sliced_scoring_equals_the_full_forward_bit_for_bit(tiny_tokenizer, tiny
     B, R = ro.response_ids.shape
 
     # step 0 (policy == reference): the KL is exactly 0 on the sliced path
-    pol, ref, exact = score_policy_and_reference(policy, reference, ro, 1.0, exact_kl=True)
+    pol, ref, exact = policy_and_reference_logprobs(policy, reference, ro, 1.0, exact_kl=True)
     assert torch.equal(pol.logprobs, ref.logprobs) and torch.equal(exact, torch.zeros(B, R))
 
     with torch.no_grad():  # move the policy so that every quantity is non-trivial
@@ -185,7 +185,9 @@ def test_sliced_scoring_equals_the_full_forward_bit_for_bit(tiny_tokenizer, tiny
     seen = []
     real = tr.head_logits
     monkeypatch.setattr(tr, "head_logits", lambda lm, h: seen.append(h.shape[0]) or real(lm, h))
-    pol, ref, exact = score_policy_and_reference(policy, reference, ro, 0.7, with_values=True, exact_kl=True)
+    pol, ref, exact = policy_and_reference_logprobs(
+        policy, reference, ro, 0.7, with_values=True, exact_kl=True
+    )
     # the slow path: full (B, R, V) logits of both models, then the same functions
     with torch.no_grad():
         logits, values = response_forward(policy, ro, with_values=True)
@@ -204,7 +206,7 @@ def test_sliced_scoring_equals_the_full_forward_bit_for_bit(tiny_tokenizer, tiny
 def test_shared_prompt_prefix_scores_like_the_full_forward(tiny_tokenizer, tiny_lm, monkeypatch):
     """Prefix sharing: each distinct prompt through the trunk once, numbers as the full forward's."""
     import tether.models.head as tm
-    from tether.models.scoring import score_logprobs, score_policy_and_reference
+    from tether.models.scoring import policy_and_reference_logprobs, rollout_logprobs
 
     monkeypatch.setattr(tm, "SHARED_PREFIX_MIN_POSITIONS", 1)  # the test's prompts are short
     # groups of 3 rows per prompt; "good" is one token, so its prefix (the prompt without its
@@ -219,26 +221,26 @@ def test_shared_prompt_prefix_scores_like_the_full_forward(tiny_tokenizer, tiny_
         lambda m, a, kw: batch_rows.append(kw["input_ids"].shape[0]), with_kwargs=True
     )
     with torch.no_grad():
-        full = score_logprobs(plain, ro, 0.8).logprobs
+        full = rollout_logprobs(plain, ro, 0.8).logprobs
         assert batch_rows == [9]
         batch_rows.clear()
-        lp = score_logprobs(shared, ro, 0.8).logprobs
+        lp = rollout_logprobs(shared, ro, 0.8).logprobs
     hook.remove()
     assert batch_rows == [3, 9]  # 3 distinct prefixes once, then the 9 rows' responses
     torch.testing.assert_close(lp, full, rtol=0, atol=1e-5)
     # a row's numbers do not depend on the rows beside it (old and new log-probs agree exactly)
     idx = torch.tensor([4, 0, 8])
     with torch.no_grad():
-        assert torch.equal(score_logprobs(shared, ro.select(idx), 0.8).logprobs, lp[idx])
-    # the reference is scored on the same path: step-0 KL exactly 0
-    pol, ref, exact = score_policy_and_reference(shared, reference, ro, 0.8, exact_kl=True)
+        assert torch.equal(rollout_logprobs(shared, ro.select(idx), 0.8).logprobs, lp[idx])
+    # the reference is forwards on the same path: step-0 KL exactly 0
+    pol, ref, exact = policy_and_reference_logprobs(shared, reference, ro, 0.8, exact_kl=True)
     assert torch.equal(pol.logprobs, ref.logprobs) and torch.equal(exact, torch.zeros_like(exact))
     torch.testing.assert_close(pol.logprobs, full, rtol=0, atol=1e-5)
     # gradients reach the weights through the shared keys and values as through the full forward
     grads = []
     for policy in (plain, shared):
         tiny_lm.zero_grad(set_to_none=True)
-        (score_logprobs(policy, ro, 0.8).logprobs * ro.response_mask).sum().backward()
+        (rollout_logprobs(policy, ro, 0.8).logprobs * ro.response_mask).sum().backward()
         grads.append([p.grad.clone() for p in tiny_lm.parameters()])
     for g_plain, g_shared in zip(*grads):
         torch.testing.assert_close(g_shared, g_plain, rtol=1e-4, atol=1e-6)
@@ -247,7 +249,7 @@ def test_shared_prompt_prefix_scores_like_the_full_forward(tiny_tokenizer, tiny_
 def test_reference_forwards_count_a_shared_prefix_scoring_once(tiny_tokenizer, tiny_lm, monkeypatch):
     import tether.models.head as tm
     from tether.models.reference import count_reference_forwards
-    from tether.models.scoring import score_logprobs
+    from tether.models.scoring import rollout_logprobs
 
     monkeypatch.setattr(tm, "SHARED_PREFIX_MIN_POSITIONS", 1)
     reference = make_reference(tiny_lm)
@@ -255,8 +257,8 @@ def test_reference_forwards_count_a_shared_prefix_scoring_once(tiny_tokenizer, t
     count_reference_forwards(reference, counter)
     ro = _rollout(tiny_tokenizer, tiny_lm, [p for p in PROMPTS for _ in range(2)])
     with torch.no_grad():
-        score_logprobs(reference, ro, 1.0, share_prefix=True)
-        score_logprobs(reference, ro, 1.0)
+        rollout_logprobs(reference, ro, 1.0, share_prefix=True)
+        rollout_logprobs(reference, ro, 1.0)
     assert counter[0] == 2
 
 
@@ -286,7 +288,7 @@ def test_generation_from_a_shared_prompt_cache_draws_the_same_samples(tiny_token
 def test_short_prompt_prefixes_are_not_shared(tiny_tokenizer, tiny_lm, monkeypatch):
     import tether.models.head as tm
     from tether.models.sampling import generate
-    from tether.models.scoring import score_logprobs
+    from tether.models.scoring import rollout_logprobs
 
     prompts = [p for p in PROMPTS for _ in range(2)]
     ro = _rollout(tiny_tokenizer, tiny_lm, prompts)
@@ -300,7 +302,7 @@ def test_short_prompt_prefixes_are_not_shared(tiny_tokenizer, tiny_lm, monkeypat
         monkeypatch.setattr(tm, "SHARED_PREFIX_MIN_POSITIONS", min_positions)
         calls.clear()
         with torch.no_grad():
-            score_logprobs(shared, ro, 1.0)
+            rollout_logprobs(shared, ro, 1.0)
         assert len(calls) == trunk_calls
         calls.clear()
         generate(tiny_lm, tiny_tokenizer, prompts, 2, 1.0, seeds=range(6), share_prefix=True)
@@ -310,12 +312,13 @@ def test_short_prompt_prefixes_are_not_shared(tiny_tokenizer, tiny_lm, monkeypat
 
 @pytest.mark.numerics
 def test_a_hybrid_model_whose_cache_cannot_be_gathered_runs_the_plain_path(tiny_tokenizer, monkeypatch):
-    """LFM2 (convolution + attention layers): its cache has no batch_select_indices; no crash, plain numbers."""
+    """LFM2 (convolution + attention layers): its cache has no batch_select_indices; no crash, plain
+    numbers."""
     import transformers
 
     import tether.models.head as tm
     from tether.models.sampling import generate
-    from tether.models.scoring import score_logprobs
+    from tether.models.scoring import rollout_logprobs
 
     monkeypatch.setattr(tm, "SHARED_PREFIX_MIN_POSITIONS", 1)
     torch.manual_seed(0)
@@ -340,6 +343,6 @@ def test_a_hybrid_model_whose_cache_cannot_be_gathered_runs_the_plain_path(tiny_
     shared = generate(lm, tiny_tokenizer, prompts, 4, 1.0, seeds=range(6), share_prefix=True)
     assert torch.equal(plain.response_ids, shared.response_ids)
     with torch.no_grad():
-        a = score_logprobs(PolicyWithValue(lm), plain, 1.0).logprobs
-        b = score_logprobs(PolicyWithValue(lm, share_prefix=True), plain, 1.0).logprobs
+        a = rollout_logprobs(PolicyWithValue(lm), plain, 1.0).logprobs
+        b = rollout_logprobs(PolicyWithValue(lm, share_prefix=True), plain, 1.0).logprobs
     assert torch.equal(a, b)

@@ -381,7 +381,8 @@ def test_sequence_bed_trainer_reaches_the_optimum(name, tol):
     est, se, exact = logged_vs_exact(log)
     msg = (
         f"sequence bed {name}: KL(pi || pi*) = {dist:.3e} (KL(pi* || pi_ref) = "
-        f"{float(tb.exact_kl(star, ref_logp(bed))):.4f}), logged KL {est:.4f} +- {se:.4f} vs exact {exact:.4f}"
+        f"{float(tb.exact_kl(star, ref_logp(bed))):.4f}), logged KL {est:.4f} +- {se:.4f} "
+        f"vs exact {exact:.4f}"
     )
     print(msg)
     assert dist < tol, msg

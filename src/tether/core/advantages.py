@@ -21,9 +21,9 @@ WHITEN_EPS = 1e-8
 
 class GAEOutput(NamedTuple):
     advantages: Tensor
-    """(B, T) float32 A_t, zero where masked."""
+    """(B, R) float32 A_t, zero where masked."""
     returns: Tensor
-    """(B, T) float32 value targets A_t + V_t, zero where masked."""
+    """(B, R) float32 value targets A_t + V_t, zero where masked."""
 
 
 def gae(
@@ -37,9 +37,9 @@ def gae(
     their values reach a valid token.
 
     Args:
-        rewards: (B, T) per-token rewards (see :func:`tether.core.shaping.shape_rewards`).
-        values: (B, T) value estimates V(x, y_<t) at each response position.
-        response_mask: (B, T) bool, True where the token counts (a prefix of each row).
+        rewards: (B, R) per-token rewards (see :func:`tether.core.shaping.shape_rewards`).
+        values: (B, R) value estimates V(x, y_<t) at each response position.
+        response_mask: (B, R) bool, True where the token counts (a prefix of each row).
         gamma: discount in [0, 1].
         gae_lambda: GAE lambda in [0, 1].
 
@@ -72,12 +72,12 @@ def whiten(values: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
     masked slots are set to 0. With ``shift_mean=False`` the mean is added back.
 
     Args:
-        values: (B, T) float.
-        mask: (B, T) bool.
+        values: (B, R) float.
+        mask: (B, R) bool.
         shift_mean: subtract the mean (True) or only rescale (False).
 
     Returns:
-        (B, T) float32.
+        (B, R) float32.
     """
     mean, var = masked_mean(values, mask), masked_var(values, mask)
     out = (at_least_fp32(values) - mean) * torch.rsqrt(var + WHITEN_EPS)

@@ -146,8 +146,9 @@ class BudgetKLController:
     config's ``kl.budget_kp`` defaults to 1.0 with ``kl.budget_eta`` 0.3). On a real language
     model beta acts on the KL only through later optimizer steps (AdamW momentum, several
     minibatches per rollout), so the plant lags and the pure integral rule rings: beta keeps
-    rising while the KL is already falling, overshoots, and the KL swings around epsilon instead of settling on it (measured on
-    SmolLM2: last-half mean 27% under a 2-nat budget with ``eta=1``). The PID-Lagrangian fix
+    rising while the KL is already falling, overshoots, and the KL swings around epsilon instead
+    of settling on it (measured on SmolLM2: last-half mean 27% under a 2-nat budget with
+    ``eta=1``). The PID-Lagrangian fix
     (Stooke, Achiam & Abbeel 2020, "Responsive Safety in Reinforcement Learning by PID Lagrangian
     Methods", arXiv 2007.03964, eq. 5) adds the current error on top of the projected integral::
 
@@ -212,7 +213,8 @@ class BudgetKLController:
         if not math.isfinite(kl):
             raise ValueError(f"measured KL is {kl}; the budget controller needs a finite KL")
         error = kl - self.budget
-        self.dual = max(0.0, self.dual + self.eta * error)
+        dual = self.kl_coef if self.dual is None else self.dual  # None only before __post_init__
+        self.dual = max(0.0, dual + self.eta * error)
         self.kl_coef = max(0.0, self.dual + self.kp * error)
         return self.kl_coef
 

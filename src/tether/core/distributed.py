@@ -91,8 +91,8 @@ def token_mean(values: Tensor, mask: Tensor) -> Tensor:
     anywhere the result is 0 (as :func:`tether.core.kl.masked_mean`'s clamp), never NaN.
 
     Args:
-        values: (B, T) float, this rank's values; masked slots never contribute (even inf/NaN).
-        mask: (B, T) bool, ``response_mask``.
+        values: (B, R) float, this rank's values; masked slots never contribute (even inf/NaN).
+        mask: (B, R) bool, ``response_mask``.
 
     Returns:
         float64 scalar, the same on every rank.
@@ -153,7 +153,7 @@ def token_share(mask: Tensor) -> Tensor:
     ``world_size() * share_r * L_r`` (see ``OnPolicyTrainer.update``).
 
     Args:
-        mask: (B, T) bool, this rank's part of the minibatch.
+        mask: (B, R) bool, this rank's part of the minibatch.
 
     Returns:
         float32 scalar in [0, 1]; 1.0 in one process.
@@ -169,7 +169,7 @@ def token_shares(masks: list[Tensor]) -> list[Tensor]:
     ranks) to the token-mean loss of the whole minibatch.
 
     Args:
-        masks: (B_m, T) bool, this rank's micro-batches of the minibatch, in order.
+        masks: (B_m, R) bool, this rank's micro-batches of the minibatch, in order.
 
     Returns:
         one float32 scalar per mask; ``[1.0]`` for one mask in one process.
@@ -204,9 +204,9 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
     a perfect value head, 0 one no better than the returns' mean, negative worse than it.
 
     Args:
-        values: (B, T) value predictions at rollout time.
-        returns: (B, T) their targets (GAE returns).
-        mask: (B, T) bool, ``response_mask``.
+        values: (B, R) value predictions at rollout time.
+        returns: (B, R) their targets (GAE returns).
+        mask: (B, R) bool, ``response_mask``.
 
     Returns:
         float64 scalar; NaN when the returns do not vary (or no token is valid).
@@ -224,12 +224,12 @@ def whiten(values: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
     tokens of every rank (two all-reduces); masked slots are 0.
 
     Args:
-        values: (B, T) float, this rank's values.
-        mask: (B, T) bool.
+        values: (B, R) float, this rank's values.
+        mask: (B, R) bool.
         shift_mean: subtract the mean (True) or only rescale (False).
 
     Returns:
-        (B, T), the dtype of ``values`` upcast to at least float32.
+        (B, R), the dtype of ``values`` upcast to at least float32.
     """
     x = at_least_fp32(values)
     mean = token_mean(x, mask)

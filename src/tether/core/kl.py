@@ -46,7 +46,7 @@ def _log_ratio(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     if logprobs.shape != ref_logprobs.shape:
         raise ValueError(
             f"logprobs {tuple(logprobs.shape)} and ref_logprobs {tuple(ref_logprobs.shape)} "
-            "must have the same shape (B, T)"
+            "must have the same shape (B, R)"
         )
     return at_least_fp32(logprobs) - at_least_fp32(ref_logprobs)
 
@@ -55,11 +55,11 @@ def kl_k1(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     """k1 = log pi_theta(y_t) - log pi_ref(y_t): unbiased, can be negative per token.
 
     Args:
-        logprobs: (B, T) float, log pi_theta(y_t | x, y_<t) in nats.
-        ref_logprobs: (B, T) float, log pi_ref(y_t | x, y_<t) in nats.
+        logprobs: (B, R) float, log pi_theta(y_t | x, y_<t) in nats.
+        ref_logprobs: (B, R) float, log pi_ref(y_t | x, y_<t) in nats.
 
     Returns:
-        (B, T) float32, nats. Unmasked: apply :func:`masked_mean` / :func:`masked_sum`.
+        (B, R) float32, nats. Unmasked: apply :func:`masked_mean` / :func:`masked_sum`.
 
     Raises:
         ValueError: if the shapes differ.
@@ -111,12 +111,12 @@ def estimate_kl(logprobs: Tensor, ref_logprobs: Tensor, estimator: KLEstimator =
     """Per-token KL estimate by name, looked up in :data:`ESTIMATORS`.
 
     Args:
-        logprobs: (B, T) log pi_theta of the sampled tokens, nats.
-        ref_logprobs: (B, T) log pi_ref of the same tokens, nats.
+        logprobs: (B, R) log pi_theta of the sampled tokens, nats.
+        ref_logprobs: (B, R) log pi_ref of the same tokens, nats.
         estimator: one of ``"k1"``, ``"abs"``, ``"k2"``, ``"k3"``.
 
     Returns:
-        (B, T) float32 per-token estimate, nats, not yet masked.
+        (B, R) float32 per-token estimate, nats, not yet masked.
 
     Raises:
         ValueError: unknown estimator name, or mismatched shapes.
@@ -139,17 +139,17 @@ def exact_kl_from_logits(
     ``KL_t = sum_v p(v) (log p(v) - log q(v))`` with ``p = softmax(logits / temperature)`` and
     ``q = softmax(ref_logits / temperature)``, computed in float32 (float64 input stays float64)
     on at most ``chunk_size`` token positions at a time, so the extra memory is O(chunk_size * V),
-    never O(B * T * V).
+    never O(B * R * V).
     Where ``p(v) == 0`` the term is 0 (``xlogy`` convention), so a -inf logit never gives NaN.
 
     Args:
-        logits: (B, T, V) policy logits, any float dtype (upcast per chunk).
-        ref_logits: (B, T, V) reference logits.
+        logits: (B, R, V) policy logits, any float dtype (upcast per chunk).
+        ref_logits: (B, R, V) reference logits.
         temperature: sampling temperature (> 0); both distributions are tempered alike.
         chunk_size: token positions per chunk (> 0).
 
     Returns:
-        (B, T) exact KL per position (float32, or float64 for float64 input), nats, >= 0 up to
+        (B, R) exact KL per position (float32, or float64 for float64 input), nats, >= 0 up to
         rounding. Unmasked.
 
     Raises:
@@ -161,27 +161,27 @@ def exact_kl_from_logits(
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
-    B, T, V = logits.shape
-    flat_p = logits.reshape(B * T, V)  # (N, V)
-    flat_q = ref_logits.reshape(B * T, V)
+    B, R, V = logits.shape
+    flat_p = logits.reshape(B * R, V)  # (N, V)
+    flat_q = ref_logits.reshape(B * R, V)
     dtype = torch.promote_types(logits.dtype, torch.float32)
-    out = torch.empty(B * T, dtype=dtype, device=logits.device)
-    for start in range(0, B * T, chunk_size):
+    out = torch.empty(B * R, dtype=dtype, device=logits.device)
+    for start in range(0, B * R, chunk_size):
         lp = torch.log_softmax(flat_p[start : start + chunk_size].to(dtype) / temperature, dim=-1)
         lq = torch.log_softmax(flat_q[start : start + chunk_size].to(dtype) / temperature, dim=-1)
         p = lp.exp()
         # p * (lp - lq); where p == 0 the product is defined as 0 even if lq is -inf.
         term = torch.where(p > 0, p * (lp - lq), torch.zeros_like(p))
         out[start : start + chunk_size] = term.sum(-1)
-    return out.view(B, T)
+    return out.view(B, R)
 
 
 def masked_sum(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     """Sum of ``values`` where ``mask`` is True; masked slots never contribute, even inf/NaN.
 
     Args:
-        values: (B, T) float.
-        mask: (B, T) bool or {0,1}, True where the token counts (``response_mask``).
+        values: (B, R) float.
+        mask: (B, R) bool or {0,1}, True where the token counts (``response_mask``).
         dim: reduce this dimension only (``-1``: per sequence), or all if None.
 
     Returns:
@@ -195,7 +195,7 @@ def masked_sum(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     values = at_least_fp32(values)
     kept = torch.where(
         mask.bool(), values, torch.zeros((), dtype=values.dtype, device=values.device)
-    )  # (B, T); masked inf/NaN -> 0
+    )  # (B, R); masked inf/NaN -> 0
     return kept.sum() if dim is None else kept.sum(dim=dim)
 
 
@@ -206,8 +206,8 @@ def masked_mean(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     clamp here; with one or more valid tokens the result is the exact mean).
 
     Args:
-        values: (B, T) float.
-        mask: (B, T) bool, True where the token counts.
+        values: (B, R) float.
+        mask: (B, R) bool, True where the token counts.
         dim: reduce this dimension only, or all if None.
 
     Returns:
@@ -235,8 +235,8 @@ def sequence_kl(kl: Tensor, mask: Tensor) -> Tensor:
     """Per-sequence KL: sum over the response's valid tokens.
 
     Args:
-        kl: (B, T) per-token KL, nats.
-        mask: (B, T) bool ``response_mask``.
+        kl: (B, R) per-token KL, nats.
+        mask: (B, R) bool ``response_mask``.
 
     Returns:
         (B,) float32, nats per sequence.

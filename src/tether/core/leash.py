@@ -38,12 +38,12 @@ class KLLeash:
 
         Args:
             scores: (B,) scorer values.
-            kl: (B, T) per-token KL estimate (nats), or None when no reference runs.
+            kl: (B, R) per-token KL estimate (nats), or None when no reference runs.
             kl_coef: beta >= 0.
-            response_mask: (B, T) bool.
+            response_mask: (B, R) bool.
 
         Returns:
-            :class:`tether.core.shaping.ShapedRewards`, (B, T) each.
+            :class:`tether.core.shaping.ShapedRewards`, (B, R) each.
         """
         if self.kl_in_reward and kl is not None:
             self.counts["reward"] += 1

@@ -22,20 +22,20 @@ def logprobs_from_logits(
     """log softmax(logits / temperature) gathered at ``tokens``, in float32.
 
     Computed as ``z[y] - logsumexp(z)`` with ``z = logits / temperature`` upcast to float32
-    ``chunk_size`` positions at a time (float64 stays float64), so no float32 (B, T, V) copy of
+    ``chunk_size`` positions at a time (float64 stays float64), so no float32 (B, R, V) copy of
     bf16 logits is held.
     Slow equivalent (tested equal)::
 
         torch.log_softmax(logits.float() / temperature, -1).gather(-1, tokens[..., None])[..., 0]
 
     Args:
-        logits: (B, T, V) logits at the positions that predict ``tokens`` (already shifted).
-        tokens: (B, T) long, the sampled tokens.
+        logits: (B, R, V) logits at the positions that predict ``tokens`` (already shifted).
+        tokens: (B, R) long, the sampled tokens.
         temperature: the sampling temperature used to draw ``tokens`` (> 0).
         chunk_size: positions per float32 chunk.
 
     Returns:
-        (B, T) log-probabilities, nats (<= 0); float32 (float64 for float64 logits).
+        (B, R) log-probabilities, nats (<= 0); float32 (float64 for float64 logits).
 
     Raises:
         ValueError: temperature <= 0 or shape mismatch.
@@ -43,39 +43,39 @@ def logprobs_from_logits(
     _check_temperature(temperature)
     if logits.shape[:-1] != tokens.shape:
         raise ValueError(f"logits {tuple(logits.shape)} do not match tokens {tuple(tokens.shape)}")
-    B, T, V = logits.shape
-    flat = logits.reshape(B * T, V)  # (N, V)
-    flat_tokens = tokens.reshape(B * T, 1)  # (N, 1)
+    B, R, V = logits.shape
+    flat = logits.reshape(B * R, V)  # (N, V)
+    flat_tokens = tokens.reshape(B * R, 1)  # (N, 1)
     dtype = torch.promote_types(logits.dtype, torch.float32)  # bf16/fp16 -> fp32; fp64 stays
-    out = torch.empty(B * T, dtype=dtype, device=logits.device)
-    for s in range(0, B * T, chunk_size):
+    out = torch.empty(B * R, dtype=dtype, device=logits.device)
+    for s in range(0, B * R, chunk_size):
         z = flat[s : s + chunk_size].to(dtype) / temperature  # (n, V)
         out[s : s + chunk_size] = z.gather(-1, flat_tokens[s : s + chunk_size])[:, 0] - z.logsumexp(-1)
-    return out.view(B, T)
+    return out.view(B, R)
 
 
 def entropy_from_logits(logits: Tensor, temperature: float = 1.0, chunk_size: int = 2048) -> Tensor:
     """Per-position entropy H(pi(. | x, y_<t)) = -sum_v p log p of the tempered distribution.
 
     Args:
-        logits: (B, T, V).
+        logits: (B, R, V).
         temperature: > 0.
         chunk_size: positions per float32 chunk.
 
     Returns:
-        (B, T) float32 entropy, nats. Unmasked.
+        (B, R) float32 entropy, nats. Unmasked.
     """
     _check_temperature(temperature)
-    B, T, V = logits.shape
-    flat = logits.reshape(B * T, V)
+    B, R, V = logits.shape
+    flat = logits.reshape(B * R, V)
     dtype = torch.promote_types(logits.dtype, torch.float32)
-    out = torch.empty(B * T, dtype=dtype, device=logits.device)
-    for s in range(0, B * T, chunk_size):
+    out = torch.empty(B * R, dtype=dtype, device=logits.device)
+    for s in range(0, B * R, chunk_size):
         logp = torch.log_softmax(flat[s : s + chunk_size].to(dtype) / temperature, dim=-1)
         p = logp.exp()
         # a -inf logit has p = 0 and contributes 0 (0 * -inf would be NaN)
         out[s : s + chunk_size] = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
-    return out.view(B, T)
+    return out.view(B, R)
 
 
 def response_mask_from_tokens(response_tokens: Tensor, eos_token_id: int | None) -> Tensor:

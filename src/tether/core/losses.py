@@ -26,7 +26,7 @@ class PolicyLoss(NamedTuple):
     approx_kl: Tensor
     """scalar, mean k3 estimate of KL(pi_old || pi_theta) on valid tokens (nats per token)."""
     ratio: Tensor
-    """(B, T) pi_theta / pi_old, detached."""
+    """(B, R) pi_theta / pi_old, detached."""
 
 
 def ppo_policy_loss(
@@ -42,10 +42,10 @@ def ppo_policy_loss(
     ``loss = mean_valid max(-A * ratio, -A * clip(ratio, 1 - clip_eps, 1 + clip_eps))``.
 
     Args:
-        logprobs: (B, T) log pi_theta of the taken tokens, with grad.
-        old_logprobs: (B, T) log pi_old at rollout time, no grad.
-        advantages: (B, T) advantages, no grad.
-        response_mask: (B, T) bool.
+        logprobs: (B, R) log pi_theta of the taken tokens, with grad.
+        old_logprobs: (B, R) log pi_old at rollout time, no grad.
+        advantages: (B, R) advantages, no grad.
+        response_mask: (B, R) bool.
         clip_eps: clip range epsilon > 0.
 
     Returns:
@@ -87,10 +87,10 @@ def clipped_value_loss(
     ``loss = 0.5 * mean_valid max((values - returns)^2, (V_clipped - returns)^2)``.
 
     Args:
-        values: (B, T) current value predictions, with grad.
-        old_values: (B, T) values at rollout time.
-        returns: (B, T) targets (GAE advantages + old values).
-        response_mask: (B, T) bool.
+        values: (B, R) current value predictions, with grad.
+        old_values: (B, R) values at rollout time.
+        returns: (B, R) targets (GAE advantages + old values).
+        response_mask: (B, R) bool.
         clip_eps_value: clip range for the value change, > 0.
 
     Returns:
@@ -125,7 +125,7 @@ def kl_loss_terms(
     estimator: KLLossEstimator = "k3+",
     old_logprobs: Tensor | None = None,
 ) -> Tensor:
-    """Per-token KL surrogate to add (times kl_coef) to the loss; (B, T), unmasked.
+    """Per-token KL surrogate to add (times kl_coef) to the loss; (B, R), unmasked.
 
     * ``k2``: ``0.5 (log pi - log pi_ref)^2``; on-policy its expected gradient is
       ``grad KL(pi || pi_ref)``.
@@ -137,10 +137,10 @@ def kl_loss_terms(
     * ``k1``, ``k3``: computed only for the tests that show why they are refused.
 
     Args:
-        logprobs: (B, T) log pi_theta with grad.
-        ref_logprobs: (B, T) log pi_ref, no grad.
+        logprobs: (B, R) log pi_theta with grad.
+        ref_logprobs: (B, R) log pi_ref, no grad.
         estimator: see above.
-        old_logprobs: (B, T) log pi_old (for ``k3_is``).
+        old_logprobs: (B, R) log pi_old (for ``k3_is``).
 
     Raises:
         ValueError: unknown estimator, or ``k3_is`` without ``old_logprobs``.

@@ -19,7 +19,7 @@ from tether.core.logprobs import last_token_index
 
 
 class ShapedRewards(NamedTuple):
-    """Output of :func:`shape_rewards`; all (B, T) float32 and zero where masked."""
+    """Output of :func:`shape_rewards`; all (B, R) float32 and zero where masked."""
 
     rewards: Tensor
     """per-token reward r_t = non_score_reward_t (+ score on the last real token)."""
@@ -32,10 +32,10 @@ def shape_rewards(scores: Tensor, kl: Tensor, kl_coef: float, response_mask: Ten
 
     Args:
         scores: (B,) scorer value of each whole response (e.g. VADER compound in [-1, 1]).
-        kl: (B, T) per-token KL estimate, nats (the same tensor that is logged and fed to the
+        kl: (B, R) per-token KL estimate, nats (the same tensor that is logged and fed to the
             controller).
         kl_coef: beta >= 0, reward units per nat.
-        response_mask: (B, T) bool, True where the token counts.
+        response_mask: (B, R) bool, True where the token counts.
 
     Returns:
         :class:`ShapedRewards`; masked positions are exactly 0.
@@ -56,7 +56,7 @@ def shape_rewards(scores: Tensor, kl: Tensor, kl_coef: float, response_mask: Ten
         raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
     mask = response_mask.bool()
     kl = at_least_fp32(kl)
-    non_score = torch.where(mask, -kl_coef * kl, torch.zeros((), dtype=kl.dtype, device=kl.device))  # (B, T)
+    non_score = torch.where(mask, -kl_coef * kl, torch.zeros((), dtype=kl.dtype, device=kl.device))  # (B, R)
     rewards = non_score.clone()
     last = last_token_index(mask)  # (B,)
     rows = torch.arange(kl.shape[0], device=kl.device)

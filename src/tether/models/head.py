@@ -16,7 +16,7 @@ from torch import nn
 from tether.models.lora import AdapterReference
 
 HEAD_CHUNK_POSITIONS = 256
-"""Default token positions per LM-head chunk (``kl.exact_chunk_size``): no-grad scoring holds the
+"""Default token positions per LM-head chunk (``model.head_chunk_size``): no-grad scoring holds the
 logits of at most this many positions (rounded up to whole rows) at a time."""
 
 
@@ -42,7 +42,9 @@ def head_row_slices(
         ValueError: ``chunk_positions`` < 1.
     """
     if chunk_positions < 1:
-        raise ValueError(f"chunk_positions must be >= 1, got {chunk_positions}; set kl.exact_chunk_size >= 1")
+        raise ValueError(
+            f"chunk_positions must be >= 1, got {chunk_positions}; set model.head_chunk_size >= 1"
+        )
     rows = max(1, chunk_positions // max(n_positions, 1))
     return [slice(i, min(i + rows, n_rows)) for i in range(0, n_rows, rows)]
 
@@ -96,7 +98,7 @@ def tail_hidden(
     With ``share_prefix`` the first ``L - n_keep`` positions (the prompt without its last token)
     go through the trunk once per distinct prefix (:func:`shared_prefix_hidden`) when
     :func:`shares_prefix` allows it. Every row then takes that path whatever the other rows of
-    its batch are, so a row's numbers do not depend on the batch it is scored in (old and new
+    its batch are, so a row's numbers do not depend on the batch it is forwards in (old and new
     log-probs, policy and reference agree).
     """
     if isinstance(lm, AdapterReference):
@@ -226,7 +228,8 @@ def tail_logits(
 
     The one path by which policy and reference turn hidden states into logits with the full
     (B, n_keep, V) tensor kept (:func:`tail_hidden`, then :func:`apply_head`); no-grad scoring
-    runs the same two steps without concatenating (:func:`tether.models.scoring.score_policy_and_reference`).
+    runs the same two steps without concatenating
+    (:func:`tether.models.scoring.policy_and_reference_logprobs`).
     """
     hidden = tail_hidden(lm, input_ids, attention_mask, position_ids, n_keep, share_prefix)
     return apply_head(lm, hidden, chunk_positions), hidden

@@ -199,7 +199,7 @@ def generate(
     """Sample one response per prompt from ``lm`` at ``temperature`` (no top-k, no top-p).
 
     Pure ancestral sampling from softmax(logits / temperature), so the log-probabilities that
-    :func:`score_logprobs` computes at the same temperature are those of the sampling
+    :func:`rollout_logprobs` computes at the same temperature are those of the sampling
     distribution. Sampling is :class:`GumbelMaxSampler` under greedy decoding: row ``b`` is
     seeded with ``seeds[b]`` (see :func:`sample_seeds`), so the samples of a batch are the
     samples of its shards, concatenated. Without ``seeds``, one seed per row is drawn from the

@@ -72,7 +72,7 @@ def response_hidden(
 
 
 @dataclass
-class Scored:
+class TokenStats:
     """Per-token quantities of one model on a rollout, all (B, R) float32."""
 
     logprobs: Tensor
@@ -82,7 +82,7 @@ class Scored:
     """(B, R, V) kept only when asked (exact KL)."""
 
 
-def score_logprobs(
+def rollout_logprobs(
     model: nn.Module,
     rollout: Rollout,
     temperature: float,
@@ -91,7 +91,7 @@ def score_logprobs(
     keep_logits: bool = False,
     head_chunk: int = HEAD_CHUNK_POSITIONS,
     share_prefix: bool = False,
-) -> Scored:
+) -> TokenStats:
     """log pi(y_t | x, y_<t) of the rollout's responses at the sampling temperature.
 
     The same call serves policy, old policy and reference, so temperature and precision agree.
@@ -101,7 +101,7 @@ def score_logprobs(
     logits, values = response_forward(
         model, rollout, with_values=with_values, head_chunk=head_chunk, share_prefix=share_prefix
     )
-    return Scored(
+    return TokenStats(
         logprobs=logprobs_from_logits(logits, rollout.response_ids, temperature),
         values=values,
         entropy=entropy_from_logits(logits, temperature) if with_entropy else None,
@@ -110,7 +110,7 @@ def score_logprobs(
 
 
 @torch.no_grad()
-def score_policy_and_reference(
+def policy_and_reference_logprobs(
     policy: PolicyWithValue,
     reference: nn.Module | None,
     rollout: Rollout,
@@ -119,7 +119,7 @@ def score_policy_and_reference(
     exact_kl: bool = False,
     policy_logits: Tensor | None = None,
     kl_chunk_size: int = 1024,
-) -> tuple[Scored, Scored | None, Tensor | None]:
+) -> tuple[TokenStats, TokenStats | None, Tensor | None]:
     """No-grad scoring of a rollout by the policy and the reference, one LM-head slice at a time.
 
     Each model runs its trunk once to the last hidden states (B, R, d); then, one
@@ -141,12 +141,12 @@ def score_policy_and_reference(
         temperature: the sampling temperature (> 0).
         with_values: also the value head's estimates.
         exact_kl: also the exact full-vocabulary KL per token (needs a reference).
-        policy_logits: (B, R, V) the policy's logits when already computed (the update's graded
+        policy_logits: (B, R, V) the policy's logits when already computed (the update's update_forward
             forward, detached): the policy's trunk is then not run again.
         kl_chunk_size: positions per float32 chunk inside :func:`tether.core.kl.exact_kl_from_logits`.
 
     Returns:
-        (policy Scored with logprobs, entropy and values if asked; reference Scored with logprobs
+        (policy TokenStats with logprobs, entropy and values if asked; reference TokenStats with logprobs
         or None; exact KL (B, R) float32 nats or None). Unmasked.
     """
     B, R = rollout.response_ids.shape
@@ -175,8 +175,8 @@ def score_policy_and_reference(
                 exact[rows] = exact_kl_from_logits(z, z_ref, temperature, kl_chunk_size)
             del z_ref
         del z
-    ref = Scored(ref_logprobs) if reference is not None else None
-    return Scored(logprobs, values, entropy), ref, exact
+    ref = TokenStats(ref_logprobs) if reference is not None else None
+    return TokenStats(logprobs, values, entropy), ref, exact
 
 
 def rollout_from_responses(

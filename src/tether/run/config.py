@@ -61,6 +61,13 @@ class ModelConfig:
     """Folder of a trained peft LoRA adapter (``save_pretrained``) to start from; implies LoRA,
     with rank, alpha and target modules from its adapter_config.json (lora_r must stay 0). The
     policy trains a copy of it; the reference is base + this adapter, frozen."""
+    head_chunk_size: int = 256
+    """Token positions per LM-head slice (whole rows, at least one): every LM-head application
+    (the update's forward with autograd, no-grad scoring of policy and reference, DPO) runs on
+    the same slices, so their logits agree bit for bit; no-grad scoring and the exact KL hold
+    logits for one slice at a time, so their memory is O(max(head_chunk_size, R) * vocab), not
+    O(batch * R * vocab), R the response length. (Before this field, ``kl.exact_chunk_size`` set
+    it too.)"""
     share_prompt_prefix: bool = True
     """Where rows share prompts (groups: rollout.group_size > 1, as in GRPO and RLOO), run each
     distinct prompt through the trunk once and let its rows attend to the
@@ -70,6 +77,7 @@ class ModelConfig:
     it does not pay."""
 
     def __post_init__(self) -> None:
+        _check(self.head_chunk_size >= 1, "model.head_chunk_size", self.head_chunk_size, "must be >= 1")
         _check(
             self.trainable_layers is None or self.trainable_layers >= 0,
             "model.trainable_layers",
@@ -228,11 +236,8 @@ class KLConfig:
     exact: bool = True
     """Also log the exact full-vocabulary KL (objective/kl_exact), chunked."""
     exact_chunk_size: int = 256
-    """Token positions per LM-head slice (whole rows, at least one): every LM-head application
-    (the update's forward with autograd, no-grad scoring of policy and reference, DPO) runs on
-    the same slices, so their logits agree bit for bit; no-grad scoring and the exact KL hold
-    logits for one slice at a time, so their memory is O(max(exact_chunk_size, R) * vocab), not
-    O(batch * R * vocab), R the response length."""
+    """Token positions per float32 chunk inside the exact KL (within one LM-head slice of
+    ``model.head_chunk_size``): its extra memory is O(exact_chunk_size * vocab)."""
     kl_in_reward: bool | None = None
     """Put -kl_coef * kl_t in the per-token reward; None = the trainer's default (PPO, RLOO: on)."""
     kl_in_loss: bool | None = None
@@ -384,7 +389,7 @@ class DPOConfig:
 @dataclass
 class EvalConfig:
     n_prompts: int = 128
-    """Held-out prompts scored before and after training (0 disables)."""
+    """Held-out prompts forwards before and after training (0 disables)."""
     judge: str = "minilm-rm"
     """Gold judge, independent of the training scorer: any scorer spec (see reward.scorer), or
     'none'. The default is the reward model fitted on human ratings (fitted once, ~2 min)."""

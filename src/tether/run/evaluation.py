@@ -11,7 +11,7 @@ from torch import nn
 from tether.core.kl import estimate_kl, sequence_kl
 from tether.judges.contract import Scorer, checked_scores
 from tether.models.sampling import generate, sample_seeds
-from tether.models.scoring import score_logprobs
+from tether.models.scoring import rollout_logprobs
 
 
 def mean_se(xs: list[float]) -> tuple[float, float]:
@@ -93,8 +93,8 @@ def evaluate(
                 seeds=sample_seeds(seed, 0, range(i, i + len(batch))),
             )
             if reference is not None:
-                lp = score_logprobs(lm, ro, temperature).logprobs
-                ref_lp = lp if reference is lm else score_logprobs(reference, ro, temperature).logprobs
+                lp = rollout_logprobs(lm, ro, temperature).logprobs
+                ref_lp = lp if reference is lm else rollout_logprobs(reference, ro, temperature).logprobs
                 result.kl_per_sequence += sequence_kl(
                     estimate_kl(lp, ref_lp, "k1"), ro.response_mask
                 ).tolist()

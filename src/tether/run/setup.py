@@ -216,7 +216,7 @@ def build_run(config: Config, scorer: Scorer | None = None, resume: bool = False
         freeze_lower_layers(lm, config.model.trainable_layers)
         # rows share prompts only in groups; otherwise the prefix pass would be one trunk call more
         share_prefix = config.model.share_prompt_prefix and config.rollout.group_size > 1
-        policy = PolicyWithValue(lm, head_chunk=config.kl.exact_chunk_size, share_prefix=share_prefix)
+        policy = PolicyWithValue(lm, head_chunk=config.model.head_chunk_size, share_prefix=share_prefix)
         if reference is not None:
             check_reference(policy, reference)
         return Run(

@@ -1,7 +1,7 @@
 """A tabular test bed where the optimum of ``J = E[r] - beta * KL(pi || pi_ref)`` is known exactly.
 
-Torch and tether's pure math modules only (no transformers, no models). Two beds share one
-representation, an autoregressive *table policy*:
+Torch, tether's pure math modules and the trainers' pure step functions only (no transformers,
+no models). Two beds share one representation, an autoregressive *table policy*:
 
 * the one-step **bandit**: one token position, a vocabulary of A actions (``length = 1``);
 * the **sequence bed**: a vocabulary of V tokens and sequences of exactly T tokens (no EOS). The
@@ -20,12 +20,16 @@ recursion), and ``J(pi*) - J(pi) = beta * KL(pi || pi*)`` exactly, so KL(pi || p
 distance that matters.
 
 The trainers (:func:`train_on_policy` with its wrappers :func:`train_ppo` and :func:`train_group`,
-and :func:`train_dpo`) sample rollouts from the table with ``torch.multinomial`` and run the same
-pure functions as tether's real trainers
-(:mod:`tether.core.kl`, :mod:`tether.core.leash`, :mod:`tether.core.shaping`, :mod:`tether.core.advantages`,
-:mod:`tether.core.losses`, :mod:`tether.core.controllers`), in the same order as
+and :func:`train_dpo`) sample rollouts from the table with ``torch.multinomial`` and run the
+real trainers' own step functions on the tables' log-probs: the KL estimate and reward shaping
+(:func:`tether.trainers.steps.kl_and_rewards`), the advantages
+(:func:`tether.trainers.steps.ppo_advantages`, :func:`~tether.trainers.steps.grpo_advantages`,
+:func:`~tether.trainers.steps.rloo_token_advantages`), the minibatch losses
+(:func:`tether.trainers.steps.clipped_policy_loss`, :func:`~tether.trainers.steps.dpo_pair_loss`)
+and the update loop itself (:func:`tether.trainers.update.minibatch_update`), in the same order as
 :class:`tether.trainers.base.OnPolicyTrainer`, so a sign error or a double count in those
-functions moves the policy measurably away from pi*. Adam acts on the logit tables.
+functions moves the policy measurably away from pi*. Adam acts on the logit tables (no gradient
+clipping: ``max_grad_norm = inf``).
 
 Where a configuration is *not* expected to reach pi*, the fixed point it should reach instead is
 computed too (:func:`per_token_kl_in_loss_fixed_point`): a per-token KL surrogate in the loss
@@ -39,29 +43,30 @@ KL compared with the formula ``log N - (N - 1) / N`` (:func:`best_of_n_kl_table`
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
 
-from tether.core.advantages import (
-    gae,
-    group_normalized_advantages,
-    rloo_advantages,
-    whiten,
-)
 from tether.core.bestofn import bon_kl_bound
 from tether.core.controllers import FixedKLController, KLController
 from tether.core.kl import KLEstimator, estimate_kl, kl_stats, masked_sum, sequence_kl
 from tether.core.leash import KLLeash
 from tether.core.logprobs import logprobs_from_logits
-from tether.core.losses import (
-    KLLossEstimator,
-    clipped_value_loss,
-    dpo_loss,
-    ppo_policy_loss,
+from tether.core.losses import KLLossEstimator
+from tether.trainers.steps import (
+    Experience,
+    clipped_policy_loss,
+    dpo_pair_loss,
+    grpo_advantages,
+    kl_and_rewards,
+    ppo_advantages,
+    rloo_token_advantages,
 )
+from tether.trainers.update import MicroLoss, minibatch_update
 
 F64 = torch.float64
 
@@ -489,6 +494,71 @@ def _check_settings(s: TrainSettings, group: bool) -> None:
 Algo = Literal["ppo", "grpo", "rloo"]
 
 
+class TableSamples(NamedTuple):
+    """The sampled sequences of a test-bed batch, the ``rollout`` of its :class:`Experience`."""
+
+    tokens: Tensor
+    """(B, T) long."""
+    rows: Tensor
+    """(B, T) long table row of each position (:func:`prefix_indices`)."""
+    response_mask: Tensor
+    """(B, T) bool, all True (fixed length)."""
+
+    def select(self, idx: Tensor) -> TableSamples:
+        """Rows ``idx`` ((n,) long)."""
+        return TableSamples(self.tokens[idx], self.rows[idx], self.response_mask[idx])
+
+
+def table_policy_loss(
+    mb: Experience,
+    first_micro: bool = True,
+    *,
+    table: Tensor,
+    value_table: Tensor | None,
+    vocab: int,
+    clip_eps: float,
+    clip_eps_value: float,
+    vf_coef: float,
+    leash: KLLeash,
+    kl_coef: float,
+) -> MicroLoss:
+    """The on-policy trainers' ``minibatch_loss`` hook on a table policy.
+
+    The current log-probs of ``mb``'s tokens (:func:`token_logprobs`, with grad) and, for PPO, the
+    value table's entries at its prefixes go to :func:`tether.trainers.steps.clipped_policy_loss`,
+    the function :class:`tether.trainers.ppo.PPOTrainer` and the group trainers call.
+
+    Args:
+        mb: the micro-batch's rows of the batch's :class:`Experience` (rollout: :class:`TableSamples`).
+        first_micro: first micro-batch of the gradient step (the leash counts its loss term once).
+        table: (P, V) policy logits, with grad. value_table: (P,) values with grad (PPO) or None.
+        vocab: V. clip_eps, clip_eps_value, vf_coef: PPO's clip ranges and value weight.
+        leash: the KL placement. kl_coef: beta of the step.
+
+    Returns:
+        :class:`tether.trainers.update.MicroLoss`.
+    """
+    samples = mb.rollout
+    return clipped_policy_loss(
+        mb,
+        token_logprobs(table, samples.tokens, vocab),
+        clip_eps,
+        leash,
+        kl_coef,
+        first_micro,
+        values=value_table[samples.rows] if value_table is not None else None,
+        clip_eps_value=clip_eps_value,
+        vf_coef=vf_coef,
+    )
+
+
+def epoch_minibatches(n: int, settings: TrainSettings, generator: torch.Generator) -> Iterator[Tensor]:
+    """``settings.epochs`` passes of ``settings.minibatches`` random minibatches of rows ``[0, n)``,
+    each pass's permutation drawn from ``generator`` when it starts."""
+    for _ in range(settings.epochs):
+        yield from torch.randperm(n, generator=generator).split(n // settings.minibatches)
+
+
 def train_on_policy(
     bed: TabularBed,
     algo: Algo,
@@ -504,14 +574,16 @@ def train_on_policy(
 
     Each batch: sample B sequences from the current table (one prompt, so consecutive rows form
     the groups); old and reference log-probs (B, T) via :func:`token_logprobs`; the per-token KL
-    ``estimate_kl(old, ref, estimator)``; rewards from :meth:`tether.core.leash.KLLeash.reward` (score
-    on the last token, ``-kl_coef * kl_t`` if the KL is in the reward); advantages (PPO:
-    :func:`tether.core.advantages.gae` on a value table per prefix, then :func:`whiten`; GRPO:
-    :func:`group_normalized_advantages`; RLOO: :func:`rloo_advantages`, both of the summed
-    sequence reward and broadcast to every token); ``epochs x minibatches`` Adam steps on
-    :func:`tether.core.losses.ppo_policy_loss` (+ PPO's :func:`clipped_value_loss`) + the leash's loss
-    term; then ``controller.update`` with the batch mean of the per-sequence KL, the number
-    that was logged. No placement check is made here: biased configurations are the point of
+    and rewards from :func:`tether.trainers.steps.kl_and_rewards` (score on the last token,
+    ``-kl_coef * kl_t`` if the KL is in the reward); advantages from the trainers' own functions
+    (PPO: :func:`tether.trainers.steps.ppo_advantages`, GAE on a value table per prefix, whitened;
+    GRPO: :func:`~tether.trainers.steps.grpo_advantages`; RLOO:
+    :func:`~tether.trainers.steps.rloo_token_advantages`, both of the summed sequence reward and
+    broadcast to every token); ``epochs x minibatches`` Adam steps through
+    :func:`tether.trainers.update.minibatch_update` with :func:`table_policy_loss` (the trainers'
+    :func:`tether.trainers.steps.clipped_policy_loss`: clipped surrogate, PPO's value loss, the
+    leash's loss term); then ``controller.update`` with the batch mean of the per-sequence KL,
+    the number that was logged. No placement check is made here: biased configurations are the point of
     some runs (tether's :func:`tether.core.placement.check_placement` refuses them in real runs).
 
     Args:
@@ -554,40 +626,56 @@ def train_on_policy(
             ref_logprobs = token_logprobs(bed.ref_logits.to(F64), tokens, V)
             old_values = values[rows] if values is not None else None
             log.exact_kls.append(float(exact_kl(sequence_logprobs(table, V, T), ref_seq_logp)))
-        # 5. per-token KL and rewards (the same KL is logged and controlled on)
+        # 5. per-token KL and rewards (the same KL is logged and controlled on); ``estimate_kl``
+        #    is this module's name for it, so a test can flip its sign
         kl_coef = controller.kl_coef
-        kl = estimate_kl(old_logprobs, ref_logprobs, estimator)  # (B, T)
-        shaped = leash.reward(scores, kl, kl_coef, mask)
+        leashed = kl_and_rewards(
+            scores, old_logprobs, ref_logprobs, mask, kl_coef, estimator, leash, estimate=estimate_kl
+        )
+        kl = leashed.kl  # (B, T)
         # 6. advantages
         returns = None
         if algo == "ppo":
-            out = gae(shaped.rewards, old_values, mask, s.gamma, s.gae_lambda)
-            advantages, returns = whiten(out.advantages, mask), out.returns
-        else:
-            seq_rewards = masked_sum(shaped.rewards, mask, dim=-1)  # (B,)
-            seq_adv = (
-                group_normalized_advantages(seq_rewards, s.group_size, scale_by_std)
-                if algo == "grpo"
-                else rloo_advantages(seq_rewards, s.group_size)
+            advantages, returns = ppo_advantages(
+                leashed.rewards, old_values, mask, s.gamma, s.gae_lambda, True
             )
-            advantages = torch.where(mask, seq_adv[:, None], 0.0)  # (B, T)
+        elif algo == "grpo":
+            advantages = grpo_advantages(leashed.rewards, mask, s.group_size, scale_by_std)
+        else:
+            advantages = rloo_token_advantages(leashed.rewards, mask, s.group_size)
+        exp = Experience(
+            TableSamples(tokens, rows, mask),
+            scores,
+            old_logprobs,
+            ref_logprobs,
+            old_values,
+            kl,
+            leashed.rewards,
+            leashed.non_score_reward,
+            advantages,
+            returns,
+            [],
+        )
         # 7. epochs of minibatch updates
-        for _ in range(s.epochs):
-            for idx in torch.randperm(B, generator=gen).split(B // s.minibatches):
-                m = mask[idx]
-                new_logprobs = token_logprobs(table, tokens[idx], V)
-                loss = ppo_policy_loss(new_logprobs, old_logprobs[idx], advantages[idx], m, s.clip_eps).loss
-                if values is not None:
-                    vl = clipped_value_loss(
-                        values[rows[idx]], old_values[idx], returns[idx], m, s.clip_eps_value
-                    )
-                    loss = loss + s.vf_coef * vl.loss
-                kl_term = leash.loss(new_logprobs, ref_logprobs[idx], kl_coef, m, old_logprobs[idx])
-                if kl_term is not None:
-                    loss = loss + kl_term
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
+        minibatch_update(
+            exp,
+            epoch_minibatches(B, s, gen),
+            partial(
+                table_policy_loss,
+                table=table,
+                value_table=values,
+                vocab=V,
+                clip_eps=s.clip_eps,
+                clip_eps_value=s.clip_eps_value,
+                vf_coef=s.vf_coef,
+                leash=leash,
+                kl_coef=kl_coef,
+            ),
+            opt,
+            [table] if values is None else [table, values],
+            math.inf,
+            algo,
+        )
         # 8. the controller sees the logged number (nats per sequence)
         controller.update(float(kl_stats(kl, mask)["kl_per_sequence"]), n_steps=B)
         # 9. log
@@ -641,8 +729,56 @@ def bradley_terry_pairs(bed: TabularBed, n: int, generator: torch.Generator) -> 
     return torch.where(a_wins, a, b), torch.where(a_wins, b, a)
 
 
+class TablePairs(NamedTuple):
+    """A test-bed batch of preference pairs, the record DPO's update selects micro-batches from."""
+
+    chosen: Tensor
+    """(n, T) long."""
+    rejected: Tensor
+    """(n, T) long."""
+    ref_chosen: Tensor
+    """(n,) reference sequence log-probs of ``chosen``, nats."""
+    ref_rejected: Tensor
+    """(n,) the same of ``rejected``."""
+    mask: Tensor
+    """(n, T) bool, all True (fixed length)."""
+
+    share_by = "rows"
+    """The DPO loss is a mean over pairs (:func:`tether.trainers.update.micro_shares`)."""
+
+    @property
+    def num_rows(self) -> int:
+        """The number of pairs n."""
+        return self.chosen.shape[0]
+
+    def select(self, idx: Tensor) -> TablePairs:
+        """Pairs ``idx`` ((m,) long)."""
+        return TablePairs(*(t[idx] for t in self))
+
+
+def table_dpo_loss(
+    pairs: TablePairs, first_micro: bool = True, *, table: Tensor, vocab: int, beta: float
+) -> MicroLoss:
+    """DPO's ``minibatch_loss`` hook on a table policy: the masked sums of :func:`token_logprobs`
+    (nats, with grad) into :func:`tether.trainers.steps.dpo_pair_loss`, the function
+    :class:`tether.trainers.dpo.DPOTrainer` calls.
+
+    Args:
+        pairs: the micro-batch. first_micro: unused (DPO has no once-per-step term).
+        table: (P, V) policy logits, with grad. vocab: V. beta: DPO's beta > 0.
+    """
+    return dpo_pair_loss(
+        masked_sum(token_logprobs(table, pairs.chosen, vocab), pairs.mask, dim=-1),
+        masked_sum(token_logprobs(table, pairs.rejected, vocab), pairs.mask, dim=-1),
+        pairs.ref_chosen,
+        pairs.ref_rejected,
+        beta,
+    )
+
+
 def train_dpo(bed: TabularBed, beta: float, settings: TrainSettings = TrainSettings()) -> RunLog:
-    """DPO on fresh Bradley-Terry pairs from pi_ref every batch, with tether's :func:`dpo_loss`.
+    """DPO on fresh Bradley-Terry pairs from pi_ref every batch, through tether's DPO update
+    (:func:`table_dpo_loss` in :func:`tether.trainers.update.minibatch_update`).
 
     Sequence log-probs are the masked sums of :func:`token_logprobs`. After each batch a probe of
     B policy samples logs the per-sequence k1 estimate of KL(pi || pi_ref), as tether's DPO
@@ -665,19 +801,15 @@ def train_dpo(bed: TabularBed, beta: float, settings: TrainSettings = TrainSetti
         with torch.no_grad():
             ref_c = masked_sum(token_logprobs(ref_table, chosen, V), mask, dim=-1)  # (B,)
             ref_r = masked_sum(token_logprobs(ref_table, rejected, V), mask, dim=-1)
-        for _ in range(s.epochs):
-            for idx in torch.randperm(B, generator=gen).split(B // s.minibatches):
-                m = mask[idx]
-                out = dpo_loss(
-                    masked_sum(token_logprobs(table, chosen[idx], V), m, dim=-1),
-                    masked_sum(token_logprobs(table, rejected[idx], V), m, dim=-1),
-                    ref_c[idx],
-                    ref_r[idx],
-                    beta,
-                )
-                opt.zero_grad(set_to_none=True)
-                out.loss.backward()
-                opt.step()
+        minibatch_update(
+            TablePairs(chosen, rejected, ref_c, ref_r, mask),
+            epoch_minibatches(B, s, gen),
+            partial(table_dpo_loss, table=table, vocab=V, beta=beta),
+            opt,
+            [table],
+            math.inf,
+            "DPO",
+        )
         with torch.no_grad():  # probe: the policy's own samples, k1 per sequence
             probe = sample(table, V, T, B, gen)
             kl = estimate_kl(token_logprobs(table, probe, V), token_logprobs(ref_table, probe, V), "k1")

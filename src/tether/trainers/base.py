@@ -1,16 +1,19 @@
 """What the on-policy trainers (PPO, GRPO, RLOO) share: rollout, scoring, the leash, metrics.
 
 A subclass supplies ``advantages`` (per-token advantages and returns from shaped rewards) and
-``minibatch_loss`` (the loss of one minibatch); ``step`` is the same algorithm for all three:
+``minibatch_loss`` (the loss of one micro-batch, a pure function of :mod:`tether.trainers.steps`
+applied to the policy's log-probs); ``step`` is the same algorithm for all three:
 
 1. sample prompts (each repeated ``group_size`` times): the global batch, of which each process
    keeps its contiguous shard (a group is never split; docs/distributed.md);
 2. generate responses from the current policy, sample ``i`` of the step seeded by (seed, step, i);
 3. score the responses with the reward model;
 4. old log-probs (and values), reference log-probs, no grad;
-5. per-token KL; rewards (score on the last token, -kl_coef * kl_t if the KL is in the reward);
+5. per-token KL; rewards (score on the last token, -kl_coef * kl_t if the KL is in the reward):
+   :func:`tether.trainers.steps.kl_and_rewards`;
 6. advantages;
-7. epochs of minibatch updates (+ kl_coef * KL surrogate if the KL is in the loss);
+7. epochs of minibatch updates (+ kl_coef * KL surrogate if the KL is in the loss):
+   :func:`tether.trainers.update.minibatch_update` with the subclass's ``minibatch_loss``;
 8. update kl_coef from the same KL numbers that were logged;
 9. metrics, each reduced over every process (tether.core.distributed).
 """
@@ -19,7 +22,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import NamedTuple
+from collections.abc import Iterator
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -31,38 +35,20 @@ from tether.core.controllers import (
     FixedKLController,
     make_controller,
 )
-from tether.core.kl import estimate_kl, sequence_kl
+from tether.core.kl import sequence_kl
 from tether.core.leash import KLLeash
 from tether.data.prompts import PromptSampler
 from tether.judges.contract import checked_scores
 from tether.models.sampling import Rollout, generate, sample_seeds
-from tether.models.scoring import score_logprobs
+from tether.models.scoring import rollout_logprobs
 from tether.run.setup import Run
-from tether.trainers.common import (
-    ScoredBatch,
-    make_optimizer,
-    micro_batches,
-    optimizer_step,
-    score_rollout,
-)
+from tether.trainers.common import RolloutLogprobs, make_optimizer, old_and_ref_logprobs
+from tether.trainers.steps import Experience, kl_and_rewards
+from tether.trainers.update import MicroLoss, UpdateStats, minibatch_update
+
+__all__ = ["CONTROLLER_CLASSES", "Experience", "OnPolicyTrainer", "sample_metrics"]  # Experience: from .steps
 
 log = logging.getLogger(__name__)
-
-
-class Experience(NamedTuple):
-    """A scored rollout batch ready for the update epochs; tensors (B, R) unless noted."""
-
-    rollout: Rollout
-    scores: Tensor  # (B,)
-    old_logprobs: Tensor
-    ref_logprobs: Tensor | None
-    values: Tensor | None
-    kl: Tensor | None
-    rewards: Tensor
-    non_score_reward: Tensor
-    advantages: Tensor
-    returns: Tensor | None
-    minibatches: list[Tensor]  # epoch-0 row groups, also used for scoring
 
 
 class OnPolicyTrainer:
@@ -98,7 +84,7 @@ class OnPolicyTrainer:
         self.last_experience: Experience | None = None
         # one update on the whole batch with no value head and no KL in the reward: the policy's
         # old log-probs are those of the update's own forward (optim.reuse_forward)
-        self.one_pass = (
+        self.reuse_forward = (
             c.optim.reuse_forward
             and c.optim.epochs == 1
             and c.optim.minibatch_size == c.rollout.batch_size
@@ -109,8 +95,7 @@ class OnPolicyTrainer:
                 or c.optim.micro_batch_size >= c.optim.minibatch_size // D.world_size()
             )
         )
-        self._graded = None
-        self._first_micro = True
+        self._reused_forward = None
 
     # ---- the step --------------------------------------------------------------------------
     def step(self, step: int) -> dict:
@@ -142,7 +127,7 @@ class OnPolicyTrainer:
         # 4. old log-probs (+ values) and reference log-probs, no grad
         #    (in one pass, optim.reuse_forward: the update's own forward, whose graph step 7 reuses)
         minibatches = self.minibatch_indices()
-        scored = score_rollout(
+        forwards = old_and_ref_logprobs(
             run.policy,
             run.reference,
             rollout,
@@ -151,29 +136,33 @@ class OnPolicyTrainer:
             with_values=self.uses_values,
             exact_kl=c.kl.exact,
             exact_chunk_size=c.kl.exact_chunk_size,
-            graded_policy=self.model if self.one_pass else None,
+            reuse_forward_of=self.model if self.reuse_forward else None,
         )
-        self._graded = scored.graded
+        self._reused_forward = forwards.update_forward
         t_score = time.perf_counter()
         # 5. per-token KL and rewards (the leash applies the KL in the reward if placed there)
         kl_coef = self.controller.kl_coef
-        kl = (
-            estimate_kl(scored.old_logprobs, scored.ref_logprobs, c.kl.estimator)
-            if scored.ref_logprobs is not None
-            else None
+        leashed = kl_and_rewards(
+            scores,
+            forwards.old_logprobs,
+            forwards.ref_logprobs,
+            rollout.response_mask,
+            kl_coef,
+            c.kl.estimator,
+            self.leash,
         )
-        shaped = self.leash.reward(scores, kl, kl_coef, rollout.response_mask)
+        kl = leashed.kl
         # 6. advantages
-        advantages, returns = self.advantages(shaped.rewards, scored, rollout.response_mask)
+        advantages, returns = self.advantages(leashed.rewards, forwards, rollout.response_mask)
         exp = Experience(
             rollout,
             scores,
-            scored.old_logprobs,
-            scored.ref_logprobs,
-            scored.values,
+            forwards.old_logprobs,
+            forwards.ref_logprobs,
+            forwards.values,
             kl,
-            shaped.rewards,
-            shaped.non_score_reward,
+            leashed.rewards,
+            leashed.non_score_reward,
             advantages,
             returns,
             minibatches,
@@ -184,12 +173,12 @@ class OnPolicyTrainer:
         # 8. update kl_coef with the KL that was logged (kl.controller_signal: the estimator's, also
         #    the one in the reward, or the exact KL)
         if kl is not None:
-            signal = scored.exact_kl if c.kl.controller_signal == "exact" else kl  # (B, R) nats per token
+            signal = forwards.exact_kl if c.kl.controller_signal == "exact" else kl  # (B, R) nats per token
             stats = D.kl_stats(signal, rollout.response_mask)
             unit = "kl_per_sequence" if c.kl.target_unit == "nats_per_sequence" else "kl_per_token"
             self.controller.update(float(stats[unit]), n_steps=c.rollout.batch_size)
         # 9. metrics
-        row = self.metrics(step, exp, scored, update, kl_coef)
+        row = self.metrics(step, exp, forwards, update, kl_coef)
         row.update(
             {
                 "time/step": t_update - t0,
@@ -263,42 +252,27 @@ class OnPolicyTrainer:
             )
 
     # ---- to override -----------------------------------------------------------------------
-    def advantages(self, rewards: Tensor, scored: ScoredBatch, mask: Tensor) -> tuple[Tensor, Tensor | None]:
+    def advantages(
+        self, rewards: Tensor, forwards: RolloutLogprobs, mask: Tensor
+    ) -> tuple[Tensor, Tensor | None]:
         raise NotImplementedError
 
-    def minibatch_loss(
-        self, exp: Experience, idx: Tensor, part: Rollout, kl_coef: float
-    ) -> tuple[Tensor, dict]:
+    def minibatch_loss(self, mb: Experience, kl_coef: float, first_micro: bool = True) -> MicroLoss:
+        """The loss of micro-batch ``mb`` (``exp.select(rows)``) under the current policy.
+
+        ``first_micro``: the first micro-batch of its gradient step (the KL term is counted once
+        per step). See :func:`tether.trainers.update.minibatch_update`.
+        """
         raise NotImplementedError
 
     # ---- shared pieces ---------------------------------------------------------------------
-    def add_kl_loss(
-        self,
-        loss: Tensor,
-        stats: dict,
-        logprobs: Tensor,
-        exp: Experience,
-        idx: Tensor,
-        mask: Tensor,
-        kl_coef: float,
-    ) -> Tensor:
-        """``loss + kl_coef * KL surrogate`` when the KL is placed in the loss (logged once)."""
-        ref = exp.ref_logprobs[idx] if exp.ref_logprobs is not None else None
-        kl_term = self.leash.loss(
-            logprobs, ref, kl_coef, mask, exp.old_logprobs[idx], count=self._first_micro
-        )
-        if kl_term is None:
-            return loss
-        stats["policy/kl_loss"] = kl_term
-        return loss + kl_term
-
     def policy_logprobs(self, part: Rollout) -> Tensor:
         """(B, R) log-probs of ``part`` under the current policy, with grad: the forward kept from
-        step 4 in one-pass mode (consumed once), else a fresh forward."""
-        if self._graded is not None:
-            graded, self._graded = self._graded, None
-            return graded.logprobs
-        return score_logprobs(self.model, part, self.cfg.rollout.temperature).logprobs
+        step 4 in reuse-forward mode (consumed once), else a fresh forward."""
+        if self._reused_forward is not None:
+            update_forward, self._reused_forward = self._reused_forward, None
+            return update_forward.logprobs
+        return rollout_logprobs(self.model, part, self.cfg.rollout.temperature).logprobs
 
     def minibatch_indices(self) -> list[Tensor]:
         """This process's rows of each minibatch of an epoch (the same minibatches for any number
@@ -307,8 +281,14 @@ class OnPolicyTrainer:
             self.cfg.rollout.batch_size, self.cfg.optim.minibatch_size, self.generator
         )
 
-    def update(self, exp: Experience, kl_coef: float) -> dict:
-        """Epochs of minibatch steps; returns the minibatch-mean of each loss statistic.
+    def epoch_minibatches(self, exp: Experience) -> Iterator[Tensor]:
+        """This process's rows of every minibatch of every epoch, in update order: epoch 0's are
+        the groups step 4 scored; each later epoch draws new ones when it starts."""
+        for epoch in range(self.cfg.optim.epochs):
+            yield from exp.minibatches if epoch == 0 else self.minibatch_indices()
+
+    def update(self, exp: Experience, kl_coef: float) -> UpdateStats:
+        """Epochs of minibatch steps (:func:`tether.trainers.update.minibatch_update`).
 
         Each process holds ``minibatch_size / world`` rows of a minibatch. Its token-mean loss
         ``L_r`` times its share of the minibatch's valid tokens sums over processes to the
@@ -319,56 +299,23 @@ class OnPolicyTrainer:
         optimizer step: the same update, up to float summation order. The statistics (losses,
         clip fractions, approx_kl: token means) are reduced the same way, once at the end.
         """
-        c, world = self.cfg, D.world_size()
-        weighted: dict[str, float] = {}  # sum over minibatches of share * statistic
-        n_steps, grad_norms, first_dev = 0, [], None
-        for epoch in range(c.optim.epochs):
-            groups = exp.minibatches if epoch == 0 else self.minibatch_indices()
-            for i, idx in enumerate(groups):
-                micro = micro_batches(idx, c.optim.micro_batch_size)
-                parts = [exp.rollout.select(m) for m in micro]
-                # each micro-batch's fraction of the minibatch's tokens (over every process)
-                shares = D.token_shares([p.response_mask for p in parts])
-                devs = []
+        o = self.cfg.optim
+        return minibatch_update(
+            exp,
+            self.epoch_minibatches(exp),
+            partial(self.minibatch_loss, kl_coef=kl_coef),
+            self.optimizer,
+            self.params,
+            o.max_grad_norm,
+            self.name,
+            self.accelerator,
+            self.model,
+            o.micro_batch_size,
+        )
 
-                def micro_loss(j: int) -> Tensor:
-                    self._first_micro = j == 0  # the KL term counts once per gradient step
-                    loss, stats = self.minibatch_loss(exp, micro[j], parts[j], kl_coef)
-                    devs.append(stats.pop("_ratio_dev", None))
-                    for k, v in stats.items():
-                        if not k.startswith("_"):
-                            weighted[k] = weighted.get(k, 0.0) + float(
-                                v.detach() if torch.is_tensor(v) else v
-                            ) * float(shares[j])
-                    return loss * (shares[j] * world)
-
-                grad_norms.append(
-                    float(
-                        optimizer_step(
-                            self.optimizer,
-                            self.params,
-                            [lambda j=j: micro_loss(j) for j in range(len(micro))],
-                            c.optim.max_grad_norm,
-                            self.name,
-                            self.accelerator,
-                            self.model,
-                        )
-                    )
-                )
-                if epoch == 0 and i == 0 and devs[0] is not None:
-                    # before any update the ratio must be exactly 1 (same inputs, same weights)
-                    first_dev = D.all_reduce_max(torch.stack(devs).max())
-                n_steps += 1
-        keys = sorted(weighted)
-        totals = D.all_reduce_sum(torch.tensor([weighted[k] for k in keys], dtype=torch.float64))
-        out = {k: float(t) / n_steps for k, t in zip(keys, totals)}
-        # after the backward the gradients are the same on every process, and so is their norm
-        out["policy/grad_norm"] = sum(grad_norms) / len(grad_norms)
-        if first_dev is not None:
-            out["policy/ratio_max_dev_first"] = float(first_dev)
-        return out
-
-    def metrics(self, step: int, exp: Experience, scored: ScoredBatch, update: dict, kl_coef: float) -> dict:
+    def metrics(
+        self, step: int, exp: Experience, forwards: RolloutLogprobs, update: UpdateStats, kl_coef: float
+    ) -> dict:
         row = {
             "step": step,
             "samples": (step + 1) * self.cfg.rollout.batch_size,
@@ -376,8 +323,8 @@ class OnPolicyTrainer:
                 exp.rollout,
                 exp.scores,
                 exp.kl,
-                scored.entropy,
-                scored.exact_kl,
+                forwards.entropy,
+                forwards.exact_kl,
                 kl_coef,
                 self.cfg.kl.estimator,
             ),
@@ -385,7 +332,7 @@ class OnPolicyTrainer:
             "kl/applied_in_loss": self.leash.counts["loss"],
             "kl/reference_forwards": self.run.reference_forwards[0],
         }
-        row.update(update)
+        row.update(update.metrics())
         return row
 
 
@@ -405,11 +352,11 @@ def sample_metrics(
     deviation (:mod:`tether.core.distributed`; in one process these are the plain batch statistics).
 
     Args:
-        rollout: the samples; its ``response_mask`` (B, T) masks every per-token value.
+        rollout: the samples; its ``response_mask`` (B, R) masks every per-token value.
         scores: (B,) scorer values.
-        kl: (B, T) per-token KL estimate (nats), or None without a reference.
-        entropy: (B, T) policy entropy, nats.
-        exact_kl: (B, T) exact per-token KL, or None.
+        kl: (B, R) per-token KL estimate (nats), or None without a reference.
+        entropy: (B, R) policy entropy, nats.
+        exact_kl: (B, R) exact per-token KL, or None.
         kl_coef: beta of this step.
         estimator: name of the estimator behind ``kl``.
     """

@@ -6,7 +6,9 @@ default as in the DPO paper's sentiment task, are sampled: for each training pro
 best against the worst. Each step:
 
 1. take the next ``rollout.batch_size`` pairs;
-2. epochs of minibatches: policy sequence log-probs of chosen and rejected, DPO loss, update;
+2. epochs of minibatches (:func:`tether.trainers.update.minibatch_update`): policy and reference
+   sequence log-probs of chosen and rejected, the DPO loss
+   (:func:`tether.trainers.steps.dpo_pair_loss`), update;
 3. sample the policy on held-out prompts and measure its real KL(pi || pi_ref) and score, so DPO
    runs land on the same reward-against-KL axes as PPO, GRPO and RLOO;
 4. metrics.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -34,20 +37,49 @@ from tether.data.prompts import PromptSampler
 from tether.judges.contract import checked_scores
 from tether.models.sampling import generate, sample_seeds
 from tether.models.scoring import (
+    policy_and_reference_logprobs,
     rollout_from_responses,
-    score_logprobs,
-    score_policy_and_reference,
+    rollout_logprobs,
 )
 from tether.run.setup import Run
 from tether.trainers.base import Experience, sample_metrics
-from tether.trainers.common import make_optimizer, micro_batches, optimizer_step
+from tether.trainers.common import make_optimizer
+from tether.trainers.steps import dpo_pair_loss
+from tether.trainers.update import MicroLoss, minibatch_update
 
 
 class Pairs(NamedTuple):
+    """Preference pairs: the record DPO's update selects micro-batches from."""
+
     prompts: list[str]
     chosen: list[Tensor]
     """response token ids (1-D long), EOS included where the response ended."""
     rejected: list[Tensor]
+
+    share_by = "rows"
+    """The DPO loss is a mean over pairs: a micro-batch weighs its share of the minibatch's pairs
+    (:func:`tether.trainers.update.micro_shares`)."""
+
+    @property
+    def num_rows(self) -> int:
+        """The number of pairs."""
+        return len(self.prompts)
+
+    def select(self, idx: Tensor) -> Pairs:
+        """Pairs ``idx`` ((n,) long), in that order."""
+        rows = idx.tolist()
+        return Pairs(
+            [self.prompts[k] for k in rows], [self.chosen[k] for k in rows], [self.rejected[k] for k in rows]
+        )
+
+
+class PairLogps(NamedTuple):
+    """(N,) sequence log-probs (nats, sums over response tokens) of a batch of pairs."""
+
+    policy_chosen: Tensor
+    policy_rejected: Tensor
+    ref_chosen: Tensor
+    ref_rejected: Tensor
 
 
 def read_pair_file(path: str | Path, tokenizer) -> tuple[list[str], list[Tensor], list[Tensor]]:
@@ -162,7 +194,7 @@ class DPOTrainer:
         ro = rollout_from_responses(
             self.run.tokenizer, prompts, responses, self.cfg.rollout.max_prompt_tokens
         )
-        lp = score_logprobs(
+        lp = rollout_logprobs(
             model,
             ro,
             self.cfg.rollout.temperature,
@@ -171,33 +203,45 @@ class DPOTrainer:
         ).logprobs
         return masked_sum(lp, ro.response_mask, dim=-1)  # (N,)
 
-    def pair_loss(self, rows: Tensor) -> DPOLoss:
-        """The DPO loss of pairs ``rows``: policy and reference scored on the same padded batch.
+    def pair_logps(self, pairs: Pairs) -> PairLogps:
+        """Policy (with grad) and reference sequence log-probs of ``pairs``, computed on the same
+        padded batch.
 
         The reference's sequence log-probs are computed here, in the very batch (same rows, same
         padding widths, same kernels) that the policy's are, as TRL does by default
         (``precompute_ref_log_probs=False``). Precomputed in other batches, the padding widths
         differed and a pair's policy and reference log-probs at step 0 differed by float rounding
-        (up to 3.8e-6 nats on a tiny model; NeMo-Aligner issue #227); scored together they are
+        (up to 3.8e-6 nats on a tiny model; NeMo-Aligner issue #227); computed together they are
         equal bit for bit, so every step-0 margin is exactly 0. It costs one no-grad reference
         forward per micro-batch.
         """
-        P, i = self.pairs, rows.tolist()
-        prompts, chosen, rejected = (
-            [P.prompts[k] for k in i],
-            [P.chosen[k] for k in i],
-            [P.rejected[k] for k in i],
-        )
         with torch.no_grad():
-            ref_chosen = self.sequence_logps(self.run.reference, prompts, chosen)
-            ref_rejected = self.sequence_logps(self.run.reference, prompts, rejected)
-        return dpo_loss(
-            self.sequence_logps(self.model, prompts, chosen),
-            self.sequence_logps(self.model, prompts, rejected),
+            ref_chosen = self.sequence_logps(self.run.reference, pairs.prompts, pairs.chosen)
+            ref_rejected = self.sequence_logps(self.run.reference, pairs.prompts, pairs.rejected)
+        return PairLogps(
+            self.sequence_logps(self.model, pairs.prompts, pairs.chosen),
+            self.sequence_logps(self.model, pairs.prompts, pairs.rejected),
             ref_chosen,
             ref_rejected,
-            self.cfg.dpo.beta,
         )
+
+    def pair_loss(self, rows: Tensor) -> DPOLoss:
+        """The DPO loss of pairs ``rows`` (:meth:`pair_logps`, :func:`tether.core.losses.dpo_loss`)."""
+        return dpo_loss(*self.pair_logps(self.pairs.select(rows)), self.cfg.dpo.beta)
+
+    def minibatch_loss(self, pairs: Pairs, first_micro: bool = True) -> MicroLoss:
+        """The loss of micro-batch ``pairs`` (``self.pairs.select(rows)``), a mean over its pairs;
+        ``first_micro`` is unused (DPO has no once-per-step term)."""
+        return dpo_pair_loss(*self.pair_logps(pairs), self.cfg.dpo.beta)
+
+    def minibatches(self, batch: Tensor) -> Iterator[Tensor]:
+        """This process's contiguous ``1 / world`` of each minibatch of every epoch, in update
+        order; each epoch permutes ``batch`` (pair indices) with the trainer's generator when it
+        starts."""
+        for _ in range(self.cfg.optim.epochs):
+            perm = batch[torch.randperm(len(batch), generator=self.generator)]
+            for minibatch in perm.split(self.cfg.optim.minibatch_size):
+                yield minibatch[D.shard(len(minibatch))]
 
     def state_dict(self) -> dict:
         return {
@@ -213,7 +257,7 @@ class DPOTrainer:
 
     # ---- the step --------------------------------------------------------------------------
     def step(self, step: int) -> dict:
-        c, run, P = self.cfg, self.run, self.pairs
+        c, P = self.cfg, self.pairs
         t0 = time.perf_counter()
         # 1. the next batch of pairs (cycling)
         N, B = len(P.prompts), c.rollout.batch_size
@@ -222,45 +266,18 @@ class DPOTrainer:
         # 2. DPO epochs; this process takes a contiguous 1 / world of each minibatch. The loss is a
         #    mean over pairs: scaled by this process's share of the pairs (and by world, as DDP
         #    averages gradients) the gradient is that of the whole minibatch
-        world, weighted, grad_norms = D.world_size(), {}, []
-        for _ in range(c.optim.epochs):
-            perm = batch[torch.randperm(len(batch), generator=self.generator)]
-            for minibatch in perm.split(c.optim.minibatch_size):
-                idx = minibatch[D.shard(len(minibatch))]
-
-                def micro_loss(sub: Tensor) -> Tensor:
-                    out = self.pair_loss(sub)
-                    share = len(sub) / len(minibatch)  # these pairs' fraction of the minibatch's
-                    for k, v in (
-                        ("dpo/loss", out.loss),
-                        ("dpo/margin", out.margin),
-                        ("dpo/accuracy", out.accuracy),
-                        ("dpo/chosen_reward", out.chosen_rewards.mean()),
-                        ("dpo/rejected_reward", out.rejected_rewards.mean()),
-                    ):
-                        weighted[k] = weighted.get(k, 0.0) + float(v.detach()) * share
-                    return out.loss * (share * world)
-
-                grad_norms.append(
-                    float(
-                        optimizer_step(
-                            self.optimizer,
-                            self.params,
-                            [
-                                lambda sub=sub: micro_loss(sub)
-                                for sub in micro_batches(idx, c.optim.micro_batch_size)
-                            ],
-                            c.optim.max_grad_norm,
-                            "DPO",
-                            self.accelerator,
-                            self.model,
-                        )
-                    )
-                )
-        keys = sorted(weighted)
-        totals = D.all_reduce_sum(torch.tensor([weighted[k] for k in keys], dtype=torch.float64))
-        stats = {k: float(t) / len(grad_norms) for k, t in zip(keys, totals)}
-        stats["policy/grad_norm"] = sum(grad_norms) / len(grad_norms)  # the same on every process
+        update = minibatch_update(
+            P,
+            self.minibatches(batch),
+            self.minibatch_loss,
+            self.optimizer,
+            self.params,
+            c.optim.max_grad_norm,
+            "DPO",
+            self.accelerator,
+            self.model,
+            c.optim.micro_batch_size,
+        )
         t_update = time.perf_counter()
         # 3. the real KL and score of the policy's own samples on held-out prompts
         probe = self.probe(step)
@@ -271,7 +288,7 @@ class DPOTrainer:
             "samples": (step + 1) * len(batch),
             "objective/kl_coef": c.dpo.beta,
             **probe,
-            **stats,
+            **update.metrics(),
             "time/step": t_probe - t0,
             "time/update": t_update - t0,
             "time/probe": t_probe - t_update,
@@ -294,7 +311,7 @@ class DPOTrainer:
             c.rollout.max_prompt_tokens,
             seeds=sample_seeds(c.eval.seed, step, range(len(prompts))[mine]),
         )
-        pol, ref, exact = score_policy_and_reference(
+        pol, ref, exact = policy_and_reference_logprobs(
             run.policy,
             run.reference,
             ro,

@@ -12,52 +12,31 @@ broadcast to every valid token; the loss is a token-level mean over ``response_m
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
-from tether.core.advantages import group_normalized_advantages, rloo_advantages
-from tether.core.kl import masked_sum
-from tether.core.losses import ppo_policy_loss
-from tether.models.sampling import Rollout
 from tether.trainers.base import Experience, OnPolicyTrainer
-from tether.trainers.common import ScoredBatch
+from tether.trainers.common import RolloutLogprobs
+from tether.trainers.steps import clipped_policy_loss, grpo_advantages, rloo_token_advantages
+from tether.trainers.update import MicroLoss
 
 
 class GroupTrainer(OnPolicyTrainer):
-    """Shared by GRPO and RLOO; subclasses choose the sequence advantage."""
+    """Shared by GRPO and RLOO; subclasses choose the advantage (step 6)."""
 
-    def sequence_advantages(self, sequence_rewards: Tensor) -> Tensor:
-        raise NotImplementedError
-
-    def advantages(self, rewards: Tensor, scored: ScoredBatch, mask: Tensor) -> tuple[Tensor, None]:
-        seq_rewards = masked_sum(rewards, mask, dim=-1)  # (B,) score (- beta * KL if in the reward)
-        adv = self.sequence_advantages(seq_rewards)  # (B,)
-        return torch.where(mask, adv[:, None], 0.0), None  # (B, R)
-
-    def minibatch_loss(
-        self, exp: Experience, idx: Tensor, part: Rollout, kl_coef: float
-    ) -> tuple[Tensor, dict]:
-        c, mask = self.cfg, part.response_mask
-        logprobs = self.policy_logprobs(part)  # (B, R), with grad
-        pl = ppo_policy_loss(logprobs, exp.old_logprobs[idx], exp.advantages[idx], mask, c.ppo.clip_eps)
-        stats = {
-            "policy/loss": pl.loss,
-            "policy/clipfrac": pl.clipfrac,
-            "policy/approx_kl": pl.approx_kl,
-            "_ratio_dev": torch.where(mask, (pl.ratio - 1).abs(), 0.0).max(),
-        }
-        return self.add_kl_loss(pl.loss, stats, logprobs, exp, idx, mask, kl_coef), stats
+    def minibatch_loss(self, mb: Experience, kl_coef: float, first_micro: bool = True) -> MicroLoss:
+        logprobs = self.policy_logprobs(mb.rollout)  # (B, R), with grad
+        return clipped_policy_loss(mb, logprobs, self.cfg.ppo.clip_eps, self.leash, kl_coef, first_micro)
 
 
 class GRPOTrainer(GroupTrainer):
     name = "grpo"
 
-    def sequence_advantages(self, sequence_rewards: Tensor) -> Tensor:
-        return group_normalized_advantages(sequence_rewards, self.group_size, self.cfg.grpo.scale_by_std)
+    def advantages(self, rewards: Tensor, forwards: RolloutLogprobs, mask: Tensor) -> tuple[Tensor, None]:
+        return grpo_advantages(rewards, mask, self.group_size, self.cfg.grpo.scale_by_std), None
 
 
 class RLOOTrainer(GroupTrainer):
     name = "rloo"
 
-    def sequence_advantages(self, sequence_rewards: Tensor) -> Tensor:
-        return rloo_advantages(sequence_rewards, self.group_size)
+    def advantages(self, rewards: Tensor, forwards: RolloutLogprobs, mask: Tensor) -> tuple[Tensor, None]:
+        return rloo_token_advantages(rewards, mask, self.group_size), None

@@ -1,0 +1,284 @@
+"""The math of a trainer's step as pure functions: tensors and scalars in, tensors out.
+
+Torch and :mod:`tether.core` only (no models, no config objects). The trainers call these
+functions with their models' log-probabilities, and the tabular test bed
+(:mod:`tether.testing.testbed`) calls the very same ones with its logit tables', so its
+exact-optimum tests check the code that trains:
+
+* :class:`Experience`, the record of one rollout batch from scoring to update, and its
+  :meth:`Experience.select`;
+* step 5, :func:`kl_and_rewards`: the per-token KL estimate and the leashed rewards;
+* step 6, :func:`ppo_advantages` (GAE), :func:`grpo_advantages`, :func:`rloo_token_advantages`;
+* step 7, the minibatch losses: :func:`clipped_policy_loss` (PPO, GRPO, RLOO) and
+  :func:`dpo_pair_loss` (DPO).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple, Protocol
+
+import torch
+from torch import Tensor
+
+from tether.core import distributed as D
+from tether.core.advantages import gae, group_normalized_advantages, rloo_advantages
+from tether.core.kl import KLEstimator, estimate_kl, masked_sum
+from tether.core.leash import KLLeash
+from tether.core.losses import clipped_value_loss, dpo_loss, ppo_policy_loss
+from tether.trainers.update import MicroLoss
+
+
+class Samples(Protocol):
+    """The sampled sequences of a batch: a :class:`tether.models.sampling.Rollout` in the trainers,
+    the test bed's token table in :mod:`tether.testing.testbed`."""
+
+    response_mask: Tensor
+    """(B, R) bool, True on the tokens that count."""
+
+    def select(self, idx: Tensor) -> Samples: ...
+
+
+class Experience(NamedTuple):
+    """A forwards rollout batch, from step 4 to the update epochs; tensors (B, R) unless noted.
+
+    Minibatch code takes its rows once, ``mb = exp.select(idx)``, and reads ``mb.old_logprobs``,
+    ``mb.advantages``, ... (every per-row tensor and the rollout restricted to those rows).
+    """
+
+    rollout: Samples
+    scores: Tensor
+    """(B,) scorer values."""
+    old_logprobs: Tensor
+    """log pi_old(y_t | ...), nats, no grad."""
+    ref_logprobs: Tensor | None
+    """log pi_ref(y_t | ...), nats; None without a reference model."""
+    values: Tensor | None
+    """the value head's predictions at rollout time (PPO), else None."""
+    kl: Tensor | None
+    """per-token KL estimate, nats (the one logged, shaped and controlled on)."""
+    rewards: Tensor
+    """per-token shaped rewards (score on the last token, ``-kl_coef * kl_t`` if in the reward)."""
+    non_score_reward: Tensor
+    """``-kl_coef * kl_t`` on valid tokens when the KL is in the reward, else 0."""
+    advantages: Tensor
+    returns: Tensor | None
+    """value targets (PPO), else None."""
+    minibatches: list[Tensor]
+    """this process's rows of each epoch-0 minibatch (also the groups forwards in step 4); empty
+    for a record returned by :meth:`select`."""
+
+    share_by = "tokens"
+    """The losses are token means: a micro-batch weighs its share of the valid tokens
+    (:func:`tether.trainers.update.micro_shares`)."""
+
+    @property
+    def mask(self) -> Tensor:
+        """(B, R) bool ``response_mask`` of the rollout."""
+        return self.rollout.response_mask
+
+    def select(self, idx: Tensor) -> Experience:
+        """This record restricted to rows ``idx`` ((n,) long): every per-row tensor and the rollout.
+
+        ``minibatches`` refer to the whole batch's rows, so the selection has none.
+        """
+
+        def rows(t: Tensor | None) -> Tensor | None:
+            return t[idx] if t is not None else None
+
+        return Experience(
+            self.rollout.select(idx),
+            self.scores[idx],
+            self.old_logprobs[idx],
+            rows(self.ref_logprobs),
+            rows(self.values),
+            rows(self.kl),
+            self.rewards[idx],
+            self.non_score_reward[idx],
+            self.advantages[idx],
+            rows(self.returns),
+            [],
+        )
+
+
+class KLRewards(NamedTuple):
+    """Output of :func:`kl_and_rewards`; tensors (B, R)."""
+
+    kl: Tensor | None
+    """per-token KL estimate, nats; None without reference log-probs."""
+    rewards: Tensor
+    """per-token rewards: the score on the last valid token (+ ``-kl_coef * kl_t`` if the leash
+    puts the KL in the reward)."""
+    non_score_reward: Tensor
+    """the KL part of ``rewards``, 0 when the KL is not in the reward."""
+
+
+def kl_and_rewards(
+    scores: Tensor,
+    old_logprobs: Tensor,
+    ref_logprobs: Tensor | None,
+    mask: Tensor,
+    kl_coef: float,
+    estimator: KLEstimator,
+    leash: KLLeash,
+    estimate: Callable[[Tensor, Tensor, KLEstimator], Tensor] = estimate_kl,
+) -> KLRewards:
+    """Step 5: the per-token KL estimate and the rewards the leash shapes from it.
+
+    The same ``kl`` is logged, shaped into the reward (when placed there) and fed to the
+    controller. Sources: Ziegler et al. 2019 (arXiv 1909.08593, eq. 2); Schulman 2020,
+    "Approximating KL divergence" (k1, k2, k3).
+
+    Args:
+        scores: (B,) scorer values.
+        old_logprobs: (B, R) log-probs of the sampled tokens under the sampling policy, nats.
+        ref_logprobs: (B, R) under the reference, nats; None without a reference (no KL).
+        mask: (B, R) bool response mask.
+        kl_coef: beta >= 0, reward units per nat.
+        estimator: per-token estimator (``kl.estimator``).
+        leash: the placement (:class:`tether.core.leash.KLLeash`); its reward count is updated.
+        estimate: the estimator function, :func:`tether.core.kl.estimate_kl` (a parameter so a
+            test can substitute a wrong one and watch the optimum move).
+
+    Returns:
+        :class:`KLRewards`.
+    """
+    kl = estimate(old_logprobs, ref_logprobs, estimator) if ref_logprobs is not None else None
+    shaped = leash.reward(scores, kl, kl_coef, mask)
+    return KLRewards(kl, shaped.rewards, shaped.non_score_reward)
+
+
+def ppo_advantages(
+    rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float, whiten: bool
+) -> tuple[Tensor, Tensor]:
+    """Step 6 of PPO: GAE advantages (whitened over the global batch) and value targets.
+
+    Source: Schulman et al. 2016, arXiv 1506.02438 (GAE); whitening as in Ziegler et al. 2019.
+
+    Args:
+        rewards: (B, R) per-token rewards. values: (B, R) value predictions at rollout time.
+        mask: (B, R) bool. gamma, lam: discount and GAE lambda in [0, 1].
+        whiten: normalize the advantages to mean 0, variance 1 over every valid token of every
+            process (:func:`tether.core.distributed.whiten`).
+
+    Returns:
+        ``(advantages, returns)``, each (B, R), 0 where masked.
+    """
+    out = gae(rewards, values, mask, gamma, lam)
+    return (D.whiten(out.advantages, mask) if whiten else out.advantages), out.returns
+
+
+def broadcast_sequence_advantages(sequence_advantages: Tensor, mask: Tensor) -> Tensor:
+    """(B,) per-sequence advantages -> (B, R): the same value on every valid token, 0 elsewhere."""
+    return torch.where(mask, sequence_advantages[:, None], 0.0)
+
+
+def grpo_advantages(rewards: Tensor, mask: Tensor, group_size: int, scale_by_std: bool) -> Tensor:
+    """Step 6 of GRPO: group-normalized outcome advantages of the summed reward, on every token.
+
+    Source: Shao et al. 2024, arXiv 2402.03300, section 4.1.2; ``scale_by_std=False`` is
+    Dr. GRPO (Liu et al. 2025, arXiv 2503.20783).
+
+    Args:
+        rewards: (B, R) per-token rewards; consecutive groups of ``group_size`` rows share a prompt.
+        mask: (B, R) bool. group_size: G. scale_by_std: divide by the group's std.
+
+    Returns:
+        (B, R) advantages, 0 where masked.
+    """
+    seq_rewards = masked_sum(rewards, mask, dim=-1)  # (B,) score (- beta * KL if in the reward)
+    adv = group_normalized_advantages(seq_rewards, group_size, scale_by_std)
+    return broadcast_sequence_advantages(adv, mask)
+
+
+def rloo_token_advantages(rewards: Tensor, mask: Tensor, group_size: int) -> Tensor:
+    """Step 6 of RLOO: leave-one-out advantages of the summed reward, on every token.
+
+    Source: Ahmadian et al. 2024, arXiv 2402.14740.
+
+    Args:
+        rewards: (B, R) per-token rewards; consecutive groups of ``group_size`` rows share a prompt.
+        mask: (B, R) bool. group_size: k >= 2.
+
+    Returns:
+        (B, R) advantages, 0 where masked.
+    """
+    seq_rewards = masked_sum(rewards, mask, dim=-1)  # (B,)
+    return broadcast_sequence_advantages(rloo_advantages(seq_rewards, group_size), mask)
+
+
+def clipped_policy_loss(
+    mb: Experience,
+    logprobs: Tensor,
+    clip_eps: float,
+    leash: KLLeash,
+    kl_coef: float,
+    first_micro: bool = True,
+    values: Tensor | None = None,
+    clip_eps_value: float = 0.2,
+    vf_coef: float = 0.5,
+) -> MicroLoss:
+    """Step 7 of PPO, GRPO and RLOO: the loss of one micro-batch.
+
+    ``L = L_clip (+ vf_coef * L_value) (+ kl_coef * KL surrogate)``: the clipped surrogate
+    (Schulman et al. 2017, arXiv 1707.06347, eq. 7), PPO's clipped value loss when ``values`` is
+    given, and the leash's KL term when the KL is placed in the loss (counted in
+    ``leash.counts`` only when ``first_micro``: once per gradient step).
+
+    Args:
+        mb: the micro-batch's rows of the :class:`Experience` (``exp.select(idx)``); uses its
+            old log-probs, advantages, reference log-probs, mask and (with ``values``) its old
+            values and returns.
+        logprobs: (B_m, R) log-probs of ``mb``'s tokens under the current policy, nats, with grad.
+        clip_eps: ratio clip range. leash, kl_coef: the KL placement and beta >= 0.
+        first_micro: this is the first micro-batch of its gradient step.
+        values: (B_m, R) current value predictions with grad (PPO), or None.
+        clip_eps_value, vf_coef: value clip range and the value loss's weight (with ``values``).
+
+    Returns:
+        :class:`tether.trainers.update.MicroLoss`: stats ``policy/loss``, ``policy/clipfrac``,
+        ``policy/approx_kl`` (nats), ``value/loss``, ``value/clipfrac`` (with values) and
+        ``policy/kl_loss`` (when the KL term applies); ``ratio_dev`` = ``max |ratio - 1|``.
+    """
+    mask = mb.mask
+    pl = ppo_policy_loss(logprobs, mb.old_logprobs, mb.advantages, mask, clip_eps)
+    stats = {"policy/loss": pl.loss, "policy/clipfrac": pl.clipfrac, "policy/approx_kl": pl.approx_kl}
+    loss = pl.loss
+    if values is not None:
+        vl = clipped_value_loss(values, mb.values, mb.returns, mask, clip_eps_value)
+        stats["value/loss"], stats["value/clipfrac"] = vl.loss, vl.clipfrac
+        loss = loss + vf_coef * vl.loss
+    kl_term = leash.loss(logprobs, mb.ref_logprobs, kl_coef, mask, mb.old_logprobs, count=first_micro)
+    if kl_term is not None:
+        stats["policy/kl_loss"] = kl_term
+        loss = loss + kl_term
+    return MicroLoss(loss, stats, torch.where(mask, (pl.ratio - 1).abs(), 0.0).max())
+
+
+def dpo_pair_loss(
+    policy_chosen: Tensor, policy_rejected: Tensor, ref_chosen: Tensor, ref_rejected: Tensor, beta: float
+) -> MicroLoss:
+    """Step 2 of DPO: the loss of one micro-batch of pairs and its logged statistics.
+
+    Source: Rafailov et al. 2023, arXiv 2305.18290, eq. 7 (:func:`tether.core.losses.dpo_loss`).
+
+    Args:
+        policy_chosen, policy_rejected: (N,) sequence log-probs (sums over response tokens) of
+            the chosen and rejected responses under the policy, nats, with grad.
+        ref_chosen, ref_rejected: (N,) the same under the reference, nats.
+        beta: DPO's beta > 0, the implicit KL coefficient.
+
+    Returns:
+        :class:`tether.trainers.update.MicroLoss` (a mean over pairs; no ``ratio_dev``), stats
+        ``dpo/loss``, ``dpo/margin``, ``dpo/accuracy``, ``dpo/chosen_reward``,
+        ``dpo/rejected_reward`` (implicit rewards ``beta * log(pi / pi_ref)``).
+    """
+    out = dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta)
+    stats = {
+        "dpo/loss": out.loss,
+        "dpo/margin": out.margin,
+        "dpo/accuracy": out.accuracy,
+        "dpo/chosen_reward": out.chosen_rewards.mean(),
+        "dpo/rejected_reward": out.rejected_rewards.mean(),
+    }
+    return MicroLoss(out.loss, stats)

@@ -1,0 +1,224 @@
+"""The minibatch update every trainer runs: micro-batches, weighted losses, one optimizer step each.
+
+Torch and :mod:`tether.core` only (no models, no config), so the tabular test bed
+(:mod:`tether.testing.testbed`) runs this very loop on its logit tables.
+
+A trainer hands :func:`minibatch_update` a *record* (its batch: an
+:class:`tether.trainers.steps.Experience` for PPO, GRPO and RLOO, the preference pairs for DPO),
+the rows of each minibatch and a hook ``minibatch_loss(part, first_micro=...) -> MicroLoss``.
+The record says how a micro-batch is weighted (its ``share_by``):
+
+* ``"tokens"``: the loss is a token mean over ``response_mask`` (PPO, GRPO, RLOO); a micro-batch
+  weighs its fraction of the minibatch's valid tokens over every process
+  (:func:`tether.core.distributed.token_shares`);
+* ``"rows"``: the loss is a mean over rows (DPO: pairs); a micro-batch weighs its fraction of the
+  minibatch's rows over every process.
+
+A micro-batch's loss times its share sums, over micro-batches and processes, to the loss of the
+whole minibatch; DDP averages gradients over processes, hence the extra factor ``world``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import nullcontext
+from functools import partial
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+from torch import Tensor
+
+from tether.core import distributed as D
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+    from torch import nn
+
+
+class MicroLoss(NamedTuple):
+    """What a trainer's ``minibatch_loss`` hook returns for one micro-batch."""
+
+    loss: Tensor
+    """scalar with grad: the micro-batch's mean loss (token mean or row mean, see ``share_by``)."""
+    stats: dict[str, Tensor]
+    """logged statistics, each a scalar mean over the micro-batch (losses in nats or reward units,
+    clip fractions in [0, 1])."""
+    ratio_dev: Tensor | None = None
+    """scalar ``max_t |pi / pi_old - 1|`` over the valid tokens (on-policy only), else None."""
+
+
+class UpdateStats(NamedTuple):
+    """What :func:`minibatch_update` returns: every value is the same on every process."""
+
+    stats: dict[str, float]
+    """each statistic's mean over the gradient steps, each step's value the minibatch's (all
+    processes)."""
+    grad_norm: float
+    """the mean over gradient steps of the global gradient norm before clipping."""
+    first_ratio_dev: float | None
+    """``max |ratio - 1|`` over the first minibatch (before any update, exactly 0 when the old
+    log-probs were forwards as the update scores them), or None when the hook gives no ratio."""
+
+    def metrics(self) -> dict[str, float]:
+        """The logged row: the statistics (sorted by name), ``policy/grad_norm`` and, when there is
+        one, ``policy/ratio_max_dev_first``."""
+        row = {**self.stats, "policy/grad_norm": self.grad_norm}
+        if self.first_ratio_dev is not None:
+            row["policy/ratio_max_dev_first"] = self.first_ratio_dev
+        return row
+
+
+def optimizer_step(
+    optimizer: torch.optim.Optimizer,
+    params: list,
+    loss: Tensor | Sequence[Callable[[], Tensor]],
+    max_grad_norm: float,
+    name: str,
+    accelerator: Accelerator | None = None,
+    model: nn.Module | None = None,
+) -> Tensor:
+    """Backward, clip the global gradient norm, refuse a non-finite one, step; returns the norm.
+
+    ``loss`` is the minibatch's loss, or one callable per micro-batch (``optim.micro_batch_size``)
+    returning that micro-batch's share of it: each runs its forward and backward in turn, the
+    gradients add up, and the optimizer steps once, as for the whole minibatch (gradient
+    accumulation). With an ``accelerator`` the backward and the clipping are accelerate's: under
+    DDP the backward all-reduces (averages) the gradients over the processes, so every process
+    clips and steps with the same gradient; with micro-batches only the last one all-reduces
+    (``accelerator.no_sync(model)`` around the others).
+
+    Raises:
+        FloatingPointError: the gradient norm is NaN or inf (the step is not taken, so the
+            weights and the last checkpoint stay good).
+    """
+    optimizer.zero_grad(set_to_none=True)
+    parts = [lambda: loss] if torch.is_tensor(loss) else list(loss)
+    for i, part in enumerate(parts):
+        defer = accelerator is not None and model is not None and i < len(parts) - 1
+        with accelerator.no_sync(model) if defer else nullcontext():
+            last = part()
+            if accelerator is None:
+                last.backward()
+            else:
+                accelerator.backward(last)
+    if accelerator is None:
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm, foreach=True)
+    else:
+        grad_norm = accelerator.clip_grad_norm_(params, max_grad_norm)
+    if not torch.isfinite(grad_norm):
+        raise FloatingPointError(
+            f"non-finite gradient norm {float(grad_norm)} in the {name} update "
+            f"(loss {float(last.detach())}); stopping before the weights change"
+        )
+    optimizer.step()
+    # free the gradients now, not at the next step's zero_grad: otherwise a full copy of the
+    # trainable weights stays resident through the next generation and forward, the step's peak
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+def micro_batches(rows: Tensor, micro_batch_size: int | None) -> list[Tensor]:
+    """``rows`` (this process's rows of a minibatch) in consecutive chunks of
+    ``micro_batch_size`` (``optim.micro_batch_size``); one chunk when it is None."""
+    return [rows] if micro_batch_size is None else list(rows.split(micro_batch_size))
+
+
+def micro_shares(parts: Sequence) -> list[Tensor] | list[float]:
+    """Each micro-batch's fraction of its minibatch (over every process), as its record weighs it.
+
+    Args:
+        parts: this process's micro-batches of one minibatch, records with ``share_by``:
+            ``"tokens"`` (and a (B_m, R) bool ``mask``) or ``"rows"`` (and ``num_rows``).
+
+    Returns:
+        ``"tokens"``: float32 scalars ``n_tokens(part) / n_tokens(minibatch)``
+        (:func:`tether.core.distributed.token_shares`, one all-reduce); ``"rows"``: floats
+        ``n_rows(part) / n_rows(minibatch)``, the minibatch split evenly over the processes
+        (:func:`tether.core.distributed.shard`), so no communication. Either sums to this
+        process's share of the minibatch, 1 in one process.
+    """
+    if parts[0].share_by == "tokens":
+        return D.token_shares([p.mask for p in parts])
+    total = sum(p.num_rows for p in parts) * D.world_size()
+    return [p.num_rows / total for p in parts]
+
+
+def _weighted_loss(
+    minibatch_loss: Callable[..., MicroLoss],
+    part,
+    first_micro: bool,
+    share: Tensor | float,
+    world: int,
+    weighted: dict[str, float],
+    devs: list[Tensor | None],
+) -> Tensor:
+    """One micro-batch's forward: its loss scaled by ``share * world`` (for the backward); its
+    statistics added to ``weighted`` times ``share`` and its ratio deviation to ``devs``."""
+    out = minibatch_loss(part, first_micro=first_micro)
+    devs.append(out.ratio_dev)
+    for k, v in out.stats.items():
+        value = float(v.detach() if torch.is_tensor(v) else v)
+        weighted[k] = weighted.get(k, 0.0) + value * float(share)
+    return out.loss * (share * world)
+
+
+def minibatch_update(
+    record,
+    minibatches: Iterable[Tensor],
+    minibatch_loss: Callable[..., MicroLoss],
+    optimizer: torch.optim.Optimizer,
+    params: list,
+    max_grad_norm: float,
+    name: str,
+    accelerator: Accelerator | None = None,
+    model: nn.Module | None = None,
+    micro_batch_size: int | None = None,
+) -> UpdateStats:
+    """One optimizer step per minibatch, gradients accumulated over its micro-batches.
+
+    For each minibatch: cut this process's rows into micro-batches (:func:`micro_batches`), take
+    ``record.select(rows)`` of each, weigh each by :func:`micro_shares`, and hand
+    :func:`optimizer_step` one callable per micro-batch that calls
+    ``minibatch_loss(part, first_micro=j == 0)`` and returns ``loss * share * world``.
+    ``first_micro`` is true for the first micro-batch of each gradient step only, so a term
+    counted once per step (the KL leash's loss count) is counted once. The statistics are
+    weighted the same way and reduced over processes once, at the end (one all-reduce); the
+    first minibatch's ratio deviation is reduced (max) after its step.
+
+    Source: gradient accumulation as in Ott et al. 2018 (arXiv 1806.00187); DDP's gradient
+    average, Li et al. 2020 (arXiv 2006.15704).
+
+    Args:
+        record: the batch, with ``select(idx)`` (the record restricted to rows ``idx``) and
+            ``share_by`` (see :func:`micro_shares`).
+        minibatches: this process's rows of each minibatch, in update order (every epoch); an
+            iterator is consumed lazily, one minibatch per step.
+        minibatch_loss: the trainer's hook, ``(part, first_micro=bool) -> MicroLoss``.
+        optimizer, params, max_grad_norm, name, accelerator, model: as :func:`optimizer_step`.
+        micro_batch_size: rows per micro-batch (``optim.micro_batch_size``), None for one.
+
+    Returns:
+        :class:`UpdateStats`.
+    """
+    world = D.world_size()
+    weighted: dict[str, float] = {}  # sum over gradient steps of share * statistic
+    grad_norms: list[float] = []
+    first_dev = None
+    for n, rows in enumerate(minibatches):
+        parts = [record.select(m) for m in micro_batches(rows, micro_batch_size)]
+        shares = micro_shares(parts)
+        devs: list[Tensor | None] = []
+        losses = [
+            partial(_weighted_loss, minibatch_loss, part, j == 0, share, world, weighted, devs)
+            for j, (part, share) in enumerate(zip(parts, shares))
+        ]
+        norm = optimizer_step(optimizer, params, losses, max_grad_norm, name, accelerator, model)
+        grad_norms.append(float(norm))
+        if n == 0 and devs[0] is not None:
+            # before any update the ratio must be exactly 1 (same inputs, same weights)
+            first_dev = float(D.all_reduce_max(torch.stack(devs).max()))
+    keys = sorted(weighted)
+    totals = D.all_reduce_sum(torch.tensor([weighted[k] for k in keys], dtype=torch.float64))
+    stats = {k: float(t) / len(grad_norms) for k, t in zip(keys, totals)}
+    # after the backward the gradients are the same on every process, and so is their norm
+    return UpdateStats(stats, sum(grad_norms) / len(grad_norms), first_dev)
