@@ -30,10 +30,11 @@ test: $(STAMP)
 
 # The tests marked `numerics` again, under a CPU kernel set other than this machine's own: on a CPU
 # with AVX-512 PyTorch's, MKL's and oneDNN's AVX2 kernels (what an AVX2-only machine runs), on an
-# AVX2-only CPU PyTorch's portable kernels (ATEN_CPU_CAPABILITY=default). Float32 roundings differ.
+# AVX2-only CPU PyTorch's portable kernels (ATEN_CPU_CAPABILITY=default) and MKL's compatible code
+# path (MKL_CBWR=COMPATIBLE), which blocks matrix products differently. Float32 roundings differ.
 OTHER_KERNELS := $(shell grep -q avx512f /proc/cpuinfo 2>/dev/null \
 	&& echo ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 \
-	|| echo ATEN_CPU_CAPABILITY=default)
+	|| echo ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE)
 test-other-kernels: $(STAMP)
 	$(OTHER_KERNELS) $(BIN)/python -m pytest -q -m numerics $(PYTEST_ARGS)
 

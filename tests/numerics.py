@@ -60,7 +60,7 @@ def term_magnitudes(row: dict) -> dict[str, float]:
         "objective/kl_exact_per_token": m_tok,
         "policy/approx_kl": m_tok,
         "policy/kl_loss": m_tok,
-        # exactly 0 when the first minibatch is forwards in the old log-probs' own batch; a
+        # exactly 0 when the first minibatch is scored in the old log-probs' own batch; a
         # micro-batch is another batch shape: exp(d) - 1 ~ d for a log-prob rounding d
         "policy/ratio_max_dev_first": m_tok,
         "objective/non_score_reward": beta * L * m_tok,

@@ -504,7 +504,7 @@ def test_a_best_from_discarded_steps_survives_resume(
     assert main(args) == 0
     meta = json.loads((out / "best" / "meta.json").read_text())
     assert meta["step"] == 1
-    # as if a discarded step 3 had forwards 0.7 and been saved (its weights: step 1's here)
+    # as if a discarded step 3 had scored 0.7 and been saved (its weights: step 1's here)
     (out / "best" / "meta.json").write_text(json.dumps({**meta, "step": 3, "score": 0.7}))
     capsys.readouterr()
     assert main(["train", "--resume", str(out), "train.steps=5", "train.save_model=true"]) == 0

@@ -1,4 +1,4 @@
-"""DPO's reference log-probabilities: forwards with the policy's, so step-0 margins are exactly 0."""
+"""DPO's reference log-probabilities: scored with the policy's, so step-0 margins are exactly 0."""
 
 from __future__ import annotations
 

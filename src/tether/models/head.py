@@ -98,8 +98,10 @@ def tail_hidden(
     With ``share_prefix`` the first ``L - n_keep`` positions (the prompt without its last token)
     go through the trunk once per distinct prefix (:func:`shared_prefix_hidden`) when
     :func:`shares_prefix` allows it. Every row then takes that path whatever the other rows of
-    its batch are, so a row's numbers do not depend on the batch it is forwards in (old and new
-    log-probs, policy and reference agree).
+    its batch are: a row's numbers depend on the batch it is scored in only through the rounding
+    of matrix products of other row counts (none on most CPUs; a few ulps under MKL's
+    reproducibility modes), and the same batch scored twice (old and new log-probs, policy and
+    reference) agrees bit for bit.
     """
     if isinstance(lm, AdapterReference):
         with lm.active():

@@ -31,9 +31,9 @@ class PolicyWithValue(nn.Module):
     def __init__(self, lm: nn.Module, head_chunk: int = HEAD_CHUNK_POSITIONS, share_prefix: bool = False):
         super().__init__()
         self.head_chunk = head_chunk
-        """Positions per LM-head slice (:func:`head_row_slices`); the reference is forwards with the same."""
+        """Positions per LM-head slice (:func:`head_row_slices`); the reference is scored with the same."""
         self.share_prefix = share_prefix
-        """Run shared prompt prefixes once (:func:`tail_hidden`); the reference is forwards the same way."""
+        """Run shared prompt prefixes once (:func:`tail_hidden`); the reference is scored the same way."""
         peft_model = lm if is_peft_model(lm) else None
         # not a submodule: it wraps self.lm, whose parameters must be listed (and saved) once
         object.__setattr__(self, "peft", peft_model)

@@ -389,7 +389,7 @@ class DPOConfig:
 @dataclass
 class EvalConfig:
     n_prompts: int = 128
-    """Held-out prompts forwards before and after training (0 disables)."""
+    """Held-out prompts scored before and after training (0 disables)."""
     judge: str = "minilm-rm"
     """Gold judge, independent of the training scorer: any scorer spec (see reward.scorer), or
     'none'. The default is the reward model fitted on human ratings (fitted once, ~2 min)."""

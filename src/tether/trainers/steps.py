@@ -40,7 +40,7 @@ class Samples(Protocol):
 
 
 class Experience(NamedTuple):
-    """A forwards rollout batch, from step 4 to the update epochs; tensors (B, R) unless noted.
+    """A scored rollout batch, from step 4 to the update epochs; tensors (B, R) unless noted.
 
     Minibatch code takes its rows once, ``mb = exp.select(idx)``, and reads ``mb.old_logprobs``,
     ``mb.advantages``, ... (every per-row tensor and the rollout restricted to those rows).
@@ -65,7 +65,7 @@ class Experience(NamedTuple):
     returns: Tensor | None
     """value targets (PPO), else None."""
     minibatches: list[Tensor]
-    """this process's rows of each epoch-0 minibatch (also the groups forwards in step 4); empty
+    """this process's rows of each epoch-0 minibatch (also the groups scored in step 4); empty
     for a record returned by :meth:`select`."""
 
     share_by = "tokens"

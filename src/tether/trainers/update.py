@@ -57,7 +57,7 @@ class UpdateStats(NamedTuple):
     """the mean over gradient steps of the global gradient norm before clipping."""
     first_ratio_dev: float | None
     """``max |ratio - 1|`` over the first minibatch (before any update, exactly 0 when the old
-    log-probs were forwards as the update scores them), or None when the hook gives no ratio."""
+    log-probs were scored as the update scores them), or None when the hook gives no ratio."""
 
     def metrics(self) -> dict[str, float]:
         """The logged row: the statistics (sorted by name), ``policy/grad_norm`` and, when there is
