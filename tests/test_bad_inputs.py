@@ -275,7 +275,7 @@ def test_a_run_that_fails_before_its_first_step_leaves_nothing_behind(
 def test_non_finite_gradient_stops_before_the_weights_change():
     import torch
 
-    from tether.trainers.common import optimizer_step
+    from tether.trainers.update import optimizer_step
 
     w = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
     opt = torch.optim.AdamW([w], lr=0.1)

@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from tether.trainers.common import make_optimizer, optimizer_step
+from tether.trainers.common import make_optimizer
+from tether.trainers.update import optimizer_step
 
 pytestmark = pytest.mark.numerics  # every test here compares two computational paths
 

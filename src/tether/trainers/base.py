@@ -46,7 +46,7 @@ from tether.trainers.common import RolloutLogprobs, make_optimizer, old_and_ref_
 from tether.trainers.steps import Experience, kl_and_rewards
 from tether.trainers.update import MicroLoss, UpdateStats, minibatch_update
 
-__all__ = ["CONTROLLER_CLASSES", "Experience", "OnPolicyTrainer", "sample_metrics"]  # Experience: from .steps
+__all__ = ["CONTROLLER_CLASSES", "OnPolicyTrainer", "sample_metrics"]
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,6 @@ from tether.models.sampling import Rollout
 from tether.models.scoring import TokenStats, policy_and_reference_logprobs, rollout_logprobs
 
 # the update loop's pieces live in tether.trainers.update (torch only, shared with the test bed)
-from tether.trainers.update import micro_batches as micro_batches
-from tether.trainers.update import optimizer_step as optimizer_step
 
 
 def make_optimizer(params: list, lr: float, weight_decay: float, fused: bool = True) -> torch.optim.AdamW:

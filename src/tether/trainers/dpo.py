@@ -42,9 +42,9 @@ from tether.models.scoring import (
     rollout_logprobs,
 )
 from tether.run.setup import Run
-from tether.trainers.base import Experience, sample_metrics
+from tether.trainers.base import sample_metrics
 from tether.trainers.common import make_optimizer
-from tether.trainers.steps import dpo_pair_loss
+from tether.trainers.steps import Experience, dpo_pair_loss
 from tether.trainers.update import MicroLoss, minibatch_update
 
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from tether.trainers.base import Experience, OnPolicyTrainer
+from tether.trainers.base import OnPolicyTrainer
 from tether.trainers.common import RolloutLogprobs
-from tether.trainers.steps import clipped_policy_loss, grpo_advantages, rloo_token_advantages
+from tether.trainers.steps import Experience, clipped_policy_loss, grpo_advantages, rloo_token_advantages
 from tether.trainers.update import MicroLoss
 
 

@@ -11,9 +11,9 @@ from torch import Tensor
 
 from tether.core import distributed as D
 from tether.models.scoring import rollout_logprobs
-from tether.trainers.base import Experience, OnPolicyTrainer
+from tether.trainers.base import OnPolicyTrainer
 from tether.trainers.common import RolloutLogprobs
-from tether.trainers.steps import clipped_policy_loss, ppo_advantages
+from tether.trainers.steps import Experience, clipped_policy_loss, ppo_advantages
 from tether.trainers.update import MicroLoss, UpdateStats
 
 
