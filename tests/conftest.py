@@ -152,6 +152,14 @@ TIERS = {
 path, one function at a time). Select one with ``pytest -m unit`` (``oracle``, ``e2e``, ``real``)."""
 
 
+def pytest_generate_tests(metafunc):
+    """``device``: each device of ``TETHER_TEST_DEVICES`` (comma-separated, default ``cpu``);
+    ``benchmarks/gpu_check.py`` sets ``cuda``."""
+    if "device" in metafunc.fixturenames:
+        devices = [d.strip() for d in os.environ.get("TETHER_TEST_DEVICES", "cpu").split(",") if d.strip()]
+        metafunc.parametrize("device", devices)
+
+
 def pytest_collection_modifyitems(config, items):
     tier_of = {module: tier for tier, modules in TIERS.items() for module in modules}
     for item in items:

@@ -57,6 +57,10 @@ def term_magnitudes(row: dict) -> dict[str, float]:
         "objective/kl_per_token": m_tok,
         "objective/kl_exact_per_token": m_tok,
         "policy/approx_kl": m_tok,
+        # k3 and max |difference| of the sampler's and the learner's log-probs of the same tokens,
+        # as approx_kl is of the old and new ones
+        "rollout/logprob_mismatch": m_tok,
+        "rollout/logprob_diff_max": m_tok,
         "policy/kl_loss": m_tok,
         # exactly 0 when the first minibatch is scored in the old log-probs' own batch; a
         # micro-batch is another batch shape: exp(d) - 1 ~ d for a log-prob rounding d

@@ -351,3 +351,21 @@ def test_two_processes_log_the_first_step_of_one(algo, tiny_tokenizer, prompt_fi
         f"{algo}: largest difference 1 vs 2 processes {margins[worst]:.2g} of its tolerance "
         f"({worst}: {a[worst]!r} vs {b[worst]!r})"
     )
+
+
+def test_two_processes_train_in_bf16_with_float32_masters(tiny_tokenizer, prompt_file, tmp_path):
+    """DDP over bf16 weights: micro-batch gradients summed by DDP's all-reduce, moved to the float32
+    masters once per step. Step 0 is exact on both processes (KL 0.0, first ratio 1.0), and the
+    update moves the policy (step 1's exact KL > 0)."""
+    model = _eos_model_dir(tiny_tokenizer, tmp_path / "model")
+    args = _args(model, prompt_file, tmp_path / "two", "ppo") + [
+        "model.dtype=bfloat16",
+        "train.steps=2",
+        "optim.micro_batch_size=1",
+        "optim.lr=1e-3",
+    ]
+    log = _launch(args, 2)
+    assert "2 processes (data parallel)" in log and "cpu weights in bfloat16" in log
+    rows = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["objective/kl"] == 0.0 and rows[0]["objective/kl_exact"] == 0.0
+    assert rows[1]["objective/kl_exact"] > 0.0

@@ -25,6 +25,7 @@ def healthy(n: int = 20) -> list[dict]:
                 "objective/k1_negative_fraction": 0.45,
                 "objective/entropy": 3.5 - 0.02 * s,
                 "response/length": 24.0 - 0.1 * (s % 3),
+                "rollout/logprob_mismatch": 2e-6,  # rounding only
             }
         )
         if s % 2 == 0:  # eval points: proxy and gold rise together
@@ -48,6 +49,8 @@ def with_pattern(rule: str) -> list[dict]:
             r["response/length"] = 40.0  # > 1.5 * 24
         if rule == "k1_negative" and s >= 12:
             r["objective/kl_per_token"] = -0.02
+        if rule == "logprob_mismatch" and s == 19:
+            r["rollout/logprob_mismatch"] = 0.028  # bf16 sampling scored in float32
         if rule == "overoptimization" and "eval/gold_score" in r and s >= 8:
             r["eval/gold_score"] = 0.3 - 0.03 * (s - 8)  # gold falls while proxy keeps rising
     return rows

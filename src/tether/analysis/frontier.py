@@ -59,13 +59,14 @@ def best_of_n_points(
     """Sample max(ns) reference completions per held-out prompt; best-of-N points for every N."""
     from tether.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
     from tether.models.sampling import generate, use_chat_template
-    from tether.run.setup import load_prompts
+    from tether.run.setup import load_prompts, resolve_device, resolve_dtype
 
     c = config
     _, held = load_prompts(c)
     prompts = held[:n_prompts]
     path = resolve_model_path(c.model.name)
-    tok, lm = load_tokenizer(path), load_causal_lm(path)
+    device = resolve_device(c.train.device)  # the run's device and weight dtype
+    tok, lm = load_tokenizer(path), load_causal_lm(path, resolve_dtype(c.model.dtype, device)).to(device)
     if c.data.chat_template:
         use_chat_template(tok)
     m = max(ns)
@@ -85,10 +86,14 @@ def best_of_n_points(
                     c.rollout.max_prompt_tokens,
                 )
             P.append(
-                torch.tensor(checked_scores(proxy, ro.responses, "best-of-N (proxy)", ro.prompts)).view(-1, m)
+                torch.tensor(
+                    checked_scores(proxy, ro.responses, "best-of-N (proxy)", ro.prompts), device="cpu"
+                ).view(-1, m)
             )
             G.append(
-                torch.tensor(checked_scores(gold, ro.responses, "best-of-N (gold)", ro.prompts)).view(-1, m)
+                torch.tensor(
+                    checked_scores(gold, ro.responses, "best-of-N (gold)", ro.prompts), device="cpu"
+                ).view(-1, m)
             )
     proxy_t, gold_t = torch.cat(P), torch.cat(G)
     points = []

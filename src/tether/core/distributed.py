@@ -52,10 +52,15 @@ def barrier() -> None:
 
 
 def _reduce(x: Tensor, op: str) -> Tensor:
-    out = torch.as_tensor(x).detach().to(torch.float64).clone()
+    """``x`` in float64, reduced over ranks with ``op``, on ``x``'s device. NCCL reduces only CUDA
+    tensors: under it a host value travels through this rank's GPU and comes back."""
+    x = torch.as_tensor(x).detach()
+    out = x.to(torch.float64).clone()
     if is_distributed():
+        if dist.get_backend() == "nccl" and out.device.type != "cuda":
+            out = out.to(torch.device("cuda", torch.cuda.current_device()))
         dist.all_reduce(out, op=getattr(dist.ReduceOp, op))
-    return out
+    return out.to(x.device)
 
 
 def all_reduce_sum(x: Tensor) -> Tensor:
@@ -114,7 +119,10 @@ def sequence_mean(values: Tensor) -> Tensor:
     """
     total, count = all_reduce_sum(
         torch.stack(
-            [values.to(torch.float64).sum(), torch.tensor(float(values.numel()), dtype=torch.float64)]
+            [
+                values.to(torch.float64).sum(),
+                torch.tensor(float(values.numel()), dtype=torch.float64, device=values.device),
+            ]
         )
     )
     return total / count.clamp(min=1)
@@ -137,11 +145,11 @@ def sequence_std(values: Tensor) -> Tensor:
         torch.stack(
             [
                 (values.to(torch.float64) - mean).pow(2).sum(),
-                torch.tensor(float(values.numel()), dtype=torch.float64),
+                torch.tensor(float(values.numel()), dtype=torch.float64, device=values.device),
             ]
         )
     )
-    return (sq / (n - 1)).sqrt() if n > 1 else torch.zeros((), dtype=torch.float64)
+    return (sq / (n - 1)).sqrt() if n > 1 else torch.zeros((), dtype=torch.float64, device=values.device)
 
 
 def token_share(mask: Tensor) -> Tensor:
@@ -181,7 +189,7 @@ def token_shares(masks: list[Tensor]) -> list[Tensor]:
 
 def row_share(n_rows: int) -> Tensor:
     """This rank's fraction of the rows of a minibatch split over ranks (for per-sequence means)."""
-    local = torch.tensor(float(n_rows), dtype=torch.float64)
+    local = torch.tensor(float(n_rows), dtype=torch.float64, device="cpu")  # 0-d: mixes with any device
     return (local / all_reduce_sum(local).clamp(min=1)).float()
 
 
@@ -214,7 +222,11 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
     v, r = values.to(torch.float64), returns.to(torch.float64)
     mean_r, mean_d = token_mean(r, mask), token_mean(r - v, mask)
     var_r, var_d = (token_mean((r - mean_r).pow(2), mask), token_mean((r - v - mean_d).pow(2), mask))
-    return 1 - var_d / var_r if var_r > 0 else torch.tensor(float("nan"), dtype=torch.float64)
+    return (
+        1 - var_d / var_r
+        if var_r > 0
+        else torch.tensor(float("nan"), dtype=torch.float64, device=values.device)
+    )
 
 
 def whiten(values: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
@@ -264,6 +276,7 @@ def stratified_minibatches(
     generator: torch.Generator,
     world: int | None = None,
     at: int | None = None,
+    device: torch.device | str = "cpu",
 ) -> list[Tensor]:
     """Random minibatches whose membership does not depend on the number of processes.
 
@@ -282,6 +295,8 @@ def stratified_minibatches(
         minibatch_size: global rows per minibatch, divides B and is a multiple of ``world``.
         generator: shared minibatch RNG (its state is checkpointed).
         world, at: number of ranks and this rank (default: the running process group).
+        device: where the returned indices go (the rollout's device). The permutations are
+            drawn on the host from ``generator``, so the minibatches are the same on any device.
 
     Returns:
         ``batch_size / minibatch_size`` long tensors of ``minibatch_size / world`` row indices
@@ -290,7 +305,11 @@ def stratified_minibatches(
     world = world_size() if world is None else world
     at = rank() if at is None else at
     n = batch_size // minibatch_size
-    perms = torch.stack([torch.randperm(n, generator=generator) for _ in range(minibatch_size)])  # (mb, n)
-    rows = perms + torch.arange(minibatch_size)[:, None] * n  # (mb, n) global row of minibatch k, segment s
+    perms = torch.stack(
+        [torch.randperm(n, generator=generator, device="cpu") for _ in range(minibatch_size)]
+    )  # (mb, n)
+    segments = torch.arange(minibatch_size, device="cpu")[:, None] * n
+    rows = perms + segments  # (mb, n) global row of minibatch k, segment s
     mine = rows[shard(minibatch_size, world, at)] - at * (batch_size // world)  # (mb / world, n) local rows
+    mine = mine.to(device)
     return [mine[:, k] for k in range(n)]

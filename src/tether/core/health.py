@@ -44,6 +44,10 @@ class HealthThresholds:
     """Negative k1: per-token mean k1 below -tol at every step of the window."""
     overopt_min_change: float = 0.02
     """Over-optimization: proxy up and gold down, each by at least this over the window."""
+    logprob_mismatch_max: float = 0.01
+    """Sampler/learner mismatch: ``rollout/logprob_mismatch`` above this (nats per token) at any
+    step. Rounding alone gives far less (docs/performance.md, "bf16"); bf16 sampling scored in
+    float32 gave 0.028."""
 
     def __post_init__(self) -> None:
         if self.window < 2:
@@ -189,6 +193,26 @@ def overoptimization(history: list[dict], t: HealthThresholds) -> Alarm | None:
     return None
 
 
+def logprob_mismatch(history: list[dict], t: HealthThresholds) -> Alarm | None:
+    """Sampler and learner disagree: the last step's ``rollout/logprob_mismatch`` (k3 of
+    KL(sampler || learner) on the sampled tokens, nats per token) above
+    ``t.logprob_mismatch_max`` (the seeds' "precision mismatch": the ratio is then not the one
+    PPO's clip assumes, and the KL estimates are off by as much)."""
+    s = _series(history, "rollout/logprob_mismatch")
+    if not s or s[-1][1] <= t.logprob_mismatch_max:
+        return None
+    return Alarm(
+        "logprob_mismatch",
+        s[-1][0],
+        f"the sampler's and the learner's log-probs of the same tokens differ by "
+        f"{s[-1][1]:.4f} nats/token (k3), above {t.logprob_mismatch_max}",
+        "generation and scoring compute different distributions: another precision, temperature, "
+        "processor or weights in the sampler than in the update",
+        "sample and score in the same model.dtype with plain softmax at rollout.temperature; "
+        "check a custom generation path",
+    )
+
+
 RULES: dict[str, Callable[[list[dict], HealthThresholds], Alarm | None]] = {
     "kl_exploding": kl_exploding,
     "kl_stuck": kl_stuck,
@@ -196,4 +220,5 @@ RULES: dict[str, Callable[[list[dict], HealthThresholds], Alarm | None]] = {
     "length_runaway": length_runaway,
     "k1_negative": k1_negative,
     "overoptimization": overoptimization,
+    "logprob_mismatch": logprob_mismatch,
 }

@@ -28,8 +28,19 @@ class PolicyWithValue(nn.Module):
     ``peft`` the wrapper, kept for adapter switching and saving; otherwise ``peft`` is None.
     """
 
-    def __init__(self, lm: nn.Module, head_chunk: int = HEAD_CHUNK_POSITIONS, share_prefix: bool = False):
+    def __init__(
+        self,
+        lm: nn.Module,
+        head_chunk: int = HEAD_CHUNK_POSITIONS,
+        share_prefix: bool = False,
+        gradient_checkpointing: bool = False,
+    ):
         super().__init__()
+        self.gradient_checkpointing = gradient_checkpointing
+        """Recompute each block's activations in the backward (transformers' non-reentrant
+        activation checkpointing), for forwards under autograd; ``share_prefix`` must be off."""
+        if gradient_checkpointing and share_prefix:
+            raise ValueError("gradient checkpointing drops the key/value cache a shared prefix needs")
         self.head_chunk = head_chunk
         """Positions per LM-head slice (:func:`head_row_slices`); the reference is scored with the same."""
         self.share_prefix = share_prefix
@@ -39,6 +50,12 @@ class PolicyWithValue(nn.Module):
         object.__setattr__(self, "peft", peft_model)
         self.lm = peft_model.get_base_model() if peft_model is not None else lm
         lm = self.lm
+        if gradient_checkpointing:
+            enable = getattr(lm, "activation_checkpointing_enable", None)  # transformers >= 5.x
+            if enable is not None:
+                enable({"use_reentrant": False})
+            else:
+                lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         hidden = lm.config.hidden_size
         self.value_head = nn.Linear(hidden, 1)
         # small init so the first value estimates are ~0 and do not swamp GAE (as in TRL's
@@ -70,13 +87,23 @@ class PolicyWithValue(nn.Module):
         Returns:
             logits (B, n_keep, V) and values (B, n_keep) float32 or None.
         """
-        logits, hidden = tail_logits(
-            self.lm, input_ids, attention_mask, position_ids, n_keep, self.head_chunk, self.share_prefix
-        )
+        # transformers checkpoints only in training mode; dropout is off (disable_dropout), so the
+        # mode changes nothing else and the numbers equal an eval-mode forward's
+        checkpointing = self.gradient_checkpointing and torch.is_grad_enabled()
+        if checkpointing:
+            self.lm.train()
+        try:
+            logits, hidden = tail_logits(
+                self.lm, input_ids, attention_mask, position_ids, n_keep, self.head_chunk, self.share_prefix
+            )
+        finally:
+            if checkpointing:
+                self.lm.eval()
         return logits, self.values(hidden) if with_values else None
 
     def values(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Value estimates (B, n) float32 from last hidden states (B, n, d)."""
+        """Value estimates (B, n) float32 from last hidden states (B, n, d) of any dtype (the value
+        head is float32 whatever the LM's weights are)."""
         return self.value_head(hidden.float()).squeeze(-1)
 
     def lm_checkpoint_state(self) -> dict[str, torch.Tensor]:

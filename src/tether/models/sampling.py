@@ -15,9 +15,7 @@ import torch
 from torch import Tensor, nn
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from tether.core.logprobs import (
-    response_mask_from_tokens,
-)
+from tether.core.logprobs import logprobs_from_logits, response_mask_from_tokens
 from tether.models import (
     head,  # head.prefix_cache and head.shares_prefix looked up at call time
 )
@@ -40,6 +38,12 @@ class Rollout:
         response_mask: (B, R) bool, True up to and including the first EOS.
         responses: B decoded responses (up to, not including, EOS).
         ended: (B,) bool, True where the response ended with EOS (not cut at the length cap).
+        sampler_logprobs: (B, R) float32, the log-probability (nats) of each response token under
+            the distribution the sampler drew it from (the decoding pass's logits, key/value
+            cached), or None when the responses were not sampled here. Compared with the
+            learner's log-probs of the same tokens in ``rollout/logprob_mismatch``.
+
+    Every tensor lives on the device of the model that made or will score the rollout.
     """
 
     prompts: list[str]
@@ -49,6 +53,7 @@ class Rollout:
     response_mask: Tensor
     responses: list[str]
     ended: Tensor | None = None
+    sampler_logprobs: Tensor | None = None
 
     @property
     def input_ids(self) -> Tensor:
@@ -73,6 +78,7 @@ class Rollout:
             response_mask=self.response_mask[idx],
             responses=[self.responses[i] for i in rows],
             ended=self.ended[idx] if self.ended is not None else None,
+            sampler_logprobs=self.sampler_logprobs[idx] if self.sampler_logprobs is not None else None,
         )
 
 
@@ -115,8 +121,10 @@ def prompt_texts(tokenizer, prompts: Sequence[str]) -> list[str]:
     return texts
 
 
-def tokenize_prompts(tokenizer, prompts: list[str], max_prompt_tokens: int) -> tuple[Tensor, Tensor]:
-    """Left-padded prompt ids and mask, (B, P) each (of :func:`prompt_texts`: with
+def tokenize_prompts(
+    tokenizer, prompts: list[str], max_prompt_tokens: int, device: torch.device | str = "cpu"
+) -> tuple[Tensor, Tensor]:
+    """Left-padded prompt ids and mask, (B, P) each, on ``device`` (of :func:`prompt_texts`: with
     ``data.chat_template`` the chat-formatted prompts).
 
     Raises:
@@ -135,33 +143,38 @@ def tokenize_prompts(tokenizer, prompts: list[str], max_prompt_tokens: int) -> t
                 f"prompt {p[:60]!r} has {n} tokens > rollout.max_prompt_tokens={max_prompt_tokens}; "
                 "shorten it or raise rollout.max_prompt_tokens"
             )
-    return enc["input_ids"], enc["attention_mask"]
+    return enc["input_ids"].to(device), enc["attention_mask"].to(device)
 
 
-def sample_seeds(seed: int, step: int, indices: Sequence[int]) -> Tensor:
+def sample_seeds(seed: int, step: int, indices: Sequence[int]) -> list[int]:
     """One sampling seed per sample: a hash of (run seed, step, global sample index).
 
     A sample's random stream then depends only on which sample it is, not on how the step's
     batch is split over processes or generate calls (``tests/test_distributed.py``).
 
     Returns:
-        (len(indices),) long, each in [0, 2**63).
+        ``len(indices)`` Python ints, each in [0, 2**63) (host values: each seeds a generator on
+        the model's device).
     """
 
     def one(i: int) -> int:
         digest = hashlib.blake2b(f"tether:{seed}:{step}:{i}".encode(), digest_size=8).digest()
         return int.from_bytes(digest, "little") & (2**63 - 1)
 
-    return torch.tensor([one(int(i)) for i in indices], dtype=torch.long)
+    return [one(int(i)) for i in indices]
 
 
 def gumbel_noise(generators: list[torch.Generator], vocab_size: int) -> Tensor:
-    """(B, V) float64 i.i.d. Gumbel(0, 1) noise, row b drawn from ``generators[b]``.
+    """(B, V) float64 i.i.d. Gumbel(0, 1) noise, row b drawn from ``generators[b]`` on its device.
 
     ``g = -log(-log(u))`` with ``u ~ U[0, 1)`` in float64 (53-bit resolution: ``u == 0``, which
-    gives ``-inf``, has probability 2**-53 per draw, against 2**-24 in float32).
+    gives ``-inf``, has probability 2**-53 per draw, against 2**-24 in float32). Drawn where the
+    generators live, so on a GPU nothing crosses to the host (a float64 (64, 152k) draw per token
+    would be 78 MB).
     """
-    u = torch.stack([torch.rand(vocab_size, dtype=torch.float64, generator=g) for g in generators])
+    u = torch.stack(
+        [torch.rand(vocab_size, dtype=torch.float64, generator=g, device=g.device) for g in generators]
+    )
     return -torch.log(-torch.log(u))
 
 
@@ -173,16 +186,31 @@ class GumbelMaxSampler(LogitsProcessor):
     ``z = logits / temperature``: the temperature is applied once, in this processor, and nothing
     else touches the logits (greedy decoding adds no warper). Row ``b`` draws its noise from its
     own generator seeded with ``seeds[b]``, one vocabulary-sized draw per decoding step, so a row's
-    sample does not depend on the other rows of the batch.
+    sample does not depend on the other rows of the batch. The generators live on the logits'
+    device (CUDA's Philox or the CPU's Mersenne Twister: the same seed draws other samples on
+    another device, with the same distribution).
+
+    It also records, for each row and step, the log-probability of the token it chose under the
+    distribution it sampled from (:func:`tether.core.logprobs.logprobs_from_logits` of these
+    logits, float32): :attr:`logprobs`, the sampler's side of ``rollout/logprob_mismatch``.
     """
 
-    def __init__(self, seeds: Sequence[int], temperature: float):
-        self.generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
+    def __init__(self, seeds: Sequence[int], temperature: float, device: torch.device | str = "cpu"):
+        self.generators = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
         self.temperature = temperature
+        self.steps: list[Tensor] = []
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
         z = scores.to(torch.float64) / self.temperature  # (B, V)
-        return z + gumbel_noise(self.generators, scores.shape[-1]).to(z.device)
+        noisy = z + gumbel_noise(self.generators, scores.shape[-1])  # (B, V)
+        chosen = noisy.argmax(-1)  # (B,) what greedy decoding of ``noisy`` picks
+        self.steps.append(logprobs_from_logits(scores[:, None, :], chosen[:, None], self.temperature)[:, 0])
+        return noisy
+
+    @property
+    def logprobs(self) -> Tensor:
+        """(B, n_steps) float32 nats: the chosen tokens' log-probabilities, one column per step."""
+        return torch.stack(self.steps, dim=1)
 
 
 @torch.no_grad()
@@ -213,9 +241,10 @@ def generate(
     and generation starts from that cache; prompts shorter than
     :data:`tether.models.head.SHARED_PREFIX_MIN_POSITIONS` + 1 tokens are generated whole.
     """
-    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, max_prompt_tokens)
+    device = next(lm.parameters()).device
+    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, max_prompt_tokens, device)
     if seeds is None:
-        seeds = torch.randint(0, 2**62, (len(prompts),))
+        seeds = torch.randint(0, 2**62, (len(prompts),), device="cpu").tolist()  # host ints
     seeds = [int(s) for s in seeds]
     if len(seeds) != len(prompts):
         raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
@@ -236,13 +265,14 @@ def generate(
                 base, prompt_ids[:, :-1], prompt_mask[:, :-1], position_ids_from_mask(prompt_mask)[:, :-1]
             )
         cache = {cache_argument(getattr(base, base.base_model_prefix)): prefix}
+    sampler = GumbelMaxSampler(seeds, temperature, device)
     saved, lm.generation_config = lm.generation_config, gen
     try:
         out = lm.generate(
             input_ids=prompt_ids,
             attention_mask=prompt_mask,
             generation_config=gen,
-            logits_processor=LogitsProcessorList([GumbelMaxSampler(seeds, temperature)]),
+            logits_processor=LogitsProcessorList([sampler]),
             **cache,
         )
     finally:
@@ -258,6 +288,10 @@ def generate(
     ended = (
         ((response_ids == eos) & response_mask).any(-1)
         if eos is not None
-        else torch.zeros(len(prompts), dtype=torch.bool)
+        else torch.zeros(len(prompts), dtype=torch.bool, device=device)
     )
-    return Rollout(prompts, prompt_ids, prompt_mask, response_ids, response_mask, texts, ended)
+    # (B, R): a finished row's later columns hold the log-prob of a token the pad replaced; masked
+    sampler_logprobs = sampler.logprobs[:, : response_ids.shape[1]]
+    return Rollout(
+        prompts, prompt_ids, prompt_mask, response_ids, response_mask, texts, ended, sampler_logprobs
+    )

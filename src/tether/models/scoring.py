@@ -159,9 +159,10 @@ def policy_and_reference_logprobs(
     ref_lm, ref_hidden = (
         response_hidden(reference, rollout, policy.share_prefix) if reference is not None else (None, None)
     )
-    logprobs, entropy = torch.empty(B, R), torch.empty(B, R)
-    ref_logprobs = torch.empty(B, R) if reference is not None else None
-    exact = torch.empty(B, R) if exact_kl else None
+    device = tokens.device
+    logprobs, entropy = torch.empty(B, R, device=device), torch.empty(B, R, device=device)
+    ref_logprobs = torch.empty(B, R, device=device) if reference is not None else None
+    exact = torch.empty(B, R, device=device) if exact_kl else None
     for rows in head_row_slices(B, R, policy.head_chunk):
         z = (
             policy_logits[rows] if policy_logits is not None else head_logits(policy_lm, hidden[rows])
@@ -180,23 +181,28 @@ def policy_and_reference_logprobs(
 
 
 def rollout_from_responses(
-    tokenizer, prompts: list[str], responses: list[Tensor], max_prompt_tokens: int = 64
+    tokenizer,
+    prompts: list[str],
+    responses: list[Tensor],
+    max_prompt_tokens: int = 64,
+    device: torch.device | str = "cpu",
 ) -> Rollout:
-    """A :class:`Rollout` of given response token ids (e.g. DPO's chosen or rejected).
+    """A :class:`Rollout` of given response token ids (e.g. DPO's chosen or rejected), on ``device``.
 
     Args:
         prompts: B prompt strings.
         responses: B 1-D long tensors, each a response (ending with EOS if it ended there).
+        device: where the rollout's tensors go (the scoring model's device).
 
     Returns:
         Rollout with responses right-padded with the pad token and ``response_mask`` True on
         each response's own tokens.
     """
-    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, max_prompt_tokens)
+    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, max_prompt_tokens, device)
     R = max(1, max(len(r) for r in responses))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    ids = torch.full((len(responses), R), pad, dtype=torch.long)
-    mask = torch.zeros((len(responses), R), dtype=torch.bool)
+    ids = torch.full((len(responses), R), pad, dtype=torch.long, device=device)
+    mask = torch.zeros((len(responses), R), dtype=torch.bool, device=device)
     for i, r in enumerate(responses):
         ids[i, : len(r)] = r
         mask[i, : len(r)] = True

@@ -74,9 +74,27 @@ class ModelConfig:
     one copy of its keys and values, in generation, when scoring and in the update (policy and
     reference alike). The same numbers up to float rounding; not used when every row has its own
     prompt, nor for prompts under 17 tokens (``tether.models.head.SHARED_PREFIX_MIN_POSITIONS``), where
-    it does not pay."""
+    it does not pay. Off with ``gradient_checkpointing`` (transformers drops the key/value cache
+    in a checkpointed forward)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weights of policy and reference: ``auto`` is float32 on the CPU and bfloat16 on CUDA.
+    Whatever the weights, log-probabilities, the exact KL, entropy, values, rewards, advantages
+    and losses are float32 (one code path for policy, old and reference log-probs, so the step-0
+    KL is exactly 0 and the first ratio exactly 1 in bf16 too), and the optimizer steps float32
+    master copies of low-precision weights (docs/kl.md, "Precision"). float16 adds a dynamic loss
+    scale."""
+    gradient_checkpointing: bool = False
+    """Recompute each transformer block's activations in the backward instead of keeping them
+    (transformers' own, non-reentrant): the update's activation memory drops to about one block's,
+    for about one more forward of compute. The same gradients up to float rounding."""
 
     def __post_init__(self) -> None:
+        _check(
+            self.dtype in ("auto", "float32", "bfloat16", "float16"),
+            "model.dtype",
+            self.dtype,
+            "choose auto, float32, bfloat16 or float16",
+        )
         _check(self.head_chunk_size >= 1, "model.head_chunk_size", self.head_chunk_size, "must be >= 1")
         _check(
             self.trainable_layers is None or self.trainable_layers >= 0,
@@ -465,9 +483,16 @@ class TrainConfig:
     ``tether train --resume RUN_DIR``. Only the newest checkpoint is kept."""
     tensorboard: bool = False
     """Also write every metric as TensorBoard event files in <run>/tensorboard (needs tensorboard)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where models, tensors, sampling noise and reductions live: ``auto`` is CUDA when
+    ``torch.cuda.is_available()``, else the CPU. Under ``accelerate launch`` each process takes
+    its own GPU (NCCL), or the CPU (gloo)."""
 
     def __post_init__(self) -> None:
         _check(self.algo in ALGOS, "train.algo", self.algo, f"choose one of {list(ALGOS)}")
+        _check(
+            self.device in ("auto", "cpu", "cuda"), "train.device", self.device, "choose auto, cpu or cuda"
+        )
         _check(self.steps >= 1, "train.steps", self.steps, "must be >= 1")
         _check(self.sample_every >= 1, "train.sample_every", self.sample_every, "must be >= 1")
         _check(

@@ -33,7 +33,7 @@ from tether.models.reference import (
     make_reference,
 )
 from tether.models.sampling import prompt_texts, use_chat_template
-from tether.run.config import Config, check_world_size, dump_config
+from tether.run.config import Config, ConfigError, check_world_size, dump_config
 from tether.run.metrics import RunWriter
 
 log = logging.getLogger(__name__)
@@ -139,9 +139,10 @@ def check_full_precision(mixed_precision: str) -> None:
     ``ACCELERATE_MIXED_PRECISION``) before anything is written.
 
     ``accelerator.prepare`` would run the update's forward under bf16/fp16 autocast while the old
-    and reference log-probs come from the fp32 model: the seeds' precision mismatch (bf16 is
-    0.028 nats per token off fp32 on SmolLM2, docs/performance.md), so the first ratio is not 1
-    and the step-0 KL of the update's forward is not 0.
+    and reference log-probs come from the model without it: the seeds' precision mismatch (bf16
+    autocast is 0.028 nats per token off fp32 on SmolLM2, docs/performance.md), so the first
+    ratio is not 1 and the step-0 KL of the update's forward is not 0. Lower precision is
+    ``model.dtype``: the weights themselves, one path for every log-prob.
 
     Raises:
         ValueError: ``mixed_precision`` is not ``"no"``.
@@ -150,9 +151,42 @@ def check_full_precision(mixed_precision: str) -> None:
         raise ValueError(
             f"accelerate's mixed_precision={mixed_precision!r} (from `accelerate launch "
             "--mixed_precision` or ACCELERATE_MIXED_PRECISION): tether scores the old and reference "
-            "log-probs in fp32, so an autocast update would see a precision mismatch (a first ratio "
-            "!= 1); run with --mixed_precision no (or unset ACCELERATE_MIXED_PRECISION)"
+            "log-probs without autocast, so an autocast update would see a precision mismatch (a first "
+            "ratio != 1); run with --mixed_precision no (or unset ACCELERATE_MIXED_PRECISION) and set "
+            "the precision with model.dtype=bfloat16"
         )
+
+
+def resolve_device(name: str, cuda_available: bool | None = None) -> torch.device:
+    """The device of ``train.device``: ``auto`` is CUDA when it is available, else the CPU.
+
+    Under ``accelerate launch`` on GPUs each process then takes its own GPU (accelerate's
+    ``LOCAL_RANK``); this only decides CPU or CUDA.
+
+    Raises:
+        ConfigError: ``cuda`` on a machine where ``torch.cuda.is_available()`` is False.
+    """
+    cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
+    if name == "cuda" and not cuda:
+        raise ConfigError(
+            "train.device=cuda, but torch sees no CUDA device (torch.cuda.is_available() is False; "
+            f"torch {torch.__version__} is "
+            f"{'a CPU build' if torch.version.cuda is None else 'built for CUDA'}); "
+            "use train.device=auto or cpu, or install a CUDA build of torch on a machine with a GPU"
+        )
+    return torch.device("cuda" if name == "cuda" or (name == "auto" and cuda) else "cpu")
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""``model.dtype`` -> torch dtype (``auto``: :func:`resolve_dtype`)."""
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The weight dtype of ``model.dtype``: ``auto`` is bfloat16 on CUDA, float32 on the CPU
+    (CPUs without bf16 matrix units run bf16 slower than float32)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
 
 
 def build_run(config: Config, scorer: Scorer | None = None, resume: bool = False) -> Run:
@@ -163,8 +197,11 @@ def build_run(config: Config, scorer: Scorer | None = None, resume: bool = False
     """
     if config.train.threads:
         torch.set_num_threads(config.train.threads)
-    # tether's tensors live on the CPU; several processes talk over gloo (docs/distributed.md)
-    accelerator = Accelerator(cpu=True)
+    device = resolve_device(config.train.device)
+    # every tensor lives on the accelerator's device: this process's GPU (NCCL between processes)
+    # or the CPU (gloo); docs/distributed.md
+    accelerator = Accelerator(cpu=device.type == "cpu")
+    dtype = resolve_dtype(config.model.dtype, accelerator.device)
     check_full_precision(accelerator.mixed_precision)
     check_world_size(config, accelerator.num_processes)
     seed_everything(config.train.seed)
@@ -203,7 +240,7 @@ def build_run(config: Config, scorer: Scorer | None = None, resume: bool = False
             config.rollout.max_prompt_tokens,
             None if config.data.prompts == DEFAULT_PROMPTS else config.data.prompts,
         )
-        lm = load_causal_lm(path)
+        lm = load_causal_lm(path, dtype).to(accelerator.device)
         m = config.model
         if m.lora:  # a peft model: the policy trains adapters, the reference reuses its frozen base
             lm = add_lora(lm, m.lora_r, m.lora_alpha, m.lora_target_modules, m.adapter)
@@ -215,8 +252,16 @@ def build_run(config: Config, scorer: Scorer | None = None, resume: bool = False
             count_reference_forwards(reference, forwards)
         freeze_lower_layers(lm, config.model.trainable_layers)
         # rows share prompts only in groups; otherwise the prefix pass would be one trunk call more
-        share_prefix = config.model.share_prompt_prefix and config.rollout.group_size > 1
-        policy = PolicyWithValue(lm, head_chunk=config.model.head_chunk_size, share_prefix=share_prefix)
+        share_prefix = (
+            m.share_prompt_prefix and config.rollout.group_size > 1 and not m.gradient_checkpointing
+        )
+        policy = PolicyWithValue(
+            lm,
+            head_chunk=config.model.head_chunk_size,
+            share_prefix=share_prefix,
+            gradient_checkpointing=m.gradient_checkpointing,  # the policy's only: after the reference's copy
+        )
+        policy.value_head.to(accelerator.device)  # float32 whatever the LM's dtype
         if reference is not None:
             check_reference(policy, reference)
         return Run(

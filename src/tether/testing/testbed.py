@@ -139,9 +139,9 @@ def random_sequence_bed(
     """A sequence bed with a random reference table and a random reward table (fixed seed).
 
     ``ref_logits ~ ref_scale * N(0, 1)`` per entry and ``rewards ~ reward_scale * U(0, 1)`` per
-    sequence, drawn from ``torch.Generator().manual_seed(seed)`` in float64.
+    sequence, drawn from ``torch.Generator(device="cpu").manual_seed(seed)`` in float64.
     """
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device="cpu").manual_seed(seed)
     P = num_prefixes(vocab, length)
     ref = ref_scale * torch.randn(P, vocab, generator=g, dtype=F64)
     rewards = reward_scale * torch.rand(vocab**length, generator=g, dtype=F64)
@@ -600,7 +600,7 @@ def train_on_policy(
     s = settings
     _check_settings(s, group=algo != "ppo")
     V, T, B = bed.vocab, bed.length, s.batch_size
-    gen = torch.Generator().manual_seed(s.seed)
+    gen = torch.Generator(device="cpu").manual_seed(s.seed)
     table = bed.ref_logits.clone().to(F64).requires_grad_(True)  # start at pi = pi_ref
     params = [{"params": [table], "lr": s.lr}]
     values = None
@@ -787,7 +787,7 @@ def train_dpo(bed: TabularBed, beta: float, settings: TrainSettings = TrainSetti
     s = settings
     _check_settings(s, group=False)
     V, T, B = bed.vocab, bed.length, s.batch_size
-    gen = torch.Generator().manual_seed(s.seed)
+    gen = torch.Generator(device="cpu").manual_seed(s.seed)
     table = bed.ref_logits.clone().to(F64).requires_grad_(True)
     opt = torch.optim.Adam([table], lr=s.lr)
     ref_table = bed.ref_logits.to(F64)

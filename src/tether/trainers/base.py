@@ -35,7 +35,7 @@ from tether.core.controllers import (
     FixedKLController,
     make_controller,
 )
-from tether.core.kl import sequence_kl
+from tether.core.kl import kl_k3, sequence_kl
 from tether.core.leash import KLLeash
 from tether.data.prompts import PromptSampler
 from tether.judges.contract import checked_scores
@@ -80,7 +80,9 @@ class OnPolicyTrainer:
         # processes; sampling and no-grad scoring use the bare run.policy
         self.model = run.accelerator.prepare(run.policy) if run.accelerator and self.params else run.policy
         self.optimizer = make_optimizer(self.params, c.optim.lr, c.optim.weight_decay, c.optim.fused_adamw)
-        self.generator = torch.Generator().manual_seed(c.train.seed)
+        self.device = next(run.policy.parameters()).device
+        # the minibatch RNG stays on the host: the same minibatches on any device (checkpointed)
+        self.generator = torch.Generator(device="cpu").manual_seed(c.train.seed)
         self.last_experience: Experience | None = None
         # one update on the whole batch with no value head and no KL in the reward: the policy's
         # old log-probs are those of the update's own forward (optim.reuse_forward)
@@ -123,7 +125,9 @@ class OnPolicyTrainer:
         )
         t_gen = time.perf_counter()
         # 3. score responses with the reward model
-        scores = torch.tensor(checked_scores(run.scorer, rollout.responses, step, rollout.prompts))
+        scores = torch.tensor(
+            checked_scores(run.scorer, rollout.responses, step, rollout.prompts), device=self.device
+        )  # (B,)
         # 4. old log-probs (+ values) and reference log-probs, no grad
         #    (in one pass, optim.reuse_forward: the update's own forward, whose graph step 7 reuses)
         minibatches = self.minibatch_indices()
@@ -278,7 +282,7 @@ class OnPolicyTrainer:
         """This process's rows of each minibatch of an epoch (the same minibatches for any number
         of processes, see :func:`tether.core.distributed.stratified_minibatches`)."""
         return D.stratified_minibatches(
-            self.cfg.rollout.batch_size, self.cfg.optim.minibatch_size, self.generator
+            self.cfg.rollout.batch_size, self.cfg.optim.minibatch_size, self.generator, device=self.device
         )
 
     def epoch_minibatches(self, exp: Experience) -> Iterator[Tensor]:
@@ -327,6 +331,7 @@ class OnPolicyTrainer:
                 forwards.exact_kl,
                 kl_coef,
                 self.cfg.kl.estimator,
+                forwards.old_logprobs,
             ),
             "kl/applied_in_reward": self.leash.counts["reward"],
             "kl/applied_in_loss": self.leash.counts["loss"],
@@ -344,8 +349,9 @@ def sample_metrics(
     exact_kl: Tensor | None,
     kl_coef: float,
     estimator: str,
+    logprobs: Tensor | None = None,
 ) -> dict:
-    """The ``objective/*`` and ``response/*`` metrics of a batch of the policy's samples.
+    """The ``objective/*``, ``response/*`` and ``rollout/*`` metrics of a batch of the policy's samples.
 
     Every value is over the global batch (all processes): per-token values are token-weighted
     means, per-sequence values means over sequences, the score's spread the global standard
@@ -359,6 +365,12 @@ def sample_metrics(
         exact_kl: (B, R) exact per-token KL, or None.
         kl_coef: beta of this step.
         estimator: name of the estimator behind ``kl``.
+        logprobs: (B, R) the learner's log-probs of the samples (the old log-probs the update's
+            ratio starts from), nats. With the sampler's own (``rollout.sampler_logprobs``) they
+            give ``rollout/logprob_mismatch``: the k3 estimate of KL(sampler || learner) on the
+            sampled tokens, nats per token (0 when both compute the same numbers; the seeds'
+            "precision mismatch" bug made visible), and ``rollout/logprob_diff_max``, the largest
+            ``|sampler - learner|`` log-prob difference of any valid token.
     """
     mask = rollout.response_mask
     # the objective's two terms per sequence, whatever the placement: J = score - beta * KL
@@ -383,6 +395,11 @@ def sample_metrics(
     if exact_kl is not None:
         row["objective/kl_exact"] = D.sequence_mean(sequence_kl(exact_kl, mask))
         row["objective/kl_exact_per_token"] = D.token_mean(exact_kl, mask)
+    if logprobs is not None and rollout.sampler_logprobs is not None:
+        sampler = rollout.sampler_logprobs  # (B, R) the distribution the tokens were drawn from
+        row["rollout/logprob_mismatch"] = D.token_mean(kl_k3(sampler, logprobs), mask)
+        diff = torch.where(mask, (sampler - logprobs).abs(), torch.zeros_like(sampler))  # (B, R)
+        row["rollout/logprob_diff_max"] = D.all_reduce_max(diff.max() if diff.numel() else diff.sum())
     return row
 
 

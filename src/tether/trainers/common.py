@@ -9,18 +9,24 @@ from torch import Tensor, nn
 
 from tether.models.sampling import Rollout
 from tether.models.scoring import TokenStats, policy_and_reference_logprobs, rollout_logprobs
+from tether.trainers.precision import MasterWeights
 
 # the update loop's pieces live in tether.trainers.update (torch only, shared with the test bed)
 
 
-def make_optimizer(params: list, lr: float, weight_decay: float, fused: bool = True) -> torch.optim.AdamW:
+def make_optimizer(params: list, lr: float, weight_decay: float, fused: bool = True) -> MasterWeights:
     """AdamW (Loshchilov & Hutter 2019) over ``params``; torch's fused kernel when ``fused``.
 
-    The fused kernel updates each weight, its gradient and both moments in one pass (CPU and
-    CUDA); it falls back to the per-tensor loop where a parameter's device has no fused kernel.
+    Wrapped in :class:`tether.trainers.precision.MasterWeights`: AdamW steps float32 masters of
+    bfloat16 or float16 weights (float32 weights are their own masters, plain AdamW). The fused
+    kernel updates each weight, its gradient and both moments in one pass (CPU and CUDA); it
+    falls back to the per-tensor loop where a parameter's device has no fused kernel.
     """
     fused = fused and all(p.device.type in ("cpu", "cuda") for p in params)
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused or None)
+    return MasterWeights(
+        params,
+        lambda masters: torch.optim.AdamW(masters, lr=lr, weight_decay=weight_decay, fused=fused or None),
+    )
 
 
 @dataclass
@@ -65,7 +71,8 @@ def old_and_ref_logprobs(
     exact_kl = exact_kl and reference is not None
     if reuse_forward_of is not None and len(row_chunks) != 1:
         raise ValueError(f"reuse_forward_of needs one row group, got {len(row_chunks)}")
-    out = {k: torch.zeros(B, R) for k in ("old", "ref", "values", "entropy", "exact")}
+    device = rollout.response_ids.device
+    out = {k: torch.zeros(B, R, device=device) for k in ("old", "ref", "values", "entropy", "exact")}
     update_forward = policy_logits = None
     for idx in row_chunks:
         part = rollout.select(idx)

@@ -109,7 +109,11 @@ def read_pair_file(path: str | Path, tokenizer) -> tuple[list[str], list[Tensor]
         prompts.append(obj["prompt"])
         for text, out in ((obj["chosen"], chosen), (obj["rejected"], rejected)):
             out.append(
-                torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"] + eos, dtype=torch.long)
+                torch.tensor(
+                    tokenizer(text, add_special_tokens=False)["input_ids"] + eos,
+                    dtype=torch.long,
+                    device="cpu",
+                )
             )
     if not prompts:
         raise ValueError(f"dpo.pairs: {path} holds no pairs")
@@ -135,7 +139,9 @@ class DPOTrainer:
             run.accelerator.prepare(run.policy) if run.accelerator else run.policy
         )  # DDP under accelerate
         self.optimizer = make_optimizer(self.params, c.optim.lr, c.optim.weight_decay, c.optim.fused_adamw)
-        self.generator = torch.Generator().manual_seed(c.train.seed)
+        self.device = next(run.policy.parameters()).device
+        # the pair-order RNG stays on the host: the same order on any device (checkpointed)
+        self.generator = torch.Generator(device="cpu").manual_seed(c.train.seed)
         self.pairs = self.build_pairs()
         self.position = 0
         self.last_experience: Experience | None = None
@@ -176,8 +182,8 @@ class DPOTrainer:
             )
             tried += per_call
             scores = torch.tensor(
-                checked_scores(run.scorer, ro.responses, "DPO pair sampling", ro.prompts)
-            ).view(-1, k)
+                checked_scores(run.scorer, ro.responses, "DPO pair sampling", ro.prompts), device="cpu"
+            ).view(-1, k)  # (prompts, k), read on the host one by one
             for g, prompt in enumerate(batch):
                 best, worst = int(scores[g].argmax()), int(scores[g].argmin())
                 if scores[g, best] == scores[g, worst]:
@@ -192,7 +198,7 @@ class DPOTrainer:
 
     def sequence_logps(self, model, prompts: list[str], responses: list[Tensor]) -> Tensor:
         ro = rollout_from_responses(
-            self.run.tokenizer, prompts, responses, self.cfg.rollout.max_prompt_tokens
+            self.run.tokenizer, prompts, responses, self.cfg.rollout.max_prompt_tokens, self.device
         )
         lp = rollout_logprobs(
             model,
@@ -239,7 +245,7 @@ class DPOTrainer:
         order; each epoch permutes ``batch`` (pair indices) with the trainer's generator when it
         starts."""
         for _ in range(self.cfg.optim.epochs):
-            perm = batch[torch.randperm(len(batch), generator=self.generator)]
+            perm = batch[torch.randperm(len(batch), generator=self.generator, device="cpu")]
             for minibatch in perm.split(self.cfg.optim.minibatch_size):
                 yield minibatch[D.shard(len(minibatch))]
 
@@ -261,7 +267,7 @@ class DPOTrainer:
         t0 = time.perf_counter()
         # 1. the next batch of pairs (cycling)
         N, B = len(P.prompts), c.rollout.batch_size
-        batch = torch.tensor([(self.position + i) % N for i in range(min(B, N))])
+        batch = torch.tensor([(self.position + i) % N for i in range(min(B, N))], device="cpu")  # pair ids
         self.position = (self.position + len(batch)) % N
         # 2. DPO epochs; this process takes a contiguous 1 / world of each minibatch. The loss is a
         #    mean over pairs: scaled by this process's share of the pairs (and by world, as DDP
@@ -321,7 +327,7 @@ class DPOTrainer:
         )
         mask = ro.response_mask
         kl = estimate_kl(pol.logprobs, ref.logprobs, c.kl.estimator)
-        scores = torch.tensor(checked_scores(run.scorer, ro.responses, step, ro.prompts))
+        scores = torch.tensor(checked_scores(run.scorer, ro.responses, step, ro.prompts), device=self.device)
         shaped = shape_rewards(scores, kl, c.dpo.beta, mask)
         self.last_experience = Experience(
             ro,
@@ -337,4 +343,4 @@ class DPOTrainer:
             [],
         )
         # beta is DPO's leash; the row's objective/kl_coef is set by the caller to the same beta
-        return sample_metrics(ro, scores, kl, pol.entropy, exact, c.dpo.beta, c.kl.estimator)
+        return sample_metrics(ro, scores, kl, pol.entropy, exact, c.dpo.beta, c.kl.estimator, pol.logprobs)

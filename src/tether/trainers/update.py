@@ -20,6 +20,7 @@ whole minibatch; DDP averages gradients over processes, hence the extra factor `
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import nullcontext
 from functools import partial
@@ -29,10 +30,13 @@ import torch
 from torch import Tensor
 
 from tether.core import distributed as D
+from tether.trainers.precision import MasterWeights
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
     from torch import nn
+
+log = logging.getLogger(__name__)
 
 
 class MicroLoss(NamedTuple):
@@ -69,7 +73,7 @@ class UpdateStats(NamedTuple):
 
 
 def optimizer_step(
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | MasterWeights,
     params: list,
     loss: Tensor | Sequence[Callable[[], Tensor]],
     max_grad_norm: float,
@@ -87,25 +91,44 @@ def optimizer_step(
     clips and steps with the same gradient; with micro-batches only the last one all-reduces
     (``accelerator.no_sync(model)`` around the others).
 
+    With a :class:`tether.trainers.precision.MasterWeights` optimizer (low-precision weights) the
+    loss is multiplied by its loss scale, the gradients move to the float32 masters (after every
+    micro-batch in one process, after the last under DDP), and the norm is that of the float32
+    gradients; a float16 step whose gradients overflow is skipped and its loss scale halved.
+
     Raises:
         FloatingPointError: the gradient norm is NaN or inf (the step is not taken, so the
             weights and the last checkpoint stay good).
     """
+    master = optimizer if isinstance(optimizer, MasterWeights) else None
+    scale = master.loss_scale if master is not None else 1.0
+    distributed = accelerator is not None and accelerator.num_processes > 1
     optimizer.zero_grad(set_to_none=True)
     parts = [lambda: loss] if torch.is_tensor(loss) else list(loss)
     for i, part in enumerate(parts):
         defer = accelerator is not None and model is not None and i < len(parts) - 1
         with accelerator.no_sync(model) if defer else nullcontext():
             last = part()
+            scaled = last * scale if scale != 1.0 else last
             if accelerator is None:
-                last.backward()
+                scaled.backward()
             else:
-                accelerator.backward(last)
+                accelerator.backward(scaled)
+        if master is not None and (not distributed or i == len(parts) - 1):
+            master.accumulate()  # float32 sums; under DDP after the all-reduce of the last one
+    clipped = master.masters if master is not None else params
     if accelerator is None:
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm, foreach=True)
+        grad_norm = torch.nn.utils.clip_grad_norm_(clipped, max_grad_norm, foreach=True)
     else:
-        grad_norm = accelerator.clip_grad_norm_(params, max_grad_norm)
+        grad_norm = accelerator.clip_grad_norm_(clipped, max_grad_norm)
     if not torch.isfinite(grad_norm):
+        if master is not None and master.overflowed():
+            log.warning(
+                "tether: float16 gradients overflowed in the %s update; step skipped, loss scale now %g",
+                name,
+                master.loss_scale,
+            )
+            return grad_norm
         raise FloatingPointError(
             f"non-finite gradient norm {float(grad_norm)} in the {name} update "
             f"(loss {float(last.detach())}); stopping before the weights change"
@@ -218,7 +241,8 @@ def minibatch_update(
             # before any update the ratio must be exactly 1 (same inputs, same weights)
             first_dev = float(D.all_reduce_max(torch.stack(devs).max()))
     keys = sorted(weighted)
-    totals = D.all_reduce_sum(torch.tensor([weighted[k] for k in keys], dtype=torch.float64))
+    host = torch.tensor([weighted[k] for k in keys], dtype=torch.float64, device="cpu")  # Python floats
+    totals = D.all_reduce_sum(host)
     stats = {k: float(t) / len(grad_norms) for k, t in zip(keys, totals)}
     # after the backward the gradients are the same on every process, and so is their norm
     return UpdateStats(stats, sum(grad_norms) / len(grad_norms), first_dev)
