@@ -123,6 +123,20 @@ def broken_scorer(texts: list[str]) -> list[float]:
     raise KeyError("scorer service down")
 
 
+def answer_checker(prompts: list, completions: list[str], answer: list[str], **kwargs) -> list[float]:
+    """A verifiable-reward function: each row's ``answer`` column must be that of its own prompt
+    (``"ans:" + prompt``), whatever groups and shards did to the order; scores the length."""
+    for p, a in zip(prompts, answer):
+        if a != f"ans:{p}":
+            raise AssertionError(f"answer {a!r} came with prompt {p!r}")
+    return [len(c) / 10 for c in completions]
+
+
+def sometimes_none(completions: list[str]) -> list:
+    """A reward that applies to even-length completions only (None for the others, as in TRL)."""
+    return [1.0 if len(c) % 2 == 0 else None for c in completions]
+
+
 def prompt_length_scorer(prompts: list[str], completions: list[str], **kwargs) -> list[float]:
     """A TRL-style reward function (prompts and completions by name): the prompt's length / 10."""
     assert len(prompts) == len(completions)
@@ -144,6 +158,8 @@ TIERS = {
         "test_guards",
         "test_bad_inputs",
         "test_dpo",
+        "test_hub",
+        "test_data",
     },
     # the real SmolLM2-135M, ICWSM prompts and MiniLM judge (also marked `slow`)
     "real": {"test_integration", "test_reward_model"},
@@ -165,3 +181,37 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         module = item.module.__name__.rpartition(".")[2]
         item.add_marker(getattr(pytest.mark, tier_of.get(module, "unit")))
+
+
+try:
+    from accelerate.tracking import GeneralTracker
+except ImportError:  # pragma: no cover
+    GeneralTracker = object
+
+
+class RecordingTracker(GeneralTracker):
+    """A fake accelerate tracker (``train.report_to=tests.conftest:RecordingTracker``) that keeps
+    what it gets, in class attributes so that a test can read them after the run."""
+
+    name = "recording"
+    requires_logging_directory = False
+    config: dict = {}
+    rows: list = []
+    tables: list = []
+    finished = False
+
+    @property
+    def tracker(self):
+        return self
+
+    def store_init_configuration(self, values: dict) -> None:
+        RecordingTracker.config = dict(values)
+
+    def log(self, values: dict, step=None, **kwargs) -> None:
+        RecordingTracker.rows.append((step, dict(values)))
+
+    def log_table(self, table_name, columns=None, data=None, dataframe=None, step=None, **kwargs) -> None:
+        RecordingTracker.tables.append((table_name, step, list(columns), [list(r) for r in data]))
+
+    def finish(self) -> None:
+        RecordingTracker.finished = True

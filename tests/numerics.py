@@ -30,6 +30,7 @@ EXACT = {
     "kl/applied_in_reward",
     "kl/applied_in_loss",
     "kl/reference_forwards",
+    "optim/lr",
 }
 """Same samples or same counts: compared with ==."""
 

@@ -109,3 +109,36 @@ def test_a_leashed_run_has_no_warning():
         assert load_config(None, [f"train.algo={algo}", "kl.horizon=140"]).placement.warnings == []
     # the budget controller raises beta from 0: a leash, no warning
     assert load_config(None, ["kl.kl_coef=0", "kl.controller=budget"]).placement.warnings == []
+
+
+def test_tether_config_lists_every_field_of_the_dataclasses(capsys):
+    """`tether config` reads the dataclasses: one entry per field of every section, each with a doc."""
+    import dataclasses
+    import typing
+
+    from tether.cli import main
+    from tether.run.config import Config
+
+    sections = typing.get_type_hints(Config)
+    want = [f"{s}.{f.name}" for s in sections for f in dataclasses.fields(sections[s])]
+    assert main(["config"]) == 0
+    out = capsys.readouterr().out
+    listed = [line.split(":")[0] for line in out.splitlines() if not line.startswith(" ")]
+    assert listed == want and len(want) > 80
+    docs = [line for line in out.splitlines() if line.startswith("    ")]
+    assert len(docs) == len(want) and all(len(d.strip()) > 10 for d in docs)
+    assert "kl.kl_coef: float = 0.05 [reward units per nat]" in out
+    assert main(["config", "kl"]) == 0
+    assert all(line.startswith(("kl.", " ")) for line in capsys.readouterr().out.splitlines())
+    assert main(["config", "nope"]) == 2 and "choose one of" in capsys.readouterr().err
+
+
+def test_print_config_prints_the_resolved_config_and_loads_nothing(capsys):
+    import yaml
+
+    from tether.cli import main
+
+    assert main(["train", "--print-config", "train.algo=grpo", "model.name=/nowhere"]) == 0
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    assert cfg["model"]["name"] == "/nowhere"  # not loaded
+    assert cfg["kl"]["kl_in_loss"] is True and cfg["rollout"]["group_size"] == 4  # GRPO's defaults

@@ -369,3 +369,18 @@ def test_two_processes_train_in_bf16_with_float32_masters(tiny_tokenizer, prompt
     rows = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["objective/kl"] == 0.0 and rows[0]["objective/kl_exact"] == 0.0
     assert rows[1]["objective/kl_exact"] > 0.0
+
+
+def test_two_processes_hand_each_reward_call_its_own_rows_answers(tiny_tokenizer, tmp_path):
+    """GRPO, G = 4, 2 processes: each process scores its contiguous shard, and the reward function
+    (tests.conftest:answer_checker, which raises on a misaligned row) gets every row's own answer."""
+    rows = [
+        {"prompt": f"the movie number {i} was", "answer": f"ans:the movie number {i} was"} for i in range(40)
+    ]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    model = _eos_model_dir(tiny_tokenizer, tmp_path / "model")
+    args = [a for a in _args(model, data, tmp_path / "two", "grpo") if not a.startswith("rollout.group_size")]
+    log = _launch(args + ["rollout.group_size=4", "reward.scorer=tests.conftest:answer_checker"], 2)
+    assert "2 processes (data parallel)" in log
+    assert (tmp_path / "two" / "metrics.jsonl").read_text().count("\n") == 1

@@ -205,3 +205,37 @@ def test_chat_template_run_shows_prompts_as_written(tiny_model_dir, prompt_file,
     # without a template in the model's tokenizer: a clear error, and no run folder left behind
     assert main(_tiny_args(tiny_model_dir, prompt_file, tmp_path / "r2") + ["data.chat_template=true"]) == 1
     assert not (tmp_path / "r2").exists()
+
+
+def test_any_end_id_ends_a_response():
+    """End ids {0, 7}: tokens [5, 6, 7, 3, 0] count up to and including the 7, the first end
+    token; an EOS-only mask counts all five, up to and including the 0, and sampling would go on
+    past the end of the turn (trl PR #7039)."""
+    from tether.core.logprobs import response_mask_from_tokens
+
+    tokens = torch.tensor([[5, 6, 7, 3, 0], [5, 6, 3, 0, 7], [1, 2, 3, 4, 5]])
+    assert response_mask_from_tokens(tokens, [0, 7]).int().tolist() == [
+        [1, 1, 1, 0, 0],
+        [1, 1, 1, 1, 0],
+        [1, 1, 1, 1, 1],  # no end token: cut at the length cap, all counted
+    ]
+    assert response_mask_from_tokens(tokens[:1], 0).int().tolist() == [[1, 1, 1, 1, 1]]
+
+
+def test_generation_stops_at_an_end_of_turn_id_of_the_generation_config(tiny_tokenizer, tiny_lm):
+    """The model's generation_config lists an end-of-turn id beside the tokenizer's EOS: sampling
+    stops there and the mask ends there. The id is the token each row drew first with these seeds,
+    so with it every response is that one token, and it counts as ended."""
+    from tether.models.sampling import end_token_ids, generate, sample_seeds
+
+    prompts = ["the movie was", "a terrible boring film", "i loved"]
+    seeds = sample_seeds(0, 0, range(3))
+    plain = generate(tiny_lm, tiny_tokenizer, prompts, 6, 1.0, seeds=seeds)
+    first = plain.response_ids[:, 0].tolist()
+    assert plain.response_mask.sum(-1).tolist() != [1, 1, 1]  # the test needs longer responses
+    eos = tiny_tokenizer.eos_token_id
+    tiny_lm.generation_config.eos_token_id = [eos, *first]
+    assert end_token_ids(tiny_tokenizer, tiny_lm) == list(dict.fromkeys([eos, *first]))
+    turn = generate(tiny_lm, tiny_tokenizer, prompts, 6, 1.0, seeds=seeds)
+    assert turn.response_mask.sum(-1).tolist() == [1, 1, 1]
+    assert turn.ended.tolist() == [True, True, True] and turn.responses == ["", "", ""]

@@ -1,4 +1,4 @@
-"""Command line: ``tether train [--config FILE.yaml] [section.field=value ...]``."""
+"""Command line: ``tether train [--config FILE.yaml] [section.field=value ...]``, ``tether config``."""
 
 from __future__ import annotations
 
@@ -23,7 +23,19 @@ def _parser() -> argparse.ArgumentParser:
         metavar="RUN_DIR",
         help="continue RUN_DIR from its last checkpoint (its config.yaml; overrides may extend train.steps)",
     )
+    t.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved config (YAML, per-trainer defaults filled in) and exit; nothing is loaded",
+    )
     t.add_argument("overrides", nargs="*", help="section.field=value")
+    cf = sub.add_parser(
+        "config",
+        help="list every config field: type, default, unit and what it does",
+        description="Read from the config dataclasses (src/tether/run/config.py), where each field is "
+        "documented once.",
+    )
+    cf.add_argument("section", nargs="?", help="one section only (model, data, kl, ...)")
     fr = sub.add_parser(
         "frontier",
         help="sweep runs and best-of-N; plot proxy and gold score against KL",
@@ -84,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from tether.run.config import ConfigError, load_config
 
+    if args.command == "config":
+        return _list_config(args.section)
     overrides = list(args.overrides)
     if args.command == "frontier":  # short runs with periodic held-out evaluation, unless overridden
         overrides = [
@@ -114,6 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as e:
         print(f"tether: config error: {e}", file=sys.stderr)
         return 2
+    if getattr(args, "print_config", False):
+        import yaml
+
+        print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
+        return 0
     try:
         if args.command == "train":
             from tether.training import Interrupted, train
@@ -142,6 +161,21 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, FileExistsError, RuntimeError, FloatingPointError) as e:
         print(f"tether: error: {e}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _list_config(section: str | None) -> int:
+    """``tether config [SECTION]``: each field, its type and default, its unit, its doc's first sentence."""
+    from tether.run.config import ConfigError, config_fields
+
+    try:
+        fields = config_fields(section)
+    except ConfigError as e:
+        print(f"tether: config error: {e}", file=sys.stderr)
+        return 2
+    for f in fields:
+        unit = f" [{f.unit}]" if f.unit else ""
+        print(f"{f.name}: {f.type} = {f.default!r}{unit}\n    {f.doc}")
     return 0
 
 

@@ -87,7 +87,13 @@ class Evaluator:
 
 
 def train(
-    config: Config, scorer: Scorer | None = None, judge: Scorer | None = None, resume: bool = False
+    config: Config,
+    scorer: Scorer | None = None,
+    judge: Scorer | None = None,
+    resume: bool = False,
+    model=None,
+    tokenizer=None,
+    train_dataset=None,
 ) -> Path:
     """Run ``config`` end to end (or continue it from its last checkpoint); returns the run directory.
 
@@ -99,6 +105,11 @@ def train(
     ``warnings.jsonl`` (health alarms), ``training.png``, ``score_vs_kl.png``, ``checkpoints/``
     and ``policy/``.
 
+    Objects may stand in for names (TRL's way): ``scorer`` (a callable, or a list of them is given
+    as ``config.reward.scorer``), ``model`` and ``tokenizer`` (instead of ``model.name``),
+    ``train_dataset`` (a ``datasets.Dataset``, row dicts or prompts, instead of ``data.prompts``);
+    see :func:`tether.run.setup.build_run`.
+
     Raises:
         Interrupted: after Ctrl-C or SIGTERM, once a checkpoint is written.
         RuntimeError: on resume, the reference no longer matches its recorded fingerprint.
@@ -107,7 +118,9 @@ def train(
     c = config
     if judge is None and c.eval.judge != "none" and (c.eval.n_prompts or c.eval.every):
         judge = make_scorer(c.eval.judge)  # before the model loads: a bad judge fails fast
-    run = build_run(config, scorer, resume=resume)
+    run = build_run(
+        config, scorer, resume=resume, model=model, tokenizer=tokenizer, train_dataset=train_dataset
+    )
     try:
         return _train(run, judge, resume, t_start)
     except BaseException:
@@ -148,6 +161,9 @@ def _train(run: Run, judge: Scorer | None, resume: bool, t_start: float) -> Path
             show,
         )
     tb = _tensorboard(w.run_dir) if c.train.tensorboard else None
+    if run.accelerator is not None and run.accelerator.log_with:  # train.report_to
+        run.accelerator.project_configuration.set_directories(str(w.run_dir))
+        run.accelerator.init_trackers("tether", config=flat_config(c))
 
     before = _reference_eval(evaluator, w.run_dir, show) if D.is_main() else None
     D.barrier()
@@ -233,6 +249,9 @@ def _log_step(
         for k, v in w.history[-1].items():
             if isinstance(v, (int, float)) and k != "step":
                 tb.add_scalar(k, v, step)
+    if run.accelerator is not None and run.accelerator.log_with:  # every row to every tracker
+        numbers = {k: v for k, v in w.history[-1].items() if isinstance(v, (int, float)) and k != "step"}
+        run.accelerator.log(numbers, step=step)
     bar.set_postfix(
         {
             k: f"{row[key]:.3f}"
@@ -252,15 +271,18 @@ def _log_step(
         )
     if rows is not None:
         if "gold" in evaluator.scorers:
+            names = list(rows[0].get("columns", {}))
             golds = checked_scores(
                 evaluator.scorers["gold"],
                 [r["response"] for r in rows],
                 f"step {step} samples (gold judge)",
                 [r["prompt"] for r in rows],
+                {k: [r["columns"][k] for r in rows] for k in names},
             )
             for r, g in zip(rows, golds):
                 r["gold"] = float(g)
         w.samples(step, rows)
+        _log_sample_table(run, step, rows)
         _say(f"\nstep {step}\n" + sample_table(rows[:4]), show)
     return early
 
@@ -355,6 +377,8 @@ def _final_eval_and_plots(
     plot_score_vs_kl(w.history, w.run_dir / "score_vs_kl.png", evals)
     if tb is not None:
         tb.close()
+    if run.accelerator is not None and run.accelerator.log_with:
+        run.accelerator.end_training()
     if c.train.save_model:
         save_policy(run.policy, run.tokenizer, w.run_dir / "policy")
     if monitor.fired:
@@ -485,6 +509,32 @@ def _reference_eval(evaluator: Evaluator, run_dir: Path, show: bool):
     return before
 
 
+def flat_config(c: Config) -> dict:
+    """The config as ``section.field`` -> bool, int, float, str (lists and None as text), what
+    trackers take as hyperparameters."""
+    flat = {}
+    for section, fields in c.to_dict().items():
+        for name, v in fields.items():
+            flat[f"{section}.{name}"] = v if isinstance(v, (bool, int, float, str)) else str(v)
+    return flat
+
+
+SAMPLE_COLUMNS = ("prompt", "response", "score", "kl", "reward", "gold")
+
+
+def _log_sample_table(run: Run, step: int, rows: list[dict]) -> None:
+    """The step's samples to every tracker that takes tables (wandb, clearml, a custom one with
+    ``log_table``)."""
+    if run.accelerator is None or not run.accelerator.log_with:
+        return
+    columns = [k for k in SAMPLE_COLUMNS if k in rows[0]]
+    plain = (int, float, str, type(None))
+    data = [[r[k] if isinstance(r[k], plain) else json.dumps(r[k]) for k in columns] for r in rows]
+    for tracker in run.accelerator.trackers:
+        if hasattr(tracker, "log_table"):
+            tracker.log_table("samples", columns=columns, data=data, step=step)
+
+
 def _tensorboard(run_dir: Path):
     try:
         from torch.utils.tensorboard import SummaryWriter
@@ -502,10 +552,14 @@ def sample_rows(exp) -> list[dict]:
         sequence_kl(exp.kl, mask).tolist() if exp.kl is not None else [None] * len(mask)
     )  # None: no reference
     rew_seq = masked_sum(exp.rewards, mask, dim=-1)
-    return [
+    rows = [
         {"prompt": p, "response": r, "score": float(s), "kl": k, "reward": float(rw)}
         for p, r, s, k, rw in zip(exp.rollout.prompts, exp.rollout.responses, exp.scores, kl_seq, rew_seq)
     ]
+    for i, row in enumerate(rows):  # the row's other dataset columns travel with it
+        if exp.rollout.columns:
+            row["columns"] = {k: v[i] for k, v in exp.rollout.columns.items()}
+    return rows
 
 
 def save_policy(policy, tokenizer, out: Path) -> None:

@@ -64,9 +64,11 @@ def best_of_n_points(
     c = config
     _, held = load_prompts(c)
     prompts = held[:n_prompts]
-    path = resolve_model_path(c.model.name)
+    path = resolve_model_path(c.model.name, c.model.revision)
     device = resolve_device(c.train.device)  # the run's device and weight dtype
-    tok, lm = load_tokenizer(path), load_causal_lm(path, resolve_dtype(c.model.dtype, device)).to(device)
+    trust = c.model.trust_remote_code
+    tok = load_tokenizer(path, trust)
+    lm = load_causal_lm(path, resolve_dtype(c.model.dtype, device), trust).to(device)
     if c.data.chat_template:
         use_chat_template(tok)
     m = max(ns)
@@ -75,24 +77,26 @@ def best_of_n_points(
         torch.manual_seed(c.eval.seed)
         per = max(1, c.eval.batch_size // m)
         for i in range(0, len(prompts), per):
-            batch = [p for p in prompts[i : i + per] for _ in range(m)]
+            batch = prompts.select([j for j in range(i, min(i + per, len(prompts))) for _ in range(m)])
             with torch.no_grad():
                 ro = generate(
                     lm,
                     tok,
-                    batch,
+                    batch.prompts,
                     c.rollout.max_new_tokens,
                     c.rollout.temperature,
                     c.rollout.max_prompt_tokens,
                 )
             P.append(
                 torch.tensor(
-                    checked_scores(proxy, ro.responses, "best-of-N (proxy)", ro.prompts), device="cpu"
+                    checked_scores(proxy, ro.responses, "best-of-N (proxy)", ro.prompts, batch.columns),
+                    device="cpu",
                 ).view(-1, m)
             )
             G.append(
                 torch.tensor(
-                    checked_scores(gold, ro.responses, "best-of-N (gold)", ro.prompts), device="cpu"
+                    checked_scores(gold, ro.responses, "best-of-N (gold)", ro.prompts, batch.columns),
+                    device="cpu",
                 ).view(-1, m)
             )
     proxy_t, gold_t = torch.cat(P), torch.cat(G)
@@ -150,7 +154,7 @@ def frontier(
         raise ValueError("tether frontier plots a gold score: eval.judge cannot be none (default minilm-rm)")
     configs = sweep_configs(base, sweep, out)  # every run's config checked before anything runs
     out.mkdir(parents=True, exist_ok=True)
-    proxy, gold = make_scorer(base.reward.scorer), make_scorer(base.eval.judge)
+    proxy, gold = make_scorer(base.reward.scorer, base.reward.weights), make_scorer(base.eval.judge)
     # the same held-out prompts as the runs' periodic evaluations, so both share one baseline
     points = best_of_n_points(base, proxy, gold, ns, bon_prompts or base.eval.periodic_prompts)
     ref_proxy, ref_gold = points[0]["proxy"], points[0]["gold"]  # N = 1 is the reference

@@ -7,6 +7,8 @@ precision (two of the seeds' common bugs).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -78,27 +80,31 @@ def entropy_from_logits(logits: Tensor, temperature: float = 1.0, chunk_size: in
     return out.view(B, R)
 
 
-def response_mask_from_tokens(response_tokens: Tensor, eos_token_id: int | None) -> Tensor:
-    """``response_mask``: True up to and including the first EOS, False after it.
+def response_mask_from_tokens(response_tokens: Tensor, eos_token_id: int | Sequence[int] | None) -> Tensor:
+    """``response_mask``: True up to and including the first end token, False after it.
 
-    Works when the pad token equals EOS: everything after the first EOS is False, whatever
-    it holds. A response with no EOS (truncated at ``max_new_tokens``) is all True; a response
-    whose first token is EOS counts exactly that one token.
+    Works when the pad token equals EOS: everything after the first end token is False, whatever
+    it holds. A response with no end token (truncated at ``max_new_tokens``) is all True; a
+    response whose first token ends it counts exactly that one token.
 
     Args:
         response_tokens: (B, R) long, generated tokens (right side of the sequence).
-        eos_token_id: id of EOS, or None (then every position counts).
+        eos_token_id: the id that ends a response, or several (a chat model's end-of-turn ids
+            beside its EOS: any of them ends it), or None (then every position counts).
 
     Returns:
         (B, R) bool.
 
     Example:
-        tokens [t0, t1, EOS, PAD, PAD] and [t0, t1, EOS, EOS, EOS] both give [1, 1, 1, 0, 0].
+        tokens [t0, t1, EOS, PAD, PAD] and [t0, t1, EOS, EOS, EOS] both give [1, 1, 1, 0, 0];
+        with end ids {0, 7}, tokens [5, 6, 7, 3, 0] give [1, 1, 1, 0, 0].
     """
-    if eos_token_id is None:
+    if eos_token_id is None or (not isinstance(eos_token_id, int) and len(eos_token_id) == 0):
         return torch.ones_like(response_tokens, dtype=torch.bool)
-    is_eos = (response_tokens == eos_token_id).long()  # (B, R)
-    # eos_before[t] = number of EOS strictly before t; t counts iff none came before it.
+    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    ends = torch.tensor(ids, dtype=response_tokens.dtype, device=response_tokens.device)
+    is_eos = torch.isin(response_tokens, ends).long()  # (B, R)
+    # eos_before[t] = number of end tokens strictly before t; t counts iff none came before it.
     eos_before = torch.cumsum(is_eos, dim=-1) - is_eos
     return eos_before == 0
 

@@ -123,6 +123,182 @@ def movie_prompts(
     return train, held
 
 
+Prompt = str | list  # a text, or a conversation: a list of {"role": ..., "content": ...} messages
+
+
+def prompt_key(prompt: Prompt) -> str:
+    """The text that identifies a prompt: itself, or a conversation's messages as sorted JSON
+    (for the held-out hash, which must not depend on the format)."""
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, ensure_ascii=False)
+
+
+class PromptData:
+    """Prompts and the other columns of their rows, aligned: a sequence of prompts.
+
+    ``data[i]`` is prompt ``i``; ``data[a:b]`` and :meth:`select` keep the columns with their rows
+    (so a reward function gets each row's ``answer`` beside its completion, whatever groups and
+    shards did to the order).
+
+    Attributes:
+        prompts: texts or conversations (:data:`Prompt`).
+        columns: column name -> one value per prompt (JSON-able: it is written to samples.jsonl).
+    """
+
+    def __init__(self, prompts: list, columns: dict[str, list] | None = None):
+        self.prompts = list(prompts)
+        self.columns = {k: list(v) for k, v in (columns or {}).items()}
+        for k, v in self.columns.items():
+            if len(v) != len(self.prompts):
+                raise ValueError(f"column {k!r} has {len(v)} values for {len(self.prompts)} prompts")
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def __iter__(self):
+        return iter(self.prompts)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return self.select(range(len(self.prompts))[i])
+        return self.prompts[i]
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, PromptData):
+            return self.prompts == other.prompts and self.columns == other.columns
+        return self.prompts == list(other)
+
+    def select(self, rows) -> PromptData:
+        """Rows ``rows`` (indices, repeats allowed), in that order."""
+        rows = [int(r) for r in rows]
+        return PromptData(
+            [self.prompts[r] for r in rows], {k: [v[r] for r in rows] for k, v in self.columns.items()}
+        )
+
+    def row(self, i: int) -> dict:
+        """Row ``i``'s columns (without the prompt)."""
+        return {k: v[i] for k, v in self.columns.items()}
+
+
+def records_to_data(
+    records: list[dict], prompt_column: str, source: str, where: list[str] | None = None
+) -> PromptData:
+    """:class:`PromptData` of dict rows: ``prompt_column`` is the prompt (a non-empty text or a
+    conversation), every other key a column (None where a row lacks it).
+
+    Raises:
+        ValueError: a row lacks the prompt column or holds an empty or malformed prompt; the
+            message names the row (``where[i]``, default ``SOURCE row N``), the columns there are
+            and ``data.prompt_column``.
+    """
+    prompts, names = [], list(dict.fromkeys(k for r in records for k in r if k != prompt_column))
+    for i, r in enumerate(records):
+        p = r.get(prompt_column)
+        if isinstance(p, str) and p.strip():
+            prompts.append(p)
+        elif (
+            isinstance(p, list)
+            and p
+            and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in p
+            )
+        ):
+            prompts.append([{"role": m["role"], "content": m["content"]} for m in p])
+        else:
+            at = where[i] if where is not None else f"{source} row {i + 1}"
+            raise ValueError(
+                f'data.prompts: {at} needs a "{prompt_column}": data.prompt_column={prompt_column!r} '
+                f"must hold a non-empty text or a list of {{role, content}} messages, got {repr(p)[:80]}; "
+                f"the rows have the columns {sorted(set(r) | {prompt_column})}"
+            )
+    return PromptData(prompts, {k: [r.get(k) for r in records] for k in names})
+
+
+DATASET_SUFFIXES = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+"""File suffix -> ``datasets`` builder for a single data file."""
+
+
+def load_rows(
+    spec: str, split: str = "train", field_name: str = "data.prompts"
+) -> tuple[list[dict], list[str]]:
+    """The rows of a .jsonl file, a data file ``datasets`` reads (json, parquet, csv), a folder
+    saved with ``save_to_disk`` or of data files, or a Hub dataset id (``ORG/NAME``, through the
+    Hugging Face cache: ``HF_HUB_OFFLINE=1`` reads it from there alone), each a dict, with where
+    each row is (``FILE:LINE`` for a .jsonl, ``SPEC row N`` otherwise) for error messages.
+
+    Raises:
+        FileNotFoundError: no such file or folder, and not a cached or downloadable Hub dataset.
+        ValueError: bad JSON (the line named), or a missing split.
+    """
+    from tether.models.loading import hub_folder, is_hub_id
+
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".jsonl":  # errors name FILE:LINE
+        records, where = [], []
+        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{field_name}: {path}:{i} is not valid JSON ({e.msg})") from None
+            if not isinstance(obj, dict):
+                raise ValueError(f"{field_name}: {path}:{i} needs a JSON object")
+            records.append(obj)
+            where.append(f"{path}:{i}")
+        if not records:
+            raise ValueError(f"{field_name}: {path} holds no rows")
+        return records, where
+    if not path.exists() and not is_hub_id(spec):
+        raise FileNotFoundError(
+            f"{field_name}={spec!r}: no such file or folder, and not a Hub dataset id (ORG/NAME)"
+        )
+    import datasets
+
+    datasets.disable_progress_bars()
+    if path.is_file():
+        if path.suffix not in DATASET_SUFFIXES:
+            raise ValueError(f"{field_name}={spec!r}: a file must be .jsonl, .json, .parquet or .csv")
+        ds = datasets.load_dataset(DATASET_SUFFIXES[path.suffix], data_files=str(path), split="train")
+    elif path.is_dir() and any(
+        (path / f).exists() for f in ("dataset_info.json", "dataset_dict.json", "state.json")
+    ):
+        ds = datasets.load_from_disk(str(path))
+    elif path.is_dir():
+        ds = datasets.load_dataset(str(path), split=split)
+    else:
+        ds = datasets.load_dataset(
+            str(hub_folder(spec, field_name=field_name, repo_type="dataset")), split=split
+        )
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise ValueError(f"data.split={split!r}: {spec} has the splits {list(ds)}; choose one")
+        ds = ds[split]
+    rows = ds.to_list()
+    return rows, [f"{spec} row {i + 1}" for i in range(len(rows))]
+
+
+def load_prompt_data(spec: str, split: str = "train", prompt_column: str = "prompt") -> PromptData:
+    """Every row of ``data.prompts``: a .txt file (a prompt per line), or anything
+    :func:`load_rows` reads; ``split`` and ``prompt_column`` choose the rows and the prompt, the
+    other columns travel with them.
+
+    Raises:
+        FileNotFoundError: no such file or folder, and not a cached or downloadable Hub dataset.
+        ValueError: the split or the prompt column is missing, or a prompt is empty.
+    """
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix not in DATASET_SUFFIXES:  # .txt: one prompt per line
+        return PromptData(read_prompt_file(path))
+    records, where = load_rows(spec, split)
+    if records and all(prompt_column not in r for r in records) and path.suffix != ".jsonl":
+        raise ValueError(
+            f"data.prompt_column={prompt_column!r}: {spec} has the columns {sorted(records[0])}; name the "
+            "one that holds the prompts"
+        )
+    return records_to_data(records, prompt_column, spec, where)
+
+
 def read_prompt_file(path: str | Path) -> list[str]:
     """Prompts from a ``.jsonl`` file (``{"prompt": ...}`` per line) or a plain text file.
 
@@ -165,36 +341,47 @@ def prompt_file_lines(path: str | Path) -> list[tuple[int, str]]:
     return prompts
 
 
-def split_prompts(prompts: list[str], heldout_fraction: float) -> tuple[list[str], list[str]]:
-    """Hash-based (train, heldout) split of a user's prompts, stable across runs and seeds."""
-    held = [p for p in prompts if is_heldout(p, heldout_fraction)]
-    train = [p for p in prompts if not is_heldout(p, heldout_fraction)]
+def split_prompts(prompts, heldout_fraction: float):
+    """Hash-based (train, heldout) split of a user's prompts, stable across runs and seeds: the
+    hash of each prompt's text (:func:`prompt_key`), whatever the format and the other columns.
+    A :class:`PromptData` splits into two, columns kept; a list into two lists."""
+    data = prompts if isinstance(prompts, PromptData) else PromptData(prompts)
+    held = [i for i, p in enumerate(data.prompts) if is_heldout(prompt_key(p), heldout_fraction)]
+    kept = set(held)
+    train = [i for i in range(len(data)) if i not in kept]
     if not train:
         raise ValueError(
             "data.prompts: no training prompts left after the held-out split; lower data.heldout_fraction"
         )
-    return train, held
+    if isinstance(prompts, PromptData):
+        return data.select(train), data.select(held)
+    return [data.prompts[i] for i in train], [data.prompts[i] for i in held]
 
 
 class PromptSampler:
     """Endless shuffled pass over the training prompts, one epoch at a time (seeded)."""
 
-    def __init__(self, prompts: list[str], seed: int):
+    def __init__(self, prompts, seed: int):
         self.prompts = list(prompts)
         self.rng = random.Random(seed)
         self.order: list[int] = []
         self.position = 0
 
-    def next_batch(self, n: int) -> list[str]:
+    def next_indices(self, n: int) -> list[int]:
+        """The indices of the next ``n`` prompts (into the prompts given)."""
         batch = []
         while len(batch) < n:
             if self.position >= len(self.order):
                 self.order = list(range(len(self.prompts)))
                 self.rng.shuffle(self.order)
                 self.position = 0
-            batch.append(self.prompts[self.order[self.position]])
+            batch.append(self.order[self.position])
             self.position += 1
         return batch
+
+    def next_batch(self, n: int) -> list:
+        """The next ``n`` prompts."""
+        return [self.prompts[i] for i in self.next_indices(n)]
 
     def state_dict(self) -> dict:
         """Data position: the epoch's order, the position in it and the shuffling RNG."""

@@ -19,23 +19,64 @@ FLOAT32_MAX = 3.4028234663852886e38
 
 
 def takes_prompts(scorer: Callable) -> bool:
-    """True when ``scorer`` names parameters ``prompts`` and ``completions`` (TRL's reward-function
-    convention): it is then called as ``scorer(prompts=..., completions=...)``, else ``scorer(texts)``."""
+    """True when ``scorer`` is a TRL-style reward function: it names a ``completions`` parameter.
+    It is then called with keywords, ``scorer(prompts=..., completions=..., **columns)`` (each
+    dataset column it names, or all of them if it takes ``**kwargs``), else as ``scorer(texts)``."""
     try:
         params = inspect.signature(scorer).parameters
     except (TypeError, ValueError):  # a builtin or C callable without a signature
         return False
-    return "prompts" in params and "completions" in params
+    return "completions" in params
+
+
+def _keywords(scorer: Callable, prompts, texts: list[str], columns: dict[str, list] | None) -> dict:
+    """The keyword arguments of a TRL-style call: the completions, the prompts and every column
+    the function names (all of them when it takes ``**kwargs``)."""
+    params = inspect.signature(scorer).parameters
+    takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    kw = {"prompts": list(prompts) if prompts is not None else None, "completions": texts}
+    for name, values in (columns or {}).items():
+        if name not in kw and (takes_all or name in params):
+            kw[name] = list(values)
+    if not takes_all:
+        kw = {k: v for k, v in kw.items() if k in params}
+    missing = [
+        n
+        for n, p in params.items()
+        if p.default is inspect.Parameter.empty
+        and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        and (n not in kw or kw[n] is None)
+    ]
+    if missing:
+        have = ["prompts", "completions", *sorted(columns or {})] if prompts is not None else ["completions"]
+        raise ValueError(
+            f"it takes {missing}, and the call has {have}"
+            + (
+                ""
+                if prompts is not None
+                else f" (it takes prompts, and none came with the {len(texts)} texts)"
+            )
+        )
+    return kw
 
 
 def checked_scores(
-    scorer: Scorer, texts: list[str], step: int | str, prompts: list[str] | None = None
+    scorer: Scorer,
+    texts: list[str],
+    step: int | str,
+    prompts=None,
+    columns: dict[str, list] | None = None,
+    allow_none: bool = False,
 ) -> list[float]:
     """Call ``scorer`` and validate its output: one finite float per text.
 
     ``step`` names where the call happens in messages: a training step number, or a phrase
-    such as ``"held-out evaluation"``. ``prompts`` (one per text) go to a scorer that takes
-    them (:func:`takes_prompts`).
+    such as ``"held-out evaluation"``. ``prompts`` (one per text) and the dataset ``columns``
+    (name -> one value per text) go to a TRL-style reward function (:func:`takes_prompts`).
+
+    Args:
+        allow_none: a score may be None (a reward that does not apply to that sample, as in TRL);
+            it comes back as NaN.
 
     Raises:
         ValueError: wrong count, a NaN/inf score, or one beyond float32's range; the message names
@@ -44,15 +85,18 @@ def checked_scores(
     where = f"step {step}" if isinstance(step, int) else step
     try:
         if takes_prompts(scorer):
-            if prompts is None or len(prompts) != len(texts):
-                raise ValueError(
-                    f"it takes prompts, and {'none' if prompts is None else len(prompts)} "
-                    f"came with the {len(texts)} texts"
-                )
-            raw = scorer(prompts=list(prompts), completions=texts)
+            if prompts is not None and len(prompts) != len(texts):
+                raise ValueError(f"{len(prompts)} prompts came with the {len(texts)} texts")
+            raw = scorer(**_keywords(scorer, prompts, texts, columns))
         else:
             raw = scorer(texts)
-        scores = [float(s) for s in raw]
+        raw = list(raw)
+        if not allow_none and any(s is None for s in raw):
+            raise ValueError(
+                "it returned None for a sample; one reward must score every sample (None, 'does not "
+                "apply', is for a reward in a list of them: reward.scorer=[a, b])"
+            )
+        scores = [float("nan") if s is None else float(s) for s in raw]
     except Exception as e:  # a user's scorer: report it with the step, never a bare traceback
         raise ValueError(
             f"{where}: the scorer failed on {len(texts)} texts "
@@ -60,7 +104,11 @@ def checked_scores(
         ) from e
     if len(scores) != len(texts):
         raise ValueError(f"{where}: the scorer returned {len(scores)} scores for {len(texts)} texts")
-    bad = [(t, s) for t, s in zip(texts, scores) if not math.isfinite(s)]
+    bad = [
+        (t, s)
+        for t, s, r in zip(texts, scores, raw)
+        if not math.isfinite(s) and not (allow_none and r is None)
+    ]
     if bad:
         shown = "; ".join(f"{s} for {t[:60]!r}" for t, s in bad[:3])
         raise ValueError(f"{where}: the scorer returned non-finite scores: {shown}")
@@ -73,3 +121,43 @@ def checked_scores(
             f"which would be inf as rewards: {shown}"
         )
     return scores
+
+
+class WeightedReward:
+    """Several reward functions as one: ``sum_i w_i * r_i`` per sample (``reward.scorer`` a list,
+    ``reward.weights``), a TRL-style reward function itself.
+
+    A function may return None for a sample it does not apply to (TRL's convention): that sample
+    is left out of that reward, i.e. the sum skips it (NaN-sum, as TRL does). A sample no function
+    scores gets 0. After each call :attr:`last` holds every reward's values (NaN where None), for
+    ``reward/<name>``.
+
+    Args:
+        scorers: name -> scorer, in order.
+        weights: one per scorer (default all 1).
+
+    Raises:
+        ValueError: as many weights as scorers are needed, each finite.
+    """
+
+    def __init__(self, scorers: dict[str, Scorer], weights: Sequence[float] | None = None):
+        self.scorers = dict(scorers)
+        self.weights = [1.0] * len(self.scorers) if weights is None else [float(w) for w in weights]
+        if len(self.weights) != len(self.scorers) or not all(math.isfinite(w) for w in self.weights):
+            raise ValueError(
+                f"reward.weights={list(weights or [])!r}: give one finite weight per reward.scorer "
+                f"({len(self.scorers)}: {list(self.scorers)})"
+            )
+        self.last: dict[str, list[float]] = {}
+
+    def __call__(self, prompts=None, completions: list[str] | None = None, **columns) -> list[float]:
+        texts = list(completions or [])
+        self.last = {
+            name: checked_scores(scorer, texts, f"reward {name!r}", prompts, columns, allow_none=True)
+            for name, scorer in self.scorers.items()
+        }
+        total = []
+        for i in range(len(texts)):
+            terms = [w * v[i] for w, v in zip(self.weights, self.last.values()) if not math.isnan(v[i])]
+            total.append(sum(terms))
+        return total

@@ -38,21 +38,73 @@ def _smollm2_folder() -> Path:
     return Path(spec.origin).parent
 
 
-def resolve_model_path(name: str) -> Path:
-    """Local folder of a loadable Hugging Face model for ``model.name``.
+HUB_IGNORE = ["*.gguf", "*.onnx", "onnx/*", "*.h5", "*.msgpack", "*.ot", "*.tflite", "original/*", "*.pth"]
+"""Files of a Hub repository that ``from_pretrained`` of a PyTorch model never reads (other
+formats and the original checkpoints some repositories carry beside the transformers ones)."""
 
-    ``smollm2-135m`` is dequantized from the packaged GGUF and cached on first use; any other
-    value must be a local folder that ``from_pretrained`` accepts (no hub downloads here).
+
+def is_hub_id(name: str) -> bool:
+    """Whether ``name`` reads as a Hugging Face Hub id (``ORG/NAME``) rather than a local path."""
+    parts = name.split("/")
+    return (
+        len(parts) == 2
+        and all(parts)
+        and not name.startswith((".", "~"))
+        and not Path(name).expanduser().exists()
+    )
+
+
+def hub_folder(
+    repo_id: str, revision: str | None = None, field_name: str = "model.name", repo_type: str = "model"
+) -> Path:
+    """The local snapshot of Hub repository ``repo_id`` at ``revision`` (default ``main``), from
+    the Hugging Face cache, downloaded into it first when it is not there (and the network is
+    allowed: ``HF_HUB_OFFLINE=1`` forbids it).
 
     Raises:
-        FileNotFoundError: ``name`` is neither the default nor an existing folder.
+        FileNotFoundError: neither cached nor downloadable; the message names the id, the cache
+            folder and ``HF_HUB_OFFLINE``.
+    """
+    from huggingface_hub import constants, snapshot_download
+
+    try:
+        return Path(
+            snapshot_download(repo_id, revision=revision, repo_type=repo_type, ignore_patterns=HUB_IGNORE)
+        )
+    except Exception as e:  # LocalEntryNotFoundError, RepositoryNotFoundError, HTTP errors ...
+        at = f" at revision {revision!r}" if revision else ""
+        why = (
+            "HF_HUB_OFFLINE=1 forbids downloading it"
+            if constants.HF_HUB_OFFLINE
+            else f"it could not be downloaded ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+        )
+        raise FileNotFoundError(
+            f"{field_name}={repo_id!r}{at}: not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and "
+            f"{why}. Download it once with network access (hf download {repo_id}"
+            f"{' --repo-type dataset' if repo_type == 'dataset' else ''}), point "
+            "HF_HOME at a cache that holds it, or pass a local folder saved with save_pretrained"
+        ) from None
+
+
+def resolve_model_path(name: str, revision: str | None = None) -> Path:
+    """Local folder of a loadable Hugging Face model for ``model.name``.
+
+    ``smollm2-135m`` is dequantized from the packaged GGUF and cached on first use; a Hub id
+    (``ORG/NAME``, at ``revision``) is its snapshot in the Hugging Face cache (:func:`hub_folder`);
+    anything else must be a local folder that ``from_pretrained`` accepts.
+
+    Raises:
+        FileNotFoundError: ``name`` is not the default, not an existing folder, and not a Hub id
+            that is cached or downloadable.
     """
     if name != DEFAULT_MODEL:
+        if is_hub_id(name):
+            return hub_folder(name, revision)
         path = Path(name).expanduser()
         if not path.is_dir():
             raise FileNotFoundError(
-                f"model.name={name!r} is not {DEFAULT_MODEL!r} nor a local model folder; "
-                "pass a folder saved with save_pretrained"
+                f"model.name={name!r} is not {DEFAULT_MODEL!r}, a local model folder nor a Hub id "
+                "(ORG/NAME); pass a folder saved with save_pretrained or a Hugging Face Hub id"
             )
         return path
     target = cache_dir() / "models" / "smollm2-135m-instruct-fp32"
@@ -111,27 +163,38 @@ _DROPOUT_FIELDS = (
 )
 
 
-def load_tokenizer(path: str | Path):
+def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
     """Tokenizer with left padding (prompts are left-padded) and a pad token (EOS if none)."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(path)
+    return prepare_tokenizer(AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code), path)
+
+
+def prepare_tokenizer(tok, path: str | Path | None = None):
+    """Left padding (prompts are left-padded) and a pad token (EOS if none), in place.
+
+    Raises:
+        ValueError: the tokenizer has no EOS token.
+    """
     tok.padding_side = "left"
     if tok.eos_token_id is None:
         raise ValueError(
-            f"model.name={str(path)!r}: the tokenizer has no EOS token; responses could never end "
-            "and could not be masked (set eos_token in its tokenizer_config.json)"
+            f"model.name={str(path or getattr(tok, 'name_or_path', '?'))!r}: the tokenizer has no EOS token; "
+            "responses could never end and could not be masked (set eos_token in its tokenizer_config.json)"
         )
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
 
 
-def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """A causal LM from a local folder, dropout off, in eval mode."""
+def load_causal_lm(
+    path: str | Path, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False
+) -> nn.Module:
+    """A causal LM from a local folder, dropout off, in eval mode. ``trust_remote_code`` runs the
+    folder's own modelling code (``model.trust_remote_code``; off unless asked)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
     disable_dropout(model)
     model.eval()
     return model

@@ -54,6 +54,8 @@ class Rollout:
     responses: list[str]
     ended: Tensor | None = None
     sampler_logprobs: Tensor | None = None
+    columns: dict[str, list] | None = None
+    """The prompts' rows' other dataset columns, one value per row (``data.prompts``), or None."""
 
     @property
     def input_ids(self) -> Tensor:
@@ -79,6 +81,7 @@ class Rollout:
             responses=[self.responses[i] for i in rows],
             ended=self.ended[idx] if self.ended is not None else None,
             sampler_logprobs=self.sampler_logprobs[idx] if self.sampler_logprobs is not None else None,
+            columns={k: [v[i] for i in rows] for k, v in self.columns.items()} if self.columns else None,
         )
 
 
@@ -101,20 +104,33 @@ def use_chat_template(tokenizer) -> None:
     setattr(tokenizer, CHAT_TEMPLATE_FLAG, True)
 
 
-def prompt_texts(tokenizer, prompts: Sequence[str]) -> list[str]:
-    """The text tether tokenizes for each prompt: the prompt itself, or with
-    :func:`use_chat_template` the chat template applied to ``[{"role": "user", "content": prompt}]``
-    with the assistant's turn opened (``add_generation_prompt=True``), what a chat model was tuned
-    on. A BOS token the template writes is dropped when the tokenizer adds its own (no double BOS).
+def prompt_texts(tokenizer, prompts: Sequence) -> list[str]:
+    """The text tether tokenizes for each prompt.
+
+    A conversation (a list of ``{"role", "content"}`` messages, system prompts kept) is rendered
+    by the tokenizer's chat template with the assistant's turn opened (``add_generation_prompt``).
+    A text is itself, or with :func:`use_chat_template` the chat template applied to
+    ``[{"role": "user", "content": prompt}]``, what a chat model was tuned on. A BOS token the
+    template writes is dropped when the tokenizer adds its own (no double BOS).
+
+    Raises:
+        ValueError: a conversation, and the tokenizer has no chat template.
     """
-    if not getattr(tokenizer, CHAT_TEMPLATE_FLAG, False):
+    chat = getattr(tokenizer, CHAT_TEMPLATE_FLAG, False)
+    if not chat and all(isinstance(p, str) for p in prompts):
         return list(prompts)
-    texts = [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            "data.prompts holds conversations (lists of {role, content} messages), and the tokenizer of "
+            "model.name has no chat template to render them; use a chat model or text prompts"
         )
-        for p in prompts
-    ]
+    texts = []
+    for p in prompts:
+        if isinstance(p, str) and not chat:
+            texts.append(p)
+            continue
+        messages = p if isinstance(p, list) else [{"role": "user", "content": p}]
+        texts.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
     bos = tokenizer.bos_token
     if bos and tokenizer("a", add_special_tokens=True)["input_ids"][:1] == [tokenizer.bos_token_id]:
         texts = [t[len(bos) :] if t.startswith(bos) else t for t in texts]
@@ -213,6 +229,23 @@ class GumbelMaxSampler(LogitsProcessor):
         return torch.stack(self.steps, dim=1)
 
 
+def end_token_ids(tokenizer, lm: nn.Module | None = None) -> list[int]:
+    """Every id that ends a response: the tokenizer's EOS, then each id of the model's
+    ``generation_config.eos_token_id`` (an int or a list: chat models such as Llama-3-Instruct and
+    Gemma-3-it list their end-of-turn ids there), without repeats.
+
+    Generation stops at any of them and :func:`tether.core.logprobs.response_mask_from_tokens`
+    counts up to the first one (TRL missed the extra ids until PR #7039).
+    """
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    config = getattr(lm, "generation_config", None) if lm is not None else None
+    extra = getattr(config, "eos_token_id", None)
+    for i in [extra] if isinstance(extra, int) else list(extra or []):
+        if int(i) not in ids:
+            ids.append(int(i))
+    return ids
+
+
 @torch.no_grad()
 def generate(
     lm: nn.Module,
@@ -242,20 +275,24 @@ def generate(
     :data:`tether.models.head.SHARED_PREFIX_MIN_POSITIONS` + 1 tokens are generated whole.
     """
     device = next(lm.parameters()).device
+    prompts = list(prompts)  # texts or conversations (a PromptData iterates its prompts)
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, max_prompt_tokens, device)
     if seeds is None:
         seeds = torch.randint(0, 2**62, (len(prompts),), device="cpu").tolist()  # host ints
     seeds = [int(s) for s in seeds]
     if len(seeds) != len(prompts):
         raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-    eos = tokenizer.eos_token_id
+    ends = end_token_ids(tokenizer, lm)
     # A fresh GenerationConfig, not the model folder's: a saved generation_config.json may carry
     # suppress_tokens, repetition penalties, top-k ... that would make the samples differ from
     # softmax(logits / temperature), the distribution every log-probability is computed under.
     # transformers fills unset fields of a passed config from the model's own, so the model's is
     # swapped out for the call. Greedy decoding: the sampler below draws the sample.
     gen = GenerationConfig(
-        do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=ends or None,
+        pad_token_id=tokenizer.pad_token_id,
     )
     cache = {}
     base = lm.lm if isinstance(lm, AdapterReference) else lm
@@ -278,18 +315,15 @@ def generate(
     finally:
         lm.generation_config = saved
     response_ids = out[:, prompt_ids.shape[1] :]  # (B, R<=max_new_tokens)
-    response_mask = response_mask_from_tokens(response_ids, eos)  # (B, R)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    response_mask = response_mask_from_tokens(response_ids, ends)  # (B, R)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else ends[0]
     response_ids = torch.where(response_mask, response_ids, torch.full_like(response_ids, pad))
+    is_end = torch.isin(response_ids, torch.tensor(ends, dtype=torch.long, device=device)) & response_mask
     texts = [
-        tokenizer.decode(ids[m & (ids != eos)] if eos is not None else ids[m], skip_special_tokens=True)
-        for ids, m in zip(response_ids, response_mask)
+        tokenizer.decode(ids[m & ~e], skip_special_tokens=True)
+        for ids, m, e in zip(response_ids, response_mask, is_end)
     ]
-    ended = (
-        ((response_ids == eos) & response_mask).any(-1)
-        if eos is not None
-        else torch.zeros(len(prompts), dtype=torch.bool, device=device)
-    )
+    ended = is_end.any(-1)  # (B,)
     # (B, R): a finished row's later columns hold the log-prob of a token the pad replaced; masked
     sampler_logprobs = sampler.logprobs[:, : response_ids.shape[1]]
     return Rollout(

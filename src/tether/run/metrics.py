@@ -74,7 +74,9 @@ class RunWriter:
 def sample_table(rows: list[dict], width: int = 48) -> str:
     """Plain-text table ``prompt | response | score | kl | reward`` (lm-human-preference-details)."""
 
-    def cut(s: str, n: int) -> str:
+    def cut(s, n: int) -> str:
+        if not isinstance(s, str):  # a conversation: its last message
+            s = s[-1]["content"] if s and isinstance(s[-1], dict) else str(s)
         s = s.replace("\n", " ")
         return s if len(s) <= n else s[: n - 1] + "…"
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import datetime as _dt
 import logging
 import random
@@ -16,14 +17,22 @@ from torch import nn
 from tether.core.distributed import barrier, gather_objects, is_main
 from tether.data.prompts import (
     DEFAULT_PROMPTS,
+    PromptData,
+    load_prompt_data,
     movie_prompts,
     prompt_file_lines,
-    read_prompt_file,
+    records_to_data,
     split_prompts,
 )
 from tether.judges.contract import Scorer
 from tether.judges.scorers import make_scorer
-from tether.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
+from tether.models.loading import (
+    disable_dropout,
+    load_causal_lm,
+    load_tokenizer,
+    prepare_tokenizer,
+    resolve_model_path,
+)
 from tether.models.lora import add_lora
 from tether.models.policy import PolicyWithValue
 from tether.models.reference import (
@@ -49,12 +58,24 @@ def default_run_dir(algo: str) -> Path:
     return Path("runs") / f"{algo}-{stamp}"
 
 
-def load_prompts(config: Config) -> tuple[list[str], list[str]]:
-    """(train, heldout) prompts for ``config.data``."""
+def dataset_prompts(dataset, config: Config) -> tuple[PromptData, PromptData]:
+    """(train, heldout) of a ``train_dataset`` given to :func:`build_run`: a ``datasets.Dataset``
+    (or anything with ``to_list``), a list of row dicts, or a list of prompts."""
+    rows = dataset.to_list() if hasattr(dataset, "to_list") else list(dataset)
+    if rows and all(isinstance(r, dict) for r in rows):
+        data = records_to_data(rows, config.data.prompt_column, "train_dataset")
+    else:
+        data = records_to_data([{"prompt": r} for r in rows], "prompt", "train_dataset")
+    return split_prompts(data, config.data.heldout_fraction)
+
+
+def load_prompts(config: Config) -> tuple[PromptData, PromptData]:
+    """(train, heldout) prompts for ``config.data``, each with its rows' other columns."""
     d = config.data
     if d.prompts == DEFAULT_PROMPTS:
-        return movie_prompts(config.train.seed, d.min_words, d.max_words, d.heldout_fraction)
-    return split_prompts(read_prompt_file(d.prompts), d.heldout_fraction)
+        train, held = movie_prompts(config.train.seed, d.min_words, d.max_words, d.heldout_fraction)
+        return PromptData(train), PromptData(held)
+    return split_prompts(load_prompt_data(d.prompts, d.split, d.prompt_column), d.heldout_fraction)
 
 
 def freeze_lower_layers(lm: nn.Module, trainable_layers: int | None) -> None:
@@ -98,7 +119,7 @@ def check_prompt_lengths(
         for i, (p, n) in enumerate(zip(chunk, lengths)):
             if n == 0 or n > max_prompt_tokens:
                 where = f"prompt {start + i + 1}"
-                if source is not None:
+                if source is not None and isinstance(p, str) and Path(source).suffix in (".txt", ".jsonl"):
                     where = f"data.prompts: {source}:{prompt_line(source, p)}:"
                 raise ValueError(
                     f"{where} ({p[:60]!r}) has {n} tokens; rollout.max_prompt_tokens="
@@ -108,7 +129,10 @@ def check_prompt_lengths(
 
 def prompt_line(path: str | Path, prompt: str) -> int | str:
     """1-based line of ``prompt``'s first occurrence in a prompt file (``"?"`` if absent)."""
-    return next((i for i, p in prompt_file_lines(path) if p == prompt), "?")
+    try:
+        return next((i for i, p in prompt_file_lines(path) if p == prompt), "?")
+    except ValueError:  # a .jsonl whose prompts are in another column (data.prompt_column)
+        return "?"
 
 
 @dataclass
@@ -121,8 +145,9 @@ class Run:
     """None when no KL is used or monitored (kl_coef 0 and kl.monitor false)."""
     tokenizer: object
     scorer: Scorer
-    train_prompts: list[str]
-    heldout_prompts: list[str]
+    train_prompts: PromptData
+    """The training prompts (a sequence of texts or conversations) and their rows' other columns."""
+    heldout_prompts: PromptData
     writer: RunWriter
     reference_fingerprint: str | None
     reference_forwards: list[int]
@@ -177,6 +202,42 @@ def resolve_device(name: str, cuda_available: bool | None = None) -> torch.devic
     return torch.device("cuda" if name == "cuda" or (name == "auto" and cuda) else "cpu")
 
 
+def make_trackers(report_to: list[str]) -> list | None:
+    """accelerate's ``log_with`` for ``train.report_to``: tracker names, and an instance of each
+    ``module:Class`` (a ``GeneralTracker`` subclass, built without arguments); None for none.
+
+    Raises:
+        ConfigError: a named tracker's package is not installed, or a class cannot be imported.
+    """
+    import importlib
+
+    from accelerate.tracking import GeneralTracker, get_available_trackers
+
+    names = [n for n in report_to if n != "none"]
+    if not names:
+        return None
+    available = {str(t) for t in get_available_trackers()}
+    out: list = []
+    for name in names:
+        if ":" in name:
+            module, _, attr = name.partition(":")
+            try:
+                cls = getattr(importlib.import_module(module), attr)
+            except (ImportError, AttributeError) as e:
+                raise ConfigError(f"train.report_to={name!r}: cannot import ({e})") from None
+            if not (isinstance(cls, type) and issubclass(cls, GeneralTracker)):
+                raise ConfigError(f"train.report_to={name!r} is not an accelerate GeneralTracker subclass")
+            out.append(cls())
+        elif name != "all" and name not in available:
+            raise ConfigError(
+                f"train.report_to={name!r}: the {name} package is not installed (pip install {name}); "
+                f"installed trackers: {sorted(available) or 'none'}"
+            )
+        else:
+            out.append(name)
+    return out
+
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """``model.dtype`` -> torch dtype (``auto``: :func:`resolve_dtype`)."""
 
@@ -189,24 +250,52 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def build_run(config: Config, scorer: Scorer | None = None, resume: bool = False) -> Run:
+def build_run(
+    config: Config,
+    scorer: Scorer | None = None,
+    resume: bool = False,
+    model: nn.Module | None = None,
+    tokenizer=None,
+    train_dataset=None,
+) -> Run:
     """Load model, reference, tokenizer, prompts and scorer; create the run directory.
 
     The config is validated before this is called; data and scorer load before the model so a
     bad prompt file or scorer fails in seconds, not after the model loads.
+
+    Args:
+        model: a causal LM object to train instead of loading ``model.name`` (moved to
+            ``train.device``; cast to ``model.dtype`` unless that is ``auto``); needs ``tokenizer``
+            unless its ``name_or_path`` names a loadable tokenizer.
+        tokenizer: the tokenizer to use instead of loading ``model.name``'s.
+        train_dataset: prompts instead of ``data.prompts``: a ``datasets.Dataset``, a list of row
+            dicts (``data.prompt_column`` and other columns) or a list of prompts; split into train
+            and held out by the usual hash.
     """
+    if model is not None or train_dataset is not None:  # config.yaml records what was passed
+        config = copy.deepcopy(config)
+        if model is not None:
+            config.model.name = getattr(model, "name_or_path", "") or "(a model object passed to train)"
+            if tokenizer is None and not getattr(model, "name_or_path", ""):
+                raise ValueError(
+                    "train(model=...): the model names no folder to load a tokenizer from; pass tokenizer=..."
+                )
+        if train_dataset is not None:
+            config.data.prompts = "(a train_dataset passed to train)"
     if config.train.threads:
         torch.set_num_threads(config.train.threads)
     device = resolve_device(config.train.device)
     # every tensor lives on the accelerator's device: this process's GPU (NCCL between processes)
     # or the CPU (gloo); docs/distributed.md
-    accelerator = Accelerator(cpu=device.type == "cpu")
+    accelerator = Accelerator(cpu=device.type == "cpu", log_with=make_trackers(config.train.report_to))
     dtype = resolve_dtype(config.model.dtype, accelerator.device)
     check_full_precision(accelerator.mixed_precision)
     check_world_size(config, accelerator.num_processes)
     seed_everything(config.train.seed)
-    train_prompts, heldout = load_prompts(config)
-    scorer = scorer if scorer is not None else make_scorer(config.reward.scorer)
+    train_prompts, heldout = (
+        load_prompts(config) if train_dataset is None else dataset_prompts(train_dataset, config)
+    )
+    scorer = scorer if scorer is not None else make_scorer(config.reward.scorer, config.reward.weights)
     run_dir = Path(config.train.output_dir) if config.train.output_dir else default_run_dir(config.train.algo)
     run_dir = gather_objects(run_dir)[0]  # rank 0's (a default name holds the time)
     if not resume and run_dir.exists() and any(run_dir.iterdir()):
@@ -230,17 +319,26 @@ def build_run(config: Config, scorer: Scorer | None = None, resume: bool = False
 
         for w in config.placement.warnings:
             log.warning("tether: warning: %s", w)
-        path = resolve_model_path(config.model.name)
-        tokenizer = load_tokenizer(path)
+        if model is None or tokenizer is None:
+            source = getattr(model, "name_or_path", None) if model is not None else None
+            path = Path(source) if source else resolve_model_path(config.model.name, config.model.revision)
+            if tokenizer is None:
+                tokenizer = load_tokenizer(path, config.model.trust_remote_code)
+        prepare_tokenizer(tokenizer)
         if config.data.chat_template:
             use_chat_template(tokenizer)
         check_prompt_lengths(
             tokenizer,
-            train_prompts + heldout,
+            train_prompts.prompts + heldout.prompts,
             config.rollout.max_prompt_tokens,
             None if config.data.prompts == DEFAULT_PROMPTS else config.data.prompts,
         )
-        lm = load_causal_lm(path, dtype).to(accelerator.device)
+        if model is not None:  # the caller's object: dropout off, eval mode, on the device
+            lm = disable_dropout(model).eval().to(accelerator.device)
+            if config.model.dtype != "auto":
+                lm = lm.to(dtype)
+        else:
+            lm = load_causal_lm(path, dtype, config.model.trust_remote_code).to(accelerator.device)
         m = config.model
         if m.lora:  # a peft model: the policy trains adapters, the reference reuses its frozen base
             lm = add_lora(lm, m.lora_r, m.lora_alpha, m.lora_target_modules, m.adapter)

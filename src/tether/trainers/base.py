@@ -38,11 +38,11 @@ from tether.core.controllers import (
 from tether.core.kl import kl_k3, sequence_kl
 from tether.core.leash import KLLeash
 from tether.data.prompts import PromptSampler
-from tether.judges.contract import checked_scores
+from tether.judges.contract import WeightedReward, checked_scores
 from tether.models.sampling import Rollout, generate, sample_seeds
 from tether.models.scoring import rollout_logprobs
 from tether.run.setup import Run
-from tether.trainers.common import RolloutLogprobs, make_optimizer, old_and_ref_logprobs
+from tether.trainers.common import RolloutLogprobs, make_optimizer, make_scheduler, old_and_ref_logprobs
 from tether.trainers.steps import Experience, kl_and_rewards
 from tether.trainers.update import MicroLoss, UpdateStats, minibatch_update
 
@@ -80,6 +80,10 @@ class OnPolicyTrainer:
         # processes; sampling and no-grad scoring use the bare run.policy
         self.model = run.accelerator.prepare(run.policy) if run.accelerator and self.params else run.policy
         self.optimizer = make_optimizer(self.params, c.optim.lr, c.optim.weight_decay, c.optim.fused_adamw)
+        per_step = c.optim.epochs * (c.rollout.batch_size // c.optim.minibatch_size)  # optimizer steps
+        self.scheduler = make_scheduler(
+            self.optimizer, c.optim.lr_scheduler, c.optim.warmup_steps, c.train.steps * per_step
+        )
         self.device = next(run.policy.parameters()).device
         # the minibatch RNG stays on the host: the same minibatches on any device (checkpointed)
         self.generator = torch.Generator(device="cpu").manual_seed(c.train.seed)
@@ -105,29 +109,33 @@ class OnPolicyTrainer:
         t0 = time.perf_counter()
         # 1. sample prompts, each group_size times (consecutive rows form a group); every process
         #    draws the same global batch and keeps its contiguous shard
-        prompts = [
-            p
-            for p in self.sampler.next_batch(c.rollout.batch_size // self.group_size)
+        rows = [
+            i
+            for i in self.sampler.next_indices(c.rollout.batch_size // self.group_size)
             for _ in range(self.group_size)
         ]
-        mine = D.shard(len(prompts))
+        mine = D.shard(len(rows))
+        prompts = run.train_prompts.select(rows[mine])  # this process's rows, with their columns
         # 2. generate responses from the current policy; sample i of the step is seeded by
         #    (seed, step, i), so the samples do not depend on the number of processes
         rollout = generate(
             run.policy.lm,
             run.tokenizer,
-            prompts[mine],
+            prompts.prompts,
             c.rollout.max_new_tokens,
             c.rollout.temperature,
             c.rollout.max_prompt_tokens,
-            seeds=sample_seeds(c.train.seed, step, range(len(prompts))[mine]),
+            seeds=sample_seeds(c.train.seed, step, range(len(rows))[mine]),
             share_prefix=run.policy.share_prefix,
         )
+        rollout.columns = prompts.columns
         t_gen = time.perf_counter()
-        # 3. score responses with the reward model
+        # 3. score responses with the reward model (a reward list: their weighted sum)
         scores = torch.tensor(
-            checked_scores(run.scorer, rollout.responses, step, rollout.prompts), device=self.device
+            checked_scores(run.scorer, rollout.responses, step, rollout.prompts, rollout.columns),
+            device=self.device,
         )  # (B,)
+        rewards = reward_components(run.scorer, self.device)
         # 4. old log-probs (+ values) and reference log-probs, no grad
         #    (in one pass, optim.reuse_forward: the update's own forward, whose graph step 7 reuses)
         minibatches = self.minibatch_indices()
@@ -172,6 +180,7 @@ class OnPolicyTrainer:
             minibatches,
         )
         # 7. update epochs
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate of this step's first optimizer step
         update = self.update(exp, kl_coef)
         t_update = time.perf_counter()
         # 8. update kl_coef with the KL that was logged (kl.controller_signal: the estimator's, also
@@ -183,8 +192,10 @@ class OnPolicyTrainer:
             self.controller.update(float(stats[unit]), n_steps=c.rollout.batch_size)
         # 9. metrics
         row = self.metrics(step, exp, forwards, update, kl_coef)
+        row.update(rewards)
         row.update(
             {
+                "optim/lr": lr,
                 "time/step": t_update - t0,
                 "time/generate": t_gen - t0,
                 "time/score": t_score - t_gen,
@@ -203,6 +214,7 @@ class OnPolicyTrainer:
             "generator": self.generator.get_state(),
             "sampler": self.sampler.state_dict(),
             "leash_counts": dict(self.leash.counts),
+            "scheduler": self.scheduler.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -211,6 +223,8 @@ class OnPolicyTrainer:
         self.generator.set_state(state["generator"])
         self.sampler.load_state_dict(state["sampler"])
         self.leash.counts.update(state["leash_counts"])
+        if "scheduler" in state:  # checkpoints from before optim.lr_scheduler: a constant rate
+            self.scheduler.load_state_dict(state["scheduler"])
 
     def restore_controller(self, saved: dict) -> None:
         """Carry on the checkpoint's beta (and the budget controller's dual variable); the
@@ -315,6 +329,7 @@ class OnPolicyTrainer:
             self.accelerator,
             self.model,
             o.micro_batch_size,
+            self.scheduler,
         )
 
     def metrics(
@@ -401,6 +416,20 @@ def sample_metrics(
         diff = torch.where(mask, (sampler - logprobs).abs(), torch.zeros_like(sampler))  # (B, R)
         row["rollout/logprob_diff_max"] = D.all_reduce_max(diff.max() if diff.numel() else diff.sum())
     return row
+
+
+def reward_components(scorer, device: torch.device | str = "cpu") -> dict:
+    """``reward/<name>``: each reward's mean over the samples it scored (all processes), for a
+    reward list (:class:`tether.judges.contract.WeightedReward`, after its call); {} otherwise."""
+    last = getattr(scorer, "last", None)
+    if not isinstance(scorer, WeightedReward) or not last:
+        return {}
+    out = {}
+    for name, values in last.items():
+        v = torch.tensor(values, dtype=torch.float32, device=device)  # (B,), NaN where None
+        scored = ~torch.isnan(v)
+        out[f"reward/{name}"] = D.token_mean(torch.where(scored, v, 0.0), scored)
+    return out
 
 
 CONTROLLER_CLASSES = {

@@ -29,6 +29,19 @@ def make_optimizer(params: list, lr: float, weight_decay: float, fused: bool = T
     )
 
 
+def make_scheduler(
+    optimizer: MasterWeights | torch.optim.Optimizer, name: str, warmup_steps: int, total_steps: int
+) -> torch.optim.lr_scheduler.LRScheduler:
+    """transformers' ``get_scheduler(name)`` over ``optimizer``'s learning rate: ``constant``
+    (after a linear warmup of ``warmup_steps`` optimizer steps), ``linear`` or ``cosine`` decay to
+    0 over ``total_steps`` optimizer steps."""
+    from transformers import get_scheduler
+
+    inner = optimizer.optimizer if isinstance(optimizer, MasterWeights) else optimizer
+    kind = "constant_with_warmup" if name == "constant" else name
+    return get_scheduler(kind, inner, num_warmup_steps=warmup_steps, num_training_steps=max(total_steps, 1))
+
+
 @dataclass
 class RolloutLogprobs:
     """No-grad quantities of a rollout, each (B, R) float32."""

@@ -20,7 +20,6 @@ reduced over processes (docs/distributed.md).
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,8 +32,9 @@ from tether.core import distributed as D
 from tether.core.kl import estimate_kl, masked_sum
 from tether.core.losses import DPOLoss, dpo_loss
 from tether.core.shaping import shape_rewards
-from tether.data.prompts import PromptSampler
+from tether.data.prompts import PromptSampler, load_rows
 from tether.judges.contract import checked_scores
+from tether.models.loading import is_hub_id
 from tether.models.sampling import generate, sample_seeds
 from tether.models.scoring import (
     policy_and_reference_logprobs,
@@ -43,7 +43,7 @@ from tether.models.scoring import (
 )
 from tether.run.setup import Run
 from tether.trainers.base import sample_metrics
-from tether.trainers.common import make_optimizer
+from tether.trainers.common import make_optimizer, make_scheduler
 from tether.trainers.steps import Experience, dpo_pair_loss
 from tether.trainers.update import MicroLoss, minibatch_update
 
@@ -82,32 +82,45 @@ class PairLogps(NamedTuple):
     ref_rejected: Tensor
 
 
-def read_pair_file(path: str | Path, tokenizer) -> tuple[list[str], list[Tensor], list[Tensor]]:
-    """Pairs from JSONL lines ``{"prompt", "chosen", "rejected"}``; responses get EOS appended.
+def response_text(x) -> str | None:
+    """A preference response as text: a string, or a conversational one (a list of messages,
+    TRL's format) as the content of its messages; None if it is neither."""
+    if isinstance(x, str):
+        return x
+    if (
+        isinstance(x, list)
+        and x
+        and all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in x)
+    ):
+        return "".join(m["content"] for m in x)
+    return None
+
+
+def read_pair_file(path: str, tokenizer, split: str = "train") -> tuple[list, list[Tensor], list[Tensor]]:
+    """Pairs ``{"prompt", "chosen", "rejected"}`` from a .jsonl file or any dataset
+    :func:`tether.data.prompts.load_rows` reads (TRL's preference format, standard or
+    conversational: a prompt of messages, chosen and rejected as assistant messages); responses
+    get EOS appended.
 
     Raises:
-        FileNotFoundError, ValueError: missing file, bad JSON or a missing field (line named).
+        FileNotFoundError, ValueError: missing file, bad JSON or a missing field (the row named).
     """
-    path = Path(path)
-    if not path.exists():
+    if not Path(path).exists() and not is_hub_id(str(path)):
         raise FileNotFoundError(f"dpo.pairs: no file {path}")
+    records, where = load_rows(str(path), split, field_name="dpo.pairs")
     prompts, chosen, rejected = [], [], []
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"dpo.pairs: {path}:{i} is not valid JSON ({e.msg})") from None
-        if not isinstance(obj, dict) or not all(
-            isinstance(obj.get(k), str) and obj.get(k) for k in ("prompt", "chosen", "rejected")
-        ):
+    for obj, at in zip(records, where):
+        prompt = obj.get("prompt")
+        texts = [response_text(obj.get(k)) for k in ("chosen", "rejected")]
+        ok_prompt = (isinstance(prompt, str) and prompt) or response_text(prompt)
+        if not ok_prompt or not all(texts):
             raise ValueError(
-                f'dpo.pairs: {path}:{i} needs non-empty "prompt", "chosen" and "rejected" strings'
+                f'dpo.pairs: {at} needs non-empty "prompt", "chosen" and "rejected" (strings, or lists '
+                "of {role, content} messages)"
             )
-        prompts.append(obj["prompt"])
-        for text, out in ((obj["chosen"], chosen), (obj["rejected"], rejected)):
+        prompts.append(prompt)
+        for text, out in zip(texts, (chosen, rejected)):
             out.append(
                 torch.tensor(
                     tokenizer(text, add_special_tokens=False)["input_ids"] + eos,
@@ -144,6 +157,12 @@ class DPOTrainer:
         self.generator = torch.Generator(device="cpu").manual_seed(c.train.seed)
         self.pairs = self.build_pairs()
         self.position = 0
+        per_step = c.optim.epochs * -(
+            -min(c.rollout.batch_size, len(self.pairs.prompts)) // c.optim.minibatch_size
+        )
+        self.scheduler = make_scheduler(
+            self.optimizer, c.optim.lr_scheduler, c.optim.warmup_steps, c.train.steps * per_step
+        )
         self.last_experience: Experience | None = None
 
     # ---- pairs -----------------------------------------------------------------------------
@@ -152,7 +171,7 @@ class DPOTrainer:
         c, run = self.cfg, self.run
         if c.dpo.pairs == "sampled":
             return Pairs(*self.sample_pairs())
-        return Pairs(*read_pair_file(c.dpo.pairs, run.tokenizer))
+        return Pairs(*read_pair_file(c.dpo.pairs, run.tokenizer, c.data.split))
 
     def sample_pairs(self) -> tuple[list[str], list[Tensor], list[Tensor]]:
         """Best-vs-worst of ``dpo.candidates`` reference samples per prompt, ties skipped."""
@@ -169,12 +188,14 @@ class DPOTrainer:
                     f"different scores after {tried} tries (ties are skipped); raise dpo.candidates or "
                     "rollout.max_new_tokens, use a finer-grained reward.scorer, or give a pairs file"
                 )
-            batch = sampler.next_batch(per_call)
+            chosen_rows = sampler.next_indices(per_call)
+            batch = run.train_prompts.select(chosen_rows)
+            candidates = run.train_prompts.select([i for i in chosen_rows for _ in range(k)])
             # seeded by candidate index (step -1: not a training step), the same on every process
             ro = generate(
                 run.reference,
                 run.tokenizer,
-                [p for p in batch for _ in range(k)],
+                candidates.prompts,
                 c.rollout.max_new_tokens,
                 c.rollout.temperature,
                 c.rollout.max_prompt_tokens,
@@ -182,7 +203,8 @@ class DPOTrainer:
             )
             tried += per_call
             scores = torch.tensor(
-                checked_scores(run.scorer, ro.responses, "DPO pair sampling", ro.prompts), device="cpu"
+                checked_scores(run.scorer, ro.responses, "DPO pair sampling", ro.prompts, candidates.columns),
+                device="cpu",
             ).view(-1, k)  # (prompts, k), read on the host one by one
             for g, prompt in enumerate(batch):
                 best, worst = int(scores[g].argmax()), int(scores[g].argmin())
@@ -254,12 +276,15 @@ class DPOTrainer:
             "optimizer": self.optimizer.state_dict(),
             "generator": self.generator.get_state(),
             "position": self.position,
+            "scheduler": self.scheduler.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.generator.set_state(state["generator"])
         self.position = state["position"]
+        if "scheduler" in state:
+            self.scheduler.load_state_dict(state["scheduler"])
 
     # ---- the step --------------------------------------------------------------------------
     def step(self, step: int) -> dict:
@@ -272,6 +297,7 @@ class DPOTrainer:
         # 2. DPO epochs; this process takes a contiguous 1 / world of each minibatch. The loss is a
         #    mean over pairs: scaled by this process's share of the pairs (and by world, as DDP
         #    averages gradients) the gradient is that of the whole minibatch
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate of this step's first optimizer step
         update = minibatch_update(
             P,
             self.minibatches(batch),
@@ -283,6 +309,7 @@ class DPOTrainer:
             self.accelerator,
             self.model,
             c.optim.micro_batch_size,
+            self.scheduler,
         )
         t_update = time.perf_counter()
         # 3. the real KL and score of the policy's own samples on held-out prompts
@@ -293,6 +320,7 @@ class DPOTrainer:
             "step": step,
             "samples": (step + 1) * len(batch),
             "objective/kl_coef": c.dpo.beta,
+            "optim/lr": lr,
             **probe,
             **update.metrics(),
             "time/step": t_probe - t0,
@@ -308,14 +336,16 @@ class DPOTrainer:
         if not prompts:
             return {}
         mine = D.shard(len(prompts))  # this process's share of the probe
+        seeds = sample_seeds(c.eval.seed, step, range(len(prompts))[mine])
+        prompts = prompts[mine]
         ro = generate(
             run.policy.lm,
             run.tokenizer,
-            prompts[mine],
+            prompts.prompts,
             c.rollout.max_new_tokens,
             c.rollout.temperature,
             c.rollout.max_prompt_tokens,
-            seeds=sample_seeds(c.eval.seed, step, range(len(prompts))[mine]),
+            seeds=seeds,
         )
         pol, ref, exact = policy_and_reference_logprobs(
             run.policy,
@@ -327,7 +357,10 @@ class DPOTrainer:
         )
         mask = ro.response_mask
         kl = estimate_kl(pol.logprobs, ref.logprobs, c.kl.estimator)
-        scores = torch.tensor(checked_scores(run.scorer, ro.responses, step, ro.prompts), device=self.device)
+        ro.columns = prompts.columns
+        scores = torch.tensor(
+            checked_scores(run.scorer, ro.responses, step, ro.prompts, ro.columns), device=self.device
+        )
         shaped = shape_rewards(scores, kl, c.dpo.beta, mask)
         self.last_experience = Experience(
             ro,

@@ -80,6 +80,7 @@ def optimizer_step(
     name: str,
     accelerator: Accelerator | None = None,
     model: nn.Module | None = None,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
 ) -> Tensor:
     """Backward, clip the global gradient norm, refuse a non-finite one, step; returns the norm.
 
@@ -95,6 +96,7 @@ def optimizer_step(
     loss is multiplied by its loss scale, the gradients move to the float32 masters (after every
     micro-batch in one process, after the last under DDP), and the norm is that of the float32
     gradients; a float16 step whose gradients overflow is skipped and its loss scale halved.
+    A learning-rate ``scheduler`` steps after each optimizer step taken (not after a skipped one).
 
     Raises:
         FloatingPointError: the gradient norm is NaN or inf (the step is not taken, so the
@@ -134,6 +136,8 @@ def optimizer_step(
             f"(loss {float(last.detach())}); stopping before the weights change"
         )
     optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
     # free the gradients now, not at the next step's zero_grad: otherwise a full copy of the
     # trainable weights stays resident through the next generation and forward, the step's peak
     optimizer.zero_grad(set_to_none=True)
@@ -196,6 +200,7 @@ def minibatch_update(
     accelerator: Accelerator | None = None,
     model: nn.Module | None = None,
     micro_batch_size: int | None = None,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
 ) -> UpdateStats:
     """One optimizer step per minibatch, gradients accumulated over its micro-batches.
 
@@ -219,6 +224,7 @@ def minibatch_update(
         minibatch_loss: the trainer's hook, ``(part, first_micro=bool) -> MicroLoss``.
         optimizer, params, max_grad_norm, name, accelerator, model: as :func:`optimizer_step`.
         micro_batch_size: rows per micro-batch (``optim.micro_batch_size``), None for one.
+        scheduler: the learning-rate schedule, stepped once per optimizer step.
 
     Returns:
         :class:`UpdateStats`.
@@ -235,7 +241,7 @@ def minibatch_update(
             partial(_weighted_loss, minibatch_loss, part, j == 0, share, world, weighted, devs)
             for j, (part, share) in enumerate(zip(parts, shares))
         ]
-        norm = optimizer_step(optimizer, params, losses, max_grad_norm, name, accelerator, model)
+        norm = optimizer_step(optimizer, params, losses, max_grad_norm, name, accelerator, model, scheduler)
         grad_norms.append(float(norm))
         if n == 0 and devs[0] is not None:
             # before any update the ratio must be exactly 1 (same inputs, same weights)

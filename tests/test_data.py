@@ -1,0 +1,312 @@
+"""Bring your own data and rewards: dataset formats, columns that travel, reward lists, end ids."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from tether.cli import main
+from tether.data.prompts import PromptData, load_prompt_data, split_prompts
+from tether.judges.contract import WeightedReward, checked_scores
+from tether.judges.scorers import make_scorer
+
+from .conftest import answer_checker, length_judge, sometimes_none
+from .test_hub import SHA, hub_cache, offline_cli
+
+ROWS = [
+    {"prompt": f"the movie number {i} was", "answer": f"ans:the movie number {i} was", "id": i}
+    for i in range(40)
+]
+
+
+def _jsonl(path, rows=ROWS):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_every_format_gives_the_same_rows_with_their_columns(tmp_path):
+    import datasets
+
+    ds = datasets.Dataset.from_list(ROWS)
+    ds.save_to_disk(str(tmp_path / "saved"))
+    ds.to_parquet(str(tmp_path / "rows.parquet"))
+    ds.to_csv(str(tmp_path / "rows.csv"), index=False)
+    specs = [
+        _jsonl(tmp_path / "rows.jsonl"),
+        tmp_path / "saved",
+        tmp_path / "rows.parquet",
+        tmp_path / "rows.csv",
+    ]
+    for spec in specs:
+        data = load_prompt_data(str(spec))
+        assert data.prompts == [r["prompt"] for r in ROWS], spec
+        assert data.columns["answer"] == [r["answer"] for r in ROWS], spec
+        assert [int(x) for x in data.columns["id"]] == list(range(40)), spec
+
+
+def test_the_held_out_split_and_selection_keep_columns_with_their_rows(tmp_path):
+    data = load_prompt_data(str(_jsonl(tmp_path / "rows.jsonl")))
+    train, held = split_prompts(data, 0.2)
+    assert len(train) + len(held) == 40 and len(held) > 0
+    for part in (train, held):
+        assert all(a == f"ans:{p}" for p, a in zip(part.prompts, part.columns["answer"]))
+    # the split is a hash of the prompt alone: the same as for the bare texts
+    assert split_prompts([r["prompt"] for r in ROWS], 0.2) == (train.prompts, held.prompts)
+    picked = train.select([3, 3, 0])
+    assert picked.prompts == [train[3], train[3], train[0]] and picked.row(0) == train.row(3)
+    assert train[1:3] == PromptData(train.prompts[1:3], {k: v[1:3] for k, v in train.columns.items()})
+
+
+def test_a_missing_prompt_column_names_the_field_and_the_columns(tmp_path):
+    path = _jsonl(tmp_path / "q.jsonl", [{"question": "a"}])
+    with pytest.raises(ValueError, match=r"q.jsonl:1.*data.prompt_column='prompt'.*\['prompt', 'question'\]"):
+        load_prompt_data(str(path))
+    assert load_prompt_data(str(path), prompt_column="question").prompts == ["a"]
+    import datasets
+
+    datasets.Dataset.from_list([{"question": "a"}]).save_to_disk(str(tmp_path / "d"))
+    with pytest.raises(ValueError, match=r"data.prompt_column='prompt'.*\['question'\]"):
+        load_prompt_data(str(tmp_path / "d"))
+
+
+def test_conversations_are_rendered_by_the_chat_template(tiny_tokenizer):
+    import copy
+
+    from tether.models.sampling import prompt_texts
+
+    tok = copy.deepcopy(tiny_tokenizer)  # a copy: the session's tokenizer keeps no template
+    tok.chat_template = (
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    convo = [{"role": "system", "content": "be kind"}, {"role": "user", "content": "the movie"}]
+    assert prompt_texts(tok, [convo, "plain"]) == ["<system>be kind<user>the movie<assistant>", "plain"]
+    with pytest.raises(ValueError, match="no chat template"):
+        prompt_texts(tiny_tokenizer, [convo])
+
+
+def test_weighted_rewards_sum_and_skip_none():
+    """r1 = length / 100, r2 = 1.0 for even lengths and None for odd ones, weights [1, 0.5]:
+    'ab' -> 0.02 + 0.5 * 1.0 = 0.52; 'abc' -> 0.03 (r2 left out); '' -> 0.0 + 0.5 = 0.5."""
+    reward = make_scorer(["tests.conftest:length_judge", "tests.conftest:sometimes_none"], [1.0, 0.5])
+    assert isinstance(reward, WeightedReward)
+    assert list(reward.scorers) == ["length_judge", "sometimes_none"]
+    assert checked_scores(reward, ["ab", "abc", ""], 0, ["p", "q", "r"]) == pytest.approx([0.52, 0.03, 0.5])
+    assert reward.last["length_judge"] == pytest.approx([0.02, 0.03, 0.0])
+    assert reward.last["sometimes_none"][0] == 1.0 and math.isnan(reward.last["sometimes_none"][1])
+    with pytest.raises(ValueError, match="returned None for a sample"):  # alone, None is no score
+        checked_scores(sometimes_none, ["abc"], 0)
+    with pytest.raises(ValueError, match="one finite weight per reward.scorer"):
+        WeightedReward({"a": length_judge}, [1.0, 2.0])
+
+
+def test_a_reward_function_gets_the_columns_it_names():
+    got = checked_scores(
+        answer_checker, ["xx", "y"], 0, ["a", "b"], {"answer": ["ans:a", "ans:b"], "id": [1, 2]}
+    )
+    assert got == [0.2, 0.1]
+    with pytest.raises(ValueError, match="answer 'ans:b' came with prompt 'a'"):
+        checked_scores(answer_checker, ["x"], 0, ["a"], {"answer": ["ans:b"]})
+    with pytest.raises(ValueError, match=r"it takes \['answer'\]"):
+        checked_scores(answer_checker, ["x"], 0, ["a"])
+
+
+def _train(tmp_path, data, *extra):
+    return [
+        "train",
+        f"data.prompts={data}",
+        "data.heldout_fraction=0.2",
+        "rollout.batch_size=8",
+        "rollout.max_new_tokens=4",
+        "optim.minibatch_size=4",
+        "optim.epochs=1",
+        "train.steps=2",
+        "train.sample_every=1",
+        "eval.n_prompts=4",
+        "eval.every=0",
+        "eval.judge=tests.conftest:answer_checker",
+        "train.progress=false",
+        "train.save_model=false",
+        "train.checkpoint_every=0",
+        f"train.output_dir={tmp_path / 'run'}",
+        *extra,
+    ]
+
+
+def test_grpo_reward_gets_each_rows_answer_and_two_rewards_are_logged(tiny_model_dir, tmp_path):
+    """GRPO with G = 4: the answer column is repeated with its prompt across the group; the samples
+    keep it. Two rewards with weights [1, 0.5]: both logged, and the score is their weighted sum."""
+    data = _jsonl(tmp_path / "rows.jsonl")
+    args = _train(
+        tmp_path,
+        data,
+        f"model.name={tiny_model_dir}",
+        "train.algo=grpo",
+        "rollout.group_size=4",
+        "reward.scorer=tests.conftest:answer_checker,tests.conftest:constant_scorer",
+        "reward.weights=[1.0, 0.5]",
+    )
+    assert main(args) == 0
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        # mean of (r1 + 0.5 * r2) = mean(r1) + 0.5 * 0.5; float32 sums of 8 values ~1: 8 * 2**-23 * 2
+        assert r["objective/scores"] == pytest.approx(r["reward/answer_checker"] + 0.25, abs=8 * 2**-23 * 2)
+        assert r["reward/constant_scorer"] == 0.5
+    samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert samples and all(s["columns"]["answer"] == f"ans:{s['prompt']}" for s in samples)
+
+
+def test_a_cached_hub_dataset_trains_offline(tiny_model_dir, tmp_path):
+    home = tmp_path / "hf"
+    hub_cache(home, "tiny-org/tiny-llama", tiny_model_dir)
+    (tmp_path / "empty").mkdir()
+    snap = hub_cache(home, "tiny-org/reviews", tmp_path / "empty", kind="datasets") / "snapshots" / SHA
+    _jsonl(snap / "train.jsonl")
+    p = offline_cli(
+        home,
+        *_train(
+            tmp_path,
+            "tiny-org/reviews",
+            "model.name=tiny-org/tiny-llama",
+            "reward.scorer=tests.conftest:answer_checker",
+        ),
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = offline_cli(home, *_train(tmp_path / "x", "tiny-org/not-cached", "model.name=tiny-org/tiny-llama"))
+    assert (
+        p.returncode == 1
+        and "data.prompts='tiny-org/not-cached'" in p.stderr
+        and "HF_HUB_OFFLINE=1" in p.stderr
+    )
+
+
+def test_a_tracker_gets_every_metric_row_and_the_sample_tables(tiny_model_dir, prompt_file, tmp_path):
+    from .conftest import RecordingTracker
+
+    RecordingTracker.rows, RecordingTracker.tables, RecordingTracker.finished = [], [], False
+    args = _train(
+        tmp_path,
+        prompt_file,
+        f"model.name={tiny_model_dir}",
+        "reward.scorer=tests.conftest:length_judge",
+        "eval.judge=none",
+        "train.report_to=tests.conftest:RecordingTracker",
+    )
+    assert main(args) == 0
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    got = RecordingTracker.rows
+    assert [s for s, _ in got] == [r["step"] for r in rows]
+    for (_, values), row in zip(got, rows):
+        assert values == {k: v for k, v in row.items() if k != "step"}  # the very numbers of metrics.jsonl
+    assert RecordingTracker.config["kl.kl_coef"] == 0.05 and RecordingTracker.finished
+    assert [(t[0], t[1]) for t in RecordingTracker.tables] == [("samples", 0), ("samples", 1)]
+    assert RecordingTracker.tables[0][2][:3] == ["prompt", "response", "score"]
+
+
+def test_an_uninstalled_tracker_is_a_config_error_before_anything_is_written(tmp_path, capsys):
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here")
+    out = tmp_path / "run"
+    assert main(["train", "train.report_to=wandb", f"train.output_dir={out}"]) == 1
+    assert "train.report_to='wandb'" in capsys.readouterr().err and not out.exists()
+    assert main(["train", "train.report_to=nope"]) == 2
+
+
+def test_train_takes_a_model_a_tokenizer_a_dataset_and_a_scorer_as_objects(tiny_lm, tiny_tokenizer, tmp_path):
+    """TRL's way: objects, not names. model.name stays the default, which is never loaded."""
+    from tether import load_config, train
+
+    config = load_config(
+        None,
+        [
+            "data.heldout_fraction=0.2",
+            "rollout.batch_size=4",
+            "rollout.max_new_tokens=4",
+            "optim.minibatch_size=2",
+            "optim.epochs=1",
+            "train.steps=1",
+            "eval.n_prompts=0",
+            "eval.judge=none",
+            "train.progress=false",
+            "train.save_model=false",
+            "train.checkpoint_every=0",
+            f"train.output_dir={tmp_path / 'run'}",
+        ],
+    )
+    out = train(config, scorer=answer_checker, model=tiny_lm, tokenizer=tiny_tokenizer, train_dataset=ROWS)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["objective/kl"] == 0.0 and rows[0]["objective/scores"] >= 0.0
+
+
+def test_dpo_reads_trls_preference_formats(tiny_tokenizer, tmp_path):
+    """Standard (strings) and conversational (messages) rows, from a saved dataset."""
+    import datasets
+
+    from tether.trainers.dpo import read_pair_file
+
+    standard = {"prompt": "the movie", "chosen": " was great", "rejected": " was bad"}
+    convo = {
+        "prompt": [{"role": "user", "content": "the movie"}],
+        "chosen": [{"role": "assistant", "content": " was great"}],
+        "rejected": [{"role": "assistant", "content": " was bad"}],
+    }
+    eos = tiny_tokenizer.eos_token_id
+    want = [
+        tiny_tokenizer(t, add_special_tokens=False)["input_ids"] + [eos] for t in (" was great", " was bad")
+    ]
+    for row in (standard, convo):
+        datasets.Dataset.from_list([row, row]).save_to_disk(str(tmp_path / "d"))
+        prompts, chosen, rejected = read_pair_file(str(tmp_path / "d"), tiny_tokenizer)
+        assert prompts == [row["prompt"]] * 2
+        assert [chosen[0].tolist(), rejected[0].tolist()] == want
+    datasets.Dataset.from_list([{"prompt": "x", "chosen": "", "rejected": "y"}]).save_to_disk(
+        str(tmp_path / "e")
+    )
+    with pytest.raises(ValueError, match=r"row 1 needs non-empty"):
+        read_pair_file(str(tmp_path / "e"), tiny_tokenizer)
+
+
+def test_a_reward_model_reads_prompt_and_completion_together(tiny_tokenizer, tmp_path):
+    """hf:FOLDER scores prompt + completion (through the classifier's chat template when it has
+    one), not the completion alone: its scores equal the classifier's logits of those texts."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForSequenceClassification, LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=len(tiny_tokenizer),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_labels=1,
+        pad_token_id=tiny_tokenizer.pad_token_id,
+    )
+    clf = LlamaForSequenceClassification(cfg).eval()
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.padding_side = "right"
+    for template in (None, "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"):
+        tok.chat_template = template
+        folder = tmp_path / f"rm-{template is not None}"
+        clf.save_pretrained(folder)
+        tok.save_pretrained(folder)
+        score = make_scorer(f"hf:{folder}")
+        got = checked_scores(score, [" was great", " was bad"], 0, ["the movie", "the film"])
+        texts = (
+            ["the movie was great", "the film was bad"]
+            if template is None
+            else ["[user]the movie[assistant] was great", "[user]the film[assistant] was bad"]
+        )
+        loaded = AutoModelForSequenceClassification.from_pretrained(folder).eval()  # as the scorer loads it
+        with torch.no_grad():  # the same padded batch the scorer builds: the same numbers, bit for bit
+            want = (
+                loaded(**tok(texts, return_tensors="pt", padding=True, truncation=True)).logits[:, 0].tolist()
+            )
+        assert got == want, template
