@@ -9,10 +9,12 @@ from the float32 run's policy, the exact per-token KL (nats per token, averaged 
 tokens, both policies evaluated in float32):
 
 * drift: KL(pi_fp32 || pi_bf16), the two runs' policies after N steps;
-* movement: KL(pi_fp32 || pi_ref), how far the float32 run moved from the start.
+* movement: KL(pi_fp32 || pi_ref), how far the float32 run moved from the start;
+* seed drift: KL(pi_fp32 || pi_fp32'), a third run in float32 with another ``train.seed`` (other
+  samples, other prompt order): how far two float32 runs land apart anyway.
 
-The ratio drift / movement is the share of the run's movement that precision changed. Prints
-numbers, never asserts.
+drift / movement is the share of the run's movement that precision changed; drift against seed
+drift says whether bf16 moves the result more than resampling does. Prints numbers, never asserts.
 """
 
 from __future__ import annotations
@@ -58,14 +60,15 @@ def main() -> int:
     prompts = [f"the movie number {i} was" for i in range(60)] + [f"a film {i} that" for i in range(60)]
     (tmp / "prompts.txt").write_text("\n".join(prompts) + "\n")
     folders = {}
-    for dtype in ("float32", "bfloat16"):
-        out = tmp / dtype
+    for dtype, seed in (("float32", 0), ("bfloat16", 0), ("float32", 1)):
+        out = tmp / f"{dtype}-{seed}"
         train(
             load_config(
                 None,
                 [
                     f"model.name={tmp / 'start'}",
                     f"model.dtype={dtype}",
+                    f"train.seed={seed}",
                     f"train.algo={args.algo}",
                     f"train.steps={args.steps}",
                     f"data.prompts={tmp / 'prompts.txt'}",
@@ -83,23 +86,27 @@ def main() -> int:
                 ],
             )
         )
-        folders[dtype] = out / "policy"
+        folders[f"{dtype}-{seed}"] = out / "policy"
     load = lambda f: AutoModelForCausalLM.from_pretrained(f, dtype=torch.float32).eval()
-    fp32, bf16, ref = load(folders["float32"]), load(folders["bfloat16"]), load(tmp / "start")
+    fp32, bf16, ref = load(folders["float32-0"]), load(folders["bfloat16-0"]), load(tmp / "start")
+    other = load(folders["float32-1"])
     held = [f"a review {i} of the film" for i in range(64)]
     with torch.no_grad():
         ro = generate(fp32, tok, held, 12, 1.0, seeds=sample_seeds(1, 0, range(len(held))))
         z = {
             k: rollout_logprobs(m, ro, 1.0, keep_logits=True).logits
-            for k, m in (("fp32", fp32), ("bf16", bf16), ("ref", ref))
+            for k, m in (("fp32", fp32), ("bf16", bf16), ("ref", ref), ("seed", other))
         }
     mask = ro.response_mask
     drift = float(masked_mean(exact_kl_from_logits(z["fp32"], z["bf16"]), mask))
     moved = float(masked_mean(exact_kl_from_logits(z["fp32"], z["ref"]), mask))
+    seed_drift = float(masked_mean(exact_kl_from_logits(z["fp32"], z["seed"]), mask))
     print(f"{args.algo}, {args.steps} steps, tiny Llama (hidden 64, 2 blocks), lr 1e-3, batch 16")
     print(f"drift    KL(pi_fp32 || pi_bf16) = {drift:.3e} nats/token")
     print(f"movement KL(pi_fp32 || pi_ref)  = {moved:.3e} nats/token")
-    print(f"drift / movement = {drift / moved:.3f}  ({int(mask.sum())} held-out tokens)")
+    print(f"seed drift KL(pi_fp32 || pi_fp32, seed 1) = {seed_drift:.3e} nats/token")
+    print(f"drift / movement = {drift / moved:.3f}, drift / seed drift = {drift / seed_drift:.3f}")
+    print(f"({int(mask.sum())} held-out tokens)")
     return 0
 
 
