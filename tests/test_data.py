@@ -61,7 +61,7 @@ def test_the_held_out_split_and_selection_keep_columns_with_their_rows(tmp_path)
 
 def test_a_missing_prompt_column_names_the_field_and_the_columns(tmp_path):
     path = _jsonl(tmp_path / "q.jsonl", [{"question": "a"}])
-    with pytest.raises(ValueError, match=r"q.jsonl:1.*data.prompt_column='prompt'.*\['prompt', 'question'\]"):
+    with pytest.raises(ValueError, match=r"q.jsonl:1.*data.prompt_column='prompt'.*columns \['question'\]"):
         load_prompt_data(str(path))
     assert load_prompt_data(str(path), prompt_column="question").prompts == ["a"]
     import datasets
@@ -211,7 +211,7 @@ def test_an_uninstalled_tracker_is_a_config_error_before_anything_is_written(tmp
     if importlib.util.find_spec("wandb") is not None:
         pytest.skip("wandb is installed here")
     out = tmp_path / "run"
-    assert main(["train", "train.report_to=wandb", f"train.output_dir={out}"]) == 1
+    assert main(["train", "train.report_to=wandb", f"train.output_dir={out}"]) == 2
     assert "train.report_to='wandb'" in capsys.readouterr().err and not out.exists()
     assert main(["train", "train.report_to=nope"]) == 2
 
@@ -310,3 +310,56 @@ def test_a_reward_model_reads_prompt_and_completion_together(tiny_tokenizer, tmp
                 loaded(**tok(texts, return_tensors="pt", padding=True, truncation=True)).logits[:, 0].tolist()
             )
         assert got == want, template
+
+
+def test_train_dataset_types_are_read_or_refused(tiny_tokenizer):
+    """A DatasetDict gives its data.split, a DataFrame its rows; a path string is refused, not read
+    character by character."""
+    import datasets
+    import pandas as pd
+
+    from tether.run.config import load_config
+    from tether.run.setup import dataset_prompts
+
+    cfg = load_config(None, ["data.heldout_fraction=0.2"])
+    dd = datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(ROWS), "test": datasets.Dataset.from_list(ROWS[:3])}
+    )
+    for given in (dd, pd.DataFrame(ROWS), ROWS):
+        train, held = dataset_prompts(given, cfg)
+        assert sorted(train.prompts + held.prompts) == sorted(r["prompt"] for r in ROWS), type(given)
+        assert all(a == f"ans:{p}" for p, a in zip(train.prompts, train.columns["answer"]))
+    with pytest.raises(ValueError, match="a str is not a dataset"):
+        dataset_prompts("rows.jsonl", cfg)
+    with pytest.raises(ValueError, match="data.split='validation'"):
+        dataset_prompts(dd, load_config(None, ["data.split=validation"]))
+    with pytest.raises(ValueError, match="holds no rows"):
+        dataset_prompts([], cfg)
+
+
+def test_a_reward_needing_a_missing_column_is_refused_before_the_model_loads(tmp_path, capsys):
+    out = tmp_path / "run"
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("".join(f"the movie {i}\n" for i in range(20)))
+    args = [
+        "train",
+        f"data.prompts={prompts}",
+        "reward.scorer=tests.conftest:answer_checker",
+        f"train.output_dir={out}",
+    ]
+    assert main([*args, "model.name=/nowhere/to/be/found"]) == 1
+    err = capsys.readouterr().err
+    assert "needs the dataset column(s) ['answer']" in err and "data.prompts" in err and not out.exists()
+
+
+def test_tensorboard_through_report_to(tiny_model_dir, prompt_file, tmp_path):
+    args = _train(
+        tmp_path,
+        prompt_file,
+        f"model.name={tiny_model_dir}",
+        "reward.scorer=tests.conftest:length_judge",
+        "eval.judge=none",
+        "train.report_to=tensorboard",
+    )
+    assert main(args) == 0
+    assert list((tmp_path / "run").rglob("events.out.tfevents.*"))

@@ -168,7 +168,7 @@ def test_cuda_without_cuda_is_a_config_error_and_writes_nothing(tiny_model_dir, 
         resolve_device("cuda")
     out = tmp_path / "run"
     assert (
-        main(["train", f"model.name={tiny_model_dir}", "train.device=cuda", f"train.output_dir={out}"]) == 1
+        main(["train", f"model.name={tiny_model_dir}", "train.device=cuda", f"train.output_dir={out}"]) == 2
     )
     err = capsys.readouterr().err
     assert "train.device=cuda" in err and "train.device=auto or cpu" in err

@@ -158,7 +158,10 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 return 130
             print(f"tether: frontier written to {out / 'frontier.png'} and {out / 'frontier.csv'}")
-    except (ValueError, FileNotFoundError, FileExistsError, RuntimeError, FloatingPointError) as e:
+    except ConfigError as e:  # found once the run starts (train.device=cuda without CUDA ...)
+        print(f"tether: config error: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError, FileExistsError, RuntimeError, FloatingPointError, OSError) as e:
         print(f"tether: error: {e}", file=sys.stderr)
         return 1
     return 0

@@ -209,7 +209,7 @@ def records_to_data(
             raise ValueError(
                 f'data.prompts: {at} needs a "{prompt_column}": data.prompt_column={prompt_column!r} '
                 f"must hold a non-empty text or a list of {{role, content}} messages, got {repr(p)[:80]}; "
-                f"the rows have the columns {sorted(set(r) | {prompt_column})}"
+                f"the rows have the columns {sorted(set(r))}"
             )
     return PromptData(prompts, {k: [r.get(k) for r in records] for k in names})
 
@@ -267,9 +267,11 @@ def load_rows(
     elif path.is_dir():
         ds = datasets.load_dataset(str(path), split=split)
     else:
-        ds = datasets.load_dataset(
-            str(hub_folder(spec, field_name=field_name, repo_type="dataset")), split=split
-        )
+        folder = hub_folder(spec, field_name=field_name, repo_type="dataset")
+        try:
+            ds = datasets.load_dataset(str(folder), split=split)
+        except ValueError as e:  # an unknown split
+            raise ValueError(f"data.split={split!r}: {spec}: {e}") from None
     if isinstance(ds, datasets.DatasetDict):
         if split not in ds:
             raise ValueError(f"data.split={split!r}: {spec} has the splits {list(ds)}; choose one")

@@ -8,14 +8,21 @@ function ``f(prompts, completions, **kwargs)`` (:func:`takes_prompts`); every ca
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 from collections.abc import Callable, Sequence
 
 Scorer = Callable[[list[str]], Sequence[float]]
 
+log = logging.getLogger(__name__)
+
 
 FLOAT32_MAX = 3.4028234663852886e38
 """Largest finite float32: scores beyond it would become inf in the reward tensors."""
+
+
+class ArgumentError(ValueError):
+    """A reward function needs an argument (a dataset column, the prompts) the call does not have."""
 
 
 def takes_prompts(scorer: Callable) -> bool:
@@ -27,6 +34,18 @@ def takes_prompts(scorer: Callable) -> bool:
     except (TypeError, ValueError):  # a builtin or C callable without a signature
         return False
     return "completions" in params
+
+
+def required_arguments(scorer: Callable) -> list[str]:
+    """The parameters a TRL-style reward function needs (no default), or [] for a plain scorer."""
+    if not takes_prompts(scorer):
+        return []
+    params = inspect.signature(scorer).parameters
+    return [
+        n
+        for n, p in params.items()
+        if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
 
 
 def _keywords(scorer: Callable, prompts, texts: list[str], columns: dict[str, list] | None) -> dict:
@@ -49,7 +68,7 @@ def _keywords(scorer: Callable, prompts, texts: list[str], columns: dict[str, li
     ]
     if missing:
         have = ["prompts", "completions", *sorted(columns or {})] if prompts is not None else ["completions"]
-        raise ValueError(
+        raise ArgumentError(
             f"it takes {missing}, and the call has {have}"
             + (
                 ""
@@ -99,8 +118,8 @@ def checked_scores(
         scores = [float("nan") if s is None else float(s) for s in raw]
     except Exception as e:  # a user's scorer: report it with the step, never a bare traceback
         raise ValueError(
-            f"{where}: the scorer failed on {len(texts)} texts "
-            f"({type(e).__name__}: {e}); it must return one float per text"
+            f"{where}: the scorer failed on {len(texts)} texts ({type(e).__name__}: {e})"
+            + ("" if isinstance(e, ArgumentError) else "; it must return one float per text")
         ) from e
     if len(scores) != len(texts):
         raise ValueError(f"{where}: the scorer returned {len(scores)} scores for {len(texts)} texts")
@@ -156,8 +175,16 @@ class WeightedReward:
             name: checked_scores(scorer, texts, f"reward {name!r}", prompts, columns, allow_none=True)
             for name, scorer in self.scorers.items()
         }
-        total = []
+        total, unscored = [], 0
         for i in range(len(texts)):
             terms = [w * v[i] for w, v in zip(self.weights, self.last.values()) if not math.isnan(v[i])]
             total.append(sum(terms))
+            unscored += not terms
+        if unscored:  # TRL warns too: such a sample's reward is 0 by default, not by any function
+            log.warning(
+                "tether: warning: %d of %d samples were scored by none of the rewards (all returned None); "
+                "their reward is 0",
+                unscored,
+                len(texts),
+            )
         return total

@@ -81,8 +81,13 @@ def hub_folder(
         raise FileNotFoundError(
             f"{field_name}={repo_id!r}{at}: not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and "
             f"{why}. Download it once with network access (hf download {repo_id}"
-            f"{' --repo-type dataset' if repo_type == 'dataset' else ''}), point "
-            "HF_HOME at a cache that holds it, or pass a local folder saved with save_pretrained"
+            f"{' --repo-type dataset' if repo_type == 'dataset' else ''}"
+            f"{f' --revision {revision}' if revision else ''}), point HF_HOME at a cache that holds it, "
+            + (
+                "or pass a data file or a folder saved with save_to_disk"
+                if repo_type == "dataset"
+                else "or pass a local folder saved with save_pretrained"
+            )
         ) from None
 
 

@@ -123,6 +123,8 @@ class ModelConfig:
     for about one more forward of compute. The same gradients up to float rounding."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.revision, str) and not self.revision.strip():
+            self.revision = None  # model.revision= on the command line: main
         _check(
             self.dtype in ("auto", "float32", "bfloat16", "float16"),
             "model.dtype",
@@ -230,10 +232,10 @@ class RewardConfig:
             "must be a scorer name or a non-empty list of them",
         )
         _check(
-            self.weights is None or len(self.weights) == n,
+            self.weights is None or (len(self.weights) == n and all(math.isfinite(w) for w in self.weights)),
             "reward.weights",
             self.weights,
-            f"needs one weight per reward.scorer entry ({n})",
+            f"needs one finite weight per reward.scorer entry ({n})",
         )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import datetime as _dt
+import inspect
 import logging
 import random
 import shutil
@@ -24,10 +25,11 @@ from tether.data.prompts import (
     records_to_data,
     split_prompts,
 )
-from tether.judges.contract import Scorer
+from tether.judges.contract import Scorer, WeightedReward, required_arguments
 from tether.judges.scorers import make_scorer
 from tether.models.loading import (
     disable_dropout,
+    is_hub_id,
     load_causal_lm,
     load_tokenizer,
     prepare_tokenizer,
@@ -58,10 +60,71 @@ def default_run_dir(algo: str) -> Path:
     return Path("runs") / f"{algo}-{stamp}"
 
 
+def load_model_part(load, name: str, *args):
+    """``load(*args)`` (the tokenizer or the model of ``model.name``), its failure named.
+
+    Raises:
+        ValueError: naming ``model.name`` and what failed (a folder without weights, a
+            tokenizer that needs a missing package ...).
+    """
+    try:
+        return load(*args)
+    except (OSError, ValueError, ImportError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(
+            f"model.name={name!r}: {load.__name__.replace('_', ' ')} failed ({first}); point model.name at a "
+            "folder saved with save_pretrained (config, tokenizer and weights) or a Hub id"
+        ) from e
+
+
+def check_scorer_columns(scorer, columns: dict[str, list]) -> None:
+    """Refuse, before the model loads, a reward function that needs a dataset column the prompts
+    do not have.
+
+    Raises:
+        ValueError: naming the function, the column and the columns there are.
+    """
+    scorers = scorer.scorers.items() if isinstance(scorer, WeightedReward) else [("reward.scorer", scorer)]
+    for name, one in scorers:
+        missing = [
+            c for c in required_arguments(one) if c not in ("prompts", "completions") and c not in columns
+        ]
+        if missing:
+            raise ValueError(
+                f"reward.scorer {name!r} needs the dataset column(s) {missing}, and data.prompts has "
+                f"{sorted(columns) or 'none'}; point data.prompts at a dataset with them (or set "
+                "data.prompt_column) or give the function defaults"
+            )
+
+
 def dataset_prompts(dataset, config: Config) -> tuple[PromptData, PromptData]:
-    """(train, heldout) of a ``train_dataset`` given to :func:`build_run`: a ``datasets.Dataset``
-    (or anything with ``to_list``), a list of row dicts, or a list of prompts."""
-    rows = dataset.to_list() if hasattr(dataset, "to_list") else list(dataset)
+    """(train, heldout) of a ``train_dataset`` given to :func:`build_run`: a ``datasets.Dataset``,
+    a ``datasets.DatasetDict`` (its ``data.split``), a pandas ``DataFrame``, a list of row dicts,
+    or a list of prompts.
+
+    Raises:
+        ValueError: another type, a missing split, or no rows.
+    """
+    if isinstance(dataset, dict) and dataset and all(hasattr(v, "to_list") for v in dataset.values()):
+        if config.data.split not in dataset:  # a DatasetDict
+            raise ValueError(
+                f"data.split={config.data.split!r}: train_dataset has the splits {list(dataset)}"
+            )
+        dataset = dataset[config.data.split]
+    if hasattr(dataset, "to_dict") and hasattr(dataset, "columns") and not hasattr(dataset, "to_list"):
+        rows = dataset.to_dict("records")  # a pandas DataFrame
+    elif hasattr(dataset, "to_list"):
+        rows = dataset.to_list()
+    elif isinstance(dataset, (list, tuple)):
+        rows = list(dataset)
+    else:
+        raise ValueError(
+            f"train_dataset: a {type(dataset).__name__} is not a dataset; pass a datasets.Dataset or "
+            "DatasetDict, a pandas DataFrame, a list of row dicts or a list of prompts (a file or Hub id "
+            "goes in config.data.prompts)"
+        )
+    if not rows:
+        raise ValueError("train_dataset holds no rows")
     if rows and all(isinstance(r, dict) for r in rows):
         data = records_to_data(rows, config.data.prompt_column, "train_dataset")
     else:
@@ -202,9 +265,10 @@ def resolve_device(name: str, cuda_available: bool | None = None) -> torch.devic
     return torch.device("cuda" if name == "cuda" or (name == "auto" and cuda) else "cpu")
 
 
-def make_trackers(report_to: list[str]) -> list | None:
+def make_trackers(report_to: list[str], logging_dir: str = "runs") -> list | None:
     """accelerate's ``log_with`` for ``train.report_to``: tracker names, and an instance of each
-    ``module:Class`` (a ``GeneralTracker`` subclass, built without arguments); None for none.
+    ``module:Class`` (a ``GeneralTracker`` subclass, built with the ``run_name`` "tether" and the
+    ``logging_dir`` when its ``__init__`` takes them, as accelerate's own trackers do); None for none.
 
     Raises:
         ConfigError: a named tracker's package is not installed, or a class cannot be imported.
@@ -227,7 +291,15 @@ def make_trackers(report_to: list[str]) -> list | None:
                 raise ConfigError(f"train.report_to={name!r}: cannot import ({e})") from None
             if not (isinstance(cls, type) and issubclass(cls, GeneralTracker)):
                 raise ConfigError(f"train.report_to={name!r} is not an accelerate GeneralTracker subclass")
-            out.append(cls())
+            params = inspect.signature(cls.__init__).parameters
+            offered = {"run_name": "tether", "logging_dir": str(logging_dir)}
+            try:
+                out.append(cls(**{k: v for k, v in offered.items() if k in params}))
+            except Exception as e:  # a user's class: name the field, never a bare traceback
+                raise ConfigError(
+                    f"train.report_to={name!r}: building the tracker failed ({type(e).__name__}: {e}); "
+                    "tether calls it with run_name and logging_dir when its __init__ takes them"
+                ) from e
         elif name != "all" and name not in available:
             raise ConfigError(
                 f"train.report_to={name!r}: the {name} package is not installed (pip install {name}); "
@@ -287,7 +359,11 @@ def build_run(
     device = resolve_device(config.train.device)
     # every tensor lives on the accelerator's device: this process's GPU (NCCL between processes)
     # or the CPU (gloo); docs/distributed.md
-    accelerator = Accelerator(cpu=device.type == "cpu", log_with=make_trackers(config.train.report_to))
+    trackers = make_trackers(config.train.report_to, config.train.output_dir or "runs")
+    # a tracker that writes files (tensorboard) needs a folder now; the run's is set before init_trackers
+    accelerator = Accelerator(
+        cpu=device.type == "cpu", log_with=trackers, project_dir=config.train.output_dir or "runs"
+    )
     dtype = resolve_dtype(config.model.dtype, accelerator.device)
     check_full_precision(accelerator.mixed_precision)
     check_world_size(config, accelerator.num_processes)
@@ -295,7 +371,11 @@ def build_run(
     train_prompts, heldout = (
         load_prompts(config) if train_dataset is None else dataset_prompts(train_dataset, config)
     )
-    scorer = scorer if scorer is not None else make_scorer(config.reward.scorer, config.reward.weights)
+    if scorer is None:
+        scorer = make_scorer(config.reward.scorer, config.reward.weights)
+    elif isinstance(scorer, (list, tuple)):  # TRL's reward_funcs: a list of callables
+        scorer = make_scorer(list(scorer), config.reward.weights)
+    check_scorer_columns(scorer, train_prompts.columns)
     run_dir = Path(config.train.output_dir) if config.train.output_dir else default_run_dir(config.train.algo)
     run_dir = gather_objects(run_dir)[0]  # rank 0's (a default name holds the time)
     if not resume and run_dir.exists() and any(run_dir.iterdir()):
@@ -310,6 +390,13 @@ def build_run(
         )
     if resume and not (run_dir / "config.yaml").exists():
         raise FileNotFoundError(f"--resume {run_dir}: not a tether run directory (no config.yaml)")
+    path = None
+    if model is None or tokenizer is None:  # before anything is written: a bad id costs nothing
+        source = getattr(model, "name_or_path", None) if model is not None else None
+        path = Path(source) if source else resolve_model_path(config.model.name, config.model.revision)
+        if model is None and is_hub_id(config.model.name) and config.model.revision is None:
+            config = copy.deepcopy(config)
+            config.model.revision = path.name  # the snapshot's commit: --resume rebuilds this very model
     barrier()  # every process checked the folder before the first one writes into it
     existed = run_dir.exists()
     writer = RunWriter(run_dir)
@@ -319,11 +406,10 @@ def build_run(
 
         for w in config.placement.warnings:
             log.warning("tether: warning: %s", w)
-        if model is None or tokenizer is None:
-            source = getattr(model, "name_or_path", None) if model is not None else None
-            path = Path(source) if source else resolve_model_path(config.model.name, config.model.revision)
-            if tokenizer is None:
-                tokenizer = load_tokenizer(path, config.model.trust_remote_code)
+        if tokenizer is None:
+            tokenizer = load_model_part(
+                load_tokenizer, config.model.name, path, config.model.trust_remote_code
+            )
         prepare_tokenizer(tokenizer)
         if config.data.chat_template:
             use_chat_template(tokenizer)
@@ -338,7 +424,10 @@ def build_run(
             if config.model.dtype != "auto":
                 lm = lm.to(dtype)
         else:
-            lm = load_causal_lm(path, dtype, config.model.trust_remote_code).to(accelerator.device)
+            lm = load_model_part(
+                load_causal_lm, config.model.name, path, dtype, config.model.trust_remote_code
+            )
+            lm = lm.to(accelerator.device)
         m = config.model
         if m.lora:  # a peft model: the policy trains adapters, the reference reuses its frozen base
             lm = add_lora(lm, m.lora_r, m.lora_alpha, m.lora_target_modules, m.adapter)

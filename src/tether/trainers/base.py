@@ -84,6 +84,13 @@ class OnPolicyTrainer:
         self.scheduler = make_scheduler(
             self.optimizer, c.optim.lr_scheduler, c.optim.warmup_steps, c.train.steps * per_step
         )
+        if c.optim.warmup_steps >= c.train.steps * per_step:
+            log.warning(
+                "tether: warning: optim.warmup_steps=%d is not shorter than the run's %d optimizer steps: "
+                "the learning rate never reaches optim.lr",
+                c.optim.warmup_steps,
+                c.train.steps * per_step,
+            )
         self.device = next(run.policy.parameters()).device
         # the minibatch RNG stays on the host: the same minibatches on any device (checkpointed)
         self.generator = torch.Generator(device="cpu").manual_seed(c.train.seed)
@@ -428,7 +435,8 @@ def reward_components(scorer, device: torch.device | str = "cpu") -> dict:
     for name, values in last.items():
         v = torch.tensor(values, dtype=torch.float32, device=device)  # (B,), NaN where None
         scored = ~torch.isnan(v)
-        out[f"reward/{name}"] = D.token_mean(torch.where(scored, v, 0.0), scored)
+        if float(D.all_reduce_sum(scored.sum())) > 0:  # a reward that scored nothing logs nothing
+            out[f"reward/{name}"] = D.token_mean(torch.where(scored, v, 0.0), scored)
     return out
 
 
