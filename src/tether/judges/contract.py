@@ -59,13 +59,7 @@ def _keywords(scorer: Callable, prompts, texts: list[str], columns: dict[str, li
             kw[name] = list(values)
     if not takes_all:
         kw = {k: v for k, v in kw.items() if k in params}
-    missing = [
-        n
-        for n, p in params.items()
-        if p.default is inspect.Parameter.empty
-        and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-        and (n not in kw or kw[n] is None)
-    ]
+    missing = [n for n in required_arguments(scorer) if n not in kw or kw[n] is None]
     if missing:
         have = ["prompts", "completions", *sorted(columns or {})] if prompts is not None else ["completions"]
         raise ArgumentError(
