@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -34,7 +33,6 @@ from tether.core.losses import DPOLoss, dpo_loss
 from tether.core.shaping import shape_rewards
 from tether.data.prompts import PromptSampler, load_rows
 from tether.judges.contract import checked_scores
-from tether.models.loading import is_hub_id
 from tether.models.sampling import generate, sample_seeds
 from tether.models.scoring import (
     policy_and_reference_logprobs,
@@ -105,8 +103,6 @@ def read_pair_file(path: str, tokenizer, split: str = "train") -> tuple[list, li
     Raises:
         FileNotFoundError, ValueError: missing file, bad JSON or a missing field (the row named).
     """
-    if not Path(path).exists() and not is_hub_id(str(path)):
-        raise FileNotFoundError(f"dpo.pairs: no file {path}")
     records, where = load_rows(str(path), split, field_name="dpo.pairs")
     prompts, chosen, rejected = [], [], []
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
