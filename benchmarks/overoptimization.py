@@ -1,16 +1,23 @@
-"""Reward over-optimization on the embedded default, and the alarm that catches it.
+"""Reward over-optimization on the embedded default: what the leash protects, measured.
 
-Usage: python benchmarks/overoptimization.py [--out runs/overopt] [--steps 30] [--lr 2e-4] [overrides]
+Usage: python benchmarks/overoptimization.py [--out runs/overopt] [--steps 12] [--lr 1e-4]
+       [--png docs/img/overoptimization.png] [overrides]
 
-Runs PPO on SmolLM2 against VADER twice at a high learning rate: once almost unleashed
-(``kl.kl_coef=0.001``, fixed) and once on the default leash (``kl.kl_coef=0.05``, adaptive), both
-judged every 2 steps on held-out prompts by the MiniLM reward model fitted on human ratings
-(the gold judge). Prints, per run, the proxy and gold scores at each evaluation, the gold peak,
-and the health warnings, and writes overoptimization.png: proxy and gold against step and
-against KL for both runs, with the steps where the over-optimization alarm fired.
+Runs PPO on SmolLM2 against VADER twice at the same high learning rate and number of steps:
+once almost unleashed (``kl.kl_coef=0.001``, fixed) and once on tether's default leash (the KL
+budget controller), both evaluated every 3 steps on held-out prompts by the gold judge (the
+MiniLM reward model fitted on human ratings), the fluency judge (Gemma-3-270M's NLL, nats per
+token) and the diversity measures (distinct-2, self-BLEU, repetition). Prints, per run and per
+evaluation, proxy, gold, fluency NLL, distinct-2 and KL beside the reference's; then the final
+held-out comparison (every number with its SE), the health warnings, and the checks of issue 18:
 
+- unleashed: fluency or diversity ends >= 3 SE worse than the reference's, at a higher proxy;
+- leashed: fluency and diversity within 2 SE of the reference's, at a proxy gain >= 0.15;
+- the sample-quality alarm fires in the unleashed run and not in the leashed one.
+
+Writes one picture (six panels against step, both runs, the reference dashed, the alarm marked).
 A run folder that already holds a finished run is read, not re-run. On a 2-core CPU each run
-takes 12-15 minutes.
+takes about 10 minutes.
 """
 
 from __future__ import annotations
@@ -20,12 +27,59 @@ import json
 import sys
 from pathlib import Path
 
+RUNS = {
+    "unleashed": ["kl.kl_coef=0.001", "kl.controller=fixed"],
+    "default leash": [],
+}
+PANELS = [
+    ("eval/proxy_score", "eval/ref_proxy_score", "proxy score (VADER), held out"),
+    ("eval/gold_score", None, "gold score (MiniLM reward model), held out"),
+    ("eval/kl", None, "KL(pi || pi_ref), nats per sequence, held out"),
+    ("eval/fluency_nll", "eval/ref_fluency_nll", "fluency NLL (Gemma-3-270M), nats per token"),
+    ("eval/distinct_2", "eval/ref_distinct_2", "distinct-2 (higher = more diverse)"),
+    ("eval/repetition", "eval/ref_repetition", "3-gram repetition rate"),
+]
+
+
+def _run(name: str, out: Path, args) -> tuple[list[dict], list[dict], dict]:
+    from tether.run.config import load_config
+    from tether.training import train
+
+    if not (out / "eval.json").exists():
+        cfg = load_config(
+            None,
+            [
+                f"train.steps={args.steps}",
+                f"optim.lr={args.lr}",
+                "eval.every=3",
+                "eval.periodic_prompts=12",
+                "eval.n_prompts=48",
+                "train.save_model=false",
+                "train.checkpoint_every=0",
+                f"train.output_dir={out}",
+                *RUNS[name],
+                *args.overrides,
+            ],
+        )
+        train(cfg)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    warn_file = out / "warnings.jsonl"
+    warns = [json.loads(line) for line in warn_file.read_text().splitlines()] if warn_file.exists() else []
+    return rows, warns, json.loads((out / "eval.json").read_text())
+
+
+def _z(final: dict, key: str, worse_if_higher: bool) -> float:
+    """The change of ``key`` (policy - reference) in SE units, signed so that > 0 is worse."""
+    z = final[f"{key}_change"] / final[f"{key}_change_se"]
+    return z if worse_if_higher else -z
+
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="runs/overopt")
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--lr", type=float, default=2e-4)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--png", default=None, help="default: OUT/overoptimization.png")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
 
@@ -34,78 +88,99 @@ def main() -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from tether.run.config import load_config
-    from tether.training import train
+    runs = {name: _run(name, Path(args.out) / name.replace(" ", "-"), args) for name in RUNS}
 
-    runs = {}
-    for name, extra in (("unleashed", ["kl.kl_coef=0.001", "kl.controller=fixed"]), ("default leash", [])):
-        out = Path(args.out) / name.replace(" ", "-")
-        if not (out / "eval.json").exists():
-            cfg = load_config(
-                None,
-                [
-                    f"train.steps={args.steps}",
-                    f"optim.lr={args.lr}",
-                    "eval.every=2",
-                    "eval.n_prompts=64",
-                    "train.save_model=false",
-                    "train.checkpoint_every=0",
-                    f"train.output_dir={out}",
-                    *extra,
-                    *args.overrides,
-                ],
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    colors = {"unleashed": "tab:red", "default leash": "tab:blue"}
+    checks = []
+    for name, (rows, warns, final) in runs.items():
+        ev = [r for r in rows if "eval/proxy_score" in r]
+        print(f"\n{name}: step  proxy (ref)   gold   fluency NLL (ref)  distinct-2 (ref)  KL")
+        nan = float("nan")
+        for r in ev:
+            g = {k: r.get(f"eval/{k}", nan) for k in ("ref_proxy_score", "gold_score", "fluency_nll")}
+            g |= {k: r.get(f"eval/{k}", nan) for k in ("fluency_nll_se", "ref_fluency_nll")}
+            g |= {k: r.get(f"eval/{k}", nan) for k in ("distinct_2", "ref_distinct_2")}
+            print(
+                f"  {r['step']:3d}  {r['eval/proxy_score']:6.3f} ({g['ref_proxy_score']:.3f})"
+                f"  {g['gold_score']:6.3f}  {g['fluency_nll']:5.2f} ± {g['fluency_nll_se']:.2f}"
+                f" ({g['ref_fluency_nll']:.2f})  {g['distinct_2']:.3f} ({g['ref_distinct_2']:.3f})"
+                f"  {r['eval/kl']:6.2f}"
             )
-            train(cfg)
-        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        warn_file = out / "warnings.jsonl"
-        warns = (
-            [json.loads(line) for line in warn_file.read_text().splitlines()] if warn_file.exists() else []
-        )
-        runs[name] = (rows, warns, json.loads((out / "eval.json").read_text()))
-
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
-    for col, (name, (rows, warns, final)) in enumerate(runs.items()):
-        ev = [r for r in rows if "eval/gold_score" in r]
-        steps = [r["step"] for r in ev]
-        proxy = [r["eval/proxy_score"] for r in ev]
-        gold = [r["eval/gold_score"] for r in ev]
-        kls = [r["eval/kl"] for r in ev]
-        peak = max(range(len(gold)), key=gold.__getitem__)
-        print(f"\n{name}: step proxy gold eval-KL")
-        for s, p, g, k in zip(steps, proxy, gold, kls):
-            print(f"  {s:3d} {p:6.3f} {g:7.3f} {k:7.2f}")
+        ref, pol = final["reference"], final["policy"]
         print(
-            f"  gold peak {gold[peak]:.3f} at step {steps[peak]} (proxy {proxy[peak]:.3f}, KL "
-            f"{kls[peak]:.1f}); "
-            f"last eval: proxy {proxy[-1]:.3f}, gold {gold[-1]:.3f}, KL {kls[-1]:.1f}"
+            f"  final held-out ({final['n_prompts']} prompts x {final['samples_per_prompt']}): "
+            f"proxy {ref['proxy_mean']:.3f} -> {pol['proxy_mean']:.3f} "
+            f"(gain {final['gain']:+.3f} ± {final['gain_se_unpaired']:.3f}); "
+            f"gold {final.get('gold_gain', nan):+.3f} ± {final.get('gold_gain_se_unpaired', nan):.3f}; "
+            f"KL {pol['kl']:.2f} nats/seq"
         )
-        print(
-            f"  final held-out ({final['n_prompts']} prompts): proxy gain {final['gain']:+.3f}, "
-            f"gold gain {final.get('gold_gain', float('nan')):+.3f}, KL {final['policy']['kl']:.2f} nats/seq"
-        )
+        for key, label, worse_if_higher in (
+            ("fluency_nll", "fluency NLL", True),
+            ("distinct_2", "distinct-2", False),
+            ("self_bleu", "self-BLEU", True),
+            ("repetition", "repetition", True),
+        ):
+            if f"{key}_change" in final:
+                base = ref[f"{key}_mean"] if key == "fluency_nll" else ref[key]
+                now = pol[f"{key}_mean"] if key == "fluency_nll" else pol[key]
+                print(
+                    f"    {label}: {base:.3f} -> {now:.3f} ({final[f'{key}_change']:+.3f} ± "
+                    f"{final[f'{key}_change_se']:.3f}; {_z(final, key, worse_if_higher):+.1f} SE worse)"
+                )
         for w in warns:
             print(f"  warning at step {w['step']}: {w['rule']}: {w['message']}")
-        alarms = [w["step"] for w in warns if w["rule"] == "overoptimization"]
-        for row, x, xlabel in ((0, steps, "step"), (1, kls, "held-out KL, nats per sequence")):
-            ax = axes[row, col]
-            line = "-" if row == 0 else ""  # against KL: points (the KL is not monotone in step)
-            ax.plot(x, proxy, line + "o", ms=3, c="tab:blue", label="proxy (VADER)")
-            ax.set(xlabel=xlabel, ylabel="proxy score", title=f"{name}")
-            ax2 = ax.twinx()
-            ax2.plot(x, gold, line + "s", ms=3, c="tab:red", label="gold (MiniLM RM)")
-            ax2.set_ylabel("gold score")
-            if row == 0:
-                for a in alarms:
-                    ax.axvline(a, c="k", ls="--", lw=1, label=f"over-optimization alarm (step {a})")
+        fired = [w["step"] for w in warns if w["rule"] == "sample_quality"]
+        worst = max(_z(final, "fluency_nll", True), _z(final, "distinct_2", False))
+        if name == "unleashed":
+            checks += [
+                (f"unleashed: fluency or distinct-2 >= 3 SE worse (worst {worst:+.1f} SE)", worst >= 3),
+                ("unleashed: proxy above the reference's", final["gain"] > 0),
+                (f"unleashed: sample-quality alarm fires (steps {fired})", bool(fired)),
+            ]
+        else:
+            z_fl, z_d2 = _z(final, "fluency_nll", True), _z(final, "distinct_2", False)
+            checks += [
+                (f"leashed: fluency within 2 SE ({z_fl:+.1f})", abs(z_fl) <= 2),
+                (f"leashed: distinct-2 within 2 SE ({z_d2:+.1f})", abs(z_d2) <= 2),
+                (f"leashed: proxy gain >= 0.15 ({final['gain']:+.3f})", final["gain"] >= 0.15),
+                ("leashed: no sample-quality alarm", not fired),
+            ]
+        for ax, (key, ref_key, title) in zip(axes.flat, PANELS):
+            pts = [
+                (r["step"], r[key], r.get(key + "_se", 0.0))
+                for r in ev
+                if isinstance(r.get(key), (int, float))
+            ]
+            if pts:
+                steps, ys, se = zip(*pts)
+                ax.errorbar(steps, ys, yerr=se, fmt="o-", ms=3, capsize=2, c=colors[name], label=name)
+            refs = [r[ref_key] for r in ev if ref_key and isinstance(r.get(ref_key), (int, float))]
+            if refs and name == "default leash":
+                ax.axhline(refs[-1], ls="--", c="gray", label="reference")
+            for a in fired:
+                ax.axvline(a, c=colors[name], ls=":", lw=1, label=f"sample-quality alarm ({name}, step {a})")
+            ax.set_title(title, fontsize=9)
+            ax.set_xlabel("step", fontsize=8)
             ax.grid(alpha=0.3)
-            h1, l1 = ax.get_legend_handles_labels()
-            h2, l2 = ax2.get_legend_handles_labels()
-            ax.legend(h1 + h2, l1 + l2, fontsize=7, loc="lower right")
+    for ax in axes.flat:
+        handles, labels = ax.get_legend_handles_labels()
+        unique = dict(zip(labels, handles))
+        ax.legend(unique.values(), unique.keys(), fontsize=7)
+    fig.suptitle(
+        f"PPO on SmolLM2 against VADER, lr {args.lr:g}, {args.steps} steps: almost unleashed (beta 0.001) "
+        "against tether's default leash",
+        fontsize=10,
+    )
     fig.tight_layout()
-    png = Path(args.out) / "overoptimization.png"
-    fig.savefig(png, dpi=110)
+    png = Path(args.png) if args.png else Path(args.out) / "overoptimization.png"
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=100)
     print(f"\nplot: {png}")
-    return 0
+    print("\nchecks (issue 18):")
+    for what, ok in checks:
+        print(f"  [{'ok' if ok else 'FAILED'}] {what}")
+    return 0 if all(ok for _, ok in checks) else 1
 
 
 if __name__ == "__main__":

@@ -77,6 +77,21 @@ def tiny_model_dir(tmp_path_factory, tiny_tokenizer) -> Path:
     return out
 
 
+@pytest.fixture(autouse=True)
+def tiny_fluency_judge(request, monkeypatch, tiny_model_dir):
+    """The embedded fluency judge (Gemma-3-270M, eval.fluency_model's default) is the tiny Llama in
+    every test run in this process, except those marked ``real_fluency``: its numbers are then
+    the tiny model's, and no test waits for the real one."""
+    if request.node.get_closest_marker("real_fluency"):
+        return
+    import tether.models.loading as loading
+
+    real = loading.embedded_model_folder
+    monkeypatch.setattr(
+        loading, "embedded_model_folder", lambda name: tiny_model_dir if name == "gemma3-270m" else real(name)
+    )
+
+
 @pytest.fixture()
 def tiny_lm(tiny_tokenizer):
     return make_tiny_llama(
@@ -146,7 +161,7 @@ def prompt_length_scorer(prompts: list[str], completions: list[str], **kwargs) -
 # ---- test tiers -------------------------------------------------------------------------------
 TIERS = {
     # exact enumeration on small vocabularies and tabular optima: equalities, not sampling luck
-    "oracle": {"test_kl", "test_testbed", "test_kl_placement"},
+    "oracle": {"test_kl", "test_testbed", "test_kl_placement", "test_k1_seq"},
     # whole runs through the CLI or accelerate launch, on tiny random models
     "e2e": {
         "test_cli",

@@ -27,6 +27,9 @@ EXACT = {
     "samples",
     "response/length",
     "response/eos_fraction",
+    # word counts of the same texts, summed in the same (rank-major) order
+    "response/distinct_2",
+    "response/repetition",
     "kl/applied_in_reward",
     "kl/applied_in_loss",
     "kl/reference_forwards",
@@ -71,6 +74,8 @@ def term_magnitudes(row: dict) -> dict[str, float]:
         # the adaptive controller moves beta by beta * clip(KL / target - 1) * n / horizon: at most
         # beta * n / (horizon * target) < beta per nat of KL (target * horizon > n)
         "objective/kl_coef": beta * L * m_tok,
+        # GRPO: beta x the mean group reward std, a std of scores
+        "objective/kl_coef_effective": beta * s,
         "objective/scores": s,
         "objective/scores_std": s,
         # -sum p log p over the vocabulary: terms of one sign, so no cancellation (n_terms adds V)

@@ -106,7 +106,7 @@ CONFIG_CASES = [
     ("override without a section", ["kl_coef=0.1"], 2, ["kl_coef"]),
     (
         "controller holding a biased KL estimate",
-        ["train.algo=grpo", "rollout.group_size=2", "kl.estimator=k2"],
+        ["train.algo=grpo", "rollout.group_size=2", "kl.estimator=k2", "kl.controller_signal=estimator"],
         2,
         ["kl.estimator='k2'", "biased", "kl.controller_signal=exact"],
     ),

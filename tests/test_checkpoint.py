@@ -34,6 +34,7 @@ def _args(model_dir, prompts, out, steps=6):
         "eval.every=2",
         "eval.periodic_prompts=4",
         "eval.judge=tests.conftest:length_judge",
+        f"eval.fluency_model={model_dir}",  # a subprocess: conftest's stand-in does not reach it
         "reward.scorer=tests.conftest:slow_length_scorer",
         "train.progress=false",
         "train.save_model=false",
@@ -157,7 +158,7 @@ def test_budget_checkpoint_from_before_kp_resumes_as_pure_dual_ascent(tiny_model
         ],
     )
     trainer = PPOTrainer(build_run(cfg))
-    assert trainer.controller.kp == 1.0  # the config default
+    assert trainer.controller.kp == 3.0  # the config default
     state = trainer.state_dict()
     state["controller"] = {"kl_coef": 0.2, "budget": 6.0, "eta": 0.01}  # what the old code saved
     trainer.load_state_dict(state)

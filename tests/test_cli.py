@@ -83,6 +83,20 @@ def test_ppo_cli_end_to_end(tiny_model_dir, prompt_file, tmp_path, capsys):
     assert [r["step"] for r in rows if "eval/gold_score" in r] == [0, 2]
     assert all("eval/proxy_score" in r and "eval/kl" in r for r in rows if "eval/gold_score" in r)
     assert (out / "warnings.jsonl").exists()
+    # what the leash protects: diversity every step, fluency (conftest's tiny stand-in for Gemma)
+    # and diversity at each periodic evaluation beside the reference's on the same prompts
+    assert all(0 < r["response/distinct_2"] <= 1 for r in rows)
+    for r in (r for r in rows if "eval/gold_score" in r):
+        for key in ("fluency_nll", "distinct_2", "self_bleu", "repetition"):
+            assert f"eval/{key}" in r and f"eval/ref_{key}" in r, key
+        assert r["eval/fluency_nll"] > 0
+    ref_periodic = json.loads((out / "eval_reference_periodic.json").read_text())
+    assert rows[0]["eval/ref_fluency_nll"] == ref_periodic["fluency_nll_mean"]
+    for key in ("fluency_nll_change", "distinct_2_change", "self_bleu_change", "repetition_change"):
+        assert key in ev, key
+    assert ev["samples_per_prompt"] == 2 and ev["reference"]["n"] == 8
+    said = capsys.readouterr()
+    assert "what the leash protects (held out): fluency NLL" in said.out + said.err
 
 
 def test_cli_config_error_names_field(capsys):
@@ -130,6 +144,10 @@ def test_other_trainers_cli_end_to_end(algo, tiny_model_dir, prompt_file, tmp_pa
         assert rows[0]["objective/kl"] == 0.0 and rows[0]["objective/kl_exact"] == 0.0
     if algo == "grpo":
         assert rows[-1]["kl/applied_in_loss"] > 0 and rows[-1]["kl/applied_in_reward"] == 0
+        # the std divides the advantages, not the KL term: the exchange rate actually used is logged
+        assert all(r["objective/kl_coef_effective"] >= 0 for r in rows)
+    else:
+        assert "objective/kl_coef_effective" not in rows[0]
     if algo == "rloo":
         assert rows[-1]["kl/applied_in_reward"] == 3 and rows[-1]["kl/applied_in_loss"] == 0
     if algo == "dpo":
@@ -151,6 +169,7 @@ def test_zero_beta_builds_no_reference(tiny_model_dir, prompt_file, tmp_path):
         "train.algo=grpo",
         "rollout.group_size=2",
         "kl.kl_coef=0",
+        "kl.controller=fixed",  # the budget controller raises beta from 0, so it needs the reference
         "kl.monitor=false",
         "eval.n_prompts=0",
     ]
@@ -341,6 +360,36 @@ def test_grpo_with_long_shared_prompts_end_to_end(tiny_model_dir, tmp_path, monk
     assert all(shape[1] >= tm.SHARED_PREFIX_MIN_POSITIONS for shape in prefix_rows)
 
 
+def test_best_by_skips_evaluations_outside_the_fluency_margin(
+    tiny_model_dir, prompt_file, tmp_path, monkeypatch, capsys
+):
+    # scripted: step 1 has the highest proxy score (0.9) but its fluency NLL is 1.0 nats/token
+    # above the reference's, past eval.best_fluency_margin=0.5; step 2 (0.6, +0.2) is the best
+    from tether import training as train_module
+
+    scripted = iter([(0.1, 3.0), (0.9, 4.0), (0.6, 3.2)])
+
+    def row(self):
+        score, nll = next(scripted)
+        return {
+            "eval/proxy_score": score,
+            "eval/kl": 0.0,
+            "eval/fluency_nll": nll,
+            "eval/ref_fluency_nll": 3.0,
+        }
+
+    monkeypatch.setattr(train_module.Evaluator, "periodic_row", row)
+    out = tmp_path / "run"
+    args = _tiny_args(tiny_model_dir, prompt_file, out) + [
+        "eval.every=1",
+        "eval.best_by=proxy",
+        "eval.best_fluency_margin=0.5",
+    ]
+    assert main(args) == 0
+    assert json.loads((out / "best" / "meta.json").read_text())["step"] == 2
+    assert json.loads((out / "eval.json").read_text())["policy_step"] == 2
+
+
 def test_best_policy_is_kept_and_ends_the_run(tiny_model_dir, prompt_file, tmp_path, monkeypatch, capsys):
     # scripted periodic scores: the best is step 1's (0.5); with eval.patience=2 the run stops
     # after step 3, the second evaluation without a new best, and ends with step 1's policy
@@ -399,7 +448,7 @@ def test_resume_takes_the_new_controller_settings(tiny_model_dir, prompt_file, t
         tiny_model_dir,
         prompt_file,
         tmp_path / "run",
-        ["kl.controller_signal=exact", "optim.lr=3e-3", "train.steps=2"],
+        ["kl.controller=adaptive", "kl.controller_signal=exact", "optim.lr=3e-3", "train.steps=2"],
         ["train.steps=4", "kl.target=1e-9", "kl.horizon=10"],
     )
     assert "target 6 -> 1e-09, horizon 10000 -> 10" in caplog.text
@@ -433,6 +482,7 @@ def test_a_run_without_reference_writes_valid_json_and_says_kl_is_unmeasured(
     out = tmp_path / "run"
     args = _tiny_args(tiny_model_dir, prompt_file, out) + [
         "kl.kl_coef=0",
+        "kl.controller=fixed",  # the budget controller raises beta from 0, so it needs the reference
         "kl.monitor=false",
         "train.steps=1",
         "train.save_model=false",
@@ -541,7 +591,7 @@ def test_resume_with_another_controller_carries_beta_into_it(tiny_model_dir, pro
         tiny_model_dir,
         prompt_file,
         tmp_path / "run",
-        ["train.steps=1", "optim.lr=3e-3"],
+        ["train.steps=1", "optim.lr=3e-3", "kl.controller=adaptive"],
         [
             "train.steps=3",
             "kl.controller=budget",

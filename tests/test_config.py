@@ -79,10 +79,18 @@ def test_config_is_plain_data():
 @pytest.mark.parametrize(
     "overrides,words",
     [
-        (["kl.kl_coef=0"], ["kl.kl_coef=0: no KL leash", "adaptive multiplies beta, so it stays 0"]),
+        (
+            ["kl.kl_coef=0", "kl.controller=adaptive"],
+            ["kl.kl_coef=0: no KL leash", "adaptive multiplies beta, so it stays 0"],
+        ),
         (["kl.kl_coef=0", "kl.controller=fixed"], ["kl.kl_coef=0: no KL leash"]),
         (
-            ["train.algo=grpo", "kl.estimator=abs", "kl.allow_biased_estimator=true"],
+            [
+                "train.algo=grpo",
+                "kl.estimator=abs",
+                "kl.controller_signal=estimator",
+                "kl.allow_biased_estimator=true",
+            ],
             ["kl.estimator='abs' is biased", "allowed by kl.allow_biased_estimator"],
         ),
     ],
@@ -95,18 +103,22 @@ def test_runs_without_a_sound_leash_are_warned_about(overrides, words):
 
 def test_an_adaptive_controller_too_slow_for_the_run_is_warned_about():
     # 32 samples per step, horizon 10000: beta moves at most 1.00064 ** 16 - 1 = 1.0% in 16 steps
-    (w,) = load_config(None, []).placement.warnings
+    adaptive = ["kl.controller=adaptive", "rollout.batch_size=32"]
+    (w,) = load_config(None, [*adaptive, "train.steps=16"]).placement.warnings
     assert "at most 1% over train.steps=16" in w and "kl.horizon (e.g. 140)" in w
     # the proposed horizon can double beta: (1 + 0.2 * 32 / 140) ** 16 = 2.04; and it takes no warning
-    assert load_config(None, ["kl.horizon=140"]).placement.warnings == []
+    assert load_config(None, [*adaptive, "train.steps=16", "kl.horizon=140"]).placement.warnings == []
     # a long run reaches 10%: 1.00064 ** 148 = 1.0993 warns, 1.00064 ** 149 = 1.1000 does not
-    assert len(load_config(None, ["train.steps=148"]).placement.warnings) == 1
-    assert load_config(None, ["train.steps=149"]).placement.warnings == []
+    assert len(load_config(None, [*adaptive, "train.steps=148"]).placement.warnings) == 1
+    assert load_config(None, [*adaptive, "train.steps=149"]).placement.warnings == []
 
 
 def test_a_leashed_run_has_no_warning():
     for algo in ("ppo", "grpo", "rloo", "dpo"):
-        assert load_config(None, [f"train.algo={algo}", "kl.horizon=140"]).placement.warnings == []
+        c = load_config(None, [f"train.algo={algo}"])
+        assert c.placement.warnings == []
+        # the default leash: the budget controller, except for DPO (dpo.beta is its leash)
+        assert c.kl.controller == ("fixed" if algo == "dpo" else "budget")
     # the budget controller raises beta from 0: a leash, no warning
     assert load_config(None, ["kl.kl_coef=0", "kl.controller=budget"]).placement.warnings == []
 

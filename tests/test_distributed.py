@@ -264,6 +264,10 @@ def _args(model_dir, prompts, out, algo):
         "rollout.max_new_tokens=6",
         "optim.minibatch_size=4",
         "optim.epochs=2",
+        # the learning rate these comparisons were written for (the default rose to 8e-5): clip
+        # fractions count tokens past a boundary, and a larger step brings more of them within
+        # float32 rounding of it, where 1 and 2 processes may count one token differently
+        "optim.lr=4e-5",
         "train.steps=1",
         f"train.algo={algo}",
         "eval.n_prompts=0",

@@ -31,6 +31,18 @@ def healthy(n: int = 20) -> list[dict]:
         if s % 2 == 0:  # eval points: proxy and gold rise together
             rows[-1]["eval/proxy_score"] = 0.2 + 0.02 * s
             rows[-1]["eval/gold_score"] = 0.1 + 0.01 * s
+            # what the leash protects, against the reference's numbers on the same prompts
+            rows[-1].update(
+                {
+                    "eval/ref_proxy_score": 0.2,
+                    "eval/fluency_nll": 3.2 + 0.01 * s,  # +0.2 nats/token at most: within 0.5
+                    "eval/ref_fluency_nll": 3.2,
+                    "eval/distinct_2": 0.90 - 0.002 * s,  # 0.862 at least: above 0.75 * 0.92
+                    "eval/ref_distinct_2": 0.92,
+                    "eval/repetition": 0.01 + 0.001 * s,  # +0.02 at most: within 0.1
+                    "eval/ref_repetition": 0.01,
+                }
+            )
     return rows
 
 
@@ -51,6 +63,8 @@ def with_pattern(rule: str) -> list[dict]:
             r["objective/kl_per_token"] = -0.02
         if rule == "logprob_mismatch" and s == 19:
             r["rollout/logprob_mismatch"] = 0.028  # bf16 sampling scored in float32
+        if rule == "sample_quality" and "eval/fluency_nll" in r and s >= 12:
+            r["eval/fluency_nll"] = 4.0  # 0.8 nats/token above the reference's 3.2
         if rule == "overoptimization" and "eval/gold_score" in r and s >= 8:
             r["eval/gold_score"] = 0.3 - 0.03 * (s - 8)  # gold falls while proxy keeps rising
     return rows
@@ -87,3 +101,45 @@ def test_k1_rule_ignores_other_estimators():
     for r in rows:
         r.pop("objective/k1_negative_fraction")  # the run's estimator is not k1
     assert RULES["k1_negative"](rows, T) is None
+
+
+@pytest.mark.parametrize(
+    "change, what",
+    [
+        ({"eval/fluency_nll": 3.71}, "fluency NLL 3.20 -> 3.71"),  # 0.51 > 0.5 above 3.2
+        ({"eval/repetition": 0.111}, "3-gram repetition 0.010 -> 0.111"),  # 0.101 > 0.1 above 0.01
+        ({"eval/distinct_2": 0.689}, "distinct-2 0.920 -> 0.689"),  # < 0.75 * 0.92 = 0.69
+    ],
+)
+def test_sample_quality_names_what_worsened(change, what):
+    rows = healthy()
+    rows[-2].update(change)  # step 18, the last eval point
+    alarm = RULES["sample_quality"](rows, T)
+    assert alarm is not None and alarm.step == 18 and what in alarm.message
+    assert "raise kl.kl_coef" in alarm.fix and "stop earlier" in alarm.fix
+    # just inside each margin: silent
+    inside = {"eval/fluency_nll": 3.69, "eval/repetition": 0.109, "eval/distinct_2": 0.691}
+    rows[-2].update({k: inside[k] for k in change})
+    assert RULES["sample_quality"](rows, T) is None
+
+
+def test_sample_quality_needs_the_proxy_to_have_risen():
+    rows = healthy()
+    rows[-2].update({"eval/fluency_nll": 5.0, "eval/proxy_score": 0.21})  # proxy +0.01 <= 0.02
+    assert RULES["sample_quality"](rows, T) is None
+    rows[-2]["eval/proxy_score"] = 0.23  # +0.03 > 0.02
+    assert RULES["sample_quality"](rows, T) is not None
+    for r in rows:  # no reference numbers (an older run, or eval.every=0): silent
+        r.pop("eval/ref_proxy_score", None)
+    assert RULES["sample_quality"](rows, T) is None
+
+
+def test_sample_quality_waits_for_a_change_beyond_its_noise():
+    rows = healthy()
+    # +0.8 nats/token, past the 0.5 margin, but each mean has SE 0.5: the difference's SE is
+    # sqrt(0.5^2 + 0.5^2) = 0.707, and 0.8 < 2 * 0.707 = 1.414: silent
+    rows[-2].update({"eval/fluency_nll": 4.0, "eval/fluency_nll_se": 0.5, "eval/ref_fluency_nll_se": 0.5})
+    assert RULES["sample_quality"](rows, T) is None
+    rows[-2]["eval/fluency_nll"] = 4.7  # +1.5 > 1.414: fires, and says how many SE
+    alarm = RULES["sample_quality"](rows, T)
+    assert alarm is not None and "2.1 SE" in alarm.message

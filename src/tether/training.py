@@ -52,15 +52,19 @@ def _say(msg: str, progress: bool) -> None:
 
 
 class Evaluator:
-    """Held-out evaluation with the proxy (training scorer) and the gold judge, same sampling."""
+    """Held-out evaluation with the proxy (training scorer), the gold judge and the fluency judge,
+    the same samples for each; the reference's numbers on the periodic prompts are kept, so that
+    every periodic row carries them (``eval/ref_*``) for the health rules and eval.best_by."""
 
-    def __init__(self, run: Run, judge: Scorer | None):
+    def __init__(self, run: Run, judge: Scorer | None, fluency=None):
         self.run, c = run, run.config
         self.scorers: dict[str, Scorer] = {"proxy": run.scorer}
         if judge is not None:
             self.scorers["gold"] = judge
+        self.fluency = fluency
         self.heldout = run.heldout_prompts[: c.eval.n_prompts]
         self.periodic = run.heldout_prompts[: c.eval.periodic_prompts]
+        self.reference_periodic: dict | None = None
 
     def __call__(self, name: str, prompts: list[str]):
         c, run = self.run.config, self.run
@@ -76,14 +80,48 @@ class Evaluator:
             c.eval.seed,
             c.eval.batch_size,
             c.rollout.max_prompt_tokens,
+            c.eval.samples_per_prompt,
+            self.fluency,
         )
+
+    def set_reference(self, before: EvalResult | None) -> None:
+        """The reference's summary on the periodic prompts: the first of its full held-out
+        evaluation's (the same seeds give the same samples), or evaluated now when the periodic
+        set is the larger. Call before training moves the policy."""
+        if not self.run.config.eval.every or not self.periodic:
+            return
+        n = len(self.periodic)
+        if before is not None and len(before.responses) >= n * before.samples_per_prompt:
+            self.reference_periodic = before.head(n).summary()
+        else:
+            self.reference_periodic = self("reference", self.periodic).summary()
 
     def periodic_row(self) -> dict:
         s = self("periodic", self.periodic).summary()
-        row = {"eval/proxy_score": s["proxy_mean"], "eval/kl": s["kl"]}
-        if "gold_mean" in s:
-            row["eval/gold_score"] = s["gold_mean"]
-        return {k: v for k, v in row.items() if v == v}  # drop NaN (no reference)
+        row = {"eval/kl": s["kl"], **periodic_numbers(s, "eval/")}
+        if self.reference_periodic is not None:
+            row.update(periodic_numbers(self.reference_periodic, "eval/ref_"))
+        return {k: v for k, v in row.items() if v == v}  # drop NaN (no reference, no self-BLEU)
+
+
+PERIODIC_KEYS = {
+    "proxy_score": "proxy_mean",
+    "gold_score": "gold_mean",
+    "fluency_nll": "fluency_nll_mean",
+    "fluency_nll_se": "fluency_nll_se",
+    "distinct_1": "distinct_1",
+    "distinct_2": "distinct_2",
+    "distinct_2_se": "distinct_2_se",
+    "self_bleu": "self_bleu",
+    "repetition": "repetition",
+    "repetition_se": "repetition_se",
+}
+"""Metric name after ``eval/`` (or ``eval/ref_``) -> key of :meth:`EvalResult.summary`."""
+
+
+def periodic_numbers(summary: dict, prefix: str) -> dict:
+    """The periodic evaluation's metrics from an evaluation summary, names prefixed."""
+    return {prefix + name: summary[key] for name, key in PERIODIC_KEYS.items() if key in summary}
 
 
 def train(
@@ -116,7 +154,8 @@ def train(
     """
     t_start = time.perf_counter()
     c = config
-    if judge is None and c.eval.judge != "none" and (c.eval.n_prompts or c.eval.every):
+    evaluating = bool(c.eval.n_prompts or c.eval.every)
+    if judge is None and c.eval.judge != "none" and evaluating:
         judge = make_scorer(c.eval.judge)  # before the model loads: a bad judge fails fast
     run = build_run(
         config, scorer, resume=resume, model=model, tokenizer=tokenizer, train_dataset=train_dataset
@@ -134,7 +173,7 @@ def _train(run: Run, judge: Scorer | None, resume: bool, t_start: float) -> Path
     c = run.config
     w, show = run.writer, c.train.progress
     trainer = TRAINERS[c.train.algo](run)
-    evaluator = Evaluator(run, judge)
+    evaluator = Evaluator(run, judge, _fluency_judge(run))
     monitor = HealthMonitor(c.health, w.run_dir / "warnings.jsonl")
     start = _resume(run, trainer, monitor) if resume else _start(run)
     weight = next(run.policy.lm.parameters())
@@ -146,6 +185,15 @@ def _train(run: Run, judge: Scorer | None, resume: bool, t_start: float) -> Path
         show,
     )
     _say(f"tether: {len(run.train_prompts)} training prompts, {len(run.heldout_prompts)} held out", show)
+    if getattr(trainer, "beta_in_reward_std", False):
+        _say(
+            f"tether: note: GRPO divides the advantages by each group's reward std but not the KL term "
+            f"(grpo.scale_by_std=true, KL in the loss), so kl.kl_coef={c.kl.kl_coef:g} counts in group "
+            "reward standard deviations, not reward units per nat (objective/kl_coef_effective logs beta "
+            "x the mean group std). For beta in reward units: grpo.scale_kl_by_std=true, "
+            "grpo.scale_by_std=false or kl.kl_in_reward=true",
+            show,
+        )
     if resume and start >= c.train.steps:
         _say(
             f"tether: the run already has its train.steps={c.train.steps} steps (raise train.steps to train "
@@ -166,6 +214,8 @@ def _train(run: Run, judge: Scorer | None, resume: bool, t_start: float) -> Path
         run.accelerator.init_trackers("tether", config=flat_config(c))
 
     before = _reference_eval(evaluator, w.run_dir, show) if D.is_main() else None
+    if D.is_main():
+        _reference_periodic(evaluator, before, w.run_dir, resume)
     D.barrier()
     stop, previous_handlers = install_signal_handlers()
     try:
@@ -291,29 +341,58 @@ BEST_KEYS = {"gold": "eval/gold_score", "proxy": "eval/proxy_score"}
 """``eval.best_by`` -> the periodic evaluation's metric it maximizes."""
 
 
+def qualifies(row: dict, fluency_margin: float | None, distinct_share: float | None) -> bool:
+    """Whether a periodic evaluation's row meets eval.best_by's conditions: its fluency NLL at most
+    ``fluency_margin`` nats per token above the reference's, its distinct-2 at least
+    ``distinct_share`` of the reference's (a condition whose numbers the row lacks fails)."""
+    if fluency_margin is not None:
+        nll, ref = row.get("eval/fluency_nll"), row.get("eval/ref_fluency_nll")
+        if not (
+            isinstance(nll, (int, float)) and isinstance(ref, (int, float)) and nll - ref <= fluency_margin
+        ):
+            return False
+    if distinct_share is not None:
+        d, ref = row.get("eval/distinct_2"), row.get("eval/ref_distinct_2")
+        if not (isinstance(d, (int, float)) and isinstance(ref, (int, float)) and d >= distinct_share * ref):
+            return False
+    return True
+
+
 def _keep_best(run: Run, step: int) -> str | None:
     """After a periodic evaluation: save the policy to <run>/best if its score beats every earlier
     one, those in the history and the one <run>/best holds (which may come from steps a resumed
     run discarded: <run>/best always holds the best policy the run has produced); return why to
-    stop when eval.patience evaluations in a row brought no new best."""
+    stop when eval.patience evaluations in a row brought no new best. With
+    eval.best_fluency_margin or eval.best_distinct_share, only evaluations that meet them count
+    (the seeds' "peak of held-out quality": a gold score bought with broken text is no peak)."""
     c, w = run.config, run.writer
     key = BEST_KEYS[c.eval.best_by]
-    evals = [(r["step"], r[key], r.get("eval/kl")) for r in w.history if isinstance(r.get(key), (int, float))]
+    cond = (c.eval.best_fluency_margin, c.eval.best_distinct_share)
+    evals = [
+        (r["step"], r[key] if qualifies(r, *cond) else -math.inf, r.get("eval/kl"))
+        for r in w.history
+        if isinstance(r.get(key), (int, float))
+    ]
     if not evals or evals[-1][0] != step:
         return None
     saved = _best_meta(run)
     prior = [(s, v) for s, v, _ in evals[:-1]] + ([(saved["step"], saved["score"])] if saved else [])
     best_step, best_score = max(prior, key=lambda sv: sv[1]) if prior else (None, -math.inf)
+    if best_score == -math.inf:
+        best_step = None  # nothing has qualified yet
     if evals[-1][1] > best_score:
         save_best(
             w.run_dir, run.policy, {"step": step, "metric": key, "score": evals[-1][1], "kl": evals[-1][2]}
         )
         return None
-    since = sum(s > best_step for s, _, _ in evals)
+    since = sum(s > best_step for s, _, _ in evals) if best_step is not None else len(evals)
     if c.eval.patience and since >= c.eval.patience:
         return (
             f"{key} has not improved on step {best_step}'s {best_score:.3f} in {since} "
             f"evaluations (eval.patience={c.eval.patience})"
+            if best_step is not None
+            else f"no evaluation met eval.best_by's conditions in {since} evaluations "
+            f"(eval.patience={c.eval.patience})"
         )
     return None
 
@@ -365,6 +444,7 @@ def _final_eval_and_plots(
             ),
             show,
         )
+        _say(_leash_line(result), show)
 
     per_seq = c.kl.target_unit == "nats_per_sequence" and c.train.algo != "dpo"
     target = {"adaptive": c.kl.target, "budget": c.kl.budget}.get(c.kl.controller) if per_seq else None
@@ -384,6 +464,28 @@ def _final_eval_and_plots(
     if monitor.fired:
         _say(f"tether: {len(monitor.fired)} health warning(s), see {w.run_dir / 'warnings.jsonl'}", show)
     _say(f"tether: done in {time.perf_counter() - t_start:.0f} s; plots and metrics in {w.run_dir}", show)
+
+
+def _leash_line(result: dict) -> str:
+    """What the leash protects, reference -> policy on the held-out prompts, with SEs."""
+    ref, pol = result["reference"], result["policy"]
+    parts = []
+    if "fluency_nll_change" in result:
+        parts.append(
+            f"fluency NLL {ref['fluency_nll_mean']:.2f} -> {pol['fluency_nll_mean']:.2f} nats/token "
+            f"({result['fluency_nll_change']:+.2f} ± {result['fluency_nll_change_se']:.2f})"
+        )
+    for key, label in (
+        ("distinct_2", "distinct-2"),
+        ("self_bleu", "self-BLEU"),
+        ("repetition", "repetition"),
+    ):
+        if f"{key}_change" in result:
+            parts.append(
+                f"{label} {ref[key]:.3f} -> {pol[key]:.3f} ({result[f'{key}_change']:+.3f} ± "
+                f"{result[f'{key}_change_se']:.3f})"
+            )
+    return "tether: what the leash protects (held out): " + "; ".join(parts)
 
 
 def _restore_best(run: Run) -> dict | None:
@@ -507,6 +609,33 @@ def _reference_eval(evaluator: Evaluator, run_dir: Path, show: bool):
         show,
     )
     return before
+
+
+def _fluency_judge(run: Run):
+    """The fluency judge of eval.fluency_model on rank 0 (the one that evaluates), or None."""
+    c = run.config
+    if c.eval.fluency_model == "none" or not D.is_main() or not run.heldout_prompts:
+        return None
+    if not (c.eval.n_prompts or c.eval.every):
+        return None
+    from tether.judges.fluency import FluencyJudge
+
+    device = run.accelerator.device if run.accelerator is not None else "cpu"
+    return FluencyJudge(c.eval.fluency_model, device)
+
+
+def _reference_periodic(evaluator: Evaluator, before, run_dir: Path, resume: bool) -> None:
+    """The reference's numbers on the periodic prompts, computed before the first step and kept
+    in eval_reference_periodic.json (a resumed run's policy is no longer the reference)."""
+    path = run_dir / "eval_reference_periodic.json"
+    if path.exists():
+        evaluator.reference_periodic = json.loads(path.read_text())
+        return
+    if resume and not (before is not None and len(before.responses) >= len(evaluator.periodic)):
+        return  # an older run without it: no reference numbers in its periodic rows
+    evaluator.set_reference(before)
+    if evaluator.reference_periodic is not None:
+        path.write_text(json.dumps(evaluator.reference_periodic))
 
 
 def flat_config(c: Config) -> dict:

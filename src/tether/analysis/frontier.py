@@ -1,10 +1,12 @@
 """The reward-against-KL frontier: a sweep of RL runs and best-of-N, proxy and gold, one picture.
 
 ``tether frontier`` trains several short runs (kl_coef values x trainers), each logging held-out
-``eval/proxy_score``, ``eval/gold_score`` and ``eval/kl`` every ``eval.every`` steps, samples
-best-of-N from the reference for N = 1, 2, 4, 8, 16, and plots proxy and gold score against
-KL (nats per sequence) with the functional forms of Gao et al. 2022 ("Scaling Laws for Reward
-Model Overoptimization", arXiv 2210.10760, eq. 1-2) fitted, d = sqrt(KL):
+``eval/proxy_score``, ``eval/gold_score``, ``eval/kl``, ``eval/fluency_nll`` and the diversity
+numbers every ``eval.every`` steps, samples best-of-N from the reference for N = 1, 2, 4, 8, 16,
+and plots proxy score, gold score, fluency NLL and the repetition rate (what the leash protects)
+against KL (nats per sequence), proxy and gold with the functional forms of Gao et al. 2022
+("Scaling Laws for Reward Model Overoptimization", arXiv 2210.10760, eq. 1-2) fitted,
+d = sqrt(KL):
 
 * best-of-N: ``R(d) = d (a - b d)``
 * RL:        ``R(d) = d (a - b log d)``
@@ -72,7 +74,7 @@ def best_of_n_points(
     if c.data.chat_template:
         use_chat_template(tok)
     m = max(ns)
-    P, G = [], []
+    P, G, texts = [], [], []
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(c.eval.seed)
         per = max(1, c.eval.batch_size // m)
@@ -93,6 +95,7 @@ def best_of_n_points(
                     device="cpu",
                 ).view(-1, m)
             )
+            texts += ro.responses
             G.append(
                 torch.tensor(
                     checked_scores(gold, ro.responses, "best-of-N (gold)", ro.prompts, batch.columns),
@@ -100,9 +103,12 @@ def best_of_n_points(
                 ).view(-1, m)
             )
     proxy_t, gold_t = torch.cat(P), torch.cat(G)
+    per_sample = _per_sample_quality(c, prompts, texts, m)  # fluency NLL, repetition: (P, m) each
     points = []
     for n in ns:
         ps, gs = bon_scores(proxy_t, gold_t, n)
+        # the same exact rank weights give the pick's expected fluency NLL and repetition rate
+        quality = {key: bon_scores(proxy_t, values, n)[1] for key, values in per_sample.items()}
         points.append(
             {
                 "method": "best-of-N",
@@ -113,9 +119,40 @@ def best_of_n_points(
                 "kl_bound": bon_kl_bound(n),
                 "proxy": ps,
                 "gold": gs,
+                **quality,
             }
         )
     return points
+
+
+def _per_sample_quality(c: Config, prompts, texts: list[str], m: int) -> dict[str, torch.Tensor]:
+    """Per reference sample (P, m): the fluency judge's NLL (nats per token; eval.fluency_model)
+    and the 3-gram repetition rate; a sample without a value (an empty or too short response)
+    gets its prompt's mean of the others (0 when none has one)."""
+    from tether.core.diversity import repetition
+
+    values = {"repetition": [repetition(t) for t in texts]}
+    if c.eval.fluency_model != "none":
+        from tether.judges.fluency import FluencyJudge
+        from tether.run.setup import resolve_device
+
+        judge = FluencyJudge(c.eval.fluency_model, resolve_device(c.train.device))
+        values["fluency_nll"] = judge([p for p in prompts.prompts for _ in range(m)], texts)
+    out = {}
+    for key, vals in values.items():
+        rows = []
+        for i in range(0, len(vals), m):
+            row = vals[i : i + m]
+            known = [v for v in row if v is not None]
+            fill = sum(known) / len(known) if known else 0.0
+            rows.append([fill if v is None else v for v in row])
+        out[key] = torch.tensor(rows, dtype=torch.float64)
+    return out
+
+
+QUALITY_KEYS = ("fluency_nll", "distinct_2", "repetition")
+"""What the leash protects, per frontier point (best-of-N points have no distinct-2: it is a
+statistic of a set, not an expectation over the pick)."""
 
 
 def run_points(run_dir: Path, label: str) -> list[dict]:
@@ -134,6 +171,7 @@ def run_points(run_dir: Path, label: str) -> list[dict]:
                     "kl_bound": "",
                     "proxy": r["eval/proxy_score"],
                     "gold": r["eval/gold_score"],
+                    **{k: r[f"eval/{k}"] for k in QUALITY_KEYS if f"eval/{k}" in r},
                 }
             )
     return pts
@@ -198,21 +236,28 @@ def sweep_configs(base: Config, sweep: list[tuple[str, float]], out: Path) -> li
     ]
 
 
+FIELDS = ["method", "run", "N", "step", "kl", "kl_bound", "proxy", "gold", *QUALITY_KEYS]
+"""Columns of frontier.csv."""
+
+
 def _write_csv(points: list[dict], path: Path) -> None:
     with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["method", "run", "N", "step", "kl", "kl_bound", "proxy", "gold"])
+        w = csv.DictWriter(f, fieldnames=FIELDS, restval="")
         w.writeheader()
         w.writerows(points)
 
 
 def plot_frontier(points: list[dict], ref_proxy: float, ref_gold: float, out: Path) -> Path:
-    """Proxy and gold score against KL for every run and best-of-N, with the Gao et al. fits."""
+    """Proxy and gold score against KL for every run and best-of-N, with the Gao et al. fits; below
+    them the fluency NLL and the repetition rate (distinct-2 for the runs) against KL."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharex=True)
+    fig, grid_axes = plt.subplots(2, 2, figsize=(13, 9.5), sharex=True)
+    axes = grid_axes[0]
+    _plot_quality(points, grid_axes[1], plt.get_cmap("tab10"))
     runs = list(dict.fromkeys(p["run"] for p in points if p["method"] == "RL"))
     cmap = plt.get_cmap("tab10")
     for ax, key, ref in ((axes[0], "proxy", ref_proxy), (axes[1], "gold", ref_gold)):
@@ -251,3 +296,37 @@ def plot_frontier(points: list[dict], ref_proxy: float, ref_gold: float, out: Pa
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def _plot_quality(points: list[dict], axes, cmap) -> None:
+    """Fluency NLL and repetition (runs: also distinct-2, on a second axis) against KL."""
+    runs = list(dict.fromkeys(p["run"] for p in points if p["method"] == "RL"))
+    bon = [p for p in points if p["method"] == "best-of-N"]
+    for ax, key, label in (
+        (axes[0], "fluency_nll", "fluency NLL, nats per token (lower = more fluent)"),
+        (axes[1], "repetition", "3-gram repetition rate"),
+    ):
+        pts = [p for p in bon if isinstance(p.get(key), float)]
+        if pts:
+            ax.plot([p["kl"] for p in pts], [p[key] for p in pts], "k--o", label="best-of-N (reference)")
+        for i, run in enumerate(runs):
+            rp = sorted((p for p in points if p["run"] == run and key in p), key=lambda p: p["step"])
+            if rp:
+                ax.plot([p["kl"] for p in rp], [p[key] for p in rp], "-o", color=cmap(i), ms=4, label=run)
+        if key == "repetition":
+            twin = None
+            for i, run in enumerate(runs):
+                rp = sorted(
+                    (p for p in points if p["run"] == run and "distinct_2" in p), key=lambda p: p["step"]
+                )
+                if rp:
+                    twin = twin or ax.twinx()
+                    twin.plot([p["kl"] for p in rp], [p["distinct_2"] for p in rp], ":s", color=cmap(i), ms=3)
+            if twin is not None:
+                twin.set_ylabel("distinct-2 of the runs (dotted squares)")
+        ax.set_xlabel("KL(pi || pi_ref), nats per sequence (held out)")
+        ax.set_ylabel(label)
+        ax.set_title(label.split(",")[0] + " against KL")
+        ax.grid(alpha=0.3)
+        if ax.has_data():
+            ax.legend(fontsize=7)

@@ -84,17 +84,33 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
                 "proxy SE": ev[k].get("proxy_se", ""),
                 "gold": ev[k].get("gold_mean", ""),
                 "gold SE": ev[k].get("gold_se", ""),
+                "fluency NLL (nats/token)": ev[k].get("fluency_nll_mean", ""),
+                "fluency SE": ev[k].get("fluency_nll_se", ""),
+                "distinct-2": ev[k].get("distinct_2", ""),
+                "self-BLEU": ev[k].get("self_bleu", ""),
+                "repetition": ev[k].get("repetition", ""),
             }
             for k in ("reference", "policy")
         ]
+        cols = ["model", "KL (nats/seq)", "proxy", "proxy SE", "gold", "gold SE"]
+        cols += ["fluency NLL (nats/token)", "fluency SE", "distinct-2", "self-BLEU", "repetition"]
         parts.append(
             "<h2>Frontier point (held-out prompts)</h2>"
-            + _table(pts, ["model", "KL (nats/seq)", "proxy", "proxy SE", "gold", "gold SE"])
+            + _table(pts, cols)
             + f"<p>proxy gain {ev.get('gain', float('nan')):+.3f} ± {ev.get('gain_se_unpaired', 0):.3f}"
             + (
                 f"; gold gain {ev['gold_gain']:+.3f} ± {ev['gold_gain_se_unpaired']:.3f}"
                 if "gold_gain" in ev
                 else ""
+            )
+            + "".join(
+                f"; {label} {ev[f'{key}_change']:+.3f} ± {ev[f'{key}_change_se']:.3f}"
+                for key, label in (
+                    ("fluency_nll", "fluency NLL change"),
+                    ("distinct_2", "distinct-2 change"),
+                    ("repetition", "repetition change"),
+                )
+                if f"{key}_change" in ev
             )
             + "</p>"
         )

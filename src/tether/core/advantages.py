@@ -124,6 +124,19 @@ def group_normalized_advantages(scores: Tensor, group_size: int, scale_by_std: b
     return centered.reshape(-1)
 
 
+def group_std(scores: Tensor, group_size: int) -> Tensor:
+    """Each row's group standard deviation (unbiased, as :func:`group_normalized_advantages`
+    divides by), repeated for the group's rows: (B,) -> (B,); zeros for ``group_size`` 1.
+
+    Raises:
+        ValueError: B is not a multiple of ``group_size``.
+    """
+    g = _groups(scores, group_size)
+    if group_size == 1:
+        return torch.zeros_like(scores)
+    return g.std(-1, keepdim=True).expand_as(g).reshape(-1)
+
+
 def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
     """RLOO: each sample's reward minus the mean reward of the other k - 1 samples of its prompt.
 

@@ -48,6 +48,19 @@ class HealthThresholds:
     """Sampler/learner mismatch: ``rollout/logprob_mismatch`` above this (nats per token) at any
     step. Rounding alone gives far less (docs/performance.md, "bf16"); bf16 sampling scored in
     float32 gave 0.028."""
+    quality_min_proxy_gain: float = 0.02
+    """Sample quality: the periodic evaluation's proxy score above the reference's by more than
+    this (scorer units) ..."""
+    quality_fluency_margin: float = 0.5
+    """... while its fluency NLL is more than this above the reference's (nats per token; the
+    fluency judge puts fluent review sentences near 2.5 and keyword strings near 5.5) ..."""
+    quality_repetition_margin: float = 0.1
+    """... or its 3-gram repetition rate more than this above the reference's (a share) ..."""
+    quality_distinct_share: float = 0.75
+    """... or its distinct-2 below this share of the reference's ..."""
+    quality_min_z: float = 2.0
+    """... each change also more than this many standard errors of the difference (from the
+    ``eval/*_se`` keys, when logged), so that a few noisy prompts do not raise it."""
 
     def __post_init__(self) -> None:
         if self.window < 2:
@@ -55,6 +68,13 @@ class HealthThresholds:
         for name in ("kl_growth_factor", "length_growth_factor"):
             if getattr(self, name) <= 1:
                 raise ValueError(f"health.{name}={getattr(self, name)!r} is invalid: must be > 1")
+        if not 0 < self.quality_distinct_share < 1:
+            raise ValueError(
+                f"health.quality_distinct_share={self.quality_distinct_share!r} is invalid: must be in (0, 1)"
+            )
+        for name in ("quality_fluency_margin", "quality_repetition_margin"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"health.{name}={getattr(self, name)!r} is invalid: must be > 0")
         if not 0 < self.entropy_collapse_fraction < 1:
             raise ValueError(
                 f"health.entropy_collapse_fraction={self.entropy_collapse_fraction!r} "
@@ -193,6 +213,60 @@ def overoptimization(history: list[dict], t: HealthThresholds) -> Alarm | None:
     return None
 
 
+def sample_quality(history: list[dict], t: HealthThresholds) -> Alarm | None:
+    """Reward climbs while samples get worse (the seeds: the leash "preserves fluency" and
+    "diversity"): at the last periodic evaluation, the held-out proxy score is more than
+    ``t.quality_min_proxy_gain`` above the reference's on the same prompts while the fluency NLL
+    (``eval/fluency_nll``, nats per token) is more than ``t.quality_fluency_margin`` above the
+    reference's, the 3-gram repetition rate (``eval/repetition``) more than
+    ``t.quality_repetition_margin`` above it, or distinct-2 (``eval/distinct_2``) below
+    ``t.quality_distinct_share`` of it, each change also beyond ``t.quality_min_z`` standard
+    errors of the difference. The reference's numbers are the ``eval/ref_*`` keys of the same
+    row (the reference's samples on the same prompts with the same seeds)."""
+    rows = [r for r in history if isinstance(r.get("eval/ref_proxy_score"), (int, float))]
+    if not rows:
+        return None
+    last = rows[-1]
+    proxy, ref_proxy = last.get("eval/proxy_score"), last["eval/ref_proxy_score"]
+    if not isinstance(proxy, (int, float)) or proxy - ref_proxy <= t.quality_min_proxy_gain:
+        return None
+
+    def pair(key: str) -> tuple[float, float, float] | None:
+        """(policy, reference, SE of their difference; 0 when the row has no SEs)."""
+        a, b = last.get(f"eval/{key}"), last.get(f"eval/ref_{key}")
+        if not (isinstance(a, (int, float)) and isinstance(b, (int, float)) and a == a and b == b):
+            return None
+        se = [last.get(f"eval/{k}_se") for k in (key, f"ref_{key}")]
+        se2 = sum(float(x) ** 2 for x in se if isinstance(x, (int, float)) and x == x)
+        return float(a), float(b), se2**0.5
+
+    worse = []
+    z = t.quality_min_z
+    if (f := pair("fluency_nll")) and f[0] - f[1] > max(t.quality_fluency_margin, z * f[2]):
+        worse.append(
+            f"fluency NLL {f[1]:.2f} -> {f[0]:.2f} nats/token (margin {t.quality_fluency_margin}, "
+            f"{(f[0] - f[1]) / f[2] if f[2] else float('inf'):.1f} SE)"
+        )
+    if (r := pair("repetition")) and r[0] - r[1] > max(t.quality_repetition_margin, z * r[2]):
+        worse.append(f"3-gram repetition {r[1]:.3f} -> {r[0]:.3f} (margin {t.quality_repetition_margin})")
+    if (d := pair("distinct_2")) and d[0] < min(t.quality_distinct_share * d[1], d[1] - z * d[2]):
+        worse.append(
+            f"distinct-2 {d[1]:.3f} -> {d[0]:.3f} (below {t.quality_distinct_share:.0%} of the reference's)"
+        )
+    if not worse:
+        return None
+    return Alarm(
+        "sample_quality",
+        last["step"],
+        f"held-out proxy score {ref_proxy:.3f} (reference) -> {proxy:.3f} while the samples got worse: "
+        + "; ".join(worse),
+        "the policy buys proxy score with degenerate text (reward hacking: repeated keywords, "
+        "lost fluency, collapse onto a few outputs) that the leash should have prevented",
+        "raise kl.kl_coef or lower kl.target / kl.budget, lower optim.lr, or stop earlier "
+        "(eval.best_by=gold with eval.best_fluency_margin keeps the best policy that still reads well)",
+    )
+
+
 def logprob_mismatch(history: list[dict], t: HealthThresholds) -> Alarm | None:
     """Sampler and learner disagree: the last step's ``rollout/logprob_mismatch`` (k3 of
     KL(sampler || learner) on the sampled tokens, nats per token) above
@@ -221,4 +295,5 @@ RULES: dict[str, Callable[[list[dict], HealthThresholds], Alarm | None]] = {
     "k1_negative": k1_negative,
     "overoptimization": overoptimization,
     "logprob_mismatch": logprob_mismatch,
+    "sample_quality": sample_quality,
 }

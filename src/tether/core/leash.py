@@ -59,13 +59,15 @@ class KLLeash:
         response_mask: Tensor,
         old_logprobs: Tensor | None = None,
         count: bool = True,
+        row_weights: Tensor | None = None,
     ) -> Tensor | None:
         """``kl_coef * masked_mean(surrogate)`` to add to the loss, or None if not in the loss.
 
         None (not a zero tensor) when the placement is off or ``kl_coef`` is 0, so the loss of a
         run without the term is bit-identical to the pure policy-gradient loss. ``count``: add
         one to ``counts["loss"]`` (once per gradient step: false for the micro-batches after the
-        first of a minibatch, which are parts of the same term).
+        first of a minibatch, which are parts of the same term). ``row_weights`` (B,): a weight per
+        row of its terms (GRPO's ``grpo.scale_kl_by_std``), else 1.
         """
         if not self.kl_in_loss or kl_coef == 0 or ref_logprobs is None:
             return None
@@ -75,5 +77,7 @@ class KLLeash:
         logprobs = torch.where(mask, logprobs, 0.0)
         ref_logprobs = torch.where(mask, ref_logprobs, 0.0)
         old_logprobs = torch.where(mask, old_logprobs, 0.0) if old_logprobs is not None else None
-        terms = kl_loss_terms(logprobs, ref_logprobs, self.loss_estimator, old_logprobs)
+        terms = kl_loss_terms(logprobs, ref_logprobs, self.loss_estimator, old_logprobs, mask)
+        if row_weights is not None:
+            terms = terms * row_weights.to(terms.dtype)[:, None]
         return kl_coef * masked_mean(terms, response_mask)

@@ -116,7 +116,7 @@ def clipped_value_loss(
 # gradient estimation for RL", arXiv 2506.09477; Schulman 2020. Exact checks by enumeration are
 # in tests/test_kl_placement.py and the table in docs/kl.md.
 # Which of them are allowed, and why the others are refused: tether.core.placement.
-KLLossEstimator = Literal["k2", "k3+", "k3_is", "k1", "k3"]
+KLLossEstimator = Literal["k2", "k3+", "k3_is", "k1_seq", "k1", "k3"]
 
 
 def kl_loss_terms(
@@ -124,6 +124,7 @@ def kl_loss_terms(
     ref_logprobs: Tensor,
     estimator: KLLossEstimator = "k3+",
     old_logprobs: Tensor | None = None,
+    response_mask: Tensor | None = None,
 ) -> Tensor:
     """Per-token KL surrogate to add (times kl_coef) to the loss; (B, R), unmasked.
 
@@ -134,20 +135,80 @@ def kl_loss_terms(
     * ``k3_is``: ``(pi / pi_old) * k3`` for minibatches sampled from ``pi_old``; its expectation
       under pi_old is exactly KL(pi || pi_ref) for every theta, so its gradient is exact
       off-policy too. Needs ``old_logprobs``.
+    * ``k1_seq``: the gradient of the **sequence** KL, :func:`k1_seq_terms`: the per-token
+      surrogates above give the gradient of the KL of each position's next-token distribution,
+      which on multi-token responses is not the gradient of KL(pi || pi_ref) over sequences.
+      Needs ``response_mask`` (and ``old_logprobs`` when the samples are from pi_old).
     * ``k1``, ``k3``: computed only for the tests that show why they are refused.
 
     Args:
         logprobs: (B, R) log pi_theta with grad.
         ref_logprobs: (B, R) log pi_ref, no grad.
         estimator: see above.
-        old_logprobs: (B, R) log pi_old (for ``k3_is``).
+        old_logprobs: (B, R) log pi_old (for ``k3_is``; for ``k1_seq`` off-policy).
+        response_mask: (B, R) bool (for ``k1_seq``).
 
     Raises:
-        ValueError: unknown estimator, or ``k3_is`` without ``old_logprobs``.
+        ValueError: unknown estimator, ``k3_is`` without ``old_logprobs``, ``k1_seq`` without
+            ``response_mask``.
     """
+    if estimator == "k1_seq":
+        if response_mask is None:
+            raise ValueError("kl.loss_estimator=k1_seq needs the response_mask (the KL still to come)")
+        return k1_seq_terms(logprobs, ref_logprobs, response_mask, old_logprobs)
     if estimator not in KL_LOSS_SURROGATES:
         raise ValueError(f"unknown kl.loss_estimator {estimator!r}; choose one of {list(LOSS_ESTIMATOR_OK)}")
     return KL_LOSS_SURROGATES[estimator](logprobs - ref_logprobs.detach(), logprobs, old_logprobs)
+
+
+def k1_seq_terms(
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    response_mask: Tensor,
+    old_logprobs: Tensor | None = None,
+) -> Tensor:
+    """Per-token terms whose gradient, summed over a sequence, is an unbiased estimate of the
+    gradient of the sequence KL(pi_theta || pi_ref); their value is k1 (what is logged).
+
+    For sequences ``y`` of pi_theta, with ``k1_t = log pi(y_t | y_<t) - log pi_ref(y_t | y_<t)``
+    and the KL still to come ``G_t = sum_{t' >= t} k1_t'`` (valid tokens only)::
+
+        grad KL(pi || pi_ref) = E_y [ sum_t grad log pi(y_t | y_<t) * G_t ]
+
+    (the score-function term ``E[grad log pi(y) * sum_t k1_t]``, whose past terms ``t' < t``
+    vanish in expectation because ``E[grad log pi(y_t) | y_<t] = 0``, plus the direct term
+    ``E[sum_t grad k1_t] = E[grad log pi(y)] = 0``; Zhang et al. 2025, "On the Design of
+    KL-Regularized Policy Gradient Algorithms for LLM Reasoning", arXiv 2505.17508; Tang & Munos
+    2025, arXiv 2506.09477, section 3). So the term is ``stopgrad(w * G_t) * log pi(y_t)``, with
+    the value ``k1_t`` put back (straight-through: ``k1_t + w G_t (log pi - stopgrad log pi)``).
+
+    Off-policy (samples of pi_old, PPO's later epochs and minibatches), ``w`` is the importance
+    weight of the **whole sequence**, ``rho(y) = prod_t pi(y_t | y_<t) / pi_old(y_t | y_<t)``
+    (detached), since ``G_t`` depends on the tokens after t: ``E_old[rho * ...] = E_pi[...]``
+    exactly. A per-token ratio would reweight only position t and leave the prefix and the
+    suffix drawn from pi_old: not the gradient at theta. ``rho = 1`` on-policy. No clamp: ``rho``
+    is within a few percent of 1 inside PPO's trust region, and a clamp would bias it.
+
+    Args:
+        logprobs: (B, R) log pi_theta of the taken tokens, with grad; finite on valid tokens.
+        ref_logprobs: (B, R) log pi_ref, no grad.
+        response_mask: (B, R) bool; the KL of masked tokens never counts.
+        old_logprobs: (B, R) log pi_old of the tokens, or None (on-policy, ``rho = 1``).
+
+    Returns:
+        (B, R): the terms (zero on masked tokens). Summed over a sequence and averaged over
+        sequences, their gradient estimates ``grad KL``; averaged over tokens (the trainers'
+        ``masked_mean``), ``grad KL`` divided by the mean response length, as the policy loss is.
+    """
+    mask = response_mask.bool()
+    lp = torch.where(mask, logprobs, 0.0)
+    k1 = torch.where(mask, lp - ref_logprobs.detach(), 0.0).detach()  # (B, R)
+    to_come = k1.flip(-1).cumsum(-1).flip(-1)  # G_t = sum_{t' >= t} k1_t'
+    weight = to_come
+    if old_logprobs is not None:
+        log_rho = torch.where(mask, lp.detach() - old_logprobs.detach(), 0.0).sum(-1, keepdim=True)
+        weight = torch.exp(log_rho) * to_come
+    return k1 + weight * (lp - lp.detach())
 
 
 def _k3(log_ratio: Tensor) -> Tensor:

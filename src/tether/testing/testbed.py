@@ -62,6 +62,7 @@ from tether.trainers.steps import (
     clipped_policy_loss,
     dpo_pair_loss,
     grpo_advantages,
+    grpo_kl_weights,
     kl_and_rewards,
     ppo_advantages,
     rloo_token_advantages,
@@ -569,6 +570,7 @@ def train_on_policy(
     kl_in_loss: bool = False,
     loss_estimator: KLLossEstimator = "k3+",
     scale_by_std: bool = True,
+    scale_kl_by_std: bool = False,
 ) -> RunLog:
     """PPO, GRPO or RLOO on the bed, step for step as :class:`tether.trainers.base.OnPolicyTrainer`.
 
@@ -593,6 +595,8 @@ def train_on_policy(
         estimator: per-token estimator logged, shaped into the reward and controlled on.
         kl_in_reward, kl_in_loss, loss_estimator: the placement, as :class:`KLLeash`.
         scale_by_std: GRPO only, divide by the group std (False: Dr. GRPO).
+        scale_kl_by_std: GRPO only, divide each group's KL-in-loss term by the same std
+            (:func:`tether.trainers.steps.grpo_kl_weights`).
 
     Returns:
         :class:`RunLog`.
@@ -655,6 +659,9 @@ def train_on_policy(
             advantages,
             returns,
             [],
+            grpo_kl_weights(leashed.rewards, mask, s.group_size)
+            if algo == "grpo" and scale_by_std and scale_kl_by_std and kl_in_loss
+            else None,
         )
         # 7. epochs of minibatch updates
         minibatch_update(

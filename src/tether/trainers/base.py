@@ -35,6 +35,7 @@ from tether.core.controllers import (
     FixedKLController,
     make_controller,
 )
+from tether.core.diversity import distinct_n, repetition
 from tether.core.kl import kl_k3, sequence_kl
 from tether.core.leash import KLLeash
 from tether.data.prompts import PromptSampler
@@ -185,6 +186,7 @@ class OnPolicyTrainer:
             advantages,
             returns,
             minibatches,
+            self.kl_weights(leashed.rewards, rollout.response_mask),
         )
         # 7. update epochs
         lr = self.optimizer.param_groups[0]["lr"]  # the rate of this step's first optimizer step
@@ -193,7 +195,7 @@ class OnPolicyTrainer:
         # 8. update kl_coef with the KL that was logged (kl.controller_signal: the estimator's, also
         #    the one in the reward, or the exact KL)
         if kl is not None:
-            signal = forwards.exact_kl if c.kl.controller_signal == "exact" else kl  # (B, R) nats per token
+            signal = forwards.exact_kl if c.kl.signal == "exact" else kl  # (B, R) nats per token
             stats = D.kl_stats(signal, rollout.response_mask)
             unit = "kl_per_sequence" if c.kl.target_unit == "nats_per_sequence" else "kl_per_token"
             self.controller.update(float(stats[unit]), n_steps=c.rollout.batch_size)
@@ -277,6 +279,14 @@ class OnPolicyTrainer:
             )
 
     # ---- to override -----------------------------------------------------------------------
+    def kl_weights(self, rewards: Tensor, mask: Tensor) -> Tensor | None:
+        """(B,) weights of each row's KL-in-loss terms, or None (all 1; GRPO may override)."""
+        return None
+
+    def extra_metrics(self, exp: Experience, kl_coef: float) -> dict:
+        """Trainer-specific metrics of the step ({} here; GRPO logs its effective beta)."""
+        return {}
+
     def advantages(
         self, rewards: Tensor, forwards: RolloutLogprobs, mask: Tensor
     ) -> tuple[Tensor, Tensor | None]:
@@ -360,6 +370,7 @@ class OnPolicyTrainer:
             "kl/reference_forwards": self.run.reference_forwards[0],
         }
         row.update(update.metrics())
+        row.update(self.extra_metrics(exp, kl_coef))
         return row
 
 
@@ -374,6 +385,11 @@ def sample_metrics(
     logprobs: Tensor | None = None,
 ) -> dict:
     """The ``objective/*``, ``response/*`` and ``rollout/*`` metrics of a batch of the policy's samples.
+
+    ``response/distinct_2`` (distinct 2-grams over all 2-grams of the batch's responses, in words)
+    and ``response/repetition`` (mean share of a response's 3-grams that repeat an earlier one)
+    follow what the leash protects from step to step (:mod:`tether.core.diversity`); step 0's
+    are the reference's own.
 
     Every value is over the global batch (all processes): per-token values are token-weighted
     means, per-sequence values means over sequences, the score's spread the global standard
@@ -406,6 +422,12 @@ def sample_metrics(
         "objective/entropy": D.token_mean(entropy, mask),
         "response/length": D.sequence_mean(mask.sum(-1).float()),
     }
+    # diversity of the batch's responses (words, tether.core.diversity), over all processes
+    texts = [t for part in D.gather_objects(list(rollout.responses)) for t in part]
+    row["response/distinct_2"] = distinct_n(texts, 2)
+    reps = [v for v in map(repetition, texts) if v is not None]
+    if reps:
+        row["response/repetition"] = sum(reps) / len(reps)
     if rollout.ended is not None:
         row["response/eos_fraction"] = D.sequence_mean(rollout.ended.float())
     if kl is not None:

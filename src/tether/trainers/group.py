@@ -14,9 +14,18 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from tether.core import distributed as D
+from tether.core.advantages import group_std
+from tether.core.kl import masked_sum
 from tether.trainers.base import OnPolicyTrainer
 from tether.trainers.common import RolloutLogprobs
-from tether.trainers.steps import Experience, clipped_policy_loss, grpo_advantages, rloo_token_advantages
+from tether.trainers.steps import (
+    Experience,
+    clipped_policy_loss,
+    grpo_advantages,
+    grpo_kl_weights,
+    rloo_token_advantages,
+)
 from tether.trainers.update import MicroLoss
 
 
@@ -33,6 +42,29 @@ class GRPOTrainer(GroupTrainer):
 
     def advantages(self, rewards: Tensor, forwards: RolloutLogprobs, mask: Tensor) -> tuple[Tensor, None]:
         return grpo_advantages(rewards, mask, self.group_size, self.cfg.grpo.scale_by_std), None
+
+    @property
+    def beta_in_reward_std(self) -> bool:
+        """The std scaling divides the advantages but not the KL term: beta then counts in group
+        reward standard deviations, not reward units (docs/kl.md)."""
+        g = self.cfg.grpo
+        return self.leash.kl_in_loss and g.scale_by_std and not g.scale_kl_by_std and self.group_size > 1
+
+    def kl_weights(self, rewards: Tensor, mask: Tensor) -> Tensor | None:
+        g = self.cfg.grpo
+        if self.leash.kl_in_loss and g.scale_by_std and g.scale_kl_by_std and self.group_size > 1:
+            return grpo_kl_weights(rewards, mask, self.group_size)
+        return None
+
+    def extra_metrics(self, exp: Experience, kl_coef: float) -> dict:
+        """``objective/kl_coef_effective``: beta x the batch's mean group reward std (reward units
+        per nat), the exchange rate GRPO optimizes while the std divides the advantages only."""
+        if not self.beta_in_reward_std:
+            return {}
+        seq_rewards = masked_sum(exp.rewards, exp.mask, dim=-1)  # (B,)
+        return {
+            "objective/kl_coef_effective": kl_coef * D.sequence_mean(group_std(seq_rewards, self.group_size))
+        }
 
 
 class RLOOTrainer(GroupTrainer):

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from tether.core import distributed as D
-from tether.core.advantages import gae, group_normalized_advantages, rloo_advantages
+from tether.core.advantages import GROUP_STD_EPS, gae, group_normalized_advantages, group_std, rloo_advantages
 from tether.core.kl import KLEstimator, estimate_kl, masked_sum
 from tether.core.leash import KLLeash
 from tether.core.losses import clipped_value_loss, dpo_loss, ppo_policy_loss
@@ -67,6 +67,9 @@ class Experience(NamedTuple):
     minibatches: list[Tensor]
     """this process's rows of each epoch-0 minibatch (also the groups scored in step 4); empty
     for a record returned by :meth:`select`."""
+    kl_weights: Tensor | None = None
+    """(B,) weight of each row's KL-in-loss terms (GRPO with ``grpo.scale_kl_by_std``: one over
+    its group's reward std, as its advantage), or None (weight 1)."""
 
     share_by = "tokens"
     """The losses are token means: a micro-batch weighs its share of the valid tokens
@@ -98,6 +101,7 @@ class Experience(NamedTuple):
             self.advantages[idx],
             rows(self.returns),
             [],
+            rows(self.kl_weights),
         )
 
 
@@ -191,6 +195,24 @@ def grpo_advantages(rewards: Tensor, mask: Tensor, group_size: int, scale_by_std
     return broadcast_sequence_advantages(adv, mask)
 
 
+def grpo_kl_weights(rewards: Tensor, mask: Tensor, group_size: int) -> Tensor:
+    """Per-row weights ``1 / (std_g + GROUP_STD_EPS)`` for GRPO's KL-in-loss term, the same
+    division the std-scaled advantages get, so that beta stays in reward units per nat
+    (``grpo.scale_kl_by_std``): with advantages ``(r - mean_g) / std_g`` and the KL term
+    ``beta KL / std_g``, each group's gradient is ``(grad E[r] - beta grad KL) / std_g``, whose
+    fixed point is ``pi*`` of the beta the user set.
+
+    Args:
+        rewards: (B, R) per-token rewards; consecutive groups of ``group_size`` rows share a prompt.
+        mask: (B, R) bool. group_size: G >= 2.
+
+    Returns:
+        (B,) float, one over the row's group reward std (plus the advantages' epsilon).
+    """
+    seq_rewards = masked_sum(rewards, mask, dim=-1)  # (B,)
+    return 1.0 / (group_std(seq_rewards, group_size) + GROUP_STD_EPS)
+
+
 def rloo_token_advantages(rewards: Tensor, mask: Tensor, group_size: int) -> Tensor:
     """Step 6 of RLOO: leave-one-out advantages of the summed reward, on every token.
 
@@ -248,7 +270,15 @@ def clipped_policy_loss(
         vl = clipped_value_loss(values, mb.values, mb.returns, mask, clip_eps_value)
         stats["value/loss"], stats["value/clipfrac"] = vl.loss, vl.clipfrac
         loss = loss + vf_coef * vl.loss
-    kl_term = leash.loss(logprobs, mb.ref_logprobs, kl_coef, mask, mb.old_logprobs, count=first_micro)
+    kl_term = leash.loss(
+        logprobs,
+        mb.ref_logprobs,
+        kl_coef,
+        mask,
+        mb.old_logprobs,
+        count=first_micro,
+        row_weights=mb.kl_weights,
+    )
     if kl_term is not None:
         stats["policy/kl_loss"] = kl_term
         loss = loss + kl_term

