@@ -90,11 +90,14 @@ class Evaluator:
         set is the larger. Call before training moves the policy."""
         if not self.run.config.eval.every or not self.periodic:
             return
-        n = len(self.periodic)
-        if before is not None and len(before.responses) >= n * before.samples_per_prompt:
-            self.reference_periodic = before.head(n).summary()
+        if self.covers_periodic(before):
+            self.reference_periodic = before.head(len(self.periodic)).summary()
         else:
             self.reference_periodic = self("reference", self.periodic).summary()
+
+    def covers_periodic(self, before: EvalResult | None) -> bool:
+        """Whether the reference's full evaluation holds every sample of the periodic prompts."""
+        return before is not None and len(before.responses) >= len(self.periodic) * before.samples_per_prompt
 
     def periodic_row(self) -> dict:
         s = self("periodic", self.periodic).summary()
@@ -421,21 +424,21 @@ def _final_eval_and_plots(
 ) -> None:
     c, w, show = run.config, run.writer, run.config.train.progress
     best = _restore_best(run) if c.eval.best_by != "none" else None
-    evals = [before.summary()] if before else []
+    evals = []
     if before:
         after = evaluator("policy", evaluator.heldout)
-        result = compare(before, after)
+        result = compare(before, after)  # holds both summaries: computed once, here
         result["policy_step"] = best["step"] if best else w.history[-1]["step"]
         w.write_json("eval.json", result)
-        evals.append(after.summary())
+        evals = [result["reference"], result["policy"]]
         gold = (
             f"; gold {result['gold_gain']:+.3f} ± {result['gold_gain_se_unpaired']:.3f}"
             if "gold_gain" in result
             else ""
         )
         _say(
-            f"tether: held-out proxy score {before.summary()['proxy_mean']:.3f} -> "
-            f"{after.summary()['proxy_mean']:.3f} (gain {result['gain']:+.3f} ± "
+            f"tether: held-out proxy score {result['reference']['proxy_mean']:.3f} -> "
+            f"{result['policy']['proxy_mean']:.3f} (gain {result['gain']:+.3f} ± "
             f"{result['gain_se_unpaired']:.3f} SE, z = {result['gain_z_unpaired']:.1f}){gold}; "
             + (
                 f"held-out KL {after.kl:.2f} nats/seq"
@@ -631,8 +634,8 @@ def _reference_periodic(evaluator: Evaluator, before, run_dir: Path, resume: boo
     if path.exists():
         evaluator.reference_periodic = json.loads(path.read_text())
         return
-    if resume and not (before is not None and len(before.responses) >= len(evaluator.periodic)):
-        return  # an older run without it: no reference numbers in its periodic rows
+    if resume and not evaluator.covers_periodic(before):
+        return  # an older run without it, whose policy has moved: no reference numbers
     evaluator.set_reference(before)
     if evaluator.reference_periodic is not None:
         path.write_text(json.dumps(evaluator.reference_periodic))
