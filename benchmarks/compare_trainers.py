@@ -3,8 +3,11 @@
 Usage: python benchmarks/compare_trainers.py [--out runs/compare] [--algos ppo,grpo,rloo,dpo] [overrides]
 
 For each trainer: held-out proxy (VADER) and gold score gains over the reference (same prompts,
-same sampling seed), the final held-out KL (k1, nats per sequence), the last training-batch KL,
-and the median step time. Numbers are printed, never asserted.
+same sampling seed; SE paired by prompt), the final held-out KL (k1, nats per sequence), the
+changes of fluency NLL (nats per token) and distinct-2 with their SEs, the last training-batch
+KL, and the median step time. A trainer folder that already holds a finished run is read, not
+re-run (``make demo`` is the PPO row: copy its run folder to OUT/ppo). Numbers are printed,
+never asserted.
 """
 
 from __future__ import annotations
@@ -40,11 +43,20 @@ def main() -> int:
         rows.append(
             {
                 "algo": algo,
-                "gain": f"{ev['gain']:+.3f} ± {ev['gain_se_unpaired']:.3f}",
-                "gold gain": f"{ev['gold_gain']:+.3f} ± {ev['gold_gain_se_unpaired']:.3f}"
+                "gain": f"{ev['gain']:+.3f} ± {ev['gain_se_paired']:.3f}",
+                "gold gain": f"{ev['gold_gain']:+.3f} ± {ev['gold_gain_se_paired']:.3f}"
                 if "gold_gain" in ev
                 else "-",
                 "held-out KL": f"{ev['policy']['kl']:.2f}",
+                **{
+                    label: f"{ev[f'{key}_change']:+.3f} ± {ev[f'{key}_change_se']:.3f}"
+                    if f"{key}_change" in ev
+                    else "-"
+                    for key, label in (
+                        ("fluency_nll", "fluency NLL change"),
+                        ("distinct_2", "distinct-2 change"),
+                    )
+                },
                 "train KL (last)": f"{metrics[-1].get('objective/kl', float('nan')):.2f}",
                 "step s (median)": f"{statistics.median(m['time/step'] for m in metrics):.1f}",
             }

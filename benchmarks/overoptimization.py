@@ -1,11 +1,12 @@
 """Reward over-optimization on the embedded default: what the leash protects, measured.
 
-Usage: python benchmarks/overoptimization.py [--out runs/overopt] [--steps 12] [--lr 1e-4]
+Usage: python benchmarks/overoptimization.py [--out runs/overopt] [--steps 20] [--lr LR]
        [--png docs/img/overoptimization.png] [overrides]
 
-Runs PPO on SmolLM2 against VADER twice at the same high learning rate and number of steps:
-once almost unleashed (``kl.kl_coef=0.001``, fixed) and once on tether's default leash (the KL
-budget controller), both evaluated every 3 steps on held-out prompts by the gold judge (the
+Runs PPO on SmolLM2 against VADER twice at the same learning rate (the default's unless --lr)
+for more steps than the demo: once almost unleashed (``kl.kl_coef=0.001``, fixed) and once on
+tether's default leash (the KL budget controller), both evaluated every 5 steps on 16 held-out
+prompts (and at the end on 64, two samples each, all read by every judge) by the gold judge (the
 MiniLM reward model fitted on human ratings), the fluency judge (Gemma-3-270M's NLL, nats per
 token) and the diversity measures (distinct-2, self-BLEU, repetition). Prints, per run and per
 evaluation, proxy, gold, fluency NLL, distinct-2 and KL beside the reference's; then the final
@@ -50,10 +51,11 @@ def _run(name: str, out: Path, args) -> tuple[list[dict], list[dict], dict]:
             None,
             [
                 f"train.steps={args.steps}",
-                f"optim.lr={args.lr}",
-                "eval.every=3",
-                "eval.periodic_prompts=12",
-                "eval.n_prompts=48",
+                *([f"optim.lr={args.lr}"] if args.lr is not None else []),
+                "eval.every=5",
+                "eval.periodic_prompts=16",
+                "eval.n_prompts=64",
+                "eval.fluency_samples=2",
                 "train.save_model=false",
                 "train.checkpoint_every=0",
                 f"train.output_dir={out}",
@@ -77,8 +79,8 @@ def _z(final: dict, key: str, worse_if_higher: bool) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="runs/overopt")
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--lr", type=float, default=None, help="default: optim.lr's default")
     ap.add_argument("--png", default=None, help="default: OUT/overoptimization.png")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
@@ -89,6 +91,9 @@ def main() -> int:
     import matplotlib.pyplot as plt
 
     runs = {name: _run(name, Path(args.out) / name.replace(" ", "-"), args) for name in RUNS}
+    from tether.run.config import OptimConfig
+
+    lr = args.lr if args.lr is not None else OptimConfig().lr
 
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     colors = {"unleashed": "tab:red", "default leash": "tab:blue"}
@@ -111,8 +116,8 @@ def main() -> int:
         print(
             f"  final held-out ({final['n_prompts']} prompts x {final['samples_per_prompt']}): "
             f"proxy {ref['proxy_mean']:.3f} -> {pol['proxy_mean']:.3f} "
-            f"(gain {final['gain']:+.3f} ± {final['gain_se_unpaired']:.3f}); "
-            f"gold {final.get('gold_gain', nan):+.3f} ± {final.get('gold_gain_se_unpaired', nan):.3f}; "
+            f"(gain {final['gain']:+.3f} ± {final['gain_se_paired']:.3f}); "
+            f"gold {final.get('gold_gain', nan):+.3f} ± {final.get('gold_gain_se_paired', nan):.3f}; "
             f"KL {pol['kl']:.2f} nats/seq"
         )
         for key, label, worse_if_higher in (
@@ -168,7 +173,7 @@ def main() -> int:
         unique = dict(zip(labels, handles))
         ax.legend(unique.values(), unique.keys(), fontsize=7)
     fig.suptitle(
-        f"PPO on SmolLM2 against VADER, lr {args.lr:g}, {args.steps} steps: almost unleashed (beta 0.001) "
+        f"PPO on SmolLM2 against VADER, lr {lr:g}, {args.steps} steps: almost unleashed (beta 0.001) "
         "against tether's default leash",
         fontsize=10,
     )

@@ -53,6 +53,8 @@ def test_yaml_then_overrides(tmp_path):
         ("ppo.gamma=1.5", "ppo.gamma"),
         ("train.algo=a2c", "train.algo"),
         ("kl.nonsense=1", "kl.nonsense"),
+        ("eval.fluency_samples=3", "eval.fluency_samples"),  # more than eval.samples_per_prompt=2
+        ("model.trainable_layers=some", "model.trainable_layers"),
     ],
 )
 def test_bad_values_name_the_field(override, field):
@@ -154,3 +156,11 @@ def test_print_config_prints_the_resolved_config_and_loads_nothing(capsys):
     cfg = yaml.safe_load(capsys.readouterr().out)
     assert cfg["model"]["name"] == "/nowhere"  # not loaded
     assert cfg["kl"]["kl_in_loss"] is True and cfg["rollout"]["group_size"] == 4  # GRPO's defaults
+
+
+def test_trainable_layers_default_is_six_blocks_of_the_embedded_model_and_all_of_others():
+    assert load_config(None, []).model.layers_to_train == 6
+    assert load_config(None, ["model.trainable_layers=all"]).model.layers_to_train is None
+    assert load_config(None, ["model.trainable_layers=2"]).model.layers_to_train == 2
+    assert load_config(None, ["model.name=ORG/NAME"]).model.layers_to_train is None
+    assert load_config(None, ["model.lora_r=4"]).model.layers_to_train is None

@@ -75,3 +75,30 @@ def test_gemma_tells_fluent_text_from_vader_hacking_strings():
     z = (mb - ma) / math.sqrt(sa**2 + sb**2)
     print(f"fluent {ma:.2f} ± {sa:.2f}, hacking {mb:.2f} ± {sb:.2f} nats/token, z = {z:.1f}")
     assert ma < 4.0 < mb and z > 4
+
+
+def test_the_fluency_judge_reads_the_first_samples_of_each_prompt(tiny_tokenizer, tiny_lm):
+    """eval.fluency_samples=1 of 2: the judge sees samples 0 of each prompt only, whatever the
+    generation batches; the others are None, and the summary averages the judged ones by prompt."""
+    from tether.run.evaluation import evaluate
+
+    seen: list[tuple[str, str]] = []
+
+    def judge(prompts, responses):
+        seen.extend(zip(prompts, responses))
+        return [float(len(r)) for r in responses]
+
+    kwargs = dict(max_new_tokens=4, temperature=1.0, seed=7, batch_size=3, samples_per_prompt=2)
+    prompts = PROMPTS[:3]
+    r = evaluate(
+        "policy", tiny_lm, None, tiny_tokenizer, prompts, {}, fluency=judge, fluency_samples=1, **kwargs
+    )
+    # batches of 3 rows cut prompt 1's two samples apart (rows 0-2, 3-5): still only even rows
+    assert r.fluency_nll[1::2] == [None, None, None]
+    assert r.fluency_nll[0::2] == [float(len(x)) for x in r.responses[0::2]]
+    assert seen == list(zip([p for p in prompts], r.responses[0::2]))
+    nll = [float(len(x)) for x in r.responses[0::2]]
+    assert r.summary()["fluency_nll_mean"] == pytest.approx(sum(nll) / 3)
+    every = evaluate("policy", tiny_lm, None, tiny_tokenizer, prompts, {}, fluency=judge, **kwargs)
+    assert every.responses == r.responses  # the same seeds, the same samples
+    assert every.fluency_nll == [float(len(x)) for x in r.responses]

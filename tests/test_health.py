@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -143,3 +144,42 @@ def test_sample_quality_waits_for_a_change_beyond_its_noise():
     rows[-2]["eval/fluency_nll"] = 4.7  # +1.5 > 1.414: fires, and says how many SE
     alarm = RULES["sample_quality"](rows, T)
     assert alarm is not None and "2.1 SE" in alarm.message
+
+
+def test_the_final_evaluation_is_checked_by_the_heldout_rules_only(tmp_path):
+    """training.py runs HELDOUT_RULES once more on a row built from the final held-out
+    evaluation; only those rules run there, and an alarm found so is recorded once."""
+    from tether.run.monitor import HELDOUT_RULES, HealthMonitor
+
+    rows = healthy()
+    monitor = HealthMonitor(T, tmp_path / "warnings.jsonl")
+    assert monitor.check(rows) == []
+    final = {**rows[-2], "step": 19, "eval/distinct_2": 0.60}  # < 0.75 * 0.92: collapsed
+    # a row that would also trip another rule (entropy far below its start) is not read by it
+    final["objective/entropy"] = 0.0
+    new = monitor.check([*rows, final], HELDOUT_RULES)
+    assert [a.rule for a in new] == ["sample_quality"] and new[0].step == 19
+    assert monitor.check([*rows, final], HELDOUT_RULES) == []  # reported once
+    assert len((tmp_path / "warnings.jsonl").read_text().splitlines()) == 1
+
+
+def test_kl_rising_to_the_leash_budget_is_not_an_explosion():
+    """The demo's KL on the default 2.5-nat budget: 0.58 -> 2.26 nats/seq over a 6-step window
+    (3.9x, above the 2-nat floor) is the budget being spent, not the policy running away."""
+    rows = healthy()
+    for r, kl in zip(rows[-6:], [0.27, 0.40, 1.08, 2.05, 1.96, 2.76]):  # halves 0.583 and 2.257
+        r["objective/kl"] = kl
+    assert RULES["kl_exploding"](rows, T) is not None  # no leash known: 2.257 > 2 and > 3 x 0.583
+    assert RULES["kl_exploding"](rows, dataclasses.replace(T, kl_leash=2.5)) is None
+    assert RULES["kl_exploding"](rows, dataclasses.replace(T, kl_leash=2.2)) is not None  # past it
+
+
+def test_the_leash_of_the_run_sets_kl_leash():
+    from tether.run.config import load_config
+    from tether.training import _health_thresholds
+
+    assert _health_thresholds(load_config(None, [])).kl_leash == 2.5  # the default budget
+    adaptive = load_config(None, ["kl.controller=adaptive", "kl.target=4"])
+    assert _health_thresholds(adaptive).kl_leash == 4.0
+    assert _health_thresholds(load_config(None, ["kl.controller=fixed"])).kl_leash is None
+    assert _health_thresholds(load_config(None, ["health.kl_leash=1"])).kl_leash == 1.0

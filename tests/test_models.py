@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 
@@ -352,3 +353,44 @@ def test_a_hybrid_model_whose_cache_cannot_be_gathered_runs_the_plain_path(tiny_
         a = rollout_logprobs(PolicyWithValue(lm), plain, 1.0).logprobs
         b = rollout_logprobs(PolicyWithValue(lm, share_prefix=True), plain, 1.0).logprobs
     assert torch.equal(a, b)
+
+
+def test_gguf_metadata_is_parsed_once_and_each_caller_gets_its_own_copy(tmp_path, monkeypatch):
+    """Caching an embedded model reads its GGUF metadata for the config and the tokenizer; within
+    ``_one_gguf_reader`` the parse runs once, and a caller that edits its dict does not change
+    what the next caller gets."""
+    import gguf
+    import transformers.modeling_gguf_pytorch_utils as hf_gguf
+
+    from tether.models.loading import _one_gguf_reader
+
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tiny")
+    writer.add_context_length(32)
+    writer.add_embedding_length(8)
+    writer.add_block_count(1)
+    writer.add_head_count(2)
+    writer.add_token_list(["<s>", "</s>", "a", "b"])
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    calls = []
+    real = hf_gguf.load_gguf_checkpoint
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hf_gguf, "load_gguf_checkpoint", counted)
+    with _one_gguf_reader():
+        first = hf_gguf.load_gguf_checkpoint(str(path), return_tensors=False)
+        first["config"]["num_hidden_layers"] = 99  # a caller edits its copy
+        second = hf_gguf.load_gguf_checkpoint(str(path))
+    assert len(calls) == 1
+    assert second["config"]["num_hidden_layers"] == 1
+    assert second["tokenizer"]["tokens"] == ["<s>", "</s>", "a", "b"]
+    assert hf_gguf.load_gguf_checkpoint is counted  # restored on exit

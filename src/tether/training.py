@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -14,7 +15,7 @@ import yaml
 from tqdm.auto import tqdm
 
 from tether.core import distributed as D
-from tether.core.health import Alarm
+from tether.core.health import Alarm, HealthThresholds
 from tether.core.kl import masked_sum, sequence_kl
 from tether.judges.contract import Scorer, checked_scores
 from tether.judges.scorers import make_scorer
@@ -32,7 +33,7 @@ from tether.run.checkpoint import (
 from tether.run.config import Config
 from tether.run.evaluation import EvalResult, compare, evaluate
 from tether.run.metrics import sample_table
-from tether.run.monitor import HealthMonitor
+from tether.run.monitor import HELDOUT_RULES, HealthMonitor
 from tether.run.plots import plot_score_vs_kl, plot_training
 from tether.run.setup import Run, build_run, discard_failed_start
 from tether.run.signals import Interrupted, install_signal_handlers
@@ -82,6 +83,7 @@ class Evaluator:
             c.rollout.max_prompt_tokens,
             c.eval.samples_per_prompt,
             self.fluency,
+            c.eval.fluency_samples,
         )
 
     def set_reference(self, before: EvalResult | None) -> None:
@@ -177,7 +179,7 @@ def _train(run: Run, judge: Scorer | None, resume: bool, t_start: float) -> Path
     w, show = run.writer, c.train.progress
     trainer = TRAINERS[c.train.algo](run)
     evaluator = Evaluator(run, judge, _fluency_judge(run))
-    monitor = HealthMonitor(c.health, w.run_dir / "warnings.jsonl")
+    monitor = HealthMonitor(_health_thresholds(c), w.run_dir / "warnings.jsonl")
     start = _resume(run, trainer, monitor) if resume else _start(run)
     weight = next(run.policy.lm.parameters())
     _say(
@@ -188,6 +190,15 @@ def _train(run: Run, judge: Scorer | None, resume: bool, t_start: float) -> Path
         show,
     )
     _say(f"tether: {len(run.train_prompts)} training prompts, {len(run.heldout_prompts)} held out", show)
+    if c.model.layers_to_train is not None:
+        trained = sum(p.numel() for p in run.policy.lm.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in run.policy.lm.parameters())
+        _say(
+            f"tether: training the last {c.model.layers_to_train} transformer blocks "
+            f"({trained / 1e6:.1f}M of {total / 1e6:.1f}M weights; model.trainable_layers=all "
+            "trains every one)",
+            show,
+        )
     if getattr(trainer, "beta_in_reward_std", False):
         _say(
             f"tether: note: GRPO divides the advantages by each group's reward std but not the KL term "
@@ -419,6 +430,15 @@ def _finish(
     return run.writer.run_dir
 
 
+def _health_thresholds(c) -> HealthThresholds:
+    """``c.health`` with ``kl_leash`` set from the leash when left unset: the budget or target
+    (nats per sequence) a budget or adaptive controller holds."""
+    if c.health.kl_leash is not None or c.kl.target_unit != "nats_per_sequence" or c.train.algo == "dpo":
+        return c.health
+    limit = {"budget": c.kl.budget, "adaptive": c.kl.target}.get(c.kl.controller)
+    return dataclasses.replace(c.health, kl_leash=limit) if limit is not None else c.health
+
+
 def _final_eval_and_plots(
     run: Run, evaluator: Evaluator, monitor: HealthMonitor, tb, before, t_start: float
 ) -> None:
@@ -432,14 +452,14 @@ def _final_eval_and_plots(
         w.write_json("eval.json", result)
         evals = [result["reference"], result["policy"]]
         gold = (
-            f"; gold {result['gold_gain']:+.3f} ± {result['gold_gain_se_unpaired']:.3f}"
+            f"; gold {result['gold_gain']:+.3f} ± {result['gold_gain_se_paired']:.3f}"
             if "gold_gain" in result
             else ""
         )
         _say(
             f"tether: held-out proxy score {result['reference']['proxy_mean']:.3f} -> "
             f"{result['policy']['proxy_mean']:.3f} (gain {result['gain']:+.3f} ± "
-            f"{result['gain_se_unpaired']:.3f} SE, z = {result['gain_z_unpaired']:.1f}){gold}; "
+            f"{result['gain_se_paired']:.3f} SE, z = {result['gain_z_paired']:.1f}){gold}; "
             + (
                 f"held-out KL {after.kl:.2f} nats/seq"
                 if after.kl == after.kl
@@ -448,6 +468,18 @@ def _final_eval_and_plots(
             show,
         )
         _say(_leash_line(result), show)
+        final_row = {
+            "step": result["policy_step"],
+            "eval/kl": after.kl,
+            **periodic_numbers(result["policy"], "eval/"),
+            **periodic_numbers(result["reference"], "eval/ref_"),
+        }
+        for alarm in monitor.check([*w.history, final_row], HELDOUT_RULES):
+            _say(
+                f"tether: WARNING [{alarm.rule}] final held-out evaluation (policy of step {alarm.step}): "
+                f"{alarm.message}.\n  likely cause: {alarm.cause}\n  fix: {alarm.fix}",
+                show,
+            )
 
     per_seq = c.kl.target_unit == "nats_per_sequence" and c.train.algo != "dpo"
     target = {"adaptive": c.kl.target, "budget": c.kl.budget}.get(c.kl.controller) if per_seq else None

@@ -97,9 +97,9 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
         parts.append(
             "<h2>Frontier point (held-out prompts)</h2>"
             + _table(pts, cols)
-            + f"<p>proxy gain {ev.get('gain', float('nan')):+.3f} ± {ev.get('gain_se_unpaired', 0):.3f}"
+            + f"<p>proxy gain {ev.get('gain', float('nan')):+.3f} ± {ev.get('gain_se_paired', 0):.3f}"
             + (
-                f"; gold gain {ev['gold_gain']:+.3f} ± {ev['gold_gain_se_unpaired']:.3f}"
+                f"; gold gain {ev['gold_gain']:+.3f} ± {ev['gold_gain_se_paired']:.3f}"
                 if "gold_gain" in ev
                 else ""
             )

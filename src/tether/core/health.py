@@ -31,7 +31,12 @@ class HealthThresholds:
     kl_growth_factor: float = 3.0
     """KL exploding: mean KL of the window's second half > factor x its first half ..."""
     kl_explode_floor: float = 2.0
-    """... and above this many nats per sequence."""
+    """... and above this many nats per sequence ..."""
+    kl_leash: float | None = None
+    """... and above this many nats per sequence, the KL the run's controller was told to spend
+    (a budget or adaptive controller reaches it by design: that rise is the leash at work, not
+    an explosion). None: tether sets it to kl.budget or kl.target when the controller is budget
+    or adaptive with kl.target_unit=nats_per_sequence, and leaves it unset otherwise."""
     kl_stuck_below: float = 0.05
     """KL stuck: every KL in the window below this (nats per sequence) ..."""
     score_flat_tol: float = 0.02
@@ -93,13 +98,15 @@ def _half_means(values: list[float]) -> tuple[float, float]:
 
 def kl_exploding(history: list[dict], t: HealthThresholds) -> Alarm | None:
     """KL exploding: over the last ``t.window`` steps, the mean ``objective/kl`` (nats per
-    sequence) of the second half is above ``t.kl_explode_floor`` and ``t.kl_growth_factor``
-    times the first half's (the seeds' warning sign "KL explodes")."""
+    sequence) of the second half is above ``t.kl_explode_floor``, above the leash's own KL
+    (``t.kl_leash``, when set) and ``t.kl_growth_factor`` times the first half's (the seeds'
+    warning sign "KL explodes")."""
     s = _series(history, "objective/kl")[-t.window :]
     if len(s) < t.window:
         return None
     first, second = _half_means([v for _, v in s])
-    if second > t.kl_explode_floor and second > t.kl_growth_factor * max(first, 1e-8):
+    floor = max(t.kl_explode_floor, t.kl_leash if t.kl_leash is not None else 0.0)
+    if second > floor and second > t.kl_growth_factor * max(first, 1e-8):
         return Alarm(
             "kl_exploding",
             s[-1][0],

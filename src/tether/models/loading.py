@@ -140,13 +140,21 @@ function giving the GGUF file, how long the one-time dequantization takes on a 2
 
 @contextmanager
 def _one_gguf_reader():
-    """Within: ``gguf.GGUFReader`` opens each file once. transformers reads a GGUF anew for its
-    config, its tokenizer and its weights; parsing the metadata of Gemma's 262,144-word vocabulary
-    takes ~20-40 s on a 2-core CPU each time. The reader is a read-only memory map, so sharing
-    it changes nothing else."""
+    """Within: ``gguf.GGUFReader`` opens each file once, and transformers' metadata-only
+    ``load_gguf_checkpoint(path, return_tensors=False)`` parses each file once.
+
+    transformers reads a GGUF anew for its config, its tokenizer and its weights; building the
+    reader's fields for Gemma's 262,144-word vocabulary takes ~20-40 s on a 2-core CPU, and
+    turning them into Python values ~10 s more, each time. The reader is a read-only memory map,
+    and every caller of the metadata gets its own deep copy, so sharing them changes nothing else.
+    """
+    import copy
+
     import gguf
+    import transformers.modeling_gguf_pytorch_utils as hf_gguf
 
     real, opened = gguf.GGUFReader, {}
+    real_load, parsed = hf_gguf.load_gguf_checkpoint, {}
 
     def once(path, *args, **kwargs):
         key = (str(path), args, tuple(sorted(kwargs.items())))
@@ -154,11 +162,18 @@ def _one_gguf_reader():
             opened[key] = real(path, *args, **kwargs)
         return opened[key]
 
-    gguf.GGUFReader = once
+    def metadata_once(path, return_tensors=False, *args, **kwargs):
+        if return_tensors or args or kwargs:
+            return real_load(path, return_tensors, *args, **kwargs)
+        if str(path) not in parsed:
+            parsed[str(path)] = real_load(path, False)
+        return copy.deepcopy(parsed[str(path)])
+
+    gguf.GGUFReader, hf_gguf.load_gguf_checkpoint = once, metadata_once
     try:
         yield
     finally:
-        gguf.GGUFReader = real
+        gguf.GGUFReader, hf_gguf.load_gguf_checkpoint = real, real_load
 
 
 def embedded_model_folder(name: str) -> Path:

@@ -158,6 +158,7 @@ def evaluate(
     max_prompt_tokens: int = 64,
     samples_per_prompt: int = 1,
     fluency: Callable[[list[str], list[str]], list[float | None]] | None = None,
+    fluency_samples: int | None = None,
 ) -> EvalResult:
     """Sample ``samples_per_prompt`` responses per held-out prompt with fixed seeds; score each
     with every scorer and the fluency judge.
@@ -167,7 +168,8 @@ def evaluate(
     (and the first prompts of a longer evaluation get the samples a shorter one gets); the global
     torch RNG is forked (a scorer may draw from it), so evaluation never changes the training
     stream. KL is the k1 estimate per sequence (unbiased) against ``reference`` on the evaluated
-    samples, with the sampling settings of training.
+    samples, with the sampling settings of training. The fluency judge reads the first
+    ``fluency_samples`` samples of each prompt (None = all); the others get None there.
     """
     k = samples_per_prompt
     if k > 1:  # each prompt k times in a row, with its columns
@@ -199,7 +201,12 @@ def evaluate(
                     scorer, ro.responses, f"held-out evaluation ({name}, {key} scorer)", ro.prompts, columns
                 )
             if fluency is not None:
-                result.fluency_nll += fluency(list(ro.prompts), list(ro.responses))
+                judged = [n for n in range(len(batch)) if (i + n) % k < (fluency_samples or k)]
+                nll = fluency([ro.prompts[n] for n in judged], [ro.responses[n] for n in judged])
+                row: list[float | None] = [None] * len(batch)
+                for n, v in zip(judged, nll):
+                    row[n] = v
+                result.fluency_nll += row
             result.responses += ro.responses
     return result
 
@@ -207,7 +214,14 @@ def evaluate(
 def compare(before: EvalResult, after: EvalResult) -> dict:
     """Gains after - before on the same prompts: per scorer (paired by prompt, and unpaired),
     the fluency NLL's change (nats per token; positive = less fluent) and each diversity
-    number's change, with standard errors."""
+    number's change, with standard errors.
+
+    ``gain_se_paired`` (the one tether prints) is the standard error of the mean per-prompt
+    difference. :func:`evaluate` draws sample ``j`` of prompt ``i`` with the same seed for both
+    models (common random numbers), so the two scores of a prompt are correlated and their
+    difference is the quantity to average; ``gain_se_unpaired`` = sqrt(SE_before^2 + SE_after^2)
+    ignores that correlation and, when it is positive, overstates the error (kept for
+    comparison with evaluations drawn independently)."""
     k = before.samples_per_prompt
     sb, sa = before.summary(), after.summary()
     out = {"n_prompts": len(before.responses) // k, "samples_per_prompt": k, "reference": sb, "policy": sa}
@@ -221,6 +235,7 @@ def compare(before: EvalResult, after: EvalResult) -> dict:
         out[f"{prefix}gain"] = gain
         out[f"{prefix}gain_se_paired"] = paired_se
         out[f"{prefix}gain_se_unpaired"] = unpaired_se
+        out[f"{prefix}gain_z_paired"] = gain / paired_se if paired_se > 0 else float("inf")
         out[f"{prefix}gain_z_unpaired"] = gain / unpaired_se if unpaired_se > 0 else float("inf")
     for key in ("fluency_nll_mean", *DIVERSITY_KEYS):
         base = key.removesuffix("_mean")

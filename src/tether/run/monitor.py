@@ -9,6 +9,10 @@ from pathlib import Path
 
 from tether.core.health import RULES, Alarm, HealthThresholds
 
+HELDOUT_RULES = ("sample_quality",)
+"""The rules that read held-out evaluations (``eval/*`` beside ``eval/ref_*``): run once more on the
+final evaluation, whose ``eval.n_prompts`` prompts resolve smaller changes than a periodic one's."""
+
 
 @dataclass
 class HealthMonitor:
@@ -18,10 +22,13 @@ class HealthMonitor:
     path: Path | None = None
     fired: list[Alarm] = field(default_factory=list)
 
-    def check(self, history: list[dict]) -> list[Alarm]:
+    def check(self, history: list[dict], rules: tuple[str, ...] | None = None) -> list[Alarm]:
+        """Run ``rules`` (default: all of :data:`RULES`) on ``history``; record and return the new alarms."""
         seen = {a.rule for a in self.fired}
         new = [
-            a for name, rule in RULES.items() if name not in seen and (a := rule(history, self.thresholds))
+            a
+            for name, rule in RULES.items()
+            if name not in seen and (rules is None or name in rules) and (a := rule(history, self.thresholds))
         ]
         self.fired += new
         if self.path is not None:

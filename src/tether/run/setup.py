@@ -437,7 +437,7 @@ def build_run(
         if reference is not None:
             # count on the trunk: every path (scoring, generation) runs it exactly once per forward
             count_reference_forwards(reference, forwards)
-        freeze_lower_layers(lm, config.model.trainable_layers)
+        freeze_lower_layers(lm, config.model.layers_to_train)
         # rows share prompts only in groups; otherwise the prefix pass would be one trunk call more
         share_prefix = (
             m.share_prompt_prefix and config.rollout.group_size > 1 and not m.gradient_checkpointing
