@@ -70,6 +70,26 @@ def _run(name: str, out: Path, args) -> tuple[list[dict], list[dict], dict]:
     return rows, warns, json.loads((out / "eval.json").read_text())
 
 
+def _quality_alarms(rows: list[dict], final: dict) -> list[int]:
+    """Steps at which the sample-quality rule fires on a run's history: at each periodic
+    evaluation, then at the final held-out one (as ``tether train`` runs it), replayed with the
+    current default thresholds. The rules are pure functions of the history, so a run finished
+    under older thresholds is judged the same way as a new one."""
+    from tether.core.health import RULES, HealthThresholds
+    from tether.training import periodic_numbers
+
+    rule, t = RULES["sample_quality"], HealthThresholds()
+    steps = [r["step"] for i, r in enumerate(rows) if "eval/proxy_score" in r and rule(rows[: i + 1], t)]
+    final_row = {
+        "step": final["policy_step"],
+        **periodic_numbers(final["policy"], "eval/"),
+        **periodic_numbers(final["reference"], "eval/ref_"),
+    }
+    if rule([*rows, final_row], t):
+        steps.append(final["policy_step"])
+    return steps
+
+
 def _z(final: dict, key: str, worse_if_higher: bool) -> float:
     """The change of ``key`` (policy - reference) in SE units, signed so that > 0 is worse."""
     z = final[f"{key}_change"] / final[f"{key}_change_se"]
@@ -135,7 +155,8 @@ def main() -> int:
                 )
         for w in warns:
             print(f"  warning at step {w['step']}: {w['rule']}: {w['message']}")
-        fired = [w["step"] for w in warns if w["rule"] == "sample_quality"]
+        fired = _quality_alarms(rows, final)
+        print(f"  sample-quality alarm (replayed on the history, final evaluation included): steps {fired}")
         worst = max(_z(final, "fluency_nll", True), _z(final, "distinct_2", False))
         if name == "unleashed":
             checks += [

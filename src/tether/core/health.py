@@ -61,8 +61,10 @@ class HealthThresholds:
     fluency judge puts fluent review sentences near 2.5 and keyword strings near 5.5) ..."""
     quality_repetition_margin: float = 0.1
     """... or its 3-gram repetition rate more than this above the reference's (a share) ..."""
-    quality_distinct_share: float = 0.75
-    """... or its distinct-2 below this share of the reference's ..."""
+    quality_distinct_share: float = 0.9
+    """... or its distinct-2 below this share of the reference's (a tenth of its distinct word
+    pairs lost: on the embedded default the leashed demo kept 0.98 of the reference's, the
+    almost unleashed run of benchmarks/overoptimization.py 0.87 at 10 nats of KL) ..."""
     quality_min_z: float = 2.0
     """... each change also more than this many standard errors of the difference (from the
     ``eval/*_se`` keys, when logged), so that a few noisy prompts do not raise it."""
