@@ -76,15 +76,11 @@ def _quality_alarms(rows: list[dict], final: dict) -> list[int]:
     current default thresholds. The rules are pure functions of the history, so a run finished
     under older thresholds is judged the same way as a new one."""
     from tether.core.health import RULES, HealthThresholds
-    from tether.training import periodic_numbers
+    from tether.training import eval_row
 
     rule, t = RULES["sample_quality"], HealthThresholds()
     steps = [r["step"] for i, r in enumerate(rows) if "eval/proxy_score" in r and rule(rows[: i + 1], t)]
-    final_row = {
-        "step": final["policy_step"],
-        **periodic_numbers(final["policy"], "eval/"),
-        **periodic_numbers(final["reference"], "eval/ref_"),
-    }
+    final_row = {"step": final["policy_step"], **eval_row(final["policy"], final["reference"])}
     if rule([*rows, final_row], t):
         steps.append(final["policy_step"])
     return steps

@@ -102,11 +102,7 @@ class Evaluator:
         return before is not None and len(before.responses) >= len(self.periodic) * before.samples_per_prompt
 
     def periodic_row(self) -> dict:
-        s = self("periodic", self.periodic).summary()
-        row = {"eval/kl": s["kl"], **periodic_numbers(s, "eval/")}
-        if self.reference_periodic is not None:
-            row.update(periodic_numbers(self.reference_periodic, "eval/ref_"))
-        return {k: v for k, v in row.items() if v == v}  # drop NaN (no reference, no self-BLEU)
+        return eval_row(self("periodic", self.periodic).summary(), self.reference_periodic)
 
 
 PERIODIC_KEYS = {
@@ -127,6 +123,16 @@ PERIODIC_KEYS = {
 def periodic_numbers(summary: dict, prefix: str) -> dict:
     """The periodic evaluation's metrics from an evaluation summary, names prefixed."""
     return {prefix + name: summary[key] for name, key in PERIODIC_KEYS.items() if key in summary}
+
+
+def eval_row(policy: dict, reference: dict | None) -> dict:
+    """The ``eval/*`` metrics of a policy's evaluation summary (:meth:`EvalResult.summary`) beside
+    the reference's on the same prompts (``eval/ref_*``), NaN dropped (no reference, no self-BLEU):
+    a periodic row, or the final evaluation's row for :data:`tether.run.monitor.HELDOUT_RULES`."""
+    row = {"eval/kl": policy["kl"], **periodic_numbers(policy, "eval/")}
+    if reference is not None:
+        row.update(periodic_numbers(reference, "eval/ref_"))
+    return {k: v for k, v in row.items() if v == v}
 
 
 def train(
@@ -430,13 +436,20 @@ def _finish(
     return run.writer.run_dir
 
 
+def _leash_kl(c) -> float | None:
+    """The KL (nats per sequence) the run's controller holds: kl.budget or kl.target of a budget
+    or adaptive controller with kl.target_unit=nats_per_sequence; None otherwise (and for DPO)."""
+    if c.kl.target_unit != "nats_per_sequence" or c.train.algo == "dpo":
+        return None
+    return {"budget": c.kl.budget, "adaptive": c.kl.target}.get(c.kl.controller)
+
+
 def _health_thresholds(c) -> HealthThresholds:
-    """``c.health`` with ``kl_leash`` set from the leash when left unset: the budget or target
-    (nats per sequence) a budget or adaptive controller holds."""
-    if c.health.kl_leash is not None or c.kl.target_unit != "nats_per_sequence" or c.train.algo == "dpo":
+    """``c.health`` with ``kl_leash`` set from the leash (:func:`_leash_kl`) when left unset."""
+    limit = _leash_kl(c)
+    if c.health.kl_leash is not None or limit is None:
         return c.health
-    limit = {"budget": c.kl.budget, "adaptive": c.kl.target}.get(c.kl.controller)
-    return dataclasses.replace(c.health, kl_leash=limit) if limit is not None else c.health
+    return dataclasses.replace(c.health, kl_leash=limit)
 
 
 def _final_eval_and_plots(
@@ -468,12 +481,7 @@ def _final_eval_and_plots(
             show,
         )
         _say(_leash_line(result), show)
-        final_row = {
-            "step": result["policy_step"],
-            "eval/kl": after.kl,
-            **periodic_numbers(result["policy"], "eval/"),
-            **periodic_numbers(result["reference"], "eval/ref_"),
-        }
+        final_row = {"step": result["policy_step"], **eval_row(result["policy"], result["reference"])}
         for alarm in monitor.check([*w.history, final_row], HELDOUT_RULES):
             _say(
                 f"tether: WARNING [{alarm.rule}] final held-out evaluation (policy of step {alarm.step}): "
@@ -481,8 +489,7 @@ def _final_eval_and_plots(
                 show,
             )
 
-    per_seq = c.kl.target_unit == "nats_per_sequence" and c.train.algo != "dpo"
-    target = {"adaptive": c.kl.target, "budget": c.kl.budget}.get(c.kl.controller) if per_seq else None
+    target = _leash_kl(c)
     plot_training(
         w.history,
         w.run_dir / "training.png",
