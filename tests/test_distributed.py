@@ -10,8 +10,10 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -311,8 +313,23 @@ def _launch(args, processes: int) -> str:
     return p.stdout + p.stderr
 
 
+_ONE_PROCESS: dict[str, Path] = {}
+"""algo -> the folder of its 1-process run in this session (the baseline of every 2-process case)."""
+
+
 @pytest.mark.numerics
-@pytest.mark.parametrize("algo", ["ppo", "grpo", "dpo", "ppo, micro-batches"])
+@pytest.mark.parametrize(
+    "algo",
+    [
+        "ppo",
+        "grpo",
+        "dpo",
+        "ppo, micro-batches",
+        "ppo, fsdp",
+        "grpo, fsdp, whole-model generation",
+        "dpo, fsdp",
+    ],
+)
 def test_two_processes_log_the_first_step_of_one(algo, tiny_tokenizer, prompt_file, tmp_path):
     """1 vs 2 processes: the same samples and, to float32 rounding, the same metrics.
 
@@ -324,14 +341,26 @@ def test_two_processes_log_the_first_step_of_one(algo, tiny_tokenizer, prompt_fi
 
     model = _eos_model_dir(tiny_tokenizer, tmp_path / "model")
     one, two = tmp_path / "one", tmp_path / "two"
-    extra = ["dpo.n_pairs=8", "dpo.candidates=2", "dpo.kl_eval_prompts=4"] if algo == "dpo" else []
+    extra = ["dpo.n_pairs=8", "dpo.candidates=2", "dpo.kl_eval_prompts=4"] if algo.startswith("dpo") else []
     # "micro-batches": the 2 processes run each of their 2 rows of a minibatch through forward and
     # backward alone (gradient accumulation, DDP's all-reduce only after the last), 1 process all 4
     micro = ["optim.micro_batch_size=1"] if "micro" in algo else []
+    # "fsdp": the 2 processes each hold half of every weight, gradient and AdamW moment (FSDP2);
+    # the 1 process is the plain unsharded run
+    fsdp = ["train.sharding=fsdp"] if "fsdp" in algo else []
+    fsdp += ["train.sharded_generation=whole"] if "whole" in algo else []
     algo = algo.split(",")[0]
-    _launch(_args(model, prompt_file, one, algo) + extra, 1)
-    log = _launch(_args(model, prompt_file, two, algo) + extra + micro, 2)
+    # the 1-process run of an algorithm is the same run in every case (the same model, prompts and
+    # settings): run once per session, then read
+    if algo in _ONE_PROCESS:
+        one = _ONE_PROCESS[algo]
+    else:
+        _launch(_args(model, prompt_file, one, algo) + extra, 1)
+        _ONE_PROCESS[algo] = one
+    log = _launch(_args(model, prompt_file, two, algo) + extra + micro + fsdp, 2)
     assert "2 processes (data parallel)" in log  # not one process left alone by the launcher
+    if fsdp:
+        assert "sharded (FSDP)" in log
     a, b = (json.loads((d / "metrics.jsonl").read_text().splitlines()[0]) for d in (one, two))
     # 8 rows x 6 response positions per reduction; the entropy also sums the vocabulary
     margins = assert_rows_close(a, b, 8 * 6, len(tiny_tokenizer), "1 vs 2 processes: ")
@@ -388,3 +417,90 @@ def test_two_processes_hand_each_reward_call_its_own_rows_answers(tiny_tokenizer
     log = _launch(args + ["rollout.group_size=4", "reward.scorer=tests.conftest:answer_checker"], 2)
     assert "2 processes (data parallel)" in log
     assert (tmp_path / "two" / "metrics.jsonl").read_text().count("\n") == 1
+
+
+@pytest.mark.e2e
+def test_fsdp_sigkill_then_resume_matches_uninterrupted(tiny_tokenizer, prompt_file, tmp_path):
+    """2 processes, train.sharding=fsdp (with micro-batches), evaluating and checkpointing every 2
+    steps: a run
+    killed (SIGKILL, launcher and both workers) after its step-3 checkpoint and resumed with 2
+    processes logs every row of the uninterrupted run bit for bit, and the same eval.json. The
+    same checkpoint resumes on 1 unsharded process too (checkpoints hold whole tensors)."""
+    from tether.run.checkpoint import latest_checkpoint
+
+    from .conftest import metric_rows
+
+    model = _eos_model_dir(tiny_tokenizer, tmp_path / "model")
+    full, killed = tmp_path / "full", tmp_path / "killed"
+
+    def args(out):
+        a = _args(model, prompt_file, out, "ppo") + ["train.sharding=fsdp"]
+        drop = ("train.steps=", "eval.n_prompts=", "eval.every=", "eval.judge=", "train.save_model=")
+        drop += ("train.checkpoint_every=", "reward.scorer=")
+        return [x for x in a if not x.startswith(drop)] + [
+            "train.steps=6",
+            "train.checkpoint_every=2",
+            "eval.n_prompts=4",
+            "eval.every=2",
+            "eval.periodic_prompts=4",
+            "eval.judge=tests.conftest:length_judge",
+            "eval.fluency_model=none",
+            "reward.scorer=tests.conftest:slow_length_scorer",
+            "train.save_model=true",
+            # 2 micro-batches per process and minibatch: FSDP's reduce-scatter held until the last
+            "optim.micro_batch_size=1",
+        ]
+
+    _launch(args(full), 2)
+    accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent)) or "accelerate"
+    cmd = [accelerate, "launch", "--multi_gpu", "--num_processes=2", "--num_machines=1"]
+    cmd += ["--mixed_precision=no", "--dynamo_backend=no", "-m", "tether", "train", *args(killed)]
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    p = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    deadline = time.time() + 300
+    while time.time() < deadline:  # kill once step 4 is logged (the checkpoint of step 3 exists)
+        m = killed / "metrics.jsonl"
+        if m.exists() and len(m.read_text().splitlines()) >= 5:
+            break
+        time.sleep(0.05)
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait(timeout=60)
+    assert latest_checkpoint(killed).name == "step-000003"
+    other = tmp_path / "one-process"
+    shutil.copytree(killed, other)
+
+    _launch(["--resume", str(killed)], 2)
+    a, b = metric_rows(full), metric_rows(killed)
+    assert [r["step"] for r in b] == list(range(6))
+    assert a == b  # every metric of every step, bit for bit (CPU, fixed seed)
+    assert json.loads((full / "eval.json").read_text()) == json.loads((killed / "eval.json").read_text())
+    # the saved policy is the whole model: it loads alone, and as a model folder it scores
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(full / "policy")
+
+    log = _launch(["--resume", str(other), "train.sharding=none"], 1)
+    assert "resuming after step 3" in log
+    assert [r["step"] for r in metric_rows(other)] == list(range(6))
+
+
+def test_fsdp_refuses_what_it_does_not_do_and_accelerates_own_sharding():
+    """train.sharding=fsdp: LoRA, a low-precision model.dtype and eval.best_by are refused up
+    front, each naming its field; so is an accelerate launch that would shard by itself."""
+    from tether.run.setup import check_launcher
+
+    for override, field in (
+        ("model.lora_r=8", "train.sharding"),
+        ("model.dtype=bfloat16", "train.sharding"),
+        ("eval.best_by=gold", "eval.best_by"),
+    ):
+        with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+            load_config(None, ["train.sharding=fsdp", override, "eval.every=2"])
+    load_config(None, ["train.sharding=fsdp", "model.dtype=float32"])  # what it does, accepted
+    with pytest.raises(ValueError, match="train.sharding=fsdp"):
+        check_launcher("FSDP")
+    with pytest.raises(ValueError, match="MULTI_GPU"):
+        check_launcher("DEEPSPEED")
+    check_launcher("MULTI_GPU")

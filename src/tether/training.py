@@ -8,6 +8,7 @@ import logging
 import math
 import signal
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -20,11 +21,13 @@ from tether.core.kl import masked_sum, sequence_kl
 from tether.judges.contract import Scorer, checked_scores
 from tether.judges.scorers import make_scorer
 from tether.models.reference import fingerprint
+from tether.models.sharding import full_state_dict, gathered, is_sharded, local_bytes
 from tether.run.checkpoint import (
     best_folder,
     latest_checkpoint,
     load_checkpoint,
     load_policy_weights,
+    policy_tensors,
     rng_state,
     save_best,
     save_checkpoint,
@@ -195,6 +198,15 @@ def _train(run: Run, judge: Scorer | None, resume: bool, t_start: float) -> Path
         + (f"; {D.world_size()} processes (data parallel)" if D.is_distributed() else ""),
         show,
     )
+    if is_sharded(run.policy):
+        held, ref = local_bytes(run.policy), local_bytes(run.reference) if run.reference else None
+        _say(
+            f"tether: policy and reference sharded (FSDP) over {D.world_size()} processes: rank 0 holds "
+            f"{held['params'] / 2**20:.1f} MiB of the policy's {held['numel'] * 4 / 2**20:.1f} MiB of "
+            "float32 weights (and the same share of the trained ones' gradients and AdamW moments)"
+            + (f", {ref['params'] / 2**20:.1f} MiB of the reference's" if ref else ""),
+            show,
+        )
     _say(f"tether: {len(run.train_prompts)} training prompts, {len(run.heldout_prompts)} held out", show)
     if c.model.layers_to_train is not None:
         trained = sum(p.numel() for p in run.policy.lm.parameters() if p.requires_grad)
@@ -233,9 +245,10 @@ def _train(run: Run, judge: Scorer | None, resume: bool, t_start: float) -> Path
         run.accelerator.project_configuration.set_directories(str(w.run_dir))
         run.accelerator.init_trackers("tether", config=flat_config(c))
 
-    before = _reference_eval(evaluator, w.run_dir, show) if D.is_main() else None
-    if D.is_main():
-        _reference_periodic(evaluator, before, w.run_dir, resume)
+    with gathered(run.policy, run.reference):  # FSDP: whole weights while rank 0 evaluates alone
+        before = _reference_eval(evaluator, w.run_dir, show) if D.is_main() else None
+        if D.is_main():
+            _reference_periodic(evaluator, before, w.run_dir, resume)
     D.barrier()
     stop, previous_handlers = install_signal_handlers()
     try:
@@ -273,7 +286,10 @@ def _loop(
             if sample_step
             else None
         )
-        early = _log_step(run, evaluator, monitor, tb, bar, step, row, rows) if main else None
+        # rank 0 evaluates alone; under FSDP on weights every process gathered (then goes on to
+        # the all-reduce below and waits there)
+        with gathered(run.policy, run.reference) if _evaluates(c, step) else nullcontext():
+            early = _log_step(run, evaluator, monitor, tb, bar, step, row, rows) if main else None
         # every process asks: did any process get a signal, or rank 0's evaluation say stop?
         # (so that all stop after the same step)
         stopping, stop_early = (
@@ -297,6 +313,11 @@ def _loop(
     return step
 
 
+def _evaluates(c: Config, step: int) -> bool:
+    """Whether ``step`` ends with a periodic held-out evaluation (eval.every)."""
+    return bool(c.eval.every) and (step % c.eval.every == 0 or step == c.train.steps - 1)
+
+
 def _log_step(
     run: Run,
     evaluator: Evaluator,
@@ -310,7 +331,7 @@ def _log_step(
     """Rank 0: periodic evaluation (and the best policy), metrics.jsonl, TensorBoard, health
     alarms, samples. Returns why to stop early (eval.patience), or None."""
     c, w, show = run.config, run.writer, run.config.train.progress
-    evaluated = c.eval.every and (step % c.eval.every == 0 or step == c.train.steps - 1)
+    evaluated = _evaluates(c, step)
     if evaluated:
         row.update(evaluator.periodic_row())
     w.log(row)
@@ -430,8 +451,22 @@ def _finish(
     run: Run, evaluator: Evaluator, monitor: HealthMonitor, tb, before, t_start: float, last: int
 ) -> Path:
     _check_reference(run, f"after the last step ({last})")
-    if D.is_main():
-        _final_eval_and_plots(run, evaluator, monitor, tb, before, t_start)
+    c, w, show = run.config, run.writer, run.config.train.progress
+    with gathered(run.policy, run.reference):  # FSDP: whole weights while rank 0 evaluates alone
+        if D.is_main():
+            _final_eval_and_plots(run, evaluator, monitor, tb, before)
+    if c.train.save_model:
+        # every process: a sharded policy's LM is gathered whole for rank 0 to save
+        whole = (
+            {"lm": full_state_dict(run.policy.lm), "value_head": full_state_dict(run.policy.value_head)}
+            if is_sharded(run.policy)
+            else None
+        )
+        if D.is_main():
+            save_policy(run.policy, run.tokenizer, w.run_dir / "policy", whole)
+    if monitor.fired:
+        _say(f"tether: {len(monitor.fired)} health warning(s), see {w.run_dir / 'warnings.jsonl'}", show)
+    _say(f"tether: done in {time.perf_counter() - t_start:.0f} s; plots and metrics in {w.run_dir}", show)
     D.barrier()  # the other processes wait for rank 0's evaluation, so the run ends together
     return run.writer.run_dir
 
@@ -452,9 +487,7 @@ def _health_thresholds(c) -> HealthThresholds:
     return dataclasses.replace(c.health, kl_leash=limit)
 
 
-def _final_eval_and_plots(
-    run: Run, evaluator: Evaluator, monitor: HealthMonitor, tb, before, t_start: float
-) -> None:
+def _final_eval_and_plots(run: Run, evaluator: Evaluator, monitor: HealthMonitor, tb, before) -> None:
     c, w, show = run.config, run.writer, run.config.train.progress
     best = _restore_best(run) if c.eval.best_by != "none" else None
     evals = []
@@ -501,11 +534,6 @@ def _final_eval_and_plots(
         tb.close()
     if run.accelerator is not None and run.accelerator.log_with:
         run.accelerator.end_training()
-    if c.train.save_model:
-        save_policy(run.policy, run.tokenizer, w.run_dir / "policy")
-    if monitor.fired:
-        _say(f"tether: {len(monitor.fired)} health warning(s), see {w.run_dir / 'warnings.jsonl'}", show)
-    _say(f"tether: done in {time.perf_counter() - t_start:.0f} s; plots and metrics in {w.run_dir}", show)
 
 
 def _leash_line(result: dict) -> str:
@@ -604,16 +632,19 @@ def _record_resumed_config(run: Run, step: int) -> None:
 
 def _checkpoint(run: Run, trainer, step: int) -> Path:
     """Rank 0 writes the checkpoint (policy, optimizer and trainer state are the same on every
-    process). The reference is fingerprinted when the run starts, on resume and after the last
-    step, not here: hashing copies every weight to the host (seconds for a 7B reference on a GPU)."""
+    process; under FSDP gathered from every process first). The reference is fingerprinted when
+    the run starts, on resume and after the last step, not here: hashing copies every weight to
+    the host (seconds for a 7B reference on a GPU)."""
     path = run.writer.run_dir / "checkpoints"
+    # every process: under FSDP the weights and the AdamW moments are gathered whole from all
+    weights, trainer_state = policy_tensors(run.policy), trainer.state_dict()
     if D.is_main():
         path = save_checkpoint(
             run.writer.run_dir,
             step,
-            run.policy,
+            weights,
             {
-                "trainer": trainer.state_dict(),
+                "trainer": trainer_state,
                 "rng": rng_state(),
                 "reference_forwards": run.reference_forwards[0],
             },
@@ -733,12 +764,17 @@ def sample_rows(exp) -> list[dict]:
     return rows
 
 
-def save_policy(policy, tokenizer, out: Path) -> None:
+def save_policy(policy, tokenizer, out: Path, whole: dict | None = None) -> None:
+    """The final policy as a model folder (``save_pretrained``; a LoRA run's adapter as a peft
+    folder), its tokenizer and ``value_head.safetensors``. ``whole``: when the policy is sharded,
+    ``{"lm": ..., "value_head": ...}``, their whole tensors
+    (:func:`tether.models.sharding.full_state_dict`, gathered by every process)."""
     from safetensors.torch import save_file
 
-    policy.save_pretrained(out)  # the model, or for a LoRA run its adapter (a peft folder)
+    if whole is not None:
+        policy.lm.save_pretrained(out, state_dict=whole["lm"])
+    else:
+        policy.save_pretrained(out)  # the model, or for a LoRA run its adapter (a peft folder)
     tokenizer.save_pretrained(out)
-    save_file(
-        {k: v.contiguous() for k, v in policy.value_head.state_dict().items()},
-        str(out / "value_head.safetensors"),
-    )
+    head = whole["value_head"] if whole is not None else policy.value_head.state_dict()
+    save_file({k: v.detach().contiguous() for k, v in head.items()}, str(out / "value_head.safetensors"))

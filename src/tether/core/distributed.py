@@ -313,3 +313,45 @@ def stratified_minibatches(
     mine = rows[shard(minibatch_size, world, at)] - at * (batch_size // world)  # (mb / world, n) local rows
     mine = mine.to(device)
     return [mine[:, k] for k in range(n)]
+
+
+def full_tensor(t: Tensor) -> Tensor:
+    """A sharded ``DTensor`` (FSDP) gathered whole (collective: every process calls it); any other
+    tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def full_optimizer_state(state: dict) -> dict:
+    """An optimizer ``state_dict()`` with every sharded state tensor gathered whole (collective
+    under FSDP): what one unsharded process would hold, so a checkpoint resumes with any number of
+    processes, sharded or not. A state dict without sharded tensors is returned as it is."""
+    return {
+        **state,
+        "state": {
+            i: {k: full_tensor(v) if torch.is_tensor(v) else v for k, v in s.items()}
+            for i, s in state["state"].items()
+        },
+    }
+
+
+def local_optimizer_state(state: dict, params: list) -> dict:
+    """The inverse of :func:`full_optimizer_state` for this process: each full state tensor of a
+    sharded parameter (``params[i]``, the optimizer's order) cut to the parameter's own shard, the
+    rest (step counts, unsharded parameters) as saved. No communication."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    out = {}
+    for i, s in state["state"].items():
+        p = params[int(i)]
+        out[i] = {
+            k: distribute_tensor(v.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
+            if isinstance(p, DTensor)
+            and torch.is_tensor(v)
+            and not isinstance(v, DTensor)
+            and v.shape == p.shape
+            else v
+            for k, v in s.items()
+        }
+    return {**state, "state": out}

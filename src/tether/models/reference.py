@@ -17,6 +17,7 @@ from torch import nn
 from tether.models.loading import disable_dropout
 from tether.models.lora import REFERENCE_ADAPTER, AdapterReference, is_peft_model
 from tether.models.policy import PolicyWithValue
+from tether.models.sharding import full_state_dict
 
 
 def make_reference(policy_lm: nn.Module) -> nn.Module:
@@ -72,9 +73,13 @@ def check_reference(policy: nn.Module, reference: nn.Module) -> None:
 
 
 def fingerprint(model: nn.Module) -> str:
-    """SHA-256 of every parameter and buffer (name, dtype, shape, bytes), hex string."""
+    """SHA-256 of every parameter and buffer (name, dtype, shape, bytes), hex string.
+
+    Of the full weights: a model sharded by FSDP (``train.sharding=fsdp``) is gathered tensor by
+    tensor, so every process must call this (it then gets the same hash as unsharded).
+    """
     h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
+    for name, t in sorted(full_state_dict(model).items()):
         h.update(name.encode())
         h.update(str(t.dtype).encode())
         h.update(str(tuple(t.shape)).encode())

@@ -256,8 +256,14 @@ def generate(
     max_prompt_tokens: int = 64,
     seeds: Sequence[int] | Tensor | None = None,
     share_prefix: bool = False,
+    synced: bool = False,
 ) -> Rollout:
     """Sample one response per prompt from ``lm`` at ``temperature`` (no top-k, no top-p).
+
+    ``synced``: every process decodes until all are done (transformers' ``synced_gpus``; a finished
+    row gets pad tokens, masked), for a model whose forward is a collective (FSDP blocks gathered
+    one at a time, :func:`tether.models.sharding.generation_weights`). Otherwise each process stops
+    at its own length, and one process may generate alone.
 
     Pure ancestral sampling from softmax(logits / temperature), so the log-probabilities that
     :func:`rollout_logprobs` computes at the same temperature are those of the sampling
@@ -310,6 +316,9 @@ def generate(
             attention_mask=prompt_mask,
             generation_config=gen,
             logits_processor=LogitsProcessorList([sampler]),
+            # transformers turns this on by itself for any FSDP-sharded model; tether decides: off
+            # on gathered weights (rank 0 evaluates alone), on for per-block gathering
+            synced_gpus=synced,
             **cache,
         )
     finally:

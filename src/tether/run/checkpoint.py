@@ -28,6 +28,9 @@ from pathlib import Path
 
 import torch
 
+from tether.core import distributed as D
+from tether.models.sharding import load_full_state_dict
+
 
 def _atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
@@ -45,7 +48,8 @@ def save_checkpoint(
     Args:
         run_dir: the run directory.
         step: the last completed step.
-        policy: the :class:`tether.models.policy.PolicyWithValue` (weights saved as safetensors).
+        policy: the :class:`tether.models.policy.PolicyWithValue` (weights saved as safetensors), or
+            :func:`policy_tensors` of it (under FSDP, gathered by every process beforehand).
         trainer_state: optimizer, controller, RNG and data states (``torch.save``-able).
         reference_fingerprint: recorded for the integrity check on resume.
     """
@@ -70,16 +74,34 @@ def save_checkpoint(
     return final
 
 
+def policy_tensors(policy) -> dict[str, dict[str, torch.Tensor]]:
+    """What a checkpoint holds of ``policy``: ``{"lm": ..., "value_head": ...}``, whole tensors.
+
+    The LM's tensors are :meth:`tether.models.policy.PolicyWithValue.lm_checkpoint_state` (a LoRA
+    run's trainable adapter only). Under FSDP (``train.sharding=fsdp``) each is gathered from
+    every process: every process calls this, and rank 0 writes what it returns.
+    """
+    return {
+        "lm": {k: D.full_tensor(v) for k, v in policy.lm_checkpoint_state().items()},
+        "value_head": {k: D.full_tensor(v) for k, v in policy.value_head.state_dict().items()},
+    }
+
+
 def save_policy_weights(folder: Path, policy) -> None:
     """Write ``policy.safetensors`` (the LM's tensors, or a LoRA run's trainable adapter only: the
-    frozen base is rebuilt and fingerprinted on resume) and ``value_head.safetensors`` into ``folder``."""
+    frozen base is rebuilt and fingerprinted on resume) and ``value_head.safetensors`` into ``folder``.
+
+    ``policy``: the :class:`tether.models.policy.PolicyWithValue`, or what :func:`policy_tensors`
+    returned for it (a sharded policy's, gathered by every process).
+    """
     from safetensors.torch import save_file
 
-    lm_state = {k: v.detach().contiguous().clone() for k, v in policy.lm_checkpoint_state().items()}
+    tensors = policy if isinstance(policy, dict) else policy_tensors(policy)
+    lm_state = {k: v.detach().contiguous().clone() for k, v in tensors["lm"].items()}
     # tied weights share storage; safetensors refuses shared tensors, so each is cloned above
     save_file(lm_state, str(Path(folder) / "policy.safetensors"))
     save_file(
-        {k: v.contiguous() for k, v in policy.value_head.state_dict().items()},
+        {k: v.detach().contiguous() for k, v in tensors["value_head"].items()},
         str(Path(folder) / "value_head.safetensors"),
     )
 
@@ -94,14 +116,15 @@ def load_policy_weights(folder: Path, policy) -> None:
 
     lm_state = load_file(str(Path(folder) / "policy.safetensors"))
     expected = set(policy.lm_checkpoint_state())
-    missing, unexpected = policy.lm.load_state_dict(lm_state, strict=False)
+    # whole tensors; a sharded (FSDP) policy keeps each process's own shard of them
+    missing, unexpected = load_full_state_dict(policy.lm, lm_state, strict=False)
     missing = [k for k in missing if k in expected]  # a LoRA checkpoint holds the adapter only
     if unexpected or [k for k in missing if "lm_head" not in k or ".lora_" in k]:  # lm_head may be tied
         raise RuntimeError(
             f"checkpoint {folder} does not match the model: missing {missing[:3]}, "
             f"unexpected {unexpected[:3]}"
         )
-    policy.value_head.load_state_dict(load_file(str(Path(folder) / "value_head.safetensors")))
+    load_full_state_dict(policy.value_head, load_file(str(Path(folder) / "value_head.safetensors")))
 
 
 def save_best(run_dir: Path, policy, meta: dict) -> Path:

@@ -667,9 +667,26 @@ class TrainConfig:
     """Where models, tensors, sampling noise and reductions live: ``auto`` is CUDA when
     ``torch.cuda.is_available()``, else the CPU. Under ``accelerate launch`` each process takes
     its own GPU (NCCL), or the CPU (gloo)."""
+    sharding: Literal["none", "fsdp"] = "none"
+    """With several processes (``accelerate launch``): ``none`` keeps a whole copy of the policy, the
+    reference and the AdamW state on every process (DDP); ``fsdp`` shards all of them over the
+    processes with PyTorch's FSDP2 (one unit per transformer block), so each holds ``1 / N`` of
+    them. One process: nothing to shard, the same as ``none``. See docs/distributed.md."""
+    sharded_generation: Literal["blocks", "whole"] = "blocks"
+    """With train.sharding=fsdp, the weights the rollout samples from: ``blocks`` gathers one
+    transformer block at a time for each decoded token (memory: the shards plus one block; an
+    all-gather per block per token, and the processes decode in step), ``whole`` gathers the whole
+    policy once per rollout (one full copy of the weights for the call; faster where memory allows)."""
 
     def __post_init__(self) -> None:
         _check(self.algo in ALGOS, "train.algo", self.algo, f"choose one of {list(ALGOS)}")
+        _check(self.sharding in ("none", "fsdp"), "train.sharding", self.sharding, "choose none or fsdp")
+        _check(
+            self.sharded_generation in ("blocks", "whole"),
+            "train.sharded_generation",
+            self.sharded_generation,
+            "choose blocks or whole",
+        )
         _check(
             self.device in ("auto", "cpu", "cuda"), "train.device", self.device, "choose auto, cpu or cuda"
         )
@@ -769,6 +786,8 @@ class Config:
                 f"must be >= rollout.batch_size / 5 = {self.rollout.batch_size / 5} "
                 "or kl_coef could turn negative",
             )
+        if self.train.sharding == "fsdp":
+            self._check_sharding()
         if self.train.algo in ("grpo", "rloo"):
             _check(
                 self.rollout.group_size >= 2,
@@ -776,6 +795,32 @@ class Config:
                 self.rollout.group_size,
                 f"{self.train.algo} needs >= 2 completions per prompt",
             )
+
+    def _check_sharding(self) -> None:
+        """What train.sharding=fsdp does not do yet, refused up front with the reason."""
+        _check(
+            not self.model.lora,
+            "train.sharding",
+            "fsdp",
+            "is not built for LoRA: the reference is the policy's own base with its adapters off, so "
+            "sharding one shards both, and LoRA's trainable state is already small; use "
+            "train.sharding=none with model.lora_r",
+        )
+        _check(
+            self.model.dtype in ("auto", "float32"),
+            "train.sharding",
+            "fsdp",
+            f"trains float32 weights in this version (model.dtype={self.model.dtype} would need FSDP's "
+            "mixed-precision policy in place of tether's float32 master weights); use model.dtype=float32 "
+            "or train.sharding=none",
+        )
+        _check(
+            self.eval.best_by == "none",
+            "eval.best_by",
+            self.eval.best_by,
+            "is not built for train.sharding=fsdp yet (keeping the best policy gathers it on every "
+            "process at rank 0's word); use eval.best_by=none with fsdp",
+        )
 
     def _check_leash(self) -> None:
         """On-policy trainers: what the controller reads must be unbiased for the KL it holds, and

@@ -44,6 +44,7 @@ from tether.models.reference import (
     make_reference,
 )
 from tether.models.sampling import prompt_texts, use_chat_template
+from tether.models.sharding import shard_model
 from tether.run.config import Config, ConfigError, check_world_size, dump_config
 from tether.run.metrics import RunWriter
 
@@ -222,6 +223,23 @@ class Run:
     """The run directory existed (empty) before this run, see :func:`discard_failed_start`."""
 
 
+def check_launcher(distributed_type: str) -> None:
+    """Refuse accelerate's own sharding launch modes (an accelerate config with
+    ``distributed_type: FSDP`` or ``DEEPSPEED``) before anything is written: ``accelerator.prepare``
+    would wrap the policy in a way tether's rollout, scoring and checkpoints do not gather from.
+    tether shards itself (``train.sharding=fsdp``) under a plain multi-process launch.
+
+    Raises:
+        ValueError: naming the fix.
+    """
+    if distributed_type in ("FSDP", "DEEPSPEED"):
+        raise ValueError(
+            f"accelerate launched tether with distributed_type={distributed_type}: tether does its own "
+            "sharding; launch with a MULTI_GPU config (`accelerate launch --multi_gpu --num_processes N`) "
+            "and set train.sharding=fsdp (docs/distributed.md, 'Sharded training')"
+        )
+
+
 def check_full_precision(mixed_precision: str) -> None:
     """Refuse accelerate's mixed precision (``accelerate launch --mixed_precision`` or
     ``ACCELERATE_MIXED_PRECISION``) before anything is written.
@@ -364,8 +382,11 @@ def build_run(
     accelerator = Accelerator(
         cpu=device.type == "cpu", log_with=trackers, project_dir=config.train.output_dir or "runs"
     )
-    dtype = resolve_dtype(config.model.dtype, accelerator.device)
+    sharded = config.train.sharding == "fsdp" and accelerator.num_processes > 1
+    # FSDP shards float32 weights (the config refuses a low-precision model.dtype with it)
+    dtype = torch.float32 if sharded else resolve_dtype(config.model.dtype, accelerator.device)
     check_full_precision(accelerator.mixed_precision)
+    check_launcher(str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type)))
     check_world_size(config, accelerator.num_processes)
     seed_everything(config.train.seed)
     train_prompts, heldout = (
@@ -439,8 +460,13 @@ def build_run(
             count_reference_forwards(reference, forwards)
         freeze_lower_layers(lm, config.model.layers_to_train)
         # rows share prompts only in groups; otherwise the prefix pass would be one trunk call more
+        # (and not under FSDP: whether a batch takes the prefix pass depends on its own prompts, and
+        # every process must run the same number of block forwards there)
         share_prefix = (
-            m.share_prompt_prefix and config.rollout.group_size > 1 and not m.gradient_checkpointing
+            m.share_prompt_prefix
+            and config.rollout.group_size > 1
+            and not m.gradient_checkpointing
+            and not sharded
         )
         policy = PolicyWithValue(
             lm,
@@ -451,6 +477,11 @@ def build_run(
         policy.value_head.to(accelerator.device)  # float32 whatever the LM's dtype
         if reference is not None:
             check_reference(policy, reference)
+        reference_fingerprint = fingerprint(reference) if reference is not None else None
+        if sharded:  # after the checks and the fingerprint, which read the whole weights
+            shard_model(policy, policy.lm)
+            if reference is not None:
+                shard_model(reference, reference)
         return Run(
             config,
             policy,
@@ -460,7 +491,7 @@ def build_run(
             train_prompts,
             heldout,
             writer,
-            fingerprint(reference) if reference is not None else None,
+            reference_fingerprint,
             forwards,
             accelerator,
             existed,

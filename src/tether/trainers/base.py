@@ -42,6 +42,7 @@ from tether.data.prompts import PromptSampler
 from tether.judges.contract import WeightedReward, checked_scores
 from tether.models.sampling import Rollout, generate, sample_seeds
 from tether.models.scoring import rollout_logprobs
+from tether.models.sharding import generation_weights, is_sharded, root_gathered
 from tether.run.setup import Run
 from tether.trainers.common import RolloutLogprobs, make_optimizer, make_scheduler, old_and_ref_logprobs
 from tether.trainers.steps import Experience, kl_and_rewards
@@ -79,7 +80,12 @@ class OnPolicyTrainer:
         self.accelerator = run.accelerator
         # the module the losses differentiate: under DDP its backward averages gradients over
         # processes; sampling and no-grad scoring use the bare run.policy
-        self.model = run.accelerator.prepare(run.policy) if run.accelerator and self.params else run.policy
+        # (an FSDP-sharded policy, train.sharding=fsdp, syncs its own gradients: not wrapped)
+        self.model = (
+            run.accelerator.prepare(run.policy)
+            if run.accelerator and self.params and not is_sharded(run.policy)
+            else run.policy
+        )
         self.optimizer = make_optimizer(self.params, c.optim.lr, c.optim.weight_decay, c.optim.fused_adamw)
         per_step = c.optim.epochs * (c.rollout.batch_size // c.optim.minibatch_size)  # optimizer steps
         self.scheduler = make_scheduler(
@@ -126,16 +132,19 @@ class OnPolicyTrainer:
         prompts = run.train_prompts.select(rows[mine])  # this process's rows, with their columns
         # 2. generate responses from the current policy; sample i of the step is seeded by
         #    (seed, step, i), so the samples do not depend on the number of processes
-        rollout = generate(
-            run.policy.lm,
-            run.tokenizer,
-            prompts.prompts,
-            c.rollout.max_new_tokens,
-            c.rollout.temperature,
-            c.rollout.max_prompt_tokens,
-            seeds=sample_seeds(c.train.seed, step, range(len(rows))[mine]),
-            share_prefix=run.policy.share_prefix,
-        )
+        whole = c.train.sharded_generation == "whole"
+        with generation_weights(run.policy, whole) as synced:  # FSDP: gathered for the rollout
+            rollout = generate(
+                run.policy.lm,
+                run.tokenizer,
+                prompts.prompts,
+                c.rollout.max_new_tokens,
+                c.rollout.temperature,
+                c.rollout.max_prompt_tokens,
+                seeds=sample_seeds(c.train.seed, step, range(len(rows))[mine]),
+                share_prefix=run.policy.share_prefix,
+                synced=synced,
+            )
         rollout.columns = prompts.columns
         t_gen = time.perf_counter()
         # 3. score responses with the reward model (a reward list: their weighted sum)
@@ -147,17 +156,18 @@ class OnPolicyTrainer:
         # 4. old log-probs (+ values) and reference log-probs, no grad
         #    (in one pass, optim.reuse_forward: the update's own forward, whose graph step 7 reuses)
         minibatches = self.minibatch_indices()
-        forwards = old_and_ref_logprobs(
-            run.policy,
-            run.reference,
-            rollout,
-            c.rollout.temperature,
-            minibatches,
-            with_values=self.uses_values,
-            exact_kl=c.kl.exact,
-            exact_chunk_size=c.kl.exact_chunk_size,
-            reuse_forward_of=self.model if self.reuse_forward else None,
-        )
+        with root_gathered(run.policy, run.reference):  # FSDP: blocks gathered one at a time
+            forwards = old_and_ref_logprobs(
+                run.policy,
+                run.reference,
+                rollout,
+                c.rollout.temperature,
+                minibatches,
+                with_values=self.uses_values,
+                exact_kl=c.kl.exact,
+                exact_chunk_size=c.kl.exact_chunk_size,
+                reuse_forward_of=self.model if self.reuse_forward else None,
+            )
         self._reused_forward = forwards.update_forward
         t_score = time.perf_counter()
         # 5. per-token KL and rewards (the leash applies the KL in the reward if placed there)

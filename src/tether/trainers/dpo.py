@@ -39,6 +39,7 @@ from tether.models.scoring import (
     rollout_from_responses,
     rollout_logprobs,
 )
+from tether.models.sharding import generation_weights, is_sharded, root_gathered
 from tether.run.setup import Run
 from tether.trainers.base import sample_metrics
 from tether.trainers.common import make_optimizer, make_scheduler
@@ -144,9 +145,11 @@ class DPOTrainer:
                 "model.trainable_layers=0 leaves DPO nothing to train; raise it or leave it unset"
             )
         self.accelerator = run.accelerator
-        self.model = (
-            run.accelerator.prepare(run.policy) if run.accelerator else run.policy
-        )  # DDP under accelerate
+        self.model = (  # DDP under accelerate; an FSDP-sharded policy syncs its own gradients
+            run.accelerator.prepare(run.policy)
+            if run.accelerator and not is_sharded(run.policy)
+            else run.policy
+        )
         self.optimizer = make_optimizer(self.params, c.optim.lr, c.optim.weight_decay, c.optim.fused_adamw)
         self.device = next(run.policy.parameters()).device
         # the pair-order RNG stays on the host: the same order on any device (checkpointed)
@@ -188,15 +191,18 @@ class DPOTrainer:
             batch = run.train_prompts.select(chosen_rows)
             candidates = run.train_prompts.select([i for i in chosen_rows for _ in range(k)])
             # seeded by candidate index (step -1: not a training step), the same on every process
-            ro = generate(
-                run.reference,
-                run.tokenizer,
-                candidates.prompts,
-                c.rollout.max_new_tokens,
-                c.rollout.temperature,
-                c.rollout.max_prompt_tokens,
-                seeds=sample_seeds(c.train.seed, -1, range(tried * k, (tried + per_call) * k)),
-            )
+            whole = c.train.sharded_generation == "whole"
+            with generation_weights(run.reference, whole) as synced:  # FSDP: gathered for the call
+                ro = generate(
+                    run.reference,
+                    run.tokenizer,
+                    candidates.prompts,
+                    c.rollout.max_new_tokens,
+                    c.rollout.temperature,
+                    c.rollout.max_prompt_tokens,
+                    seeds=sample_seeds(c.train.seed, -1, range(tried * k, (tried + per_call) * k)),
+                    synced=synced,
+                )
             tried += per_call
             scores = torch.tensor(
                 checked_scores(run.scorer, ro.responses, "DPO pair sampling", ro.prompts, candidates.columns),
@@ -239,7 +245,7 @@ class DPOTrainer:
         equal bit for bit, so every step-0 margin is exactly 0. It costs one no-grad reference
         forward per micro-batch.
         """
-        with torch.no_grad():
+        with torch.no_grad(), root_gathered(self.run.reference):
             ref_chosen = self.sequence_logps(self.run.reference, pairs.prompts, pairs.chosen)
             ref_rejected = self.sequence_logps(self.run.reference, pairs.prompts, pairs.rejected)
         return PairLogps(
@@ -334,23 +340,27 @@ class DPOTrainer:
         mine = D.shard(len(prompts))  # this process's share of the probe
         seeds = sample_seeds(c.eval.seed, step, range(len(prompts))[mine])
         prompts = prompts[mine]
-        ro = generate(
-            run.policy.lm,
-            run.tokenizer,
-            prompts.prompts,
-            c.rollout.max_new_tokens,
-            c.rollout.temperature,
-            c.rollout.max_prompt_tokens,
-            seeds=seeds,
-        )
-        pol, ref, exact = policy_and_reference_logprobs(
-            run.policy,
-            run.reference,
-            ro,
-            c.rollout.temperature,
-            exact_kl=c.kl.exact,
-            kl_chunk_size=c.kl.exact_chunk_size,
-        )
+        whole = c.train.sharded_generation == "whole"
+        with generation_weights(run.policy, whole) as synced:  # FSDP: gathered for the probe
+            ro = generate(
+                run.policy.lm,
+                run.tokenizer,
+                prompts.prompts,
+                c.rollout.max_new_tokens,
+                c.rollout.temperature,
+                c.rollout.max_prompt_tokens,
+                seeds=seeds,
+                synced=synced,
+            )
+        with root_gathered(run.policy, run.reference):
+            pol, ref, exact = policy_and_reference_logprobs(
+                run.policy,
+                run.reference,
+                ro,
+                c.rollout.temperature,
+                exact_kl=c.kl.exact,
+                kl_chunk_size=c.kl.exact_chunk_size,
+            )
         mask = ro.response_mask
         kl = estimate_kl(pol.logprobs, ref.logprobs, c.kl.estimator)
         ro.columns = prompts.columns

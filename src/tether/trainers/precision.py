@@ -31,6 +31,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from tether.core import distributed as D
+
 INITIAL_LOSS_SCALE = 2.0**16
 """float16's first loss scale (``torch.amp.GradScaler``'s default)."""
 SCALE_GROWTH_INTERVAL = 2000
@@ -130,7 +132,9 @@ class MasterWeights:
         """The inner optimizer's state, the float32 masters of low-precision parameters (a
         resumed run goes on from them, not from the rounded weights) and the loss scale."""
         return {
-            "optimizer": self.optimizer.state_dict(),
+            # whole tensors (gathered from every process under FSDP, train.sharding=fsdp): a
+            # checkpoint resumes on any number of processes, sharded or not
+            "optimizer": D.full_optimizer_state(self.optimizer.state_dict()),
             "masters": {
                 i: m.detach().clone() for i, (p, m) in enumerate(zip(self.params, self.masters)) if m is not p
             },
@@ -143,9 +147,9 @@ class MasterWeights:
         """Restore :meth:`state_dict`; a plain optimizer state dict (a checkpoint from before master
         weights, always float32) is the inner optimizer's."""
         if "masters" not in state:
-            self.optimizer.load_state_dict(state)
+            self.optimizer.load_state_dict(D.local_optimizer_state(state, self.masters))
             return
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer.load_state_dict(D.local_optimizer_state(state["optimizer"], self.masters))
         with torch.no_grad():
             for i, saved in state["masters"].items():
                 self.masters[int(i)].copy_(saved)

@@ -21,13 +21,14 @@ whole minibatch; DDP averages gradients over processes, hence the extra factor `
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from functools import partial
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from tether.core import distributed as D
 from tether.trainers.precision import MasterWeights
@@ -109,7 +110,7 @@ def optimizer_step(
     parts = [lambda: loss] if torch.is_tensor(loss) else list(loss)
     for i, part in enumerate(parts):
         defer = accelerator is not None and model is not None and i < len(parts) - 1
-        with accelerator.no_sync(model) if defer else nullcontext():
+        with _no_sync(accelerator, model) if defer else nullcontext():
             last = part()
             scaled = last * scale if scale != 1.0 else last
             if accelerator is None:
@@ -123,6 +124,8 @@ def optimizer_step(
         grad_norm = torch.nn.utils.clip_grad_norm_(clipped, max_grad_norm, foreach=True)
     else:
         grad_norm = accelerator.clip_grad_norm_(clipped, max_grad_norm)
+    if isinstance(grad_norm, DTensor):  # FSDP: the norm over every process's shards, made whole
+        grad_norm = grad_norm.full_tensor()
     if not torch.isfinite(grad_norm):
         if master is not None and master.overflowed():
             log.warning(
@@ -142,6 +145,21 @@ def optimizer_step(
     # trainable weights stays resident through the next generation and forward, the step's peak
     optimizer.zero_grad(set_to_none=True)
     return grad_norm
+
+
+@contextmanager
+def _no_sync(accelerator: Accelerator, model: nn.Module) -> Iterator[None]:
+    """Gradients of this backward kept local (summed into the next): DDP's ``no_sync`` through
+    accelerate, or for an FSDP2 module (``train.sharding=fsdp``) no reduce-scatter until the last."""
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        with accelerator.no_sync(model):
+            yield
 
 
 def micro_batches(rows: Tensor, micro_batch_size: int | None) -> list[Tensor]:
