@@ -422,10 +422,9 @@ def test_two_processes_hand_each_reward_call_its_own_rows_answers(tiny_tokenizer
 @pytest.mark.e2e
 def test_fsdp_sigkill_then_resume_matches_uninterrupted(tiny_tokenizer, prompt_file, tmp_path):
     """2 processes, train.sharding=fsdp (with micro-batches), evaluating and checkpointing every 2
-    steps: a run
-    killed (SIGKILL, launcher and both workers) after its step-3 checkpoint and resumed with 2
-    processes logs every row of the uninterrupted run bit for bit, and the same eval.json. The
-    same checkpoint resumes on 1 unsharded process too (checkpoints hold whole tensors)."""
+    steps: a run killed (SIGKILL, launcher and both workers) after its step-3 checkpoint and
+    resumed with 2 processes logs every row of the uninterrupted run bit for bit, and the same
+    eval.json. The same checkpoint (each process's shards) resumes on 1 unsharded process too."""
     from tether.run.checkpoint import latest_checkpoint
 
     from .conftest import metric_rows
@@ -470,6 +469,24 @@ def test_fsdp_sigkill_then_resume_matches_uninterrupted(tiny_tokenizer, prompt_f
     assert latest_checkpoint(killed).name == "step-000003"
     other = tmp_path / "one-process"
     shutil.copytree(killed, other)
+    # the checkpoint holds each process's shards (torch.distributed.checkpoint), no whole copy; one
+    # unsharded process without a process group reads them whole: weights moved from the start,
+    # and AdamW's moments for every trained tensor
+    ckpt = latest_checkpoint(killed)
+    assert (ckpt / "sharded").is_dir() and not (ckpt / "policy.safetensors").exists()
+    from transformers import AutoModelForCausalLM
+
+    from tether.models.policy import PolicyWithValue
+    from tether.run.checkpoint import load_sharded_state
+
+    policy = PolicyWithValue(AutoModelForCausalLM.from_pretrained(model))
+    start = {k: v.clone() for k, v in policy.state_dict().items()}
+    params = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params)
+    load_sharded_state(ckpt / "sharded", policy, optimizer)
+    assert any(not torch.equal(start[k], v) for k, v in policy.state_dict().items())
+    assert len(optimizer.state) == len(params)
+    assert all(float(optimizer.state[p]["exp_avg_sq"].sum()) > 0 for p in params)
 
     _launch(["--resume", str(killed)], 2)
     a, b = metric_rows(full), metric_rows(killed)
@@ -484,6 +501,12 @@ def test_fsdp_sigkill_then_resume_matches_uninterrupted(tiny_tokenizer, prompt_f
     log = _launch(["--resume", str(other), "train.sharding=none"], 1)
     assert "resuming after step 3" in log
     assert [r["step"] for r in metric_rows(other)] == list(range(6))
+    # and back: that unsharded run's last checkpoint (whole tensors) resumes sharded, 2 processes
+    # each cutting its own shard of the weights and AdamW moments
+    assert (latest_checkpoint(other) / "policy.safetensors").exists()
+    log = _launch(["--resume", str(other), "train.sharding=fsdp", "train.steps=7"], 2)
+    assert "resuming after step 5" in log and "sharded (FSDP)" in log
+    assert [r["step"] for r in metric_rows(other)] == list(range(7))
 
 
 def test_fsdp_refuses_what_it_does_not_do_and_accelerates_own_sharding():

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 import math
+import shutil
 import signal
 import time
 from contextlib import nullcontext
@@ -23,15 +24,19 @@ from tether.judges.scorers import make_scorer
 from tether.models.reference import fingerprint
 from tether.models.sharding import full_state_dict, gathered, is_sharded, local_bytes
 from tether.run.checkpoint import (
+    SHARDED,
     best_folder,
     latest_checkpoint,
     load_checkpoint,
     load_policy_weights,
+    load_sharded_state,
     policy_tensors,
     rng_state,
     save_best,
     save_checkpoint,
+    save_sharded_state,
     set_rng_state,
+    sharded_folder,
 )
 from tether.run.config import Config
 from tether.run.evaluation import EvalResult, compare, evaluate
@@ -597,6 +602,8 @@ def _resume(run: Run, trainer, monitor: HealthMonitor) -> int:
             f"{str(run.reference_fingerprint)[:12]}...): the reference would have moved"
         )
     meta, state = load_checkpoint(path, run.policy)
+    if (path / SHARDED).exists():  # a sharded run's: weights and AdamW state resharded to this run's
+        load_sharded_state(path / SHARDED, run.policy, trainer.optimizer.optimizer)
     trainer.load_state_dict(state["trainer"])
     set_rng_state(state["rng"])
     run.reference_forwards[0] = state["reference_forwards"]
@@ -632,12 +639,19 @@ def _record_resumed_config(run: Run, step: int) -> None:
 
 def _checkpoint(run: Run, trainer, step: int) -> Path:
     """Rank 0 writes the checkpoint (policy, optimizer and trainer state are the same on every
-    process; under FSDP gathered from every process first). The reference is fingerprinted when
-    the run starts, on resume and after the last step, not here: hashing copies every weight to
-    the host (seconds for a 7B reference on a GPU)."""
+    process; under FSDP each process writes its shards of weights and AdamW state first). The
+    reference is fingerprinted when the run starts, on resume and after the last step, not here:
+    hashing copies every weight to the host (seconds for a 7B reference on a GPU)."""
     path = run.writer.run_dir / "checkpoints"
-    # every process: under FSDP the weights and the AdamW moments are gathered whole from all
-    weights, trainer_state = policy_tensors(run.policy), trainer.state_dict()
+    sharded = sharded_folder(run.writer.run_dir, step) if is_sharded(run.policy) else None
+    if sharded is not None:  # every process writes its own shards of weights and AdamW state
+        if D.is_main():
+            shutil.rmtree(sharded, ignore_errors=True)  # a killed attempt's
+        D.barrier()
+        save_sharded_state(sharded / SHARDED, run.policy, trainer.optimizer.optimizer)
+        weights, trainer_state = None, trainer.state_dict(with_optimizer=False)
+    else:
+        weights, trainer_state = policy_tensors(run.policy), trainer.state_dict()
     if D.is_main():
         path = save_checkpoint(
             run.writer.run_dir,
@@ -649,6 +663,7 @@ def _checkpoint(run: Run, trainer, step: int) -> Path:
                 "reference_forwards": run.reference_forwards[0],
             },
             run.reference_fingerprint,
+            sharded,
         )
     D.barrier()
     return path

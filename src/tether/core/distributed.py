@@ -323,21 +323,8 @@ def full_tensor(t: Tensor) -> Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def full_optimizer_state(state: dict) -> dict:
-    """An optimizer ``state_dict()`` with every sharded state tensor gathered whole (collective
-    under FSDP): what one unsharded process would hold, so a checkpoint resumes with any number of
-    processes, sharded or not. A state dict without sharded tensors is returned as it is."""
-    return {
-        **state,
-        "state": {
-            i: {k: full_tensor(v) if torch.is_tensor(v) else v for k, v in s.items()}
-            for i, s in state["state"].items()
-        },
-    }
-
-
 def local_optimizer_state(state: dict, params: list) -> dict:
-    """The inverse of :func:`full_optimizer_state` for this process: each full state tensor of a
+    """An unsharded optimizer ``state_dict()`` (whole tensors) for this process: each state tensor of a
     sharded parameter (``params[i]``, the optimizer's order) cut to the parameter's own shard, the
     rest (step counts, unsharded parameters) as saved. No communication."""
     from torch.distributed.tensor import DTensor, distribute_tensor

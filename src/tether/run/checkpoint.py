@@ -3,6 +3,8 @@
 Layout inside the run directory::
 
     checkpoints/step-000010/   policy.safetensors, value_head.safetensors, trainer.pt, meta.json
+                               (a sharded run: sharded/, each process's shards of the weights and
+                               the AdamW state, in place of the two safetensors files)
 
 ``policy.safetensors`` holds the LM's tensors, or for a LoRA run (``model.lora_r`` or
 ``model.adapter``) only the trainable adapter's: the frozen base is never saved here.
@@ -40,8 +42,53 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+SHARDED = "sharded"
+"""The folder of a sharded run's checkpoint (``train.sharding=fsdp``) that holds its weights and
+AdamW state, each process's shards in files of its own (``torch.distributed.checkpoint``)."""
+
+
+def sharded_folder(run_dir: Path, step: int) -> Path:
+    """The temporary folder of checkpoint ``step`` of a sharded run, where every process writes its
+    shards (:func:`save_sharded_state`) before rank 0 completes it with :func:`save_checkpoint`:
+    one name for all processes (a plain run's temporary folder is named by its process id)."""
+    return Path(run_dir) / "checkpoints" / f".step-{step:06d}.tmp-sharded"
+
+
+def save_sharded_state(folder: Path, policy, optimizer: torch.optim.Optimizer) -> None:
+    """Every process writes its shards of ``policy``'s weights (value head included) and of
+    ``optimizer``'s state into ``folder`` (``torch.distributed.checkpoint.save``; collective)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    state = {"model": get_model_state_dict(policy), "optimizer": get_optimizer_state_dict(policy, optimizer)}
+    dcp.save(state, checkpoint_id=str(folder))
+
+
+def load_sharded_state(folder: Path, policy, optimizer: torch.optim.Optimizer) -> None:
+    """Load what :func:`save_sharded_state` wrote into ``policy`` and ``optimizer``, on any number of
+    processes, sharded or not (``torch.distributed.checkpoint`` reshards: each process reads the
+    parts of the files its own tensors cover)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    state = {"model": get_model_state_dict(policy), "optimizer": get_optimizer_state_dict(policy, optimizer)}
+    dcp.load(state, checkpoint_id=str(folder), no_dist=not D.is_distributed())
+    set_model_state_dict(policy, state["model"])
+    set_optimizer_state_dict(policy, optimizer, state["optimizer"])
+
+
 def save_checkpoint(
-    run_dir: Path, step: int, policy, trainer_state: dict, reference_fingerprint: str | None
+    run_dir: Path,
+    step: int,
+    policy,
+    trainer_state: dict,
+    reference_fingerprint: str | None,
+    sharded: Path | None = None,
 ) -> Path:
     """Write checkpoint ``step`` atomically and point ``LATEST`` at it; returns its folder.
 
@@ -49,20 +96,26 @@ def save_checkpoint(
         run_dir: the run directory.
         step: the last completed step.
         policy: the :class:`tether.models.policy.PolicyWithValue` (weights saved as safetensors), or
-            :func:`policy_tensors` of it (under FSDP, gathered by every process beforehand).
+            :func:`policy_tensors` of it; None with ``sharded``.
         trainer_state: optimizer, controller, RNG and data states (``torch.save``-able).
         reference_fingerprint: recorded for the integrity check on resume.
+        sharded: a sharded run's :func:`sharded_folder`, where every process has written its shards
+            (:func:`save_sharded_state`): completed here with the rest and renamed into place.
     """
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     name = f"step-{step:06d}"
-    tmp = root / f".{name}.tmp{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    save_policy_weights(tmp, policy)
+    if sharded is not None:
+        tmp = sharded
+    else:
+        tmp = root / f".{name}.tmp{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        save_policy_weights(tmp, policy)
     torch.save(trainer_state, tmp / "trainer.pt")
-    (tmp / "meta.json").write_text(json.dumps({"step": step, "reference_fingerprint": reference_fingerprint}))
+    meta = {"step": step, "reference_fingerprint": reference_fingerprint}
+    (tmp / "meta.json").write_text(json.dumps(meta | ({"sharded": True} if sharded is not None else {})))
     final = root / name
     if final.exists():
         shutil.rmtree(final)
@@ -167,8 +220,11 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 def load_checkpoint(path: Path, policy) -> tuple[dict, dict]:
-    """Load policy weights into ``policy``; return (meta, trainer_state)."""
-    load_policy_weights(path, policy)
+    """Load policy weights into ``policy``; return (meta, trainer_state). A sharded run's checkpoint
+    (``meta["sharded"]``) holds its weights and optimizer state in :data:`SHARDED`, for
+    :func:`load_sharded_state` with the trainer's optimizer; they are not loaded here."""
+    if not (Path(path) / SHARDED).exists():
+        load_policy_weights(path, policy)
     meta = json.loads((path / "meta.json").read_text())
     return meta, torch.load(path / "trainer.pt", weights_only=False)
 

@@ -225,10 +225,11 @@ class OnPolicyTrainer:
         return row
 
     # ---- checkpointing ---------------------------------------------------------------------
-    def state_dict(self) -> dict:
+    def state_dict(self, with_optimizer: bool = True) -> dict:
         """Optimizer, controller, minibatch RNG and data position (see :mod:`tether.run.checkpoint`)."""
-        return {
-            "optimizer": self.optimizer.state_dict(),
+        # without the optimizer: a sharded run's checkpoint holds it in its sharded files
+        state = {"optimizer": self.optimizer.state_dict()} if with_optimizer else {}
+        return state | {
             "controller": self.controller.state_dict(),
             "generator": self.generator.get_state(),
             "sampler": self.sampler.state_dict(),
@@ -237,7 +238,8 @@ class OnPolicyTrainer:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        if "optimizer" in state:  # else loaded from a sharded checkpoint's files
+            self.optimizer.load_state_dict(state["optimizer"])
         self.restore_controller(state["controller"])
         self.generator.set_state(state["generator"])
         self.sampler.load_state_dict(state["sampler"])

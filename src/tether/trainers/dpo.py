@@ -273,16 +273,18 @@ class DPOTrainer:
             for minibatch in perm.split(self.cfg.optim.minibatch_size):
                 yield minibatch[D.shard(len(minibatch))]
 
-    def state_dict(self) -> dict:
-        return {
-            "optimizer": self.optimizer.state_dict(),
+    def state_dict(self, with_optimizer: bool = True) -> dict:
+        # without the optimizer: a sharded run's checkpoint holds it in its sharded files
+        state = {"optimizer": self.optimizer.state_dict()} if with_optimizer else {}
+        return state | {
             "generator": self.generator.get_state(),
             "position": self.position,
             "scheduler": self.scheduler.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        if "optimizer" in state:  # else loaded from a sharded checkpoint's files
+            self.optimizer.load_state_dict(state["optimizer"])
         self.generator.set_state(state["generator"])
         self.position = state["position"]
         if "scheduler" in state:

@@ -132,9 +132,7 @@ class MasterWeights:
         """The inner optimizer's state, the float32 masters of low-precision parameters (a
         resumed run goes on from them, not from the rounded weights) and the loss scale."""
         return {
-            # whole tensors (gathered from every process under FSDP, train.sharding=fsdp): a
-            # checkpoint resumes on any number of processes, sharded or not
-            "optimizer": D.full_optimizer_state(self.optimizer.state_dict()),
+            "optimizer": self.optimizer.state_dict(),
             "masters": {
                 i: m.detach().clone() for i, (p, m) in enumerate(zip(self.params, self.masters)) if m is not p
             },
@@ -146,6 +144,7 @@ class MasterWeights:
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`; a plain optimizer state dict (a checkpoint from before master
         weights, always float32) is the inner optimizer's."""
+        # an unsharded run's whole tensors; a sharded policy (FSDP) keeps its own shard of each
         if "masters" not in state:
             self.optimizer.load_state_dict(D.local_optimizer_state(state, self.masters))
             return
