@@ -349,6 +349,9 @@ def test_two_processes_log_the_first_step_of_one(algo, tiny_tokenizer, prompt_fi
     # the 1 process is the plain unsharded run
     fsdp = ["train.sharding=fsdp"] if "fsdp" in algo else []
     fsdp += ["train.sharded_generation=whole"] if "whole" in algo else []
+    # and rank 0 evaluates the reference alone before the first step (FSDP records those forwards:
+    # a DPO run whose first backward followed them hung before tether.models.sharding forgot them)
+    fsdp += ["eval.n_prompts=4"] if fsdp else []
     algo = algo.split(",")[0]
     # the 1-process run of an algorithm is the same run in every case (the same model, prompts and
     # settings): run once per session, then read
@@ -362,6 +365,8 @@ def test_two_processes_log_the_first_step_of_one(algo, tiny_tokenizer, prompt_fi
     if fsdp:
         assert "sharded (FSDP)" in log
     a, b = (json.loads((d / "metrics.jsonl").read_text().splitlines()[0]) for d in (one, two))
+    if fsdp and algo != "dpo":  # rank 0's reference forwards also count its reference evaluation
+        assert b.pop("kl/reference_forwards") > a.pop("kl/reference_forwards")
     # 8 rows x 6 response positions per reduction; the entropy also sums the vocabulary
     margins = assert_rows_close(a, b, 8 * 6, len(tiny_tokenizer), "1 vs 2 processes: ")
     if algo != "dpo":

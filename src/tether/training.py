@@ -206,7 +206,8 @@ def _train(run: Run, judge: Scorer | None, resume: bool, t_start: float) -> Path
     if is_sharded(run.policy):
         held, ref = local_bytes(run.policy), local_bytes(run.reference) if run.reference else None
         _say(
-            f"tether: policy and reference sharded (FSDP) over {D.world_size()} processes: rank 0 holds "
+            f"tether: policy{' and reference' if ref else ''} sharded (FSDP) over {D.world_size()} "
+            "processes: rank 0 holds "
             f"{held['params'] / 2**20:.1f} MiB of the policy's {held['numel'] * 4 / 2**20:.1f} MiB of "
             "float32 weights (and the same share of the trained ones' gradients and AdamW moments)"
             + (f", {ref['params'] / 2**20:.1f} MiB of the reference's" if ref else ""),

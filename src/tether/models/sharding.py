@@ -13,10 +13,12 @@ How each use of the weights gets them (docs/distributed.md, "Sharded training"):
 * no-grad scoring (old, reference log-probs) calls the trunk and the LM head directly:
   :func:`root_gathered` gathers the root unit's own weights for the call, the blocks are gathered
   one at a time by their hooks (every process runs the same forwards);
-* generation and the held-out evaluation (rank 0 alone) run on :func:`gathered` weights: the whole
-  model is gathered once, for the call, and freed after (memory: one full copy of the weights, in
-  their dtype, for the duration; no collective per decoded token, so processes may stop at
-  different lengths and rank 0 may run alone).
+* generation (:func:`generation_weights`, ``train.sharded_generation``): by default the root
+  unit gathered and each block gathered for each decoded token (every process decodes until all
+  are done); or the whole model gathered once for the call (:func:`gathered`: one full copy of
+  the weights while it lasts, no collective per token);
+* the held-out evaluation (rank 0 alone) runs on :func:`gathered` weights, gathered by every
+  process (memory: the whole policy and reference on rank 0 while it evaluates).
 
 Torch only (and ``torch.distributed``); every function is a no-op on a module that is not sharded.
 """
@@ -120,6 +122,23 @@ def gathered(*modules: nn.Module | None) -> Iterator[None]:
         for m in units:
             m.reshard()
             m.set_reshard_after_forward(True, recurse=False)
+        _forget_forwards(modules)
+
+
+def _forget_forwards(modules) -> None:
+    """Clear what FSDP recorded of the no-grad forwards just run (``reset_iter_state`` on each root).
+
+    FSDP2 records every unit's forward, with or without autograd, until the next backward, and in
+    that backward each block prefetches the unit recorded before its own last forward. Forwards
+    that differ between processes (rank 0 evaluating alone, each process generating to its own
+    length on gathered weights) would make the processes' backward prefetches differ: a collective
+    that only one of them runs, and a hang (found with DPO, whose first backward follows rank 0's
+    reference evaluation directly). Call only outside a forward-backward pair.
+    """
+    FSDPModule, _ = _fsdp()
+    for m in modules:
+        if isinstance(m, FSDPModule):
+            m.reset_iter_state()
 
 
 @contextmanager
@@ -141,6 +160,7 @@ def generation_weights(module: nn.Module | None, whole: bool) -> Iterator[bool]:
     else:
         with root_gathered(module):
             yield True
+        _forget_forwards([module])  # a token's forward is recorded per block: thousands per rollout
 
 
 @contextmanager

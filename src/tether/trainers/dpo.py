@@ -296,7 +296,15 @@ class DPOTrainer:
         t0 = time.perf_counter()
         # 1. the next batch of pairs (cycling)
         N, B = len(P.prompts), c.rollout.batch_size
-        batch = torch.tensor([(self.position + i) % N for i in range(min(B, N))], device="cpu")  # pair ids
+        # fewer pairs than a batch: a multiple of the number of processes, so that every minibatch
+        # (the last one too) splits evenly over them
+        n = min(B, N) - min(B, N) % D.world_size()
+        if n == 0:
+            raise ValueError(
+                f"dpo: {N} preference pairs cannot be split over {D.world_size()} processes; "
+                "raise dpo.n_pairs (or give a larger dpo.pairs file)"
+            )
+        batch = torch.tensor([(self.position + i) % N for i in range(n)], device="cpu")  # pair ids
         self.position = (self.position + len(batch)) % N
         # 2. DPO epochs; this process takes a contiguous 1 / world of each minibatch. The loss is a
         #    mean over pairs: scaled by this process's share of the pairs (and by world, as DDP
@@ -336,7 +344,11 @@ class DPOTrainer:
     @torch.no_grad()
     def probe(self, step: int) -> dict:
         c, run = self.cfg, self.run
-        prompts = run.heldout_prompts[: c.dpo.kl_eval_prompts] or run.train_prompts[: c.dpo.kl_eval_prompts]
+        k, world = c.dpo.kl_eval_prompts, D.world_size()
+        prompts = run.heldout_prompts[:k]
+        if len(prompts) < world:  # too few held out to give every process one: training prompts
+            prompts = run.train_prompts[:k]
+        prompts = prompts[: len(prompts) - len(prompts) % world]  # an equal share for every process
         if not prompts:
             return {}
         mine = D.shard(len(prompts))  # this process's share of the probe
