@@ -427,7 +427,7 @@ def test_two_processes_hand_each_reward_call_its_own_rows_answers(tiny_tokenizer
 @pytest.mark.e2e
 def test_fsdp_sigkill_then_resume_matches_uninterrupted(tiny_tokenizer, prompt_file, tmp_path):
     """2 processes, train.sharding=fsdp (with micro-batches), evaluating and checkpointing every 2
-    steps: a run killed (SIGKILL, launcher and both workers) after its step-3 checkpoint and
+    steps: a run killed (SIGKILL, launcher and both workers) after its step-1 checkpoint and
     resumed with 2 processes logs every row of the uninterrupted run bit for bit, and the same
     eval.json. The same checkpoint (each process's shards) resumes on 1 unsharded process too."""
     from tether.run.checkpoint import latest_checkpoint
@@ -442,7 +442,7 @@ def test_fsdp_sigkill_then_resume_matches_uninterrupted(tiny_tokenizer, prompt_f
         drop = ("train.steps=", "eval.n_prompts=", "eval.every=", "eval.judge=", "train.save_model=")
         drop += ("train.checkpoint_every=", "reward.scorer=")
         return [x for x in a if not x.startswith(drop)] + [
-            "train.steps=6",
+            "train.steps=4",
             "train.checkpoint_every=2",
             "eval.n_prompts=4",
             "eval.every=2",
@@ -464,14 +464,14 @@ def test_fsdp_sigkill_then_resume_matches_uninterrupted(tiny_tokenizer, prompt_f
         cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
     deadline = time.time() + 300
-    while time.time() < deadline:  # kill once step 4 is logged (the checkpoint of step 3 exists)
+    while time.time() < deadline:  # kill once step 2 is logged (the checkpoint of step 1 exists)
         m = killed / "metrics.jsonl"
-        if m.exists() and len(m.read_text().splitlines()) >= 5:
+        if m.exists() and len(m.read_text().splitlines()) >= 3:
             break
         time.sleep(0.05)
     os.killpg(p.pid, signal.SIGKILL)
     p.wait(timeout=60)
-    assert latest_checkpoint(killed).name == "step-000003"
+    assert latest_checkpoint(killed).name == "step-000001"
     other = tmp_path / "one-process"
     shutil.copytree(killed, other)
     # the checkpoint holds each process's shards (torch.distributed.checkpoint), no whole copy; one
@@ -495,7 +495,7 @@ def test_fsdp_sigkill_then_resume_matches_uninterrupted(tiny_tokenizer, prompt_f
 
     _launch(["--resume", str(killed)], 2)
     a, b = metric_rows(full), metric_rows(killed)
-    assert [r["step"] for r in b] == list(range(6))
+    assert [r["step"] for r in b] == list(range(4))
     assert a == b  # every metric of every step, bit for bit (CPU, fixed seed)
     assert json.loads((full / "eval.json").read_text()) == json.loads((killed / "eval.json").read_text())
     # the saved policy is the whole model: it loads alone, and as a model folder it scores
@@ -504,14 +504,14 @@ def test_fsdp_sigkill_then_resume_matches_uninterrupted(tiny_tokenizer, prompt_f
     AutoModelForCausalLM.from_pretrained(full / "policy")
 
     log = _launch(["--resume", str(other), "train.sharding=none"], 1)
-    assert "resuming after step 3" in log
-    assert [r["step"] for r in metric_rows(other)] == list(range(6))
+    assert "resuming after step 1" in log
+    assert [r["step"] for r in metric_rows(other)] == list(range(4))
     # and back: that unsharded run's last checkpoint (whole tensors) resumes sharded, 2 processes
     # each cutting its own shard of the weights and AdamW moments
     assert (latest_checkpoint(other) / "policy.safetensors").exists()
-    log = _launch(["--resume", str(other), "train.sharding=fsdp", "train.steps=7"], 2)
-    assert "resuming after step 5" in log and "sharded (FSDP)" in log
-    assert [r["step"] for r in metric_rows(other)] == list(range(7))
+    log = _launch(["--resume", str(other), "train.sharding=fsdp", "train.steps=5"], 2)
+    assert "resuming after step 3" in log and "sharded (FSDP)" in log
+    assert [r["step"] for r in metric_rows(other)] == list(range(5))
 
 
 def test_fsdp_refuses_what_it_does_not_do_and_accelerates_own_sharding():
