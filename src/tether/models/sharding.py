@@ -112,7 +112,15 @@ def gathered(*modules: nn.Module | None) -> Iterator[None]:
     collective, so one process may work alone (rank 0's evaluation) while the others wait.
     Memory: one full copy of the weights while inside. A no-op for unsharded modules.
     """
-    units = _units(modules)
+    with _unsharded(_units(modules)):
+        yield
+    _forget_forwards(modules)
+
+
+@contextmanager
+def _unsharded(units: list[nn.Module]) -> Iterator[None]:
+    """Each of ``units`` (FSDP modules, not recursive) all-gathered and kept so through its
+    forwards for the block; resharded after, and set to reshard after each forward again."""
     for m in units:
         m.set_reshard_after_forward(False, recurse=False)
         m.unshard()
@@ -122,7 +130,6 @@ def gathered(*modules: nn.Module | None) -> Iterator[None]:
         for m in units:
             m.reshard()
             m.set_reshard_after_forward(True, recurse=False)
-        _forget_forwards(modules)
 
 
 def _forget_forwards(modules) -> None:
@@ -142,10 +149,10 @@ def _forget_forwards(modules) -> None:
 
 
 @contextmanager
-def generation_weights(module: nn.Module | None, whole: bool) -> Iterator[bool]:
+def generation_weights(module: nn.Module | None, mode: str = "blocks") -> Iterator[bool]:
     """The weights :func:`tether.models.sampling.generate` runs on; yields its ``synced`` flag.
 
-    ``whole`` (``train.sharded_generation=whole``): the whole model gathered for the call
+    ``mode`` (``train.sharded_generation``) ``whole``: the whole model gathered for the call
     (:func:`gathered`): memory of one full copy of the weights while it lasts, no collective per
     token, each process stops at its own length. Otherwise (``blocks``): the root unit's weights
     gathered (:func:`root_gathered`) and each block gathered for each forward and freed after:
@@ -154,7 +161,7 @@ def generation_weights(module: nn.Module | None, whole: bool) -> Iterator[bool]:
     """
     if not is_sharded(module):
         yield False
-    elif whole:
+    elif mode == "whole":
         with gathered(module):
             yield False
     else:
@@ -169,16 +176,8 @@ def root_gathered(*modules: nn.Module | None) -> Iterator[None]:
     the transformer blocks stay sharded and are gathered one at a time by their own forwards
     (collectives: every process must run the same number of block forwards inside)."""
     FSDPModule, _ = _fsdp()
-    roots = [m for m in modules if isinstance(m, FSDPModule)]
-    for m in roots:
-        m.set_reshard_after_forward(False, recurse=False)
-        m.unshard()
-    try:
+    with _unsharded([m for m in modules if isinstance(m, FSDPModule)]):
         yield
-    finally:
-        for m in roots:
-            m.reshard()
-            m.set_reshard_after_forward(True, recurse=False)
 
 
 def full_state_dict(module: nn.Module) -> dict[str, Tensor]:

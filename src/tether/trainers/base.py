@@ -132,8 +132,7 @@ class OnPolicyTrainer:
         prompts = run.train_prompts.select(rows[mine])  # this process's rows, with their columns
         # 2. generate responses from the current policy; sample i of the step is seeded by
         #    (seed, step, i), so the samples do not depend on the number of processes
-        whole = c.train.sharded_generation == "whole"
-        with generation_weights(run.policy, whole) as synced:  # FSDP: gathered for the rollout
+        with generation_weights(run.policy, c.train.sharded_generation) as synced:  # FSDP
             rollout = generate(
                 run.policy.lm,
                 run.tokenizer,

@@ -191,8 +191,7 @@ class DPOTrainer:
             batch = run.train_prompts.select(chosen_rows)
             candidates = run.train_prompts.select([i for i in chosen_rows for _ in range(k)])
             # seeded by candidate index (step -1: not a training step), the same on every process
-            whole = c.train.sharded_generation == "whole"
-            with generation_weights(run.reference, whole) as synced:  # FSDP: gathered for the call
+            with generation_weights(run.reference, c.train.sharded_generation) as synced:  # FSDP
                 ro = generate(
                     run.reference,
                     run.tokenizer,
@@ -354,8 +353,7 @@ class DPOTrainer:
         mine = D.shard(len(prompts))  # this process's share of the probe
         seeds = sample_seeds(c.eval.seed, step, range(len(prompts))[mine])
         prompts = prompts[mine]
-        whole = c.train.sharded_generation == "whole"
-        with generation_weights(run.policy, whole) as synced:  # FSDP: gathered for the probe
+        with generation_weights(run.policy, c.train.sharded_generation) as synced:  # FSDP
             ro = generate(
                 run.policy.lm,
                 run.tokenizer,
