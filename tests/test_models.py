@@ -394,3 +394,15 @@ def test_gguf_metadata_is_parsed_once_and_each_caller_gets_its_own_copy(tmp_path
     assert second["config"]["num_hidden_layers"] == 1
     assert second["tokenizer"]["tokens"] == ["<s>", "</s>", "a", "b"]
     assert hf_gguf.load_gguf_checkpoint is counted  # restored on exit
+
+    # the reader reads the file into memory, not through np.memmap (its per-index overhead was a
+    # third of caching Gemma): the same fields and tensor bytes as a memory-mapped reader
+    mapped = gguf.GGUFReader(str(path))
+    with _one_gguf_reader():
+        read = gguf.GGUFReader(str(path))
+    assert isinstance(mapped.data, np.memmap) and not isinstance(read.data, np.memmap)
+    assert np.memmap is not None and np.memmap.__name__ == "memmap"  # restored on exit
+    assert np.array_equal(np.asarray(mapped.data), read.data)
+    assert list(mapped.fields) == list(read.fields)
+    assert [t.name for t in read.tensors] == ["token_embd.weight"]
+    assert np.array_equal(mapped.tensors[0].data, read.tensors[0].data)
