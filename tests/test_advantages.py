@@ -160,3 +160,52 @@ def test_whiten_constant_input_gives_zero_not_nan():
     # a single valid token: n - 1 clamped to 1, var 0 -> 0
     single = whiten(_t([[5.0, 1.0]]), torch.tensor([[1, 0]], dtype=torch.bool))
     assert single.tolist() == [[0.0, 0.0]]
+
+
+def test_return_scale_hand_values_and_floor():
+    from tether.core.advantages import RETURN_SCALE_FLOOR, return_scale
+
+    # sequence returns [0, 2, 4]: mean 2, unbiased var (4 + 0 + 4) / 2 = 4, std 2 -> scale 2
+    assert float(return_scale(torch.tensor([0.0, 2.0, 4.0], dtype=F64).std())) == 2.0
+    # std 0.5 (returns [0, 1]: var 0.5, std 0.707...) is under the 1-unit floor: left unscaled
+    assert float(return_scale(torch.tensor([0.0, 1.0], dtype=F64).std())) == RETURN_SCALE_FLOOR == 1.0
+    assert float(return_scale(torch.tensor(0.0, dtype=F64))) == 1.0  # equal returns: no division by 0
+
+
+def test_scaled_returns_leave_whitened_advantages_unchanged_and_targets_at_unit_spread():
+    """PPO's step 6 with ppo.scale_returns: rewards 10x and 40x as large (std of the sequence
+    returns above the floor) give the same whitened advantages as the unscaled rewards do when
+    the values are in the same scaled units, and value targets of the same unit-spread size."""
+    from tether.trainers.steps import ppo_advantages
+
+    g = torch.Generator().manual_seed(0)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]], dtype=torch.bool)
+    rewards = torch.where(mask, torch.randn(3, 4, generator=g, dtype=F64), 0.0)
+    values = torch.randn(3, 4, generator=g, dtype=F64)
+    plain_adv, plain_ret, one = ppo_advantages(rewards, values, mask, 1.0, 0.95, True)
+    assert float(one) == 1.0
+    seq = (rewards * mask).sum(-1)
+    for c in (10.0, 40.0):
+        assert float(c * seq.std()) > 1.0  # above the floor, so the scale is c * std
+        adv, ret, scale = ppo_advantages(c * rewards, values, mask, 1.0, 0.95, False, scale_returns=True)
+        torch.testing.assert_close(scale, c * seq.std(), rtol=1e-12, atol=0)
+        # GAE is linear in (rewards, values): c * rewards / (c * std) with values v is the
+        # unscaled rewards with values v * std, divided by std (c cancels exactly)
+        want_adv, want_ret, _ = ppo_advantages(rewards, values * seq.std(), mask, 1.0, 0.95, False)
+        torch.testing.assert_close(adv, want_adv / seq.std(), rtol=0, atol=1e-12)
+        torch.testing.assert_close(ret, want_ret / seq.std(), rtol=0, atol=1e-12)
+        # whitened, the positive factor 1 / std cancels too, up to WHITEN_EPS: whiten(x) and
+        # whiten(x / s) differ by |z| * |1 / sqrt(1 + eps / var) - 1 / sqrt(1 + eps s^2 / var)|
+        # <= |z| * eps * max(1, s^2) / (2 var) for z the whitened value and var that of x
+        white, _, _ = ppo_advantages(c * rewards, values, mask, 1.0, 0.95, True, scale_returns=True)
+        want_white, _, _ = ppo_advantages(rewards, values * seq.std(), mask, 1.0, 0.95, True)
+        var = float(want_adv[mask].var())
+        bound = float(want_white.abs().max()) * WHITEN_EPS * max(1.0, float(seq.std()) ** 2) / (2 * var)
+        torch.testing.assert_close(white, want_white, rtol=0, atol=bound + 1e-12)
+    # below the floor nothing changes: the same numbers as without scaling
+    small = rewards * (0.5 / float(seq.std()))  # sequence returns' std 0.5 < 1
+    a, r, s = ppo_advantages(small, values, mask, 1.0, 0.95, True, scale_returns=True)
+    b, q, _ = ppo_advantages(small, values, mask, 1.0, 0.95, True)
+    assert float(s) == 1.0 and torch.equal(a, b) and torch.equal(r, q)
+    # the values' units matter (v against v * std): the comparisons above can fail
+    assert not torch.allclose(plain_adv, want_white)

@@ -64,6 +64,7 @@ def test_ppo_cli_end_to_end(tiny_model_dir, prompt_file, tmp_path, capsys):
         "objective/kl_exact",
         "value/mean",
         "value/explained_variance",
+        "value/return_scale",
     ):
         assert key in rows[0], key
     # step 0: policy == reference, so every KL is exactly 0 and the first PPO ratio is exactly 1
@@ -189,6 +190,29 @@ def test_zero_beta_builds_no_reference(tiny_model_dir, prompt_file, tmp_path):
         new.logprobs, exp.old_logprobs[idx], exp.advantages[idx], part.response_mask, run.config.ppo.clip_eps
     ).loss
     assert torch.equal(loss, pure)
+
+
+def test_ppo_value_head_fits_scaled_returns_under_a_large_beta(tiny_model_dir, prompt_file, tmp_path):
+    """ppo.scale_returns: at beta 1000 the returns of step 1 spread far more than 1 reward unit;
+    the rewards are divided by that spread (value/return_scale), so the value head's loss stays
+    small, where without the scaling it grows with beta squared. Step 0 (KL 0, returns = scores
+    of spread < 1) is the same in both runs: the scale is 1 there."""
+    rows = {}
+    for scale in ("true", "false"):
+        out = tmp_path / scale
+        args = _tiny_args(tiny_model_dir, prompt_file, out) + [
+            "kl.kl_coef=1000",
+            "kl.controller=fixed",
+            f"ppo.scale_returns={scale}",
+            "train.steps=2",
+        ]
+        assert main(args) == 0
+        rows[scale] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    on, off = rows["true"], rows["false"]
+    assert on[0]["value/return_scale"] == 1.0 and on[0]["value/loss"] == off[0]["value/loss"]
+    assert on[1]["objective/kl"] == off[1]["objective/kl"]  # the same rollout at step 1
+    assert on[1]["value/return_scale"] > 10 and off[1]["value/return_scale"] == 1.0
+    assert on[1]["value/loss"] < off[1]["value/loss"] / 10
 
 
 def test_zero_beta_with_monitoring_still_logs_kl(tiny_model_dir, prompt_file, tmp_path):

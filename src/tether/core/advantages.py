@@ -2,7 +2,9 @@
 
 Sources: Schulman et al. 2016, "High-Dimensional Continuous Control Using Generalized Advantage
 Estimation", arXiv 1506.02438, eq. 11-16; whitening as in lm-human-preferences and
-Huang et al. 2024, "The N+ Implementation Details of RLHF with PPO", detail 8.
+Huang et al. 2024, "The N+ Implementation Details of RLHF with PPO", detail 8; reward scaling
+by the spread of the returns as in Engstrom et al. 2020, "Implementation Matters in Deep
+Policy Gradients", arXiv 2005.12729, section 3 (there with a running estimate).
 """
 
 from __future__ import annotations
@@ -63,6 +65,35 @@ def gae(
         next_adv = advantages[:, t]
     returns = torch.where(mask, advantages + v, 0.0)
     return GAEOutput(advantages=advantages, returns=returns)
+
+
+# Returns that spread less than this many reward units over the batch are not scaled up by
+# :func:`return_scale`: a small-beta run (returns about the score's spread, under 1 for scores
+# in [-1, 1]) computes exactly as without scaling, and a batch of equal returns is not divided
+# by a standard deviation near 0.
+RETURN_SCALE_FLOOR = 1.0
+
+
+def return_scale(returns_std: Tensor, floor: float = RETURN_SCALE_FLOOR) -> Tensor:
+    """The positive number PPO divides the per-token rewards by before GAE: ``max(floor, std)``.
+
+    Why: the value head fits the returns, whose spread grows with beta (a KL leash at beta 10
+    on 4-nat sequences gives returns of about -40, value losses in the hundreds). On a trunk
+    shared with the policy, that loss's gradient outgrows the policy's, clipping by global norm
+    shrinks the policy's share, and the trunk moves to fit values while the KL drifts. Dividing
+    every reward of the batch by one positive number changes neither the argmax of the
+    objective nor, once the advantages are whitened, the policy's update; it keeps the value
+    targets at about unit spread whatever beta is.
+
+    Args:
+        returns_std: scalar tensor, the standard deviation of the sequence returns
+            (sum of the per-token rewards) over the batch, in reward units.
+        floor: the smallest scale returned (:data:`RETURN_SCALE_FLOOR`), > 0.
+
+    Returns:
+        scalar tensor (the dtype of ``returns_std``), >= ``floor``.
+    """
+    return returns_std.clamp(min=floor)
 
 
 def whiten(values: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:

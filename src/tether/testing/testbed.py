@@ -640,7 +640,7 @@ def train_on_policy(
         # 6. advantages
         returns = None
         if algo == "ppo":
-            advantages, returns = ppo_advantages(
+            advantages, returns, _ = ppo_advantages(
                 leashed.rewards, old_values, mask, s.gamma, s.gae_lambda, True
             )
         elif algo == "grpo":

@@ -19,11 +19,16 @@ from tether.trainers.update import MicroLoss, UpdateStats
 
 class PPOTrainer(OnPolicyTrainer):
     uses_values = True
+    _return_scale = 1.0  # the last step's (value/return_scale)
     name = "ppo"
 
     def advantages(self, rewards: Tensor, forwards: RolloutLogprobs, mask: Tensor) -> tuple[Tensor, Tensor]:
         p = self.cfg.ppo
-        return ppo_advantages(rewards, forwards.values, mask, p.gamma, p.gae_lambda, p.whiten_advantages)
+        advantages, returns, scale = ppo_advantages(
+            rewards, forwards.values, mask, p.gamma, p.gae_lambda, p.whiten_advantages, p.scale_returns
+        )
+        self._return_scale = float(scale)  # logged by metrics() for this step
+        return advantages, returns
 
     def minibatch_loss(self, mb: Experience, kl_coef: float, first_micro: bool = True) -> MicroLoss:
         c = self.cfg
@@ -44,9 +49,12 @@ class PPOTrainer(OnPolicyTrainer):
         self, step: int, exp: Experience, forwards: RolloutLogprobs, update: UpdateStats, kl_coef: float
     ) -> dict:
         """The shared metrics plus the value head's: its mean prediction and how much of the
-        returns' variance it explains (both at rollout time, before this step's update)."""
+        returns' variance it explains (both at rollout time, before this step's update, in the
+        units of the scaled rewards), and the number the rewards were divided by
+        (``value/return_scale``, reward units; 1 without ppo.scale_returns)."""
         row = super().metrics(step, exp, forwards, update, kl_coef)
         mask = exp.rollout.response_mask
         row["value/mean"] = D.token_mean(exp.values, mask)
         row["value/explained_variance"] = D.explained_variance(exp.values, exp.returns, mask)
+        row["value/return_scale"] = self._return_scale
         return row

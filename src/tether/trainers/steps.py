@@ -22,7 +22,14 @@ import torch
 from torch import Tensor
 
 from tether.core import distributed as D
-from tether.core.advantages import GROUP_STD_EPS, gae, group_normalized_advantages, group_std, rloo_advantages
+from tether.core.advantages import (
+    GROUP_STD_EPS,
+    gae,
+    group_normalized_advantages,
+    group_std,
+    return_scale,
+    rloo_advantages,
+)
 from tether.core.kl import KLEstimator, estimate_kl, masked_sum
 from tether.core.leash import KLLeash
 from tether.core.losses import clipped_value_loss, dpo_loss, ppo_policy_loss
@@ -153,23 +160,38 @@ def kl_and_rewards(
 
 
 def ppo_advantages(
-    rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float, whiten: bool
-) -> tuple[Tensor, Tensor]:
+    rewards: Tensor,
+    values: Tensor,
+    mask: Tensor,
+    gamma: float,
+    lam: float,
+    whiten: bool,
+    scale_returns: bool = False,
+) -> tuple[Tensor, Tensor, Tensor]:
     """Step 6 of PPO: GAE advantages (whitened over the global batch) and value targets.
 
-    Source: Schulman et al. 2016, arXiv 1506.02438 (GAE); whitening as in Ziegler et al. 2019.
+    Source: Schulman et al. 2016, arXiv 1506.02438 (GAE); whitening as in Ziegler et al. 2019;
+    reward scaling as in Engstrom et al. 2020 (:func:`tether.core.advantages.return_scale`).
 
     Args:
-        rewards: (B, R) per-token rewards. values: (B, R) value predictions at rollout time.
+        rewards: (B, R) per-token rewards. values: (B, R) value predictions at rollout time
+            (in the units of the scaled rewards when ``scale_returns``).
         mask: (B, R) bool. gamma, lam: discount and GAE lambda in [0, 1].
         whiten: normalize the advantages to mean 0, variance 1 over every valid token of every
             process (:func:`tether.core.distributed.whiten`).
+        scale_returns: divide the rewards by ``max(1, std of the sequence returns)`` over the
+            global batch before GAE; with ``whiten`` the advantages are unchanged when the values
+            are scaled alike, and the returns (the value head's targets) keep about unit spread.
 
     Returns:
-        ``(advantages, returns)``, each (B, R), 0 where masked.
+        ``(advantages, returns, scale)``: each (B, R), 0 where masked, and the float64 scalar the
+        rewards were divided by (1 without ``scale_returns``).
     """
-    out = gae(rewards, values, mask, gamma, lam)
-    return (D.whiten(out.advantages, mask) if whiten else out.advantages), out.returns
+    scale = torch.ones((), dtype=torch.float64, device=rewards.device)
+    if scale_returns:
+        scale = return_scale(D.sequence_std(masked_sum(rewards, mask, dim=-1)))
+    out = gae(rewards / scale.to(rewards.dtype), values, mask, gamma, lam)
+    return (D.whiten(out.advantages, mask) if whiten else out.advantages), out.returns, scale
 
 
 def broadcast_sequence_advantages(sequence_advantages: Tensor, mask: Tensor) -> Tensor:
