@@ -212,7 +212,11 @@ def test_ppo_value_head_fits_scaled_returns_under_a_large_beta(tiny_model_dir, p
     assert on[0]["value/return_scale"] == 1.0 and on[0]["value/loss"] == off[0]["value/loss"]
     assert on[1]["objective/kl"] == off[1]["objective/kl"]  # the same rollout at step 1
     assert on[1]["value/return_scale"] > 10 and off[1]["value/return_scale"] == 1.0
+    # the targets were divided by the scale (the value loss is in scaled units, about 1/scale^2
+    # of the unscaled one: 0.25 against 213 here), and the shared gradient lost the unscaled
+    # value loss's share (2.5 against 4.9 here; 2.4 at step 0, beta's KL still 0)
     assert on[1]["value/loss"] < off[1]["value/loss"] / 10
+    assert on[1]["policy/grad_norm"] < off[1]["policy/grad_norm"]
 
 
 def test_zero_beta_with_monitoring_still_logs_kl(tiny_model_dir, prompt_file, tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import sys
 
 import numpy as np
 import pytest
@@ -401,7 +402,10 @@ def test_gguf_metadata_is_parsed_once_and_each_caller_gets_its_own_copy(tmp_path
     with _one_gguf_reader():
         read = gguf.GGUFReader(str(path))
     assert isinstance(mapped.data, np.memmap) and not isinstance(read.data, np.memmap)
-    assert np.memmap is not None and np.memmap.__name__ == "memmap"  # restored on exit
+    assert sys.modules[gguf.GGUFReader.__module__].np is np  # restored; numpy itself never changed
+    with _one_gguf_reader(), pytest.raises(FileNotFoundError):
+        gguf.GGUFReader(str(tmp_path / "missing.gguf"))
+    assert sys.modules[gguf.GGUFReader.__module__].np is np  # restored after a failed read too
     assert np.array_equal(np.asarray(mapped.data), read.data)
     assert list(mapped.fields) == list(read.fields)
     assert [t.name for t in read.tensors] == ["token_embd.weight"]

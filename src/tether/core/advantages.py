@@ -81,9 +81,9 @@ def return_scale(returns_std: Tensor, floor: float = RETURN_SCALE_FLOOR) -> Tens
     on 4-nat sequences gives returns of about -40, value losses in the hundreds). On a trunk
     shared with the policy, that loss's gradient outgrows the policy's, clipping by global norm
     shrinks the policy's share, and the trunk moves to fit values while the KL drifts. Dividing
-    every reward of the batch by one positive number changes neither the argmax of the
-    objective nor, once the advantages are whitened, the policy's update; it keeps the value
-    targets at about unit spread whatever beta is.
+    every reward of the batch by one positive number does not change the objective's argmax,
+    and with values in the same scaled units the whitened advantages are those without scaling
+    (up to ``WHITEN_EPS``); it keeps the value targets at about unit spread whatever beta is.
 
     Args:
         returns_std: scalar tensor, the standard deviation of the sequence returns

@@ -154,6 +154,7 @@ def _one_gguf_reader():
     on a 2-core AMD EPYC. The same bytes are parsed, so the cached weights are the same (tested).
     """
     import copy
+    import sys
 
     import gguf
     import numpy as np
@@ -161,21 +162,32 @@ def _one_gguf_reader():
 
     real, opened = gguf.GGUFReader, {}
     real_load, parsed = hf_gguf.load_gguf_checkpoint, {}
-    real_memmap = np.memmap
 
     def in_memory(filename, dtype=np.uint8, mode="r+", offset=0, shape=None, order="C"):
         if mode == "r" and offset == 0 and shape is None:  # GGUFReader's read-only whole file
             return np.fromfile(filename, dtype=dtype)
-        return real_memmap(filename, dtype=dtype, mode=mode, offset=offset, shape=shape, order=order)
+        return np.memmap(filename, dtype=dtype, mode=mode, offset=offset, shape=shape, order=order)
+
+    class _NumpyReadingFiles:
+        """numpy as gguf's reader module sees it, with ``memmap`` reading into memory: only
+        that module's name is swapped, so no other code (or thread) gets a different numpy."""
+
+        memmap = staticmethod(in_memory)
+
+        def __getattr__(self, name):
+            return getattr(np, name)
+
+    reader_module = sys.modules[real.__module__]
+    reader_numpy = reader_module.np
 
     def once(path, *args, **kwargs):
         key = (str(path), args, tuple(sorted(kwargs.items())))
         if key not in opened:
-            np.memmap = in_memory
+            reader_module.np = _NumpyReadingFiles()
             try:
                 opened[key] = real(path, *args, **kwargs)
             finally:
-                np.memmap = real_memmap
+                reader_module.np = reader_numpy
         return opened[key]
 
     def metadata_once(path, return_tensors=False, *args, **kwargs):

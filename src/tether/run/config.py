@@ -482,12 +482,15 @@ class PPOConfig:
     """Normalize advantages over the batch's valid tokens (PPO)."""
     scale_returns: bool = True
     """Divide the rewards by max(1, the batch's standard deviation of sequence returns) before
-    GAE (PPO; Engstrom et al. 2020), so the value head's targets keep about unit spread whatever
-    beta is; logged as value/return_scale. With whitened advantages the policy's update is the
-    same. Without it, on the 20-step over-optimization benchmark the budget leash's beta of 6 to
-    15 gave value losses of 100 to 1,400 and gradient norms of 30 to 90: clipping to
-    optim.max_grad_norm scaled the policy's gradient down as much, the trunk it shares with the
-    value head moved to fit values, and the KL rose while beta climbed."""
+    GAE (PPO; Engstrom et al. 2020, here per batch), so the value head's targets keep about unit
+    spread whatever beta is; logged as value/return_scale (reward units). The value head then
+    predicts in units of recent batches' scales. Had its values the batch's own scale, whitened
+    advantages would be exactly those without scaling (tested); with ppo.whiten_advantages=false
+    the policy's step also shrinks by the scale. Without it, on the over-optimization benchmark
+    at lr 2e-4 for 30 steps, the budget leash's beta of 6 to 15 gave value losses of 100 to
+    1,450 and gradient norms of 30 to 93: clipping to optim.max_grad_norm scaled the policy's
+    gradient down as much, the trunk it shares with the value head moved to fit values, and the
+    KL rose while beta climbed."""
 
     def __post_init__(self) -> None:
         _check(self.clip_eps > 0, "ppo.clip_eps", self.clip_eps, "must be > 0")

@@ -30,7 +30,7 @@ from tether.core.advantages import (
     return_scale,
     rloo_advantages,
 )
-from tether.core.kl import KLEstimator, estimate_kl, masked_sum
+from tether.core.kl import KLEstimator, at_least_fp32, estimate_kl, masked_sum
 from tether.core.leash import KLLeash
 from tether.core.losses import clipped_value_loss, dpo_loss, ppo_policy_loss
 from tether.trainers.update import MicroLoss
@@ -180,8 +180,9 @@ def ppo_advantages(
         whiten: normalize the advantages to mean 0, variance 1 over every valid token of every
             process (:func:`tether.core.distributed.whiten`).
         scale_returns: divide the rewards by ``max(1, std of the sequence returns)`` over the
-            global batch before GAE; with ``whiten`` the advantages are unchanged when the values
-            are scaled alike, and the returns (the value head's targets) keep about unit spread.
+            global batch before GAE (in at least float32): the returns (the value head's
+            targets) keep about unit spread; with ``whiten``, advantages from values in the
+            same scaled units equal the unscaled ones up to WHITEN_EPS.
 
     Returns:
         ``(advantages, returns, scale)``: each (B, R), 0 where masked, and the float64 scalar the
@@ -190,7 +191,8 @@ def ppo_advantages(
     scale = torch.ones((), dtype=torch.float64, device=rewards.device)
     if scale_returns:
         scale = return_scale(D.sequence_std(masked_sum(rewards, mask, dim=-1)))
-    out = gae(rewards / scale.to(rewards.dtype), values, mask, gamma, lam)
+    r = at_least_fp32(rewards)
+    out = gae(r / scale.to(r.dtype), values, mask, gamma, lam)
     return (D.whiten(out.advantages, mask) if whiten else out.advantages), out.returns, scale
 
 
