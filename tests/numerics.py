@@ -86,6 +86,8 @@ def term_magnitudes(row: dict) -> dict[str, float]:
         "value/clipfrac": 1.0,
         "value/loss": v * v,
         "value/mean": v,
+        # max(1, std of the sequence returns): 1, or a std of scores and beta-weighted KL sums
+        "value/return_scale": 1.0 + s + beta * L * m_tok,
         "value/explained_variance": 2.0,
         # a sum of N per-token gradients of random sign has a norm ~sqrt(N) times smaller than the
         # sum of their norms; sqrt(N) is folded in by the caller through n_terms ** 1.5
