@@ -192,22 +192,30 @@ def test_zero_beta_builds_no_reference(tiny_model_dir, prompt_file, tmp_path):
     assert torch.equal(loss, pure)
 
 
+def _two_step_ppo_runs(tiny_model_dir, prompt_file, tmp_path, beta, field, values) -> dict[str, list[dict]]:
+    """Two-step PPO runs at a fixed beta, one per value of ``field``: each run's metric rows."""
+    rows = {}
+    for value in values:
+        out = tmp_path / value
+        args = _tiny_args(tiny_model_dir, prompt_file, out) + [
+            f"kl.kl_coef={beta}",
+            "kl.controller=fixed",
+            f"{field}={value}",
+            "train.steps=2",
+        ]
+        assert main(args) == 0
+        rows[value] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return rows
+
+
 def test_ppo_value_head_fits_scaled_returns_under_a_large_beta(tiny_model_dir, prompt_file, tmp_path):
     """ppo.scale_returns: at beta 1000 the returns of step 1 spread far more than 1 reward unit;
     the rewards are divided by that spread (value/return_scale), so the value head's loss stays
     small, where without the scaling it grows with beta squared. Step 0 (KL 0, returns = scores
     of spread < 1) is the same in both runs: the scale is 1 there."""
-    rows = {}
-    for scale in ("true", "false"):
-        out = tmp_path / scale
-        args = _tiny_args(tiny_model_dir, prompt_file, out) + [
-            "kl.kl_coef=1000",
-            "kl.controller=fixed",
-            f"ppo.scale_returns={scale}",
-            "train.steps=2",
-        ]
-        assert main(args) == 0
-        rows[scale] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = _two_step_ppo_runs(
+        tiny_model_dir, prompt_file, tmp_path, 1000, "ppo.scale_returns", ("true", "false")
+    )
     on, off = rows["true"], rows["false"]
     assert on[0]["value/return_scale"] == 1.0 and on[0]["value/loss"] == off[0]["value/loss"]
     assert on[1]["objective/kl"] == off[1]["objective/kl"]  # the same rollout at step 1
@@ -217,6 +225,20 @@ def test_ppo_value_head_fits_scaled_returns_under_a_large_beta(tiny_model_dir, p
     # value loss's share (2.5 against 4.9 here; 2.4 at step 0, beta's KL still 0)
     assert on[1]["value/loss"] < off[1]["value/loss"] / 10
     assert on[1]["policy/grad_norm"] < off[1]["policy/grad_norm"]
+
+
+def test_exact_kl_shaping_reaches_the_ppo_update(tiny_model_dir, prompt_file, tmp_path):
+    """ppo.kl_shaping=exact changes the returns and advantages, not the rollout or the logged KL:
+    step 0 (policy = reference, every KL 0) is the same in both runs, so step 1 samples the same
+    responses and logs the same KL, and its value loss (targets with the exact KL) differs."""
+    rows = _two_step_ppo_runs(
+        tiny_model_dir, prompt_file, tmp_path, 5, "ppo.kl_shaping", ("sampled", "exact")
+    )
+    sampled, exact = rows["sampled"], rows["exact"]
+    assert sampled[0]["value/loss"] == exact[0]["value/loss"]
+    assert sampled[1]["objective/kl"] == exact[1]["objective/kl"] > 0
+    assert sampled[1]["objective/kl_exact"] == exact[1]["objective/kl_exact"]
+    assert sampled[1]["value/loss"] != exact[1]["value/loss"]
 
 
 def test_zero_beta_with_monitoring_still_logs_kl(tiny_model_dir, prompt_file, tmp_path):

@@ -164,3 +164,22 @@ def test_trainable_layers_default_is_six_blocks_of_the_embedded_model_and_all_of
     assert load_config(None, ["model.trainable_layers=2"]).model.layers_to_train == 2
     assert load_config(None, ["model.name=ORG/NAME"]).model.layers_to_train is None
     assert load_config(None, ["model.lora_r=4"]).model.layers_to_train is None
+
+
+@pytest.mark.parametrize(
+    "overrides,words",
+    [
+        (["ppo.kl_shaping=rough"], "choose one of ['sampled', 'exact']"),
+        (["ppo.kl_shaping=exact", "kl.exact=false"], "set kl.exact=true"),
+        (["ppo.kl_shaping=exact", "train.algo=grpo"], "train.algo=grpo"),
+    ],
+)
+def test_exact_kl_shaping_is_refused_where_it_cannot_act(overrides, words):
+    with pytest.raises(ConfigError, match="ppo.kl_shaping") as e:
+        load_config(None, overrides)
+    assert words in str(e.value)
+
+
+def test_exact_kl_shaping_reaches_the_leash():
+    assert load_config().kl_reward_form == "sampled"
+    assert load_config(None, ["ppo.kl_shaping=exact"]).kl_reward_form == "exact"

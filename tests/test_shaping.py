@@ -7,7 +7,7 @@ import torch
 
 from tether.core.kl import kl_k1
 from tether.core.logprobs import response_mask_from_tokens
-from tether.core.shaping import shape_rewards
+from tether.core.shaping import shape_rewards, shape_rewards_exact
 
 F64 = torch.float64
 EOS = 2
@@ -84,3 +84,34 @@ def test_validation():
         shape_rewards(torch.zeros(3), kl, 0.1, mask)
     with pytest.raises(ValueError):
         shape_rewards(torch.zeros(2), kl, 0.1, mask[:, :2])
+
+
+def test_exact_form_by_hand():
+    # k1 [0.5, -0.2, nan], exact KL [0.3, 0.1, 9], mask [1, 1, 0], kl_coef 0.5, score 1.0:
+    #   rewards     [-0.5 * 0.3, 1.0 - 0.5 * 0.1, 0]      = [-0.15, 0.95, 0]
+    #   corrections [-0.5 * (0.5 - 0.3), -0.5 * (-0.2 - 0.1), 0] = [-0.1, 0.15, 0]
+    # (the masked slot's NaN and 9 reach nothing); float64 in, float64 out, exact to rounding
+    log_ratio = torch.tensor([[0.5, -0.2, float("nan")]], dtype=F64)
+    exact = torch.tensor([[0.3, 0.1, 9.0]], dtype=F64)
+    mask = torch.tensor([[1, 1, 0]], dtype=torch.bool)
+    out = shape_rewards_exact(torch.tensor([1.0], dtype=F64), log_ratio, exact, 0.5, mask)
+    torch.testing.assert_close(out.rewards, torch.tensor([[-0.15, 0.95, 0.0]], dtype=F64), rtol=0, atol=1e-15)
+    torch.testing.assert_close(
+        out.non_score_reward, torch.tensor([[-0.15, -0.05, 0.0]], dtype=F64), rtol=0, atol=1e-15
+    )
+    torch.testing.assert_close(
+        out.token_correction, torch.tensor([[-0.1, 0.15, 0.0]], dtype=F64), rtol=0, atol=1e-15
+    )
+    # rewards + corrections summed over a row = score - beta * sum k1: the sampled form's total
+    total = out.rewards.sum() + out.token_correction.sum()
+    sampled = shape_rewards(torch.tensor([1.0], dtype=F64), log_ratio.nan_to_num(), 0.5, mask).rewards.sum()
+    assert abs(float(total - sampled)) < 1e-15
+    assert shape_rewards(torch.tensor([1.0]), exact.float(), 0.5, mask).token_correction is None
+
+
+def test_exact_form_validation():
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    with pytest.raises(ValueError, match="log_ratio"):
+        shape_rewards_exact(torch.zeros(2), torch.zeros(2, 3), torch.zeros(2, 2), 0.1, mask)
+    with pytest.raises(ValueError, match="kl_coef"):
+        shape_rewards_exact(torch.zeros(2), torch.zeros(2, 3), torch.zeros(2, 3), -0.1, mask)

@@ -346,6 +346,12 @@ def seq_run(name: str) -> tb.RunLog:
     bed = seq_bed()
     runs = {
         "ppo": lambda: tb.train_ppo(bed, SEQ_BETA, SEQ),
+        # ppo.kl_shaping=exact: the exact per-position KL in the returns, each token's own k1 - KL_t
+        # on its advantage (the same expected gradient, tests/test_kl_placement.py). It ends
+        # further from pi* than "ppo" (1.2e-4 to 2.8e-4 over seeds 0-3, against 0.7e-5 to 4.3e-5):
+        # at pi* the sampled return r - beta * sum k1 is constant, a cancellation it gives up
+        # (docs/kl.md, "Exact shaping")
+        "ppo-exact-shaping": lambda: tb.train_ppo(bed, SEQ_BETA, SEQ, kl_shaping="exact"),
         "rloo": lambda: tb.train_group(bed, "rloo", SEQ_BETA, SEQ),
         "grpo-k3+": lambda: tb.train_group(
             bed, "grpo", SEQ_BETA, SEQ, loss_estimator="k3+", scale_by_std=False
@@ -378,6 +384,7 @@ def seq_run(name: str) -> tb.RunLog:
     "name,tol",
     [
         ("ppo", 1e-3),
+        ("ppo-exact-shaping", 1e-3),
         ("rloo", 1e-3),
         ("rloo-k1_seq-in-loss", 1e-3),
         ("grpo-kl-in-reward", 1e-3),

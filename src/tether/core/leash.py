@@ -13,7 +13,7 @@ from torch import Tensor
 
 from tether.core.kl import masked_mean
 from tether.core.losses import KLLossEstimator, kl_loss_terms
-from tether.core.shaping import ShapedRewards, shape_rewards
+from tether.core.shaping import ShapedRewards, shape_rewards, shape_rewards_exact
 
 
 class KLLeash:
@@ -23,16 +23,38 @@ class KLLeash:
         kl_in_reward: shape per-token rewards with the KL (PPO, RLOO).
         kl_in_loss: add the KL surrogate to the loss (GRPO).
         loss_estimator: surrogate for the loss placement (see :func:`tether.core.losses.kl_loss_terms`).
+        reward_form: ``"sampled"`` (:func:`tether.core.shaping.shape_rewards`, the estimate on
+            every token) or ``"exact"`` (:func:`tether.core.shaping.shape_rewards_exact`, the exact
+            per-position KL in the returns and each token's own correction; per-token advantages
+            only, PPO's ``ppo.kl_shaping``).
+
+    Raises:
+        ValueError: an unknown ``reward_form``.
     """
 
-    def __init__(self, kl_in_reward: bool, kl_in_loss: bool, loss_estimator: KLLossEstimator = "k3+"):
+    def __init__(
+        self,
+        kl_in_reward: bool,
+        kl_in_loss: bool,
+        loss_estimator: KLLossEstimator = "k3+",
+        reward_form: str = "sampled",
+    ):
+        if reward_form not in ("sampled", "exact"):
+            raise ValueError(f"reward_form must be 'sampled' or 'exact', got {reward_form!r}")
         self.kl_in_reward = kl_in_reward
         self.kl_in_loss = kl_in_loss
         self.loss_estimator = loss_estimator
+        self.reward_form = reward_form
         self.counts = {"reward": 0, "loss": 0}
 
     def reward(
-        self, scores: Tensor, kl: Tensor | None, kl_coef: float, response_mask: Tensor
+        self,
+        scores: Tensor,
+        kl: Tensor | None,
+        kl_coef: float,
+        response_mask: Tensor,
+        log_ratio: Tensor | None = None,
+        exact_kl: Tensor | None = None,
     ) -> ShapedRewards:
         """Per-token rewards: the score on the last real token, plus ``-kl_coef * kl_t`` if in the reward.
 
@@ -41,12 +63,24 @@ class KLLeash:
             kl: (B, R) per-token KL estimate (nats), or None when no reference runs.
             kl_coef: beta >= 0.
             response_mask: (B, R) bool.
+            log_ratio, exact_kl: (B, R) k1 of the sampled tokens and the exact per-position KL,
+                nats; the exact reward form needs both.
 
         Returns:
             :class:`tether.core.shaping.ShapedRewards`, (B, R) each.
+
+        Raises:
+            ValueError: the exact form without ``log_ratio`` or ``exact_kl``.
         """
         if self.kl_in_reward and kl is not None:
             self.counts["reward"] += 1
+            if self.reward_form == "exact":
+                if log_ratio is None or exact_kl is None:
+                    raise ValueError(
+                        "the exact reward form (ppo.kl_shaping=exact) needs the exact per-position KL: "
+                        "set kl.exact=true, or ppo.kl_shaping=sampled"
+                    )
+                return shape_rewards_exact(scores, log_ratio, exact_kl, kl_coef, response_mask)
             return shape_rewards(scores, kl, kl_coef, response_mask)
         zeros = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
         return shape_rewards(scores, zeros, 0.0, response_mask)

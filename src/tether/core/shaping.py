@@ -5,6 +5,20 @@ Torch only. Sign convention (see :mod:`tether.core.kl`): ``non_score_reward = -k
 Source: Ziegler et al. 2019, arXiv 1909.08593, eq. 2, R(x, y) = r(x, y) - beta log(pi/rho);
 Stiennon et al. 2020, eq. 1; per-token form as in lm-human-preferences (the score is added on
 the last real token, the penalty on every token).
+
+Two forms of the same expected policy gradient:
+
+* :func:`shape_rewards`, **sampled**: ``-kl_coef * k_t`` on every token, propagated by the returns
+  to every earlier token. The gradient at token t then carries ``sum_{t' >= t} k1_{t'}``, whose
+  sampling noise grows with the response length.
+* :func:`shape_rewards_exact`, **exact**: the returns carry the exact per-position KL
+  ``KL_t = KL(pi(.|s_t) || pi_ref(.|s_t))`` instead, and token t alone gets the correction
+  ``-kl_coef * (k1_t - KL_t)`` on its advantage (not propagated). By the chain rule,
+  ``E[sum_t KL_t] = KL(pi || pi_ref)`` over whole responses, and the expected gradient is the
+  same: for ``t' > t``, ``E[k1_{t'} - KL_{t'} | s_{t'}] = 0`` while ``grad log pi(y_t | s_t)`` is
+  fixed by ``s_{t'}``, so dropping those terms changes the variance only (a Rao-Blackwellization
+  of the later tokens' KL); token t's own ``grad log pi(y_t) * k1_t`` is kept, and its mean is
+  the direct gradient of ``KL_t``. Tested by exact enumeration in tests/test_kl_placement.py.
 """
 
 from __future__ import annotations
@@ -24,7 +38,10 @@ class ShapedRewards(NamedTuple):
     rewards: Tensor
     """per-token reward r_t = non_score_reward_t (+ score on the last real token)."""
     non_score_reward: Tensor
-    """-kl_coef * kl_t on valid tokens."""
+    """-kl_coef * kl_t on valid tokens (the exact form: -kl_coef * KL_t)."""
+    token_correction: Tensor | None = None
+    """The exact form only: ``-kl_coef * (k1_t - KL_t)`` on valid tokens, 0 elsewhere, to add to
+    token t's advantage alone (:func:`shape_rewards_exact`); None for the sampled form."""
 
 
 def shape_rewards(scores: Tensor, kl: Tensor, kl_coef: float, response_mask: Tensor) -> ShapedRewards:
@@ -64,3 +81,47 @@ def shape_rewards(scores: Tensor, kl: Tensor, kl_coef: float, response_mask: Ten
     # so masked positions stay exactly 0
     rewards[rows, last] += torch.where(mask.any(-1), scores.to(rewards.dtype), 0.0)
     return ShapedRewards(rewards=rewards, non_score_reward=non_score)
+
+
+def shape_rewards_exact(
+    scores: Tensor,
+    log_ratio: Tensor,
+    exact_kl: Tensor,
+    kl_coef: float,
+    response_mask: Tensor,
+) -> ShapedRewards:
+    """The exact form of the shaped rewards: exact per-position KL in the returns, token t's own
+    sampled correction on its advantage only (see the module docstring for why the expected
+    gradient equals :func:`shape_rewards`'s with k1).
+
+    Args:
+        scores: (B,) scorer value of each whole response.
+        log_ratio: (B, R) k1 = ``logprobs - ref_logprobs`` of the sampled tokens, nats (k1 whatever
+            ``kl.estimator`` logs: the correction's mean must be the direct KL gradient).
+        exact_kl: (B, R) exact KL(pi(.|s_t) || pi_ref(.|s_t)) at each position, nats, of the same
+            tempered distributions ``log_ratio`` was sampled from.
+        kl_coef: beta >= 0, reward units per nat.
+        response_mask: (B, R) bool, True where the token counts.
+
+    Returns:
+        :class:`ShapedRewards` with ``rewards`` = score on the last valid token plus
+        ``-kl_coef * exact_kl_t``, ``non_score_reward = -kl_coef * exact_kl_t`` and
+        ``token_correction = -kl_coef * (log_ratio_t - exact_kl_t)``; all 0 where masked.
+
+    Raises:
+        ValueError: on shape mismatch or negative ``kl_coef``.
+
+    Example:
+        k1 [0.5, -0.2], exact KL [0.3, 0.1], kl_coef 0.5, score 1.0 gives rewards
+        [-0.15, 1.0 - 0.05] = [-0.15, 0.95] and corrections [-0.5 * 0.2, -0.5 * -0.3] = [-0.1, 0.15].
+    """
+    if log_ratio.shape != exact_kl.shape:
+        raise ValueError(
+            f"log_ratio {tuple(log_ratio.shape)} and exact_kl {tuple(exact_kl.shape)} must both be (B, R)"
+        )
+    shaped = shape_rewards(scores, exact_kl, kl_coef, response_mask)
+    mask = response_mask.bool()
+    own = at_least_fp32(log_ratio) - at_least_fp32(exact_kl)  # (B, R), mean 0 given s_t
+    zero = torch.zeros((), dtype=own.dtype, device=own.device)
+    correction = torch.where(mask, -kl_coef * own, zero)
+    return shaped._replace(token_correction=correction.to(shaped.rewards.dtype))

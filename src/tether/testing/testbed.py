@@ -203,6 +203,22 @@ def token_logprobs(table: Tensor, tokens: Tensor, vocab: int) -> Tensor:
     return logprobs_from_logits(logits, tokens)
 
 
+def position_kl(table: Tensor, ref_table: Tensor, rows: Tensor) -> Tensor:
+    """Exact KL(pi(.|s_t) || pi_ref(.|s_t)) at each sampled position, nats, no grad.
+
+    Args:
+        table, ref_table: (P, V) policy and reference logits. rows: (B, T) long table rows of the
+            positions (:func:`prefix_indices`).
+
+    Returns:
+        (B, T) float64.
+    """
+    with torch.no_grad():
+        logp = torch.log_softmax(table.detach().to(F64), -1)[rows]  # (B, T, V)
+        logq = torch.log_softmax(ref_table.to(F64), -1)[rows]
+        return (logp.exp() * (logp - logq)).sum(-1)
+
+
 def sequence_logprobs(table: Tensor, vocab: int, length: int) -> Tensor:
     """log pi(y) = sum_t log pi(y_t | y_<t) of every sequence: (V^T,), nats, in ``all_sequences`` order."""
     return token_logprobs(table, all_sequences(vocab, length).to(table.device), vocab).sum(-1)
@@ -571,6 +587,7 @@ def train_on_policy(
     loss_estimator: KLLossEstimator = "k3+",
     scale_by_std: bool = True,
     scale_kl_by_std: bool = False,
+    kl_shaping: Literal["sampled", "exact"] = "sampled",
 ) -> RunLog:
     """PPO, GRPO or RLOO on the bed, step for step as :class:`tether.trainers.base.OnPolicyTrainer`.
 
@@ -597,6 +614,9 @@ def train_on_policy(
         scale_by_std: GRPO only, divide by the group std (False: Dr. GRPO).
         scale_kl_by_std: GRPO only, divide each group's KL-in-loss term by the same std
             (:func:`tether.trainers.steps.grpo_kl_weights`).
+        kl_shaping: PPO's reward form (``ppo.kl_shaping``): ``exact`` shapes with the exact
+            per-position KL of the table (:func:`position_kl`) and adds each token's own
+            correction to its advantage (:func:`tether.core.shaping.shape_rewards_exact`).
 
     Returns:
         :class:`RunLog`.
@@ -612,7 +632,7 @@ def train_on_policy(
         values = torch.zeros(bed.num_prefixes, dtype=F64, requires_grad=True)  # V(prefix)
         params.append({"params": [values], "lr": s.value_lr})
     opt = torch.optim.Adam(params)
-    leash = KLLeash(kl_in_reward, kl_in_loss, loss_estimator)
+    leash = KLLeash(kl_in_reward, kl_in_loss, loss_estimator, kl_shaping)
     ref_seq_logp = sequence_logprobs(bed.ref_logits.to(F64), V, T)
     avg = _Averager()
     log = RunLog(table=table)
@@ -633,15 +653,30 @@ def train_on_policy(
         # 5. per-token KL and rewards (the same KL is logged and controlled on); ``estimate_kl``
         #    is this module's name for it, so a test can flip its sign
         kl_coef = controller.kl_coef
+        exact = position_kl(table, bed.ref_logits, rows) if kl_shaping == "exact" else None
         leashed = kl_and_rewards(
-            scores, old_logprobs, ref_logprobs, mask, kl_coef, estimator, leash, estimate=estimate_kl
+            scores,
+            old_logprobs,
+            ref_logprobs,
+            mask,
+            kl_coef,
+            estimator,
+            leash,
+            estimate=estimate_kl,
+            exact_kl=exact,
         )
         kl = leashed.kl  # (B, T)
         # 6. advantages
         returns = None
         if algo == "ppo":
             advantages, returns, _ = ppo_advantages(
-                leashed.rewards, old_values, mask, s.gamma, s.gae_lambda, True
+                leashed.rewards,
+                old_values,
+                mask,
+                s.gamma,
+                s.gae_lambda,
+                True,
+                token_correction=leashed.token_correction,
             )
         elif algo == "grpo":
             advantages = grpo_advantages(leashed.rewards, mask, s.group_size, scale_by_std)

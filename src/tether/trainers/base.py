@@ -45,7 +45,7 @@ from tether.models.scoring import rollout_logprobs
 from tether.models.sharding import generation_weights, is_sharded, root_gathered
 from tether.run.setup import Run
 from tether.trainers.common import RolloutLogprobs, make_optimizer, make_scheduler, old_and_ref_logprobs
-from tether.trainers.steps import Experience, kl_and_rewards
+from tether.trainers.steps import Experience, KLRewards, kl_and_rewards
 from tether.trainers.update import MicroLoss, UpdateStats, minibatch_update
 
 __all__ = ["CONTROLLER_CLASSES", "OnPolicyTrainer", "sample_metrics"]
@@ -73,7 +73,7 @@ class OnPolicyTrainer:
             eta=c.kl.budget_eta,
             kp=c.kl.budget_kp,
         )
-        self.leash = KLLeash(c.kl.kl_in_reward, c.kl.kl_in_loss, c.kl.loss_estimator)
+        self.leash = KLLeash(c.kl.kl_in_reward, c.kl.kl_in_loss, c.kl.loss_estimator, c.kl_reward_form)
         if not self.uses_values:  # no loss reaches the value head: frozen, so DDP waits for no gradient of it
             run.policy.value_head.requires_grad_(False)
         self.params = [p for p in run.policy.parameters() if p.requires_grad]
@@ -179,10 +179,11 @@ class OnPolicyTrainer:
             kl_coef,
             c.kl.estimator,
             self.leash,
+            exact_kl=forwards.exact_kl if self.leash.reward_form == "exact" else None,
         )
         kl = leashed.kl
         # 6. advantages
-        advantages, returns = self.advantages(leashed.rewards, forwards, rollout.response_mask)
+        advantages, returns = self.advantages(leashed, forwards, rollout.response_mask)
         exp = Experience(
             rollout,
             scores,
@@ -299,8 +300,9 @@ class OnPolicyTrainer:
         return {}
 
     def advantages(
-        self, rewards: Tensor, forwards: RolloutLogprobs, mask: Tensor
+        self, leashed: KLRewards, forwards: RolloutLogprobs, mask: Tensor
     ) -> tuple[Tensor, Tensor | None]:
+        """(B, R) advantages and value targets (or None) from step 5's rewards (``leashed``)."""
         raise NotImplementedError
 
     def minibatch_loss(self, mb: Experience, kl_coef: float, first_micro: bool = True) -> MicroLoss:

@@ -21,6 +21,7 @@ from tether.trainers.base import OnPolicyTrainer
 from tether.trainers.common import RolloutLogprobs
 from tether.trainers.steps import (
     Experience,
+    KLRewards,
     clipped_policy_loss,
     grpo_advantages,
     grpo_kl_weights,
@@ -40,8 +41,8 @@ class GroupTrainer(OnPolicyTrainer):
 class GRPOTrainer(GroupTrainer):
     name = "grpo"
 
-    def advantages(self, rewards: Tensor, forwards: RolloutLogprobs, mask: Tensor) -> tuple[Tensor, None]:
-        return grpo_advantages(rewards, mask, self.group_size, self.cfg.grpo.scale_by_std), None
+    def advantages(self, leashed: KLRewards, forwards: RolloutLogprobs, mask: Tensor) -> tuple[Tensor, None]:
+        return grpo_advantages(leashed.rewards, mask, self.group_size, self.cfg.grpo.scale_by_std), None
 
     @property
     def beta_in_reward_std(self) -> bool:
@@ -70,5 +71,5 @@ class GRPOTrainer(GroupTrainer):
 class RLOOTrainer(GroupTrainer):
     name = "rloo"
 
-    def advantages(self, rewards: Tensor, forwards: RolloutLogprobs, mask: Tensor) -> tuple[Tensor, None]:
-        return rloo_token_advantages(rewards, mask, self.group_size), None
+    def advantages(self, leashed: KLRewards, forwards: RolloutLogprobs, mask: Tensor) -> tuple[Tensor, None]:
+        return rloo_token_advantages(leashed.rewards, mask, self.group_size), None

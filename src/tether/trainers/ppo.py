@@ -13,7 +13,7 @@ from tether.core import distributed as D
 from tether.models.scoring import rollout_logprobs
 from tether.trainers.base import OnPolicyTrainer
 from tether.trainers.common import RolloutLogprobs
-from tether.trainers.steps import Experience, clipped_policy_loss, ppo_advantages
+from tether.trainers.steps import Experience, KLRewards, clipped_policy_loss, ppo_advantages
 from tether.trainers.update import MicroLoss, UpdateStats
 
 
@@ -22,10 +22,19 @@ class PPOTrainer(OnPolicyTrainer):
     _return_scale = 1.0  # the last step's (value/return_scale)
     name = "ppo"
 
-    def advantages(self, rewards: Tensor, forwards: RolloutLogprobs, mask: Tensor) -> tuple[Tensor, Tensor]:
+    def advantages(
+        self, leashed: KLRewards, forwards: RolloutLogprobs, mask: Tensor
+    ) -> tuple[Tensor, Tensor]:
         p = self.cfg.ppo
         advantages, returns, scale = ppo_advantages(
-            rewards, forwards.values, mask, p.gamma, p.gae_lambda, p.whiten_advantages, p.scale_returns
+            leashed.rewards,
+            forwards.values,
+            mask,
+            p.gamma,
+            p.gae_lambda,
+            p.whiten_advantages,
+            p.scale_returns,
+            token_correction=leashed.token_correction,  # ppo.kl_shaping=exact: token t's own KL term
         )
         self._return_scale = float(scale)  # logged by metrics() for this step
         return advantages, returns

@@ -30,7 +30,7 @@ from tether.core.advantages import (
     return_scale,
     rloo_advantages,
 )
-from tether.core.kl import KLEstimator, at_least_fp32, estimate_kl, masked_sum
+from tether.core.kl import KLEstimator, at_least_fp32, estimate_kl, kl_k1, masked_sum
 from tether.core.leash import KLLeash
 from tether.core.losses import clipped_value_loss, dpo_loss, ppo_policy_loss
 from tether.trainers.update import MicroLoss
@@ -122,6 +122,9 @@ class KLRewards(NamedTuple):
     puts the KL in the reward)."""
     non_score_reward: Tensor
     """the KL part of ``rewards``, 0 when the KL is not in the reward."""
+    token_correction: Tensor | None = None
+    """the exact reward form's ``-kl_coef * (k1_t - KL_t)``, for token t's advantage alone
+    (:func:`ppo_advantages`); None otherwise."""
 
 
 def kl_and_rewards(
@@ -133,6 +136,7 @@ def kl_and_rewards(
     estimator: KLEstimator,
     leash: KLLeash,
     estimate: Callable[[Tensor, Tensor, KLEstimator], Tensor] = estimate_kl,
+    exact_kl: Tensor | None = None,
 ) -> KLRewards:
     """Step 5: the per-token KL estimate and the rewards the leash shapes from it.
 
@@ -150,13 +154,21 @@ def kl_and_rewards(
         leash: the placement (:class:`tether.core.leash.KLLeash`); its reward count is updated.
         estimate: the estimator function, :func:`tether.core.kl.estimate_kl` (a parameter so a
             test can substitute a wrong one and watch the optimum move).
+        exact_kl: (B, R) exact per-position KL of the sampling policy, nats, or None; the leash's
+            exact reward form shapes with it (:func:`tether.core.shaping.shape_rewards_exact`).
 
     Returns:
         :class:`KLRewards`.
+
+    Raises:
+        ValueError: the leash's exact reward form without ``exact_kl``.
     """
     kl = estimate(old_logprobs, ref_logprobs, estimator) if ref_logprobs is not None else None
-    shaped = leash.reward(scores, kl, kl_coef, mask)
-    return KLRewards(kl, shaped.rewards, shaped.non_score_reward)
+    log_ratio = None
+    if ref_logprobs is not None and exact_kl is not None:
+        log_ratio = kl_k1(old_logprobs, ref_logprobs)
+    shaped = leash.reward(scores, kl, kl_coef, mask, log_ratio=log_ratio, exact_kl=exact_kl)
+    return KLRewards(kl, shaped.rewards, shaped.non_score_reward, shaped.token_correction)
 
 
 def ppo_advantages(
@@ -167,6 +179,7 @@ def ppo_advantages(
     lam: float,
     whiten: bool,
     scale_returns: bool = False,
+    token_correction: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Step 6 of PPO: GAE advantages (whitened over the global batch) and value targets.
 
@@ -183,6 +196,10 @@ def ppo_advantages(
             global batch before GAE (in at least float32): the returns (the value head's
             targets) keep about unit spread; with ``whiten``, advantages from values in the
             same scaled units equal the unscaled ones up to WHITEN_EPS.
+        token_correction: (B, R) or None: the exact reward form's own-token term
+            (:func:`tether.core.shaping.shape_rewards_exact`), added to A_t after GAE (so it
+            reaches no other token and no value target), divided by the same scale, before
+            whitening. The scale is that of the rewards alone.
 
     Returns:
         ``(advantages, returns, scale)``: each (B, R), 0 where masked, and the float64 scalar the
@@ -193,7 +210,11 @@ def ppo_advantages(
         scale = return_scale(D.sequence_std(masked_sum(rewards, mask, dim=-1)))
     r = at_least_fp32(rewards)
     out = gae(r / scale.to(r.dtype), values, mask, gamma, lam)
-    return (D.whiten(out.advantages, mask) if whiten else out.advantages), out.returns, scale
+    advantages = out.advantages
+    if token_correction is not None:
+        own = at_least_fp32(token_correction) / scale.to(r.dtype)
+        advantages = advantages + torch.where(mask, own, 0.0)
+    return (D.whiten(advantages, mask) if whiten else advantages), out.returns, scale
 
 
 def broadcast_sequence_advantages(sequence_advantages: Tensor, mask: Tensor) -> Tensor:
