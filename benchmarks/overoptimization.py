@@ -5,7 +5,9 @@ Usage: python benchmarks/overoptimization.py [--out runs/overopt] [--steps 20] [
 
 Runs PPO on SmolLM2 against VADER twice at the same learning rate (the default's unless --lr)
 for more steps than the demo: once almost unleashed (``kl.kl_coef=0.001``, fixed) and once on
-tether's default leash (the KL budget controller), both evaluated every 5 steps on 16 held-out
+tether's default leash (the KL budget controller) with the seeds' other safeguard, stopping at the
+peak of held-out quality (``eval.best_by=gold``: the run ends with the policy of its periodic
+evaluation with the best gold score), both evaluated every 5 steps on 16 held-out
 prompts (and at the end on 64, two samples each, all read by every judge) by the gold judge (the
 MiniLM reward model fitted on human ratings), the fluency judge (Gemma-3-270M's NLL, nats per
 token) and the diversity measures (distinct-2, self-BLEU, repetition). Prints, per run and per
@@ -13,7 +15,8 @@ evaluation, proxy, gold, fluency NLL, distinct-2 and KL beside the reference's; 
 held-out comparison (every number with its SE), the health warnings, and the checks of issue 18:
 
 - unleashed: fluency or diversity ends >= 3 SE worse than the reference's, at a higher proxy;
-- leashed: fluency and diversity within 2 SE of the reference's, at a proxy gain >= 0.15;
+- leashed: fluency and diversity within 2 SE of the reference's, at a proxy gain >= 0.15 (of the
+  policy it keeps);
 - the sample-quality alarm fires in the unleashed run and not in the leashed one.
 
 Writes one picture (six panels against step, both runs, the reference dashed, the alarm marked).
@@ -30,7 +33,9 @@ from pathlib import Path
 
 RUNS = {
     "unleashed": ["kl.kl_coef=0.001", "kl.controller=fixed"],
-    "default leash": [],
+    # the default leash, and the seeds' other safeguard: stop at the peak of held-out quality (the
+    # gold judge's, at the periodic evaluations); the final evaluation is of the policy kept
+    "default leash": ["eval.best_by=gold"],
 }
 PANELS = [
     ("eval/proxy_score", "eval/ref_proxy_score", "proxy score (VADER), held out"),
@@ -130,7 +135,8 @@ def main() -> int:
             )
         ref, pol = final["reference"], final["policy"]
         print(
-            f"  final held-out ({final['n_prompts']} prompts x {final['samples_per_prompt']}): "
+            f"  final held-out, the policy of step {final['policy_step']} "
+            f"({final['n_prompts']} prompts x {final['samples_per_prompt']}): "
             f"proxy {ref['proxy_mean']:.3f} -> {pol['proxy_mean']:.3f} "
             f"(gain {final['gain']:+.3f} ± {final['gain_se_paired']:.3f}); "
             f"gold {final.get('gold_gain', nan):+.3f} ± {final.get('gold_gain_se_paired', nan):.3f}; "
@@ -182,6 +188,9 @@ def main() -> int:
                 ax.axhline(refs[-1], ls="--", c="gray", label="reference")
             for a in fired:
                 ax.axvline(a, c=colors[name], ls=":", lw=1, label=f"sample-quality alarm ({name}, step {a})")
+            if final["policy_step"] != rows[-1]["step"]:  # eval.best_by kept an earlier policy
+                kept = final["policy_step"]
+                ax.axvline(kept, c=colors[name], ls="-.", lw=1, label=f"policy kept ({name}, step {kept})")
             ax.set_title(title, fontsize=9)
             ax.set_xlabel("step", fontsize=8)
             ax.grid(alpha=0.3)
@@ -191,7 +200,7 @@ def main() -> int:
         ax.legend(unique.values(), unique.keys(), fontsize=7)
     fig.suptitle(
         f"PPO on SmolLM2 against VADER, lr {lr:g}, {args.steps} steps: almost unleashed (beta 0.001) "
-        "against tether's default leash",
+        "against tether's default leash with eval.best_by=gold",
         fontsize=10,
     )
     fig.tight_layout()

@@ -658,3 +658,33 @@ def test_resume_with_another_controller_carries_beta_into_it(tiny_model_dir, pro
     assert error > 1e-6  # so that kp = 1 and kp = 0 give different betas
     dual = max(0.0, beta1 + eta * error)
     assert rows[2]["objective/kl_coef"] == pytest.approx(max(0.0, dual + kp * error), abs=1e-9)
+
+
+def test_a_kept_policy_is_evaluated_on_prompts_it_was_not_chosen_on(caplog):
+    """eval.best_by picks on the periodic prompts; the final evaluation takes the next
+    eval.n_prompts, so its numbers carry no luck of the choice (and the reference's periodic
+    numbers are then evaluated on their own, not read off its final evaluation)."""
+    from types import SimpleNamespace
+
+    from tether.run.config import load_config
+    from tether.run.evaluation import EvalResult
+    from tether.training import Evaluator
+
+    prompts = [f"p{i}" for i in range(30)]
+
+    def evaluator(*overrides):
+        cfg = load_config(None, ["eval.n_prompts=10", "eval.periodic_prompts=4", "eval.every=2", *overrides])
+        return Evaluator(SimpleNamespace(config=cfg, scorer=None, heldout_prompts=prompts), None)
+
+    last = evaluator()
+    assert last.periodic == prompts[:4] and last.heldout == prompts[:10]
+    kept = evaluator("eval.best_by=proxy")
+    assert kept.periodic == prompts[:4] and kept.heldout == prompts[4:14]
+    before = EvalResult("reference", ["r"] * 20, [0.0] * 20, {"proxy": [0.0] * 20}, samples_per_prompt=2)
+    assert last.covers_periodic(before) and not kept.covers_periodic(before)
+    with caplog.at_level("WARNING"):
+        short = evaluator("eval.best_by=proxy", "eval.n_prompts=40")
+    assert short.heldout == prompts[4:]
+    assert (
+        "26 held-out prompts after the 4 periodic ones" in caplog.text and "eval.n_prompts=40" in caplog.text
+    )

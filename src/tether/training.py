@@ -71,8 +71,21 @@ class Evaluator:
         if judge is not None:
             self.scorers["gold"] = judge
         self.fluency = fluency
-        self.heldout = run.heldout_prompts[: c.eval.n_prompts]
         self.periodic = run.heldout_prompts[: c.eval.periodic_prompts]
+        # eval.best_by chooses the policy on the periodic prompts: the final evaluation then uses
+        # the held-out prompts after them, so the kept policy's numbers are not biased up by the
+        # choice (the periodic set has the luck the choice selected for)
+        self.start = len(self.periodic) if c.eval.best_by != "none" else 0
+        self.heldout = run.heldout_prompts[self.start : self.start + c.eval.n_prompts]
+        if self.start and len(self.heldout) < c.eval.n_prompts:
+            log.warning(
+                "tether: warning: eval.best_by: %d held-out prompts after the %d periodic ones, so the "
+                "final evaluation has %d of eval.n_prompts=%d (more data, or a larger data.heldout_fraction)",
+                len(run.heldout_prompts) - self.start,
+                self.start,
+                len(self.heldout),
+                c.eval.n_prompts,
+            )
         self.reference_periodic: dict | None = None
 
     def __call__(self, name: str, prompts: list[str]):
@@ -106,8 +119,13 @@ class Evaluator:
             self.reference_periodic = self("reference", self.periodic).summary()
 
     def covers_periodic(self, before: EvalResult | None) -> bool:
-        """Whether the reference's full evaluation holds every sample of the periodic prompts."""
-        return before is not None and len(before.responses) >= len(self.periodic) * before.samples_per_prompt
+        """Whether the reference's full evaluation holds every sample of the periodic prompts (it
+        starts with them unless eval.best_by moved the final evaluation past them)."""
+        return (
+            before is not None
+            and self.start == 0
+            and len(before.responses) >= len(self.periodic) * before.samples_per_prompt
+        )
 
     def periodic_row(self) -> dict:
         return eval_row(self("periodic", self.periodic).summary(), self.reference_periodic)

@@ -578,7 +578,9 @@ class EvalConfig:
     """Keep the policy of the periodic evaluation (eval.every) with the highest held-out score,
     the gold judge's (``gold``) or the training scorer's (``proxy``), in <run>/best, and end the
     run with it: the final evaluation, eval.json and <run>/policy are then that step's policy
-    (the seeds: "stop near the peak of held-out quality"). ``none`` keeps the last step's."""
+    (the seeds: "stop near the peak of held-out quality"). ``none`` keeps the last step's. The
+    final evaluation then takes the eval.n_prompts held-out prompts after the eval.periodic_prompts
+    the choice was made on, so the kept policy's numbers carry no luck of the choice."""
     best_fluency_margin: float | None = None
     """With eval.best_by: only evaluations whose fluency NLL is at most this many nats per token
     above the reference's (on the same prompts) can be the best: "the gold score, with fluency
