@@ -209,3 +209,12 @@ def test_scaled_returns_leave_whitened_advantages_unchanged_and_targets_at_unit_
     assert float(s) == 1.0 and torch.equal(a, b) and torch.equal(r, q)
     # the values' units matter (v against v * std): the comparisons above can fail
     assert not torch.allclose(plain_adv, want_white)
+
+
+def test_ppo_advantages_refuses_a_correction_of_another_shape():
+    from tether.trainers.steps import ppo_advantages
+
+    rewards = torch.zeros(2, 3)
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    with pytest.raises(ValueError, match="token_correction"):
+        ppo_advantages(rewards, rewards, mask, 1.0, 1.0, False, token_correction=torch.zeros(2, 2))

@@ -227,13 +227,27 @@ def test_ppo_value_head_fits_scaled_returns_under_a_large_beta(tiny_model_dir, p
     assert on[1]["policy/grad_norm"] < off[1]["policy/grad_norm"]
 
 
-def test_exact_kl_shaping_reaches_the_ppo_update(tiny_model_dir, prompt_file, tmp_path):
+def test_exact_kl_shaping_reaches_the_ppo_update(tiny_model_dir, prompt_file, tmp_path, monkeypatch):
     """ppo.kl_shaping=exact changes the returns and advantages, not the rollout or the logged KL:
     step 0 (policy = reference, every KL 0) is the same in both runs, so step 1 samples the same
-    responses and logs the same KL, and its value loss (targets with the exact KL) differs."""
+    responses and logs the same KL, and its value loss (targets with the exact KL) differs. The
+    trainer hands each token's own correction to the advantages (without it the update would be
+    the biased exact-KL-only one, tests/test_kl_placement.py)."""
+    from tether.trainers import ppo
+
+    corrections = []
+    real = ppo.ppo_advantages
+
+    def recording(*args, token_correction=None, **kw):
+        corrections.append(token_correction)
+        return real(*args, token_correction=token_correction, **kw)
+
+    monkeypatch.setattr(ppo, "ppo_advantages", recording)
     rows = _two_step_ppo_runs(
         tiny_model_dir, prompt_file, tmp_path, 5, "ppo.kl_shaping", ("sampled", "exact")
     )
+    assert corrections[:2] == [None, None]  # the sampled run's two steps
+    assert corrections[2] is not None and corrections[3] is not None and corrections[3].abs().max() > 0
     sampled, exact = rows["sampled"], rows["exact"]
     assert sampled[0]["value/loss"] == exact[0]["value/loss"]
     assert sampled[1]["objective/kl"] == exact[1]["objective/kl"] > 0
@@ -685,6 +699,41 @@ def test_a_kept_policy_is_evaluated_on_prompts_it_was_not_chosen_on(caplog):
     with caplog.at_level("WARNING"):
         short = evaluator("eval.best_by=proxy", "eval.n_prompts=40")
     assert short.heldout == prompts[4:]
-    assert (
-        "26 held-out prompts after the 4 periodic ones" in caplog.text and "eval.n_prompts=40" in caplog.text
+    assert "26 held-out prompts after the 4 periodic ones" in caplog.text
+    assert "has 26 of eval.n_prompts=40" in caplog.text
+    # nothing left after the periodic prompts: the final evaluation shares them, and says so
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        none_left = evaluator("eval.best_by=proxy", "eval.periodic_prompts=30")
+    assert none_left.heldout == prompts[:10] and "biased up by the choice" in caplog.text
+
+
+def test_a_resume_keeps_the_prompts_of_the_reference_evaluation(tmp_path, caplog):
+    """The reference's held-out evaluation is kept in eval_reference.json with its first prompt's
+    index; a resume whose eval.best_by moves the window compares the policy on the reference's
+    prompts (the moved policy can no longer stand in for the reference), with a warning."""
+    from types import SimpleNamespace
+
+    from tether.run.config import load_config
+    from tether.run.evaluation import EvalResult
+    from tether.training import Evaluator, _reference_eval
+
+    prompts = [f"p{i}" for i in range(30)]
+    cfg = load_config(
+        None, ["eval.n_prompts=10", "eval.periodic_prompts=4", "eval.every=2", "eval.best_by=gold"]
     )
+    kept = Evaluator(SimpleNamespace(config=cfg, scorer=None, heldout_prompts=prompts), None)
+    saved = EvalResult("reference", ["r"] * 20, [0.0] * 20, {"proxy": [0.0] * 20}, samples_per_prompt=2)
+    (tmp_path / "eval_reference.json").write_text(json.dumps(saved.to_json()))  # no offset: a run before it
+    with caplog.at_level("WARNING"):
+        before = _reference_eval(kept, tmp_path, show=False)
+    assert before.responses == saved.responses
+    assert kept.start == 0 and kept.heldout == prompts[:10] and kept.covers_periodic(before)
+    assert "from index 0, this config's final evaluation those from 4" in caplog.text
+    # a file that records the moved window keeps it, silently
+    caplog.clear()
+    moved = Evaluator(SimpleNamespace(config=cfg, scorer=None, heldout_prompts=prompts), None)
+    (tmp_path / "eval_reference.json").write_text(json.dumps(saved.to_json() | {"prompt_offset": 4}))
+    with caplog.at_level("WARNING"):
+        _reference_eval(moved, tmp_path, show=False)
+    assert moved.heldout == prompts[4:14] and not caplog.text

@@ -618,3 +618,8 @@ def test_best_of_n_kl_is_below_the_bound(which):
     assert all(r.kl <= r.bound + 1e-12 for r in rows), rows
     assert all(r.kl < r.bound for r in rows[1:]), rows  # strictly below for a discrete reward
     assert all(b.kl > a.kl for a, b in zip(rows, rows[1:])), rows  # grows with N
+
+
+def test_exact_shaping_is_refused_without_per_token_advantages():
+    with pytest.raises(ValueError, match="per-token advantages"):
+        tb.train_group(seq_bed(), "rloo", SEQ_BETA, SEQ, kl_shaping="exact")

@@ -75,18 +75,26 @@ class Evaluator:
         # eval.best_by chooses the policy on the periodic prompts: the final evaluation then uses
         # the held-out prompts after them, so the kept policy's numbers are not biased up by the
         # choice (the periodic set has the luck the choice selected for)
-        self.start = len(self.periodic) if c.eval.best_by != "none" else 0
-        self.heldout = run.heldout_prompts[self.start : self.start + c.eval.n_prompts]
-        if self.start and len(self.heldout) < c.eval.n_prompts:
+        start = len(self.periodic) if c.eval.best_by != "none" else 0
+        left = len(run.heldout_prompts) - start
+        if start and c.eval.n_prompts and left < c.eval.n_prompts and D.is_main():
             log.warning(
-                "tether: warning: eval.best_by: %d held-out prompts after the %d periodic ones, so the "
-                "final evaluation has %d of eval.n_prompts=%d (more data, or a larger data.heldout_fraction)",
-                len(run.heldout_prompts) - self.start,
-                self.start,
-                len(self.heldout),
-                c.eval.n_prompts,
+                "tether: warning: eval.best_by: %d held-out prompts after the %d periodic ones the best "
+                "step is chosen on; %s (more data, or a larger data.heldout_fraction)",
+                max(left, 0),
+                start,
+                f"the final evaluation has {left} of eval.n_prompts={c.eval.n_prompts}"
+                if left > 0
+                else "the final evaluation uses the periodic prompts too, so its numbers for the kept "
+                "policy are biased up by the choice",
             )
+        self.use_window(start if left > 0 else 0)
         self.reference_periodic: dict | None = None
+
+    def use_window(self, start: int) -> None:
+        """Take the final evaluation's eval.n_prompts held-out prompts from index ``start``."""
+        self.start = start
+        self.heldout = self.run.heldout_prompts[start : start + self.run.config.eval.n_prompts]
 
     def __call__(self, name: str, prompts: list[str]):
         c, run = self.run.config, self.run
@@ -519,6 +527,7 @@ def _final_eval_and_plots(run: Run, evaluator: Evaluator, monitor: HealthMonitor
         after = evaluator("policy", evaluator.heldout)
         result = compare(before, after)  # holds both summaries: computed once, here
         result["policy_step"] = best["step"] if best else w.history[-1]["step"]
+        result["prompt_offset"] = evaluator.start  # index of its first held-out prompt
         w.write_json("eval.json", result)
         evals = [result["reference"], result["policy"]]
         gold = (
@@ -705,9 +714,23 @@ def _reference_eval(evaluator: Evaluator, run_dir: Path, show: bool):
         return None
     path = run_dir / "eval_reference.json"
     if path.exists():
-        return EvalResult.from_json(json.loads(path.read_text()))
+        saved = json.loads(path.read_text())
+        offset = saved.get("prompt_offset", 0)  # files from before eval.best_by moved it: 0
+        if offset != evaluator.start:
+            # a resume that changed eval.best_by: the policy must be compared on the reference's
+            # prompts (the reference can no longer be sampled from the moved policy)
+            log.warning(
+                "tether: warning: the reference's held-out evaluation (eval_reference.json) used the "
+                "held-out prompts from index %d, this config's final evaluation those from %d; the final "
+                "evaluation keeps the reference's (%s)",
+                offset,
+                evaluator.start,
+                "prompts the best step is chosen on included" if offset == 0 else "after the periodic ones",
+            )
+            evaluator.use_window(offset)
+        return EvalResult.from_json(saved)
     before = evaluator("reference", evaluator.heldout)  # evaluate() forks the RNG
-    path.write_text(json.dumps(before.to_json()))
+    path.write_text(json.dumps(before.to_json() | {"prompt_offset": evaluator.start}))
     s = before.summary()
     _say(
         f"tether: reference held-out proxy score {s['proxy_mean']:.3f} ± {s['proxy_se']:.3f}"
@@ -782,7 +805,9 @@ def _tensorboard(run_dir: Path):
 
 
 def sample_rows(exp) -> list[dict]:
-    """One dict per sample: prompt, response, score, kl (nats/seq), reward (score - beta KL)."""
+    """One dict per sample: prompt, response, score, kl (the estimator's, nats/seq) and reward
+    (the shaped rewards summed: score - beta * kl; with ppo.kl_shaping=exact the exact KL's sum
+    in place of kl, the per-token corrections not included)."""
     mask = exp.rollout.response_mask
     kl_seq = (
         sequence_kl(exp.kl, mask).tolist() if exp.kl is not None else [None] * len(mask)

@@ -56,11 +56,14 @@ class KLLeash:
         log_ratio: Tensor | None = None,
         exact_kl: Tensor | None = None,
     ) -> ShapedRewards:
-        """Per-token rewards: the score on the last real token, plus ``-kl_coef * kl_t`` if in the reward.
+        """Per-token rewards: the score on the last real token, plus the KL term if in the reward:
+        ``-kl_coef * kl_t`` (sampled form) or ``-kl_coef * exact_kl_t`` with each token's own
+        correction (exact form).
 
         Args:
             scores: (B,) scorer values.
-            kl: (B, R) per-token KL estimate (nats), or None when no reference runs.
+            kl: (B, R) per-token KL estimate (nats), or None when no reference runs (then no KL
+                term in either form).
             kl_coef: beta >= 0.
             response_mask: (B, R) bool.
             log_ratio, exact_kl: (B, R) k1 of the sampled tokens and the exact per-position KL,

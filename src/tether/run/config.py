@@ -343,7 +343,8 @@ class KLConfig:
     needs ``kl.exact``: also unbiased for the sequence KL, with much less batch-to-batch noise),
     or ``auto``: exact when kl.exact is on, else the estimator."""
     exact: bool = True
-    """Also log the exact full-vocabulary KL (objective/kl_exact), chunked."""
+    """Also log the exact full-vocabulary KL (objective/kl_exact), chunked; kl.controller_signal=exact
+    and ppo.kl_shaping=exact need it."""
     exact_chunk_size: int = 256
     """Token positions per float32 chunk inside the exact KL (within one LM-head slice of
     ``model.head_chunk_size``): its extra memory is O(exact_chunk_size * vocab)."""
@@ -495,8 +496,10 @@ class PPOConfig:
     """How PPO's KL-in-the-reward reaches the advantages (docs/kl.md, "Exact shaping"):
     ``sampled``, ``-beta * k_t`` on every token, summed into the returns of every earlier token
     (Ziegler et al.); ``exact``, the returns carry the exact per-position KL (needs kl.exact) and
-    token t alone keeps its own ``-beta * (k1_t - KL_t)``. Both have the expected gradient of J
-    (tested by exact enumeration); the logged objective/kl and the controller are unchanged.
+    token t alone keeps its own ``-beta * (k1_t - KL_t)``. Both have the same expected
+    unwhitened advantages given the value head's predictions, at any gamma and gae_lambda, hence
+    with gae_lambda=1 the expected gradient of J (tested by exact enumeration); whitening divides
+    each by its own batch's spread. The logged objective/kl and the controller are unchanged.
     Neither has the lower variance everywhere: far from the optimum ``exact`` drops the later
     tokens' sampling noise (0.67 of the gradient variance on the test bed at beta 3), but at the
     KL-regularized optimum the sampled return ``r - beta * sum k1`` is the same for every response

@@ -207,11 +207,12 @@ def position_kl(table: Tensor, ref_table: Tensor, rows: Tensor) -> Tensor:
     """Exact KL(pi(.|s_t) || pi_ref(.|s_t)) at each sampled position, nats, no grad.
 
     Args:
-        table, ref_table: (P, V) policy and reference logits. rows: (B, T) long table rows of the
-            positions (:func:`prefix_indices`).
+        table: (P, V) policy logits.
+        ref_table: (P, V) reference logits.
+        rows: (B, T) long table row of each position (:func:`prefix_indices`).
 
     Returns:
-        (B, T) float64.
+        (B, T) float64 per-position KL, nats.
     """
     with torch.no_grad():
         logp = torch.log_softmax(table.detach().to(F64), -1)[rows]  # (B, T, V)
@@ -623,6 +624,8 @@ def train_on_policy(
     """
     s = settings
     _check_settings(s, group=algo != "ppo")
+    if kl_shaping == "exact" and algo != "ppo":
+        raise ValueError(f"kl_shaping='exact' needs per-token advantages (algo='ppo'), got algo={algo!r}")
     V, T, B = bed.vocab, bed.length, s.batch_size
     gen = torch.Generator(device="cpu").manual_seed(s.seed)
     table = bed.ref_logits.clone().to(F64).requires_grad_(True)  # start at pi = pi_ref

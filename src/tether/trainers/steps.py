@@ -201,6 +201,9 @@ def ppo_advantages(
             reaches no other token and no value target), divided by the same scale, before
             whitening. The scale is that of the rewards alone.
 
+    Raises:
+        ValueError: ``token_correction`` of another shape than ``rewards``.
+
     Returns:
         ``(advantages, returns, scale)``: each (B, R), 0 where masked, and the float64 scalar the
         rewards were divided by (1 without ``scale_returns``).
@@ -212,7 +215,11 @@ def ppo_advantages(
     out = gae(r / scale.to(r.dtype), values, mask, gamma, lam)
     advantages = out.advantages
     if token_correction is not None:
-        own = at_least_fp32(token_correction) / scale.to(r.dtype)
+        if token_correction.shape != rewards.shape:
+            raise ValueError(
+                f"token_correction {tuple(token_correction.shape)} must match rewards {tuple(rewards.shape)}"
+            )
+        own = token_correction.to(r.dtype) / scale.to(r.dtype)
         advantages = advantages + torch.where(mask, own, 0.0)
     return (D.whiten(advantages, mask) if whiten else advantages), out.returns, scale
 
