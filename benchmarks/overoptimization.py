@@ -4,10 +4,9 @@ Usage: python benchmarks/overoptimization.py [--out runs/overopt] [--steps 20] [
        [--png docs/img/overoptimization.png] [overrides]
 
 Runs PPO on SmolLM2 against VADER twice at the same learning rate (the default's unless --lr)
-for more steps than the demo: once almost unleashed (``kl.kl_coef=0.001``, fixed) and once on
-tether's default leash (the KL budget controller) with the seeds' other safeguard, stopping at the
-peak of held-out quality (``eval.best_by=gold``: the run ends with the policy of its periodic
-evaluation with the best gold score), both evaluated every 5 steps on 16 held-out
+for more steps than the demo, at twice its batch (32 samples per step): once almost unleashed
+(``kl.kl_coef=0.001``, fixed) and once on tether's default leash (the KL budget controller),
+both evaluated every 5 steps on 16 held-out
 prompts (and at the end on 64, two samples each, all read by every judge) by the gold judge (the
 MiniLM reward model fitted on human ratings), the fluency judge (Gemma-3-270M's NLL, nats per
 token) and the diversity measures (distinct-2, self-BLEU, repetition). Prints, per run and per
@@ -21,7 +20,7 @@ held-out comparison (every number with its SE), the health warnings, and the che
 
 Writes one picture (six panels against step, both runs, the reference dashed, the alarm marked).
 A run folder that already holds a finished run is read, not re-run. On a 2-core CPU each run
-takes about 10 minutes.
+takes about 18 minutes.
 """
 
 from __future__ import annotations
@@ -31,11 +30,12 @@ import json
 import sys
 from pathlib import Path
 
+# both runs: 32 samples per step in one minibatch, the default's optimizer steps with half its
+# gradient noise (at the default 16 the leashed run held its policy near a gain of 0.12)
+COMMON = ["rollout.batch_size=32", "optim.minibatch_size=32"]
 RUNS = {
-    "unleashed": ["kl.kl_coef=0.001", "kl.controller=fixed"],
-    # the default leash, and the seeds' other safeguard: stop at the peak of held-out quality (the
-    # gold judge's, at the periodic evaluations); the final evaluation is of the policy kept
-    "default leash": ["eval.best_by=gold"],
+    "unleashed": [*COMMON, "kl.kl_coef=0.001", "kl.controller=fixed"],
+    "default leash": COMMON,
 }
 PANELS = [
     ("eval/proxy_score", "eval/ref_proxy_score", "proxy score (VADER), held out"),
@@ -200,7 +200,7 @@ def main() -> int:
         ax.legend(unique.values(), unique.keys(), fontsize=7)
     fig.suptitle(
         f"PPO on SmolLM2 against VADER, lr {lr:g}, {args.steps} steps: almost unleashed (beta 0.001) "
-        "against tether's default leash with eval.best_by=gold",
+        "against tether's default leash (32 samples per step)",
         fontsize=10,
     )
     fig.tight_layout()
