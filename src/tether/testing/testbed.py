@@ -53,7 +53,7 @@ from torch import Tensor
 
 from tether.core.bestofn import bon_kl_bound
 from tether.core.controllers import FixedKLController, KLController
-from tether.core.kl import KLEstimator, estimate_kl, kl_stats, masked_sum, sequence_kl
+from tether.core.kl import KLEstimator, estimate_kl, exact_kl_from_logits, kl_stats, masked_sum, sequence_kl
 from tether.core.leash import KLLeash
 from tether.core.logprobs import logprobs_from_logits
 from tether.core.losses import KLLossEstimator
@@ -214,10 +214,8 @@ def position_kl(table: Tensor, ref_table: Tensor, rows: Tensor) -> Tensor:
     Returns:
         (B, T) float64 per-position KL, nats.
     """
-    with torch.no_grad():
-        logp = torch.log_softmax(table.detach().to(F64), -1)[rows]  # (B, T, V)
-        logq = torch.log_softmax(ref_table.to(F64), -1)[rows]
-        return (logp.exp() * (logp - logq)).sum(-1)
+    # the trainers' own exact KL, on the rows' logits (float64 in, float64 out)
+    return exact_kl_from_logits(table.detach().to(F64)[rows], ref_table.to(F64)[rows])
 
 
 def sequence_logprobs(table: Tensor, vocab: int, length: int) -> Tensor:
