@@ -175,6 +175,8 @@ TIERS = {
         "test_dpo",
         "test_hub",
         "test_data",
+        "test_task_defaults",
+        "test_examples",
     },
     # the real SmolLM2-135M, ICWSM prompts and MiniLM judge (also marked `slow`)
     "real": {"test_integration", "test_reward_model"},

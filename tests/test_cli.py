@@ -688,7 +688,9 @@ def test_a_kept_policy_is_evaluated_on_prompts_it_was_not_chosen_on(caplog):
 
     def evaluator(*overrides):
         cfg = load_config(None, ["eval.n_prompts=10", "eval.periodic_prompts=4", "eval.every=2", *overrides])
-        return Evaluator(SimpleNamespace(config=cfg, scorer=None, heldout_prompts=prompts), None)
+        return Evaluator(
+            SimpleNamespace(config=cfg, scorer=None, train_prompts=prompts, heldout_prompts=prompts), None
+        )
 
     last = evaluator()
     assert last.periodic == prompts[:4] and last.heldout == prompts[:10]
@@ -722,7 +724,9 @@ def test_a_resume_keeps_the_prompts_of_the_reference_evaluation(tmp_path, caplog
     cfg = load_config(
         None, ["eval.n_prompts=10", "eval.periodic_prompts=4", "eval.every=2", "eval.best_by=gold"]
     )
-    kept = Evaluator(SimpleNamespace(config=cfg, scorer=None, heldout_prompts=prompts), None)
+    kept = Evaluator(
+        SimpleNamespace(config=cfg, scorer=None, train_prompts=prompts, heldout_prompts=prompts), None
+    )
     saved = EvalResult("reference", ["r"] * 20, [0.0] * 20, {"proxy": [0.0] * 20}, samples_per_prompt=2)
     (tmp_path / "eval_reference.json").write_text(json.dumps(saved.to_json()))  # no offset: a run before it
     with caplog.at_level("WARNING"):
@@ -732,7 +736,9 @@ def test_a_resume_keeps_the_prompts_of_the_reference_evaluation(tmp_path, caplog
     assert "from index 0, this config's final evaluation those from 4" in caplog.text
     # a file that records the moved window keeps it, silently
     caplog.clear()
-    moved = Evaluator(SimpleNamespace(config=cfg, scorer=None, heldout_prompts=prompts), None)
+    moved = Evaluator(
+        SimpleNamespace(config=cfg, scorer=None, train_prompts=prompts, heldout_prompts=prompts), None
+    )
     (tmp_path / "eval_reference.json").write_text(json.dumps(saved.to_json() | {"prompt_offset": 4}))
     with caplog.at_level("WARNING"):
         _reference_eval(moved, tmp_path, show=False)

@@ -271,8 +271,8 @@ def test_dpo_reads_trls_preference_formats(tiny_tokenizer, tmp_path):
 
 
 def test_a_reward_model_reads_prompt_and_completion_together(tiny_tokenizer, tmp_path):
-    """hf:FOLDER scores prompt + completion (through the classifier's chat template when it has
-    one), not the completion alone: its scores equal the classifier's logits of those texts."""
+    """hf:FOLDER scores prompt + completion (a conversation through the classifier's chat
+    template), not the completion alone: its scores equal the classifier's logits of those texts."""
     import copy
 
     import torch
@@ -298,7 +298,14 @@ def test_a_reward_model_reads_prompt_and_completion_together(tiny_tokenizer, tmp
         clf.save_pretrained(folder)
         tok.save_pretrained(folder)
         score = make_scorer(f"hf:{folder}")
-        got = checked_scores(score, [" was great", " was bad"], 0, ["the movie", "the film"])
+        # as TRL: string prompts are concatenated with the completion, conversations go through
+        # the reward model's template (tests/test_trl_contract.py checks TRL's rule in full)
+        prompts = (
+            ["the movie", "the film"]
+            if template is None
+            else [[{"role": "user", "content": "the movie"}], [{"role": "user", "content": "the film"}]]
+        )
+        got = checked_scores(score, [" was great", " was bad"], 0, prompts)
         texts = (
             ["the movie was great", "the film was bad"]
             if template is None
@@ -337,7 +344,7 @@ def test_train_dataset_types_are_read_or_refused(tiny_tokenizer):
         dataset_prompts([], cfg)
 
 
-def test_a_reward_needing_a_missing_column_is_refused_before_the_model_loads(tmp_path, capsys):
+def test_a_reward_needing_a_missing_column_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
     prompts = tmp_path / "p.txt"
     prompts.write_text("".join(f"the movie {i}\n" for i in range(20)))
@@ -347,7 +354,15 @@ def test_a_reward_needing_a_missing_column_is_refused_before_the_model_loads(tmp
         "reward.scorer=tests.conftest:answer_checker",
         f"train.output_dir={out}",
     ]
-    assert main([*args, "model.name=/nowhere/to/be/found"]) == 1
+    import tether.run.setup as setup
+
+    # the embedded model's name checks in a second; its caching and load would come after the data
+    def no_load(*a, **k):
+        raise AssertionError("the model loaded before the column check")
+
+    monkeypatch.setattr(setup, "resolve_model_path", no_load)
+    monkeypatch.setattr(setup, "load_causal_lm", no_load)
+    assert main(args) == 1
     err = capsys.readouterr().err
     assert "needs the dataset column(s) ['answer']" in err and "data.prompts" in err and not out.exists()
 

@@ -20,7 +20,7 @@ from tether.core import distributed as D
 from tether.core.health import Alarm, HealthThresholds
 from tether.core.kl import masked_sum, sequence_kl
 from tether.judges.contract import Scorer, checked_scores
-from tether.judges.scorers import make_scorer
+from tether.judges.scorers import check_scorer_spec, make_scorer
 from tether.models.reference import fingerprint
 from tether.models.sharding import full_state_dict, gathered, is_sharded, local_bytes
 from tether.run.checkpoint import (
@@ -39,7 +39,7 @@ from tether.run.checkpoint import (
     sharded_folder,
 )
 from tether.run.config import Config
-from tether.run.evaluation import EvalResult, compare, evaluate
+from tether.run.evaluation import EvalResult, compare, evaluate, evaluation_state
 from tether.run.metrics import sample_table
 from tether.run.monitor import HELDOUT_RULES, HealthMonitor
 from tether.run.plots import plot_score_vs_kl, plot_training
@@ -71,6 +71,10 @@ class Evaluator:
         if judge is not None:
             self.scorers["gold"] = judge
         self.fluency = fluency
+        # every judging call's trainer_state: the end of training (reference and policies alike)
+        self.state = evaluation_state(
+            c.train.steps, c.rollout.batch_size / (c.rollout.group_size or 1), len(run.train_prompts)
+        )
         self.periodic = run.heldout_prompts[: c.eval.periodic_prompts]
         # eval.best_by chooses the policy on the periodic prompts: the final evaluation then uses
         # the held-out prompts after them, so the kept policy's numbers are not biased up by the
@@ -113,6 +117,7 @@ class Evaluator:
             c.eval.samples_per_prompt,
             self.fluency,
             c.eval.fluency_samples,
+            state=self.state,
         )
 
     def set_reference(self, before: EvalResult | None) -> None:
@@ -188,8 +193,9 @@ def train(
     ``warnings.jsonl`` (health alarms), ``training.png``, ``score_vs_kl.png``, ``checkpoints/``
     and ``policy/``.
 
-    Objects may stand in for names (TRL's way): ``scorer`` (a callable, or a list of them is given
-    as ``config.reward.scorer``), ``model`` and ``tokenizer`` (instead of ``model.name``),
+    Objects may stand in for names (TRL's way): ``scorer`` (a callable, a sequence classifier, a
+    ``(model, tokenizer)`` pair, or a list of them, weighted by ``reward.weights``: TRL's
+    ``reward_funcs``), ``model`` and ``tokenizer`` (instead of ``model.name``),
     ``train_dataset`` (a ``datasets.Dataset``, row dicts or prompts, instead of ``data.prompts``);
     see :func:`tether.run.setup.build_run`.
 
@@ -198,15 +204,26 @@ def train(
         RuntimeError: on resume, the reference no longer matches its recorded fingerprint.
     """
     t_start = time.perf_counter()
+    # the config as the run starts it: rebuilt and checked whole, its defaults filled for this
+    # train.algo and this data (a Python edit after load_config counts, config.yaml records it)
+    config = config.for_run(
+        data="(a train_dataset passed to train)" if train_dataset is not None else None,
+        model=(getattr(model, "name_or_path", "") or "(a model object passed to train)")
+        if model is not None
+        else None,
+    )
     c = config
     evaluating = bool(c.eval.n_prompts or c.eval.every)
-    if judge is None and c.eval.judge != "none" and evaluating:
-        judge = make_scorer(c.eval.judge)  # before the model loads: a bad judge fails fast
+    wants_judge = judge is None and c.eval.judge != "none" and evaluating
+    if wants_judge:  # a bad judge spec fails here, in seconds; its fit (minutes) comes later
+        check_scorer_spec(c.eval.judge, "eval.judge")
     run = build_run(
         config, scorer, resume=resume, model=model, tokenizer=tokenizer, train_dataset=train_dataset
     )
     try:
-        return _train(run, judge, resume, t_start)
+        if wants_judge:  # after every check and the model load: no fit for a run that cannot start
+            judge = make_scorer(c.eval.judge)
+        return _train(run, judge, resume, t_start, scorer_given=scorer is not None)
     except BaseException:
         if not resume and D.is_main() and not run.writer.history:
             # nothing was trained: leave no half-made run that would block the same command
@@ -214,7 +231,7 @@ def train(
         raise
 
 
-def _train(run: Run, judge: Scorer | None, resume: bool, t_start: float) -> Path:
+def _train(run: Run, judge: Scorer | None, resume: bool, t_start: float, scorer_given: bool = False) -> Path:
     c = run.config
     w, show = run.writer, c.train.progress
     trainer = TRAINERS[c.train.algo](run)
@@ -240,6 +257,8 @@ def _train(run: Run, judge: Scorer | None, resume: bool, t_start: float) -> Path
             show,
         )
     _say(f"tether: {len(run.train_prompts)} training prompts, {len(run.heldout_prompts)} held out", show)
+    for line in task_defaults_lines(c, has_judge=judge is not None, scorer_given=scorer_given):
+        _say(line, show)
     if c.model.layers_to_train is not None:
         trained = sum(p.numel() for p in run.policy.lm.parameters() if p.requires_grad)
         total = sum(p.numel() for p in run.policy.lm.parameters())
@@ -393,6 +412,7 @@ def _log_step(
             show,
         )
     if rows is not None:
+        ids = [r.pop("completion_ids") for r in rows]  # for the judge; samples.jsonl keeps the texts
         if "gold" in evaluator.scorers:
             names = list(rows[0].get("columns", {}))
             golds = checked_scores(
@@ -401,6 +421,8 @@ def _log_step(
                 f"step {step} samples (gold judge)",
                 [r["prompt"] for r in rows],
                 {k: [r["columns"][k] for r in rows] for k in names},
+                completion_ids=ids,
+                state=evaluator.state,
             )
             for r, g in zip(rows, golds):
                 r["gold"] = float(g)
@@ -538,7 +560,7 @@ def _final_eval_and_plots(run: Run, evaluator: Evaluator, monitor: HealthMonitor
         _say(
             f"tether: held-out proxy score {result['reference']['proxy_mean']:.3f} -> "
             f"{result['policy']['proxy_mean']:.3f} (gain {result['gain']:+.3f} ± "
-            f"{result['gain_se_paired']:.3f} SE, z = {result['gain_z_paired']:.1f}){gold}; "
+            f"{result['gain_se_paired']:.3f} SE, z = {_z(result['gain_z_paired'])}){gold}; "
             + (
                 f"held-out KL {after.kl:.2f} nats/seq"
                 if after.kl == after.kl
@@ -567,6 +589,35 @@ def _final_eval_and_plots(run: Run, evaluator: Evaluator, monitor: HealthMonitor
         tb.close()
     if run.accelerator is not None and run.accelerator.log_with:
         run.accelerator.end_training()
+
+
+def task_defaults_lines(c: Config, has_judge: bool, scorer_given: bool = False) -> list[str]:
+    """What the run took as defaults that belong to the demo or to the data, said in its first
+    lines: the reward when reward.scorer was left unset on data other than the demo's, and what
+    scores the held-out evaluation (the run's own reward; the gold judge only when named)."""
+    lines = []
+    if not c.embedded_data and c.reward._given("scorer") is None and not scorer_given:
+        lines.append(
+            "tether: note: reward.scorer is unset, so the run trains on VADER sentiment, the demo's "
+            "reward; name your own with reward.scorer=module:function (or hf:MODEL, a list of them)"
+        )
+    if c.eval.n_prompts or c.eval.every:
+        if has_judge:
+            gold = f"and the gold judge eval.judge={c.eval.judge}"
+        elif c.eval.judge == "none" and c.eval._given("judge") is None:
+            gold = (
+                "alone: no gold judge (eval.judge=none, the default on data other than the demo's; name "
+                "one with eval.judge=SCORER, e.g. minilm-rm, the demo's)"
+            )
+        else:
+            gold = "alone (eval.judge=none)"
+        lines.append(f"tether: the held-out evaluation scores with the run's reward (reward.scorer) {gold}")
+    return lines
+
+
+def _z(z: float | None) -> str:
+    """A z-score for the log: one decimal, or ``n/a`` where its SE was 0 (None)."""
+    return "n/a" if z is None else f"{z:.1f}"
 
 
 def _leash_line(result: dict) -> str:
@@ -632,7 +683,8 @@ def _resume(run: Run, trainer, monitor: HealthMonitor) -> int:
     meta, state = load_checkpoint(path, run.policy)
     if (path / SHARDED).exists():  # a sharded run's: weights and AdamW state resharded to this run's
         load_sharded_state(path / SHARDED, run.policy, trainer.optimizer.optimizer)
-    trainer.load_state_dict(state["trainer"])
+    # the resumed config's controller and optimizer settings apply from the next step (printed)
+    trainer.load_state_dict(state["trainer"], next_step=meta["step"] + 1)
     set_rng_state(state["rng"])
     run.reference_forwards[0] = state["reference_forwards"]
     if not D.is_main():
@@ -807,7 +859,8 @@ def _tensorboard(run_dir: Path):
 def sample_rows(exp) -> list[dict]:
     """One dict per sample: prompt, response, score, kl (the estimator's, nats/seq) and reward
     (the shaped rewards summed: score - beta * kl; with ppo.kl_shaping=exact the exact KL's sum
-    in place of kl, the per-token corrections not included)."""
+    in place of kl, the per-token corrections not included), and completion_ids (the sampled
+    token ids, for the gold judge: :func:`_log_step` takes them out before writing)."""
     mask = exp.rollout.response_mask
     kl_seq = (
         sequence_kl(exp.kl, mask).tolist() if exp.kl is not None else [None] * len(mask)
@@ -820,6 +873,8 @@ def sample_rows(exp) -> list[dict]:
     for i, row in enumerate(rows):  # the row's other dataset columns travel with it
         if exp.rollout.columns:
             row["columns"] = {k: v[i] for k, v in exp.rollout.columns.items()}
+    for row, ids in zip(rows, exp.rollout.completion_ids):  # the gold judge's; not written
+        row["completion_ids"] = ids
     return rows
 
 

@@ -61,10 +61,15 @@ def best_of_n_points(
     """Sample max(ns) reference completions per held-out prompt; best-of-N points for every N."""
     from tether.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
     from tether.models.sampling import generate, use_chat_template
+    from tether.run.evaluation import evaluation_state
     from tether.run.setup import load_prompts, resolve_device, resolve_dtype
 
     c = config
-    _, held = load_prompts(c)
+    train_prompts, held = load_prompts(c)
+    # the state of the runs' own evaluations (the end of training), so both share one baseline
+    state = evaluation_state(
+        c.train.steps, c.rollout.batch_size / (c.rollout.group_size or 1), len(train_prompts)
+    )
     prompts = held[:n_prompts]
     path = resolve_model_path(c.model.name, c.model.revision)
     device = resolve_device(c.train.device)  # the run's device and weight dtype
@@ -91,14 +96,30 @@ def best_of_n_points(
                 )
             P.append(
                 torch.tensor(
-                    checked_scores(proxy, ro.responses, "best-of-N (proxy)", ro.prompts, batch.columns),
+                    checked_scores(
+                        proxy,
+                        ro.responses,
+                        "best-of-N (proxy)",
+                        ro.prompts,
+                        batch.columns,
+                        completion_ids=ro.completion_ids,
+                        state=state,
+                    ),
                     device="cpu",
                 ).view(-1, m)
             )
             texts += ro.responses
             G.append(
                 torch.tensor(
-                    checked_scores(gold, ro.responses, "best-of-N (gold)", ro.prompts, batch.columns),
+                    checked_scores(
+                        gold,
+                        ro.responses,
+                        "best-of-N (gold)",
+                        ro.prompts,
+                        batch.columns,
+                        completion_ids=ro.completion_ids,
+                        state=state,
+                    ),
                     device="cpu",
                 ).view(-1, m)
             )
@@ -189,7 +210,10 @@ def frontier(
     from tether.training import train
 
     if base.eval.judge == "none":
-        raise ValueError("tether frontier plots a gold score: eval.judge cannot be none (default minilm-rm)")
+        raise ValueError(
+            "tether frontier plots a gold score: eval.judge cannot be none (the default on data other "
+            "than the demo's; name one, e.g. eval.judge=minilm-rm)"
+        )
     configs = sweep_configs(base, sweep, out)  # every run's config checked before anything runs
     out.mkdir(parents=True, exist_ok=True)
     proxy, gold = make_scorer(base.reward.scorer, base.reward.weights), make_scorer(base.eval.judge)

@@ -280,6 +280,23 @@ def load_rows(
     return rows, [f"{spec} row {i + 1}" for i in range(len(rows))]
 
 
+def pair_prompts(spec: str, split: str = "train") -> PromptData:
+    """The distinct prompts of a preference-pair file or dataset (``dpo.pairs``: rows of
+    ``prompt``, ``chosen``, ``rejected``), each with its first row's other columns (not
+    ``chosen`` and ``rejected``): the prompts a DPO run on that file trains and evaluates on.
+
+    Raises:
+        FileNotFoundError, ValueError: as :func:`load_rows`; a row without a prompt.
+    """
+    records, where = load_rows(spec, split, field_name="dpo.pairs")
+    first: dict[str, int] = {}
+    for i, r in enumerate(records):
+        p = r.get("prompt")
+        first.setdefault(prompt_key(p) if isinstance(p, (str, list)) else repr(p), i)
+    rows = [{k: v for k, v in records[i].items() if k not in ("chosen", "rejected")} for i in first.values()]
+    return records_to_data(rows, "prompt", str(spec), [where[i] for i in first.values()])
+
+
 def load_prompt_data(spec: str, split: str = "train", prompt_column: str = "prompt") -> PromptData:
     """Every row of ``data.prompts``: a .txt file (a prompt per line), or anything
     :func:`load_rows` reads; ``split`` and ``prompt_column`` choose the rows and the prompt, the

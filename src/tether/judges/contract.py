@@ -1,8 +1,28 @@
 """The scorer contract: what a reward function or judge is, and the check every call passes.
 
 A scorer is any ``Callable[[list[str]], Sequence[float]]`` of the responses, or a TRL-style reward
-function ``f(prompts, completions, **kwargs)`` (:func:`takes_prompts`); every call goes through
-:func:`checked_scores`, which refuses a wrong count or a non-finite score with the step named.
+function (:func:`takes_prompts`), called exactly as TRL 1.16's ``GRPOTrainer`` and ``RLOOTrainer``
+call one (``_calculate_rewards``)::
+
+    f(prompts=..., completions=..., completion_ids=..., **columns,
+      trainer_state=..., log_extra=..., log_metric=...)
+
+* ``prompts``: the dataset's prompts, as the dataset holds them: strings, or conversations (lists
+  of ``{"role", "content"}`` messages).
+* ``completions``: the decoded responses (special tokens skipped), strings for string prompts;
+  for conversations each is ``[{"role": "assistant", "content": text}]``, the one-message list TRL
+  builds (:func:`trl_completions`).
+* ``completion_ids``: the sampled token ids of each response, a ``list[list[int]]`` up to and
+  including the first end token (EOS or another of the model's end ids), no padding: TRL's
+  ``completion_ids_list``, i.e. ``response_ids[response_mask]`` row by row.
+* every dataset column of the prompts' rows (one value per sample), by name;
+* ``trainer_state``: a ``transformers.TrainerState`` (:func:`trainer_state`; ``global_step``,
+  ``max_steps``, ``epoch``), ``log_extra(column, values)`` and ``log_metric(name, value)``
+  (:class:`RewardLog`).
+
+A function gets the keywords it names (all of them when it takes ``**kwargs``). Every call goes
+through :func:`checked_scores`, which refuses a wrong count or a non-finite score with the step
+named.
 """
 
 from __future__ import annotations
@@ -10,6 +30,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 
 Scorer = Callable[[list[str]], Sequence[float]]
@@ -20,56 +41,184 @@ log = logging.getLogger(__name__)
 FLOAT32_MAX = 3.4028234663852886e38
 """Largest finite float32: scores beyond it would become inf in the reward tensors."""
 
+TRL_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
+"""The keywords TRL 1.16 passes every reward function besides the dataset columns
+(``GRPOTrainer._calculate_rewards``; RLOO's is the same): a dataset column never replaces one."""
+
 
 class ArgumentError(ValueError):
     """A reward function needs an argument (a dataset column, the prompts) the call does not have."""
 
 
 def takes_prompts(scorer: Callable) -> bool:
-    """True when ``scorer`` is a TRL-style reward function: it names a ``completions`` parameter.
-    It is then called with keywords, ``scorer(prompts=..., completions=..., **columns)`` (each
-    dataset column it names, or all of them if it takes ``**kwargs``), else as ``scorer(texts)``."""
+    """True when ``scorer`` is a TRL-style reward function, called with keywords as TRL calls it
+    (module docstring): it names one of :data:`TRL_ARGUMENTS` (``completions``,
+    ``completion_ids``, ``prompts`` ...), or takes keywords only (``def f(**kwargs)``: no required
+    positional parameter and no ``*args``). Anything else is a plain scorer, called as
+    ``scorer(texts)`` with the decoded responses."""
     try:
         params = inspect.signature(scorer).parameters
     except (TypeError, ValueError):  # a builtin or C callable without a signature
         return False
-    return "completions" in params
+    if any(name in params for name in TRL_ARGUMENTS):
+        return True
+    kinds = [p.kind for p in params.values()]
+    positional_required = any(
+        p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        for p in params.values()
+    )
+    return (
+        inspect.Parameter.VAR_KEYWORD in kinds
+        and inspect.Parameter.VAR_POSITIONAL not in kinds
+        and not positional_required
+    )
 
 
 def required_arguments(scorer: Callable) -> list[str]:
-    """The parameters a TRL-style reward function needs (no default), or [] for a plain scorer."""
+    """The dataset columns a TRL-style reward function needs: its parameters without a default
+    that are not one of :data:`TRL_ARGUMENTS` (those come with every call); [] for a plain
+    scorer."""
     if not takes_prompts(scorer):
         return []
     params = inspect.signature(scorer).parameters
     return [
         n
         for n, p in params.items()
-        if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        if p.default is inspect.Parameter.empty
+        and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        and n not in TRL_ARGUMENTS
     ]
 
 
-def _keywords(scorer: Callable, prompts, texts: list[str], columns: dict[str, list] | None) -> dict:
-    """The keyword arguments of a TRL-style call: the completions, the prompts and every column
-    the function names (all of them when it takes ``**kwargs``)."""
+def is_conversational(prompts: Sequence | None) -> bool:
+    """True when the prompts are conversations: the first is a list of messages (dicts with a
+    ``role``), TRL's ``is_conversational({"prompt": prompts[0]})`` (it looks at the first only)."""
+    if not prompts:
+        return False
+    first = prompts[0]
+    return isinstance(first, list) and bool(first) and isinstance(first[0], dict) and "role" in first[0]
+
+
+def trl_completions(prompts: Sequence | None, texts: list[str]) -> list:
+    """The ``completions`` TRL passes: ``texts`` for string prompts (or none); for conversations
+    ``[[{"role": "assistant", "content": text}], ...]``, as TRL 1.16 builds them
+    (``GRPOTrainer._generate``, ``RLOOTrainer._generate``: the decoded text as the content of one
+    assistant message; a prompt ending in an assistant turn adds nothing to it)."""
+    if is_conversational(prompts):
+        return [[{"role": "assistant", "content": t}] for t in texts]
+    return list(texts)
+
+
+def completion_texts(completions: Sequence) -> list[str]:
+    """The texts of :func:`trl_completions`' ``completions``: a string is itself, a message list
+    the contents of its messages joined (one assistant message: its content)."""
+    return [c if isinstance(c, str) else "".join(str(m.get("content", "")) for m in c) for c in completions]
+
+
+def trainer_state(global_step: int = 0, max_steps: int = 0, epoch: float = 0.0, **fields):
+    """The ``trainer_state`` a reward function gets: a ``transformers.TrainerState``, the class
+    TRL passes (``self.state``), with the fields TRL's reward functions read.
+
+    Args:
+        global_step: training steps done before this call (tether's step, from 0; in TRL the
+            optimizer steps done, which is the number of generation rounds at TRL's defaults).
+        max_steps: the run's ``train.steps``.
+        epoch: passes over the training prompts so far (float).
+        **fields: other ``TrainerState`` fields (``train_batch_size``, ``num_train_epochs`` ...).
+
+    Returns:
+        ``transformers.TrainerState``.
+    """
+    from transformers import TrainerState
+
+    return TrainerState(global_step=int(global_step), max_steps=int(max_steps), epoch=float(epoch), **fields)
+
+
+class RewardLog:
+    """What reward functions logged through TRL's ``log_metric`` and ``log_extra`` in one step.
+
+    Attributes:
+        metrics: name -> the values ``log_metric(name, value)`` gave, in call order.
+        extra: column -> the values ``log_extra(column, values)`` gave (one per sample).
+    """
+
+    def __init__(self) -> None:
+        self.metrics: dict[str, list[float]] = defaultdict(list)
+        self.extra: dict[str, list] = defaultdict(list)
+
+    def log_metric(self, name: str, value: float) -> None:
+        """TRL's ``log_metric``: a scalar for this step (averaged with the step's others)."""
+        self.metrics[name].append(float(value))
+
+    def log_extra(self, column: str, values: list) -> None:
+        """TRL's ``log_extra``: a column for the step's completions, one value per sample."""
+        self.extra[column].extend(values)
+
+    def replay(self, log_metric: Callable | None, log_extra: Callable | None) -> None:
+        """Pass everything logged here on to another pair of hooks (a reward list's caller's)."""
+        for name, values in self.metrics.items():
+            for v in values:
+                if log_metric is not None:
+                    log_metric(name, v)
+        for column, values in self.extra.items():
+            if log_extra is not None:
+                log_extra(column, values)
+
+    def step_metrics(self) -> dict[str, float]:
+        """``reward_metric/<name>``: the mean of each name's values over this step's calls on every
+        process (collective: every process calls it). Units are the reward function's."""
+        from tether.core import distributed as D
+
+        merged: dict[str, list[float]] = defaultdict(list)
+        for part in D.gather_objects(dict(self.metrics)):
+            for name, values in part.items():
+                merged[name] += values
+        return {f"reward_metric/{n}": sum(v) / len(v) for n, v in sorted(merged.items()) if v}
+
+
+def _keywords(
+    scorer: Callable,
+    prompts,
+    texts: list[str],
+    columns: dict[str, list] | None,
+    completion_ids: list[list[int]] | None = None,
+    state=None,
+    reward_log: RewardLog | None = None,
+) -> dict:
+    """The keyword arguments of a TRL-style call (module docstring): TRL's own arguments, then
+    every dataset column the function names (all of them when it takes ``**kwargs``)."""
     params = inspect.signature(scorer).parameters
     takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    kw = {"prompts": list(prompts) if prompts is not None else None, "completions": texts}
+    reward_log = reward_log if reward_log is not None else RewardLog()
+    kw = {
+        "prompts": list(prompts) if prompts is not None else None,
+        "completions": trl_completions(prompts, texts),
+        "trainer_state": state,
+        "log_extra": reward_log.log_extra,
+        "log_metric": reward_log.log_metric,
+    }
+    if completion_ids is not None:
+        kw["completion_ids"] = [[int(t) for t in ids] for ids in completion_ids]
     for name, values in (columns or {}).items():
-        if name not in kw and (takes_all or name in params):
+        if name not in TRL_ARGUMENTS and (takes_all or name in params):
             kw[name] = list(values)
     if not takes_all:
         kw = {k: v for k, v in kw.items() if k in params}
-    missing = [n for n in required_arguments(scorer) if n not in kw or kw[n] is None]
+    needed = [
+        n
+        for n, p in params.items()
+        if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
+    missing = [n for n in needed if n not in kw or kw[n] is None]
     if missing:
-        have = ["prompts", "completions", *sorted(columns or {})] if prompts is not None else ["completions"]
-        raise ArgumentError(
-            f"it takes {missing}, and the call has {have}"
-            + (
-                ""
-                if prompts is not None
-                else f" (it takes prompts, and none came with the {len(texts)} texts)"
-            )
-        )
+        have = [k for k in ("prompts", "completions", "completion_ids") if k in kw and kw[k] is not None]
+        have += ["trainer_state", "log_extra", "log_metric", *sorted(columns or {})]
+        hint = ""
+        if "prompts" in missing:
+            hint = f" (it takes prompts, and none came with the {len(texts)} texts)"
+        elif "completion_ids" in missing:
+            hint = f" (it takes completion_ids, and no token ids came with the {len(texts)} texts)"
+        raise ArgumentError(f"it takes {missing}, and the call has {have}{hint}")
     return kw
 
 
@@ -80,27 +229,48 @@ def checked_scores(
     prompts=None,
     columns: dict[str, list] | None = None,
     allow_none: bool = False,
+    *,
+    completion_ids: Sequence[Sequence[int]] | None = None,
+    state=None,
+    reward_log: RewardLog | None = None,
 ) -> list[float]:
-    """Call ``scorer`` and validate its output: one finite float per text.
-
-    ``step`` names where the call happens in messages: a training step number, or a phrase
-    such as ``"held-out evaluation"``. ``prompts`` (one per text) and the dataset ``columns``
-    (name -> one value per text) go to a TRL-style reward function (:func:`takes_prompts`).
+    """Call ``scorer`` as TRL calls a reward function (module docstring), and validate its
+    output: one finite float per text.
 
     Args:
+        scorer: a plain scorer (called ``scorer(texts)``) or a TRL-style reward function
+            (:func:`takes_prompts`, called with keywords).
+        texts: the B decoded responses (special tokens skipped, end token excluded).
+        step: where the call happens, for messages: a training step number, or a phrase such as
+            ``"held-out evaluation"``.
+        prompts: B prompts as the dataset holds them (strings or conversations), or None.
+        columns: the dataset columns, name -> B values.
         allow_none: a score may be None (a reward that does not apply to that sample, as in TRL);
             it comes back as NaN.
+        completion_ids: B lists of token ids (the sampled response up to and including its first
+            end token, no padding), or None when the call has only texts (a function that needs
+            them is then an error).
+        state: the ``trainer_state`` (:func:`trainer_state`); None passes
+            ``trainer_state(global_step=step)`` (step 0 for a phrase), ``max_steps=0``.
+        reward_log: collects ``log_metric`` and ``log_extra`` calls; None drops them.
+
+    Returns:
+        B Python floats (NaN where a score was None and ``allow_none``).
 
     Raises:
-        ValueError: wrong count, a NaN/inf score, or one beyond float32's range; the message names
-            the step and the texts.
+        ValueError: wrong count, a NaN/inf score, or one beyond float32's range; a missing argument
+            (:class:`ArgumentError`'s message); the message names the step and the texts.
     """
     where = f"step {step}" if isinstance(step, int) else step
     try:
         if takes_prompts(scorer):
             if prompts is not None and len(prompts) != len(texts):
                 raise ValueError(f"{len(prompts)} prompts came with the {len(texts)} texts")
-            raw = scorer(**_keywords(scorer, prompts, texts, columns))
+            if completion_ids is not None and len(completion_ids) != len(texts):
+                raise ValueError(f"{len(completion_ids)} completion_ids came with the {len(texts)} texts")
+            if state is None:
+                state = trainer_state(step if isinstance(step, int) else 0)
+            raw = scorer(**_keywords(scorer, prompts, texts, columns, completion_ids, state, reward_log))
         else:
             raw = scorer(texts)
         raw = list(raw)
@@ -163,12 +333,38 @@ class WeightedReward:
             )
         self.last: dict[str, list[float]] = {}
 
-    def __call__(self, prompts=None, completions: list[str] | None = None, **columns) -> list[float]:
-        texts = list(completions or [])
+    def __call__(
+        self,
+        prompts=None,
+        completions: list | None = None,
+        completion_ids: list[list[int]] | None = None,
+        trainer_state=None,
+        log_extra: Callable | None = None,
+        log_metric: Callable | None = None,
+        **columns,
+    ) -> list[float]:
+        """TRL's call (module docstring); each reward gets what it names of it.
+
+        Returns:
+            B floats, the weighted sums.
+        """
+        texts = completion_texts(completions or [])
+        logged = RewardLog()
         self.last = {
-            name: checked_scores(scorer, texts, f"reward {name!r}", prompts, columns, allow_none=True)
+            name: checked_scores(
+                scorer,
+                texts,
+                f"reward {name!r}",
+                prompts,
+                columns,
+                allow_none=True,
+                completion_ids=completion_ids,
+                state=trainer_state,
+                reward_log=logged,
+            )
             for name, scorer in self.scorers.items()
         }
+        logged.replay(log_metric, log_extra)
         total, unscored = [], 0
         for i in range(len(texts)):
             terms = [w * v[i] for w, v in zip(self.weights, self.last.values()) if not math.isnan(v[i])]

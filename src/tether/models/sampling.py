@@ -58,6 +58,14 @@ class Rollout:
     """The prompts' rows' other dataset columns, one value per row (``data.prompts``), or None."""
 
     @property
+    def completion_ids(self) -> list[list[int]]:
+        """B lists of token ids: each response's tokens where ``response_mask`` is True (up to and
+        including the first end token, no padding), on the host. What TRL 1.16 passes reward
+        functions as ``completion_ids`` (its ``completion_ids_list``)."""
+        ids, mask = self.response_ids.cpu(), self.response_mask.cpu()  # (B, R) each
+        return [row[m].tolist() for row, m in zip(ids, mask)]
+
+    @property
     def input_ids(self) -> Tensor:
         """(B, P + R - 1): prompt and response without its last token (it predicts nothing)."""
         return torch.cat([self.prompt_ids, self.response_ids], dim=1)[:, :-1]
@@ -138,7 +146,7 @@ def prompt_texts(tokenizer, prompts: Sequence) -> list[str]:
 
 
 def tokenize_prompts(
-    tokenizer, prompts: list[str], max_prompt_tokens: int, device: torch.device | str = "cpu"
+    tokenizer, prompts: list[str], max_prompt_tokens: int | None, device: torch.device | str = "cpu"
 ) -> tuple[Tensor, Tensor]:
     """Left-padded prompt ids and mask, (B, P) each, on ``device`` (of :func:`prompt_texts`: with
     ``data.chat_template`` the chat-formatted prompts).
@@ -154,7 +162,7 @@ def tokenize_prompts(
     for p, n in zip(prompts, lengths.tolist()):
         if n == 0:
             raise ValueError(f"prompt {p!r} is empty after tokenization")
-        if n > max_prompt_tokens:
+        if max_prompt_tokens is not None and n > max_prompt_tokens:  # None: the run checked them
             raise ValueError(
                 f"prompt {p[:60]!r} has {n} tokens > rollout.max_prompt_tokens={max_prompt_tokens}; "
                 "shorten it or raise rollout.max_prompt_tokens"

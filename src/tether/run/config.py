@@ -72,6 +72,33 @@ def _check(ok: bool, field_name: str, value: Any, rule: str) -> None:
         raise ConfigError(f"{field_name}={value!r} is invalid: {rule}")
 
 
+class _Defaulted:
+    """A section with fields left None for the run to fill (per-trainer and per-data defaults).
+
+    :meth:`_fill` sets such a field and remembers that the value was filled, not given; setting
+    the field afterwards (``config.rollout.group_size = 8`` in Python) makes it the user's again.
+    So a config edited in Python after :func:`load_config` can be resolved anew when the run
+    starts (:meth:`Config.for_run`): a filled value follows the edited ``train.algo`` or data, a
+    given one is kept.
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        filled = self.__dict__.get("_filled")
+        if filled is not None:
+            filled.discard(name)
+        object.__setattr__(self, name, value)
+
+    def _fill(self, name: str, value: Any) -> None:
+        """Set field ``name`` to ``value`` if it is None, marked as filled."""
+        if getattr(self, name) is None:
+            object.__setattr__(self, name, value)
+            self.__dict__.setdefault("_filled", set()).add(name)
+
+    def _given(self, name: str) -> Any:
+        """Field ``name`` as the user gave it: None where it was filled."""
+        return None if name in self.__dict__.get("_filled", ()) else getattr(self, name)
+
+
 @dataclass
 class ModelConfig:
     name: str = "smollm2-135m"
@@ -225,16 +252,18 @@ class DataConfig:
 
 
 @dataclass
-class RewardConfig:
-    scorer: list[str] | str = "vader"
-    """'vader' (VADER compound of the completion, [-1, 1]), 'minilm-rm', 'rm:FOLDER',
+class RewardConfig(_Defaulted):
+    scorer: list[str] | str | None = None
+    """None = 'vader', the demo's reward (the run says so when the data is not the demo's);
+    'vader' (VADER compound of the completion, [-1, 1]), 'minilm-rm', 'rm:FOLDER',
     'hf:FOLDER[#LABEL]' or 'hf:ORG/NAME[#LABEL]' (a sequence classifier's logit of prompt and
     completion), 'module:function' (a callable list[str] -> list[float], or a TRL-style
     f(prompts, completions, **columns)); or a list of these (YAML list, or comma-separated on the
     command line), summed with reward.weights and each logged as reward/<name>."""
     weights: list[float] | None = None
-    """One weight per reward.scorer entry (default all 1); the reward is sum_i w_i * r_i, a reward
-    that returns None for a sample left out of that sample's sum."""
+    """One weight per reward.scorer entry, or per reward passed to train(config, scorer=[f, g])
+    (default all 1); the reward is sum_i w_i * r_i, a reward that returns None for a sample left
+    out of that sample's sum."""
 
     def __post_init__(self) -> None:
         self.scorer = _as_list(self.scorer)
@@ -248,8 +277,11 @@ class RewardConfig:
             self.scorer,
             "must be a scorer name or a non-empty list of them",
         )
+        # with reward.scorer unset the scorers may come from Python (train(config, scorer=[f, g])):
+        # make_scorer checks the count against them when it builds the list
+        counted = self.scorer is None or len(self.weights or []) == n
         _check(
-            self.weights is None or (len(self.weights) == n and all(math.isfinite(w) for w in self.weights)),
+            self.weights is None or (counted and all(math.isfinite(w) for w in self.weights)),
             "reward.weights",
             self.weights,
             f"needs one finite weight per reward.scorer entry ({n})",
@@ -257,15 +289,18 @@ class RewardConfig:
 
 
 @dataclass
-class RolloutConfig:
+class RolloutConfig(_Defaulted):
     batch_size: int = 16
     """Prompts (and responses) per training step."""
     max_new_tokens: int = 16
     """Response length cap, tokens; a response stops earlier at EOS."""
     temperature: float = 1.0
     """Sampling temperature; every log-probability (policy, old, reference) uses the same one."""
-    max_prompt_tokens: int = 64
-    """Longest prompt accepted, tokens; a longer prompt is an error naming it."""
+    max_prompt_tokens: int | None = None
+    """Longest prompt accepted, tokens; a longer prompt is an error naming it. None = what the
+    data needs: its longest prompt (with the chat template's tokens), which must fit the model's
+    context with rollout.max_new_tokens (``max_position_embeddings``); the value is printed when
+    the run starts."""
     forward_batch_size: int = 32
     """Rows per no-grad scoring forward of DPO's reference and pair sampling (bounds the memory
     of the (B, R, V) logits). PPO, GRPO and RLOO score in optim.minibatch_size groups instead,
@@ -284,7 +319,10 @@ class RolloutConfig:
             "must be > 0 (use a small value such as 0.1 for near-greedy sampling)",
         )
         _check(
-            self.max_prompt_tokens >= 1, "rollout.max_prompt_tokens", self.max_prompt_tokens, "must be >= 1"
+            self.max_prompt_tokens is None or self.max_prompt_tokens >= 1,
+            "rollout.max_prompt_tokens",
+            self.max_prompt_tokens,
+            "must be >= 1, or null (the data's longest prompt)",
         )
         _check(
             self.forward_batch_size >= 1,
@@ -307,7 +345,7 @@ class RolloutConfig:
 
 
 @dataclass
-class KLConfig:
+class KLConfig(_Defaulted):
     estimator: KLEstimator = "k1"
     """Per-token estimator in the reward and in the logs: k1, abs, k2 or k3 (see docs/kl.md)."""
     kl_coef: float = 0.05
@@ -548,15 +586,18 @@ class DPOConfig:
 
 
 @dataclass
-class EvalConfig:
+class EvalConfig(_Defaulted):
     n_prompts: int = 64
     """Held-out prompts scored before and after training (0 disables)."""
     samples_per_prompt: int = 2
     """Responses sampled per held-out prompt (>= 2 gives eval/self_bleu, the overlap between
     completions of one prompt); standard errors are taken over prompts."""
-    judge: str = "minilm-rm"
+    judge: str | None = None
     """Gold judge, independent of the training scorer: any scorer spec (see reward.scorer), or
-    'none'. The default is the reward model fitted on human ratings (fitted once, ~2 min)."""
+    'none'. None = the data's default: with the embedded movie prompts (data.prompts=icwsm-movies)
+    'minilm-rm', the reward model fitted on human ratings of movie reviews (fitted once, ~2 min);
+    with any other data 'none', so that the held-out evaluation scores with the run's own
+    reward (reward.scorer) and a gold judge runs only when named here."""
     fluency_model: str = "gemma3-270m"
     """Fluency judge: a causal LM of another family than the policy whose per-token NLL of each
     held-out response given its prompt is logged as eval/fluency_nll (nats per token):
@@ -608,12 +649,6 @@ class EvalConfig:
             "eval.best_by",
             self.best_by,
             "needs periodic evaluations: set eval.every > 0",
-        )
-        _check(
-            self.best_by != "gold" or self.judge != "none",
-            "eval.best_by",
-            self.best_by,
-            "'gold' needs a judge (eval.judge is none): choose eval.best_by=proxy or set eval.judge",
         )
         _check(self.patience >= 0, "eval.patience", self.patience, "must be >= 0 (0 = never stop early)")
         _check(
@@ -911,42 +946,93 @@ class Config:
             )
 
     def resolve_defaults(self) -> None:
-        """Fill the per-trainer defaults left as None (group size, KL placement).
+        """Fill the per-trainer and per-data defaults left as None (group size, KL placement,
+        controller, gold judge) from ``train.algo`` and ``data.prompts``.
 
-        The values as given are kept (``unresolved``), so the saved config.yaml still says
-        "the trainer's default" and reloads correctly with another ``train.algo``.
+        Each filled field is marked (:class:`_Defaulted`), so the saved config.yaml still says
+        "the default" (``to_dict(resolved=False)``) and reloads correctly with another
+        ``train.algo``, and :meth:`for_run` fills it again after an edit in Python.
         """
-        if not hasattr(self, "unresolved"):
-            self.unresolved = {
-                "rollout.group_size": self.rollout.group_size,
-                "kl.kl_in_reward": self.kl.kl_in_reward,
-                "kl.kl_in_loss": self.kl.kl_in_loss,
-                "kl.controller": self.kl.controller,
-            }
         algo = self.train.algo
-        if self.kl.controller is None:
-            self.kl.controller = "fixed" if algo == "dpo" else "budget"
-        if self.rollout.group_size is None:
-            self.rollout.group_size = 1 if algo in ("ppo", "dpo") else 4
+        self.kl._fill("controller", "fixed" if algo == "dpo" else "budget")
+        self.rollout._fill("group_size", 1 if algo in ("ppo", "dpo") else 4)
         _check(
-            self.rollout.batch_size % self.rollout.group_size == 0,
+            self.rollout.batch_size % self.rollout.group_size == 0,  # type: ignore[operator]
             "rollout.batch_size",
             self.rollout.batch_size,
             f"must be a multiple of rollout.group_size={self.rollout.group_size}",
         )
-        if self.kl.kl_in_reward is None:
-            self.kl.kl_in_reward = algo in ("ppo", "rloo") and not self.kl.kl_in_loss
-        if self.kl.kl_in_loss is None:
-            self.kl.kl_in_loss = algo == "grpo" and not self.kl.kl_in_reward
+        self.kl._fill("kl_in_reward", algo in ("ppo", "rloo") and not self.kl.kl_in_loss)
+        self.kl._fill("kl_in_loss", algo == "grpo" and not self.kl.kl_in_reward)
+        self.eval._fill("judge", "minilm-rm" if self.embedded_data else "none")
+        self.reward._fill("scorer", "vader")
+        _check(
+            self.eval.best_by != "gold" or self.eval.judge != "none",
+            "eval.best_by",
+            self.eval.best_by,
+            "'gold' needs a judge (eval.judge is none"
+            + ("" if self.embedded_data else ", the default with your own data")
+            + "): choose eval.best_by=proxy or set eval.judge (e.g. eval.judge=minilm-rm)",
+        )
+
+    @property
+    def embedded_data(self) -> bool:
+        """Whether the run trains and evaluates on the embedded movie prompts (the demo's data):
+        ``data.prompts`` at its default and no DPO pairs file standing in for it."""
+        from tether.data.prompts import DEFAULT_PROMPTS
+
+        pairs_file = self.train.algo == "dpo" and self.dpo.pairs != "sampled"
+        return self.data.prompts == DEFAULT_PROMPTS and not pairs_file
+
+    @property
+    def unresolved(self) -> dict:
+        """``section.field`` -> the value as given, None where the run fills it (a per-trainer,
+        per-data or per-model default)."""
+        return {
+            f"{section}.{name}": getattr(self, section)._given(name) for section, name in DEFAULTED_FIELDS
+        }
+
+    def for_run(self, data: str | None = None, model: str | None = None) -> Config:
+        """This config as a run starts it: rebuilt from its fields, so that every check runs
+        again and every default left to the run is filled anew (a Python edit of ``train.algo``
+        after :func:`load_config` gets that trainer's group size and KL placement).
+
+        Args:
+            data: what stands in ``data.prompts`` (a ``train_dataset`` passed to ``train``).
+            model: what stands in ``model.name`` (a model object passed to ``train``).
+
+        Raises:
+            ConfigError: a field holds a value of the wrong type or an invalid one (an edit in
+                Python is checked here as an override is at load time).
+        """
+        tree = self.to_dict(resolved=False)
+        if data is not None:
+            tree["data"]["prompts"] = data
+        if model is not None:
+            tree["model"]["name"] = model
+        return _build(Config, tree, "")
 
     def to_dict(self, resolved: bool = True) -> dict:
-        """Plain nested dict; ``resolved=False`` keeps per-trainer defaults as None."""
+        """Plain nested dict; ``resolved=False`` keeps the defaults the run fills as None."""
         d = dataclasses.asdict(self)
         if not resolved:
-            for key, value in getattr(self, "unresolved", {}).items():
+            for key, value in self.unresolved.items():
                 section, name = key.split(".")
                 d[section][name] = value
         return d
+
+
+DEFAULTED_FIELDS = (
+    ("rollout", "group_size"),
+    ("rollout", "max_prompt_tokens"),
+    ("kl", "kl_in_reward"),
+    ("kl", "kl_in_loss"),
+    ("kl", "controller"),
+    ("eval", "judge"),
+    ("reward", "scorer"),
+)
+"""The fields a run fills when left None: per trainer (group size, KL placement, controller), per
+data (the gold judge; the longest prompt, filled when the tokenizer has read the prompts)."""
 
 
 class _Raw(str):
@@ -1151,21 +1237,142 @@ class FieldDoc(typing.NamedTuple):
     type: str
     default: Any
     unit: str
-    """the unit its docstring names (``nats per sequence`` ...), or ''."""
+    """its unit, from :data:`FIELD_UNITS` (``nats per sequence`` ...), or ''."""
     doc: str
     """the first sentence of its docstring."""
 
 
-_UNITS = (
-    "nats per sequence",
-    "nats per token",
-    "reward units per nat",
-    "nats",
-    "reward units",
-    "tokens",
-    "seconds",
-    "samples",
-)
+FIELD_UNITS: dict[str, str] = {
+    # model
+    "model.name": "",
+    "model.revision": "",
+    "model.trust_remote_code": "",
+    "model.trainable_layers": "transformer blocks",
+    "model.lora_r": "rank",
+    "model.lora_alpha": "dimensionless (scale numerator)",
+    "model.lora_target_modules": "",
+    "model.adapter": "",
+    "model.head_chunk_size": "token positions",
+    "model.share_prompt_prefix": "",
+    "model.dtype": "",
+    "model.gradient_checkpointing": "",
+    # data
+    "data.prompts": "",
+    "data.split": "",
+    "data.prompt_column": "",
+    "data.heldout_fraction": "fraction of prompts",
+    "data.min_words": "words",
+    "data.max_words": "words",
+    "data.chat_template": "",
+    # reward
+    "reward.scorer": "",
+    "reward.weights": "dimensionless (one per reward)",
+    # rollout
+    "rollout.batch_size": "samples per step",
+    "rollout.max_new_tokens": "tokens",
+    "rollout.temperature": "dimensionless (logits are divided by it)",
+    "rollout.max_prompt_tokens": "tokens",
+    "rollout.forward_batch_size": "rows",
+    "rollout.group_size": "samples per prompt",
+    # kl
+    "kl.estimator": "",
+    "kl.kl_coef": "reward units per nat",
+    "kl.controller": "",
+    "kl.target": "kl.target_unit (nats per sequence by default)",
+    "kl.target_unit": "",
+    "kl.horizon": "samples",
+    "kl.budget": "kl.target_unit (nats per sequence by default)",
+    "kl.budget_eta": "reward units per nat, per unit of KL error",
+    "kl.budget_kp": "reward units per nat, per unit of KL error",
+    "kl.controller_signal": "",
+    "kl.exact": "",
+    "kl.exact_chunk_size": "token positions",
+    "kl.kl_in_reward": "",
+    "kl.kl_in_loss": "",
+    "kl.loss_estimator": "",
+    "kl.allow_double_kl": "",
+    "kl.allow_biased_estimator": "",
+    "kl.monitor": "",
+    # optim
+    "optim.lr": "dimensionless (AdamW step size, per optimizer step)",
+    "optim.epochs": "passes over the batch",
+    "optim.minibatch_size": "rows",
+    "optim.micro_batch_size": "rows per process",
+    "optim.max_grad_norm": "gradient L2 norm",
+    "optim.weight_decay": "dimensionless (AdamW's decoupled decay: weights shrink by lr x this per step)",
+    "optim.reuse_forward": "",
+    "optim.lr_scheduler": "",
+    "optim.warmup_steps": "optimizer steps",
+    "optim.fused_adamw": "",
+    # ppo
+    "ppo.clip_eps": "dimensionless (ratio distance from 1)",
+    "ppo.clip_eps_value": "reward units (value change)",
+    "ppo.vf_coef": "dimensionless (loss weight)",
+    "ppo.gamma": "dimensionless (per token)",
+    "ppo.gae_lambda": "dimensionless (per token)",
+    "ppo.whiten_advantages": "",
+    "ppo.scale_returns": "",
+    "ppo.kl_shaping": "",
+    # grpo
+    "grpo.scale_by_std": "",
+    "grpo.scale_kl_by_std": "",
+    # dpo
+    "dpo.beta": "per nat of log-ratio margin",
+    "dpo.pairs": "",
+    "dpo.candidates": "samples per prompt",
+    "dpo.n_pairs": "pairs",
+    "dpo.kl_eval_prompts": "prompts",
+    # eval
+    "eval.n_prompts": "prompts",
+    "eval.samples_per_prompt": "samples per prompt",
+    "eval.judge": "",
+    "eval.fluency_model": "",
+    "eval.fluency_samples": "samples per prompt",
+    "eval.every": "steps",
+    "eval.periodic_prompts": "prompts",
+    "eval.seed": "",
+    "eval.batch_size": "rows",
+    "eval.best_by": "",
+    "eval.best_fluency_margin": "nats per token",
+    "eval.best_distinct_share": "fraction of the reference's distinct-2",
+    "eval.patience": "periodic evaluations",
+    # health
+    "health.window": "steps",
+    "health.kl_growth_factor": "ratio",
+    "health.kl_explode_floor": "nats per sequence",
+    "health.kl_leash": "nats per sequence",
+    "health.kl_stuck_below": "nats per sequence",
+    "health.score_flat_tol": "reward units",
+    "health.entropy_collapse_fraction": "fraction of the first step's entropy",
+    "health.length_growth_factor": "ratio",
+    "health.k1_negative_tol": "nats per token",
+    "health.overopt_min_change": "reward units",
+    "health.logprob_mismatch_max": "nats per token",
+    "health.quality_min_proxy_gain": "reward units",
+    "health.quality_fluency_margin": "nats per token",
+    "health.quality_repetition_margin": "fraction of 3-grams",
+    "health.quality_distinct_share": "fraction of the reference's distinct-2",
+    "health.quality_min_z": "standard errors",
+    # train
+    "train.algo": "",
+    "train.steps": "steps",
+    "train.seed": "",
+    "train.output_dir": "",
+    "train.sample_every": "steps",
+    "train.save_model": "",
+    "train.threads": "threads",
+    "train.progress": "",
+    "train.checkpoint_every": "steps",
+    "train.tensorboard": "",
+    "train.report_to": "",
+    "train.device": "",
+    "train.sharding": "",
+    "train.sharded_generation": "",
+}
+"""Every config field's unit, declared here (``''``: a name, a flag or a choice, no quantity);
+``tether config`` prints it. A step is one rollout batch (``train.steps``); an optimizer step is
+one minibatch update. tests/test_config.py checks that every field has an entry."""
+
 _SENTENCE_END = __import__("re").compile(r"(?<!\bal)(?<!e\.g)(?<!i\.e)(?<!\bvs)\.\s+(?=[A-Z(`'\"])")
 """The end of a sentence: a full stop before a capital, not in 'et al.', 'e.g.', 'i.e.', 'vs.'."""
 
@@ -1212,7 +1419,7 @@ def config_fields(section: str | None = None) -> list[FieldDoc]:
         for sub in dataclasses.fields(cls):
             doc = " ".join(docs.get(sub.name, "").split())
             first = _SENTENCE_END.split(doc)[0].rstrip(".") + "." if doc else ""
-            unit = next((u for u in _UNITS if u in doc), "")
+            unit = FIELD_UNITS[f"{name}.{sub.name}"]
             tp = str(types_[sub.name]).replace("typing.", "")
             tp = tp.removeprefix("<class '").removesuffix("'>")
             out.append(FieldDoc(f"{name}.{sub.name}", tp, getattr(default, sub.name), unit, first))

@@ -12,7 +12,7 @@ from torch import nn
 from tether.core.diversity import distinct_n, repetition, self_bleu
 from tether.core.kl import estimate_kl, sequence_kl
 from tether.data.prompts import PromptData
-from tether.judges.contract import Scorer, checked_scores
+from tether.judges.contract import Scorer, checked_scores, trainer_state
 from tether.models.sampling import generate, sample_seeds
 from tether.models.scoring import rollout_logprobs
 
@@ -144,6 +144,19 @@ class EvalResult:
 
 
 @torch.no_grad()
+def evaluation_state(steps: int, prompts_per_step: float, n_train_prompts: int):
+    """The ``trainer_state`` of every judging call of a run (held-out evaluations of the
+    reference and the policies, best-of-N, the gold judge on the step's samples): the end of
+    training, ``global_step = max_steps = steps``, ``epoch`` the passes over the training prompts
+    by then. One state for all, so a step-dependent reward scores the reference and every policy
+    alike (the training steps' own scoring gets the live step, ``OnPolicyTrainer.trainer_state``).
+
+    Returns:
+        ``transformers.TrainerState`` (:func:`tether.judges.contract.trainer_state`).
+    """
+    return trainer_state(steps, steps, steps * prompts_per_step / max(1, n_train_prompts))
+
+
 def evaluate(
     name: str,
     lm: nn.Module,
@@ -159,6 +172,7 @@ def evaluate(
     samples_per_prompt: int = 1,
     fluency: Callable[[list[str], list[str]], list[float | None]] | None = None,
     fluency_samples: int | None = None,
+    state=None,
 ) -> EvalResult:
     """Sample ``samples_per_prompt`` responses per held-out prompt with fixed seeds; score each
     with every scorer and the fluency judge.
@@ -170,6 +184,11 @@ def evaluate(
     stream. KL is the k1 estimate per sequence (unbiased) against ``reference`` on the evaluated
     samples, with the sampling settings of training. The fluency judge reads the first
     ``fluency_samples`` samples of each prompt (None = all); the others get None there.
+
+    Scorers are called as TRL calls reward functions (:mod:`tether.judges.contract`), with the
+    samples' ``completion_ids`` and ``state`` as ``trainer_state`` (a run passes
+    :func:`evaluation_state`, so that the reference's and each policy's scores compare; None
+    passes ``global_step=0``, ``max_steps=0``).
     """
     k = samples_per_prompt
     if k > 1:  # each prompt k times in a row, with its columns
@@ -198,7 +217,13 @@ def evaluate(
             columns = batch.columns if isinstance(batch, PromptData) else None
             for key, scorer in scorers.items():
                 result.scores[key] += checked_scores(
-                    scorer, ro.responses, f"held-out evaluation ({name}, {key} scorer)", ro.prompts, columns
+                    scorer,
+                    ro.responses,
+                    f"held-out evaluation ({name}, {key} scorer)",
+                    ro.prompts,
+                    columns,
+                    completion_ids=ro.completion_ids,
+                    state=state,
                 )
             if fluency is not None:
                 judged = [n for n in range(len(batch)) if (i + n) % k < (fluency_samples or k)]
@@ -221,7 +246,8 @@ def compare(before: EvalResult, after: EvalResult) -> dict:
     models (common random numbers), so the two scores of a prompt are correlated and their
     difference is the quantity to average; ``gain_se_unpaired`` = sqrt(SE_before^2 + SE_after^2)
     ignores that correlation and, when it is positive, overstates the error (kept for
-    comparison with evaluations drawn independently)."""
+    comparison with evaluations drawn independently). Each ``*_z`` is the change over its
+    SE, None when that SE is 0."""
     k = before.samples_per_prompt
     sb, sa = before.summary(), after.summary()
     out = {"n_prompts": len(before.responses) // k, "samples_per_prompt": k, "reference": sb, "policy": sa}
@@ -235,8 +261,10 @@ def compare(before: EvalResult, after: EvalResult) -> dict:
         out[f"{prefix}gain"] = gain
         out[f"{prefix}gain_se_paired"] = paired_se
         out[f"{prefix}gain_se_unpaired"] = unpaired_se
-        out[f"{prefix}gain_z_paired"] = gain / paired_se if paired_se > 0 else float("inf")
-        out[f"{prefix}gain_z_unpaired"] = gain / unpaired_se if unpaired_se > 0 else float("inf")
+        # a z needs a spread: with an SE of 0 (every prompt's difference equal, or one prompt) it
+        # is None, printed "n/a", not the infinity a division by 0 would claim
+        out[f"{prefix}gain_z_paired"] = gain / paired_se if paired_se > 0 else None
+        out[f"{prefix}gain_z_unpaired"] = gain / unpaired_se if unpaired_se > 0 else None
     for key in ("fluency_nll_mean", *DIVERSITY_KEYS):
         base = key.removesuffix("_mean")
         se_key = f"{base}_se"
@@ -244,5 +272,5 @@ def compare(before: EvalResult, after: EvalResult) -> dict:
             change = sa[key] - sb[key]
             se = math.sqrt(sa[se_key] ** 2 + sb[se_key] ** 2)
             out[f"{base}_change"], out[f"{base}_change_se"] = change, se
-            out[f"{base}_change_z"] = change / se if se > 0 else float("nan")
+            out[f"{base}_change_z"] = change / se if se > 0 else None
     return out

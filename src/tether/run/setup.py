@@ -21,13 +21,15 @@ from tether.data.prompts import (
     PromptData,
     load_prompt_data,
     movie_prompts,
+    pair_prompts,
     prompt_file_lines,
     records_to_data,
     split_prompts,
 )
 from tether.judges.contract import Scorer, WeightedReward, required_arguments
-from tether.judges.scorers import make_scorer
+from tether.judges.scorers import check_scorer_spec, make_scorer
 from tether.models.loading import (
+    check_model_name,
     disable_dropout,
     is_hub_id,
     load_causal_lm,
@@ -136,6 +138,10 @@ def dataset_prompts(dataset, config: Config) -> tuple[PromptData, PromptData]:
 def load_prompts(config: Config) -> tuple[PromptData, PromptData]:
     """(train, heldout) prompts for ``config.data``, each with its rows' other columns."""
     d = config.data
+    if config.train.algo == "dpo" and config.dpo.pairs != "sampled" and d.prompts == DEFAULT_PROMPTS:
+        # DPO on a pairs file: its own prompts, split by the usual hash (the held-out ones are the
+        # evaluation's and never trained on); the demo's prompts are not fetched
+        return split_prompts(pair_prompts(config.dpo.pairs, d.split), d.heldout_fraction)
     if d.prompts == DEFAULT_PROMPTS:
         train, held = movie_prompts(config.train.seed, d.min_words, d.max_words, d.heldout_fraction)
         return PromptData(train), PromptData(held)
@@ -163,32 +169,102 @@ def freeze_lower_layers(lm: nn.Module, trainable_layers: int | None) -> None:
             p.requires_grad_(True)
 
 
+def model_context(config_or_path, trust_remote_code: bool = False) -> int | None:
+    """The positions a model was trained on (``max_position_embeddings``, GPT-2's ``n_positions``)
+    of a model config or of the folder holding its config.json; None when it states none."""
+    cfg = config_or_path
+    if isinstance(cfg, (str, Path)):
+        from transformers import AutoConfig
+
+        try:
+            cfg = AutoConfig.from_pretrained(cfg, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError):  # a peft adapter folder, an unknown type: the model load says why
+            return None
+    cfg = getattr(cfg, "get_text_config", lambda: cfg)()
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        n = getattr(cfg, name, None)
+        if isinstance(n, int) and n > 0:
+            return n
+    return None
+
+
+def fill_max_prompt_tokens(config: Config, longest: int, context: int | None) -> Config:
+    """``config`` with ``rollout.max_prompt_tokens`` filled, when left None, by the data's longest
+    prompt (``longest`` tokens); refused when the longest prompt and a full response cannot fit
+    the model's ``context`` positions. The value is printed (rank 0) when it was filled.
+
+    Raises:
+        ConfigError: ``longest + rollout.max_new_tokens > context``, naming the field.
+    """
+    r = config.rollout
+    given = r.max_prompt_tokens is not None
+    need = longest + r.max_new_tokens
+    if context is not None and need > context:
+        raise ConfigError(
+            f"the longest prompt ({longest} tokens) + rollout.max_new_tokens={r.max_new_tokens} = {need} "
+            f"tokens, beyond the model's {context} positions (max_position_embeddings): the response would "
+            "run past the positions it was trained on; lower rollout.max_new_tokens or shorten the prompts"
+        )
+    if given:
+        return config
+    config = copy.deepcopy(config)
+    config.rollout._fill("max_prompt_tokens", longest)
+    if is_main():
+        cap = f"; the model's {context} positions cap it at {context - r.max_new_tokens}" if context else ""
+        print(
+            f"tether: rollout.max_prompt_tokens={longest}: the data's longest prompt{cap} "
+            f"(with rollout.max_new_tokens={r.max_new_tokens})"
+        )
+    return config
+
+
 def check_prompt_lengths(
-    tokenizer, prompts: list[str], max_prompt_tokens: int, source: str | None = None
-) -> None:
-    """Refuse, before training starts, any prompt that is empty or longer than the limit.
+    tokenizer,
+    prompts: list[str],
+    max_prompt_tokens: int | None,
+    source: str | None = None,
+    room: tuple[int, int] | None = None,
+) -> int:
+    """Refuse, before training starts, any prompt that is empty, longer than the limit, or too
+    long to leave room for a response in the model's positions; return the longest prompt's
+    length in tokens.
 
     Args:
+        max_prompt_tokens: the limit; None = none (it is filled with the returned length).
         source: the prompt file, if any: the error then names its line (``FILE:LINE``).
+        room: ``(context, max_new_tokens)``: the model's positions and the response's length; a
+            prompt longer than ``context - max_new_tokens`` is refused.
 
     Raises:
         ValueError: naming the prompt (and its file and line) and the field to change.
     """
+    longest = 0
+    limit = max_prompt_tokens if max_prompt_tokens is not None else float("inf")
+    fits = room[0] - room[1] if room is not None else float("inf")
     for start in range(0, len(prompts), 2048):
         chunk = prompts[start : start + 2048]
         lengths = [
             len(ids)
             for ids in tokenizer(prompt_texts(tokenizer, chunk), add_special_tokens=True)["input_ids"]
         ]
+        longest = max([longest, *lengths])
         for i, (p, n) in enumerate(zip(chunk, lengths)):
-            if n == 0 or n > max_prompt_tokens:
+            if n == 0 or n > min(limit, fits):
                 where = f"prompt {start + i + 1}"
                 if source is not None and isinstance(p, str) and Path(source).suffix in (".txt", ".jsonl"):
                     where = f"data.prompts: {source}:{prompt_line(source, p)}:"
+                if 0 < n <= limit and room is not None:
+                    raise ValueError(
+                        f"{where} ({p[:60]!r}) has {n} tokens, and with rollout.max_new_tokens={room[1]} "
+                        f"the response would run past the model's {room[0]} positions "
+                        "(max_position_embeddings); shorten the prompt or lower rollout.max_new_tokens "
+                        "(rollout.max_prompt_tokens bounds the prompts)"
+                    )
                 raise ValueError(
                     f"{where} ({p[:60]!r}) has {n} tokens; rollout.max_prompt_tokens="
                     f"{max_prompt_tokens} (shorten the prompt or raise rollout.max_prompt_tokens)"
                 )
+    return longest
 
 
 def prompt_line(path: str | Path, prompt: str) -> int | str:
@@ -389,14 +465,8 @@ def build_run(
     check_launcher(str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type)))
     check_world_size(config, accelerator.num_processes)
     seed_everything(config.train.seed)
-    train_prompts, heldout = (
-        load_prompts(config) if train_dataset is None else dataset_prompts(train_dataset, config)
-    )
-    if scorer is None:
-        scorer = make_scorer(config.reward.scorer, config.reward.weights)
-    elif isinstance(scorer, (list, tuple)):  # TRL's reward_funcs: a list of callables
-        scorer = make_scorer(list(scorer), config.reward.weights)
-    check_scorer_columns(scorer, train_prompts.columns)
+    # 1. the checks that need no weights and no download, each in seconds: the run folder, the
+    # model's name, the scorers' and judges' names (a module:function imports here)
     run_dir = Path(config.train.output_dir) if config.train.output_dir else default_run_dir(config.train.algo)
     run_dir = gather_objects(run_dir)[0]  # rank 0's (a default name holds the time)
     if not resume and run_dir.exists() and any(run_dir.iterdir()):
@@ -411,6 +481,23 @@ def build_run(
         )
     if resume and not (run_dir / "config.yaml").exists():
         raise FileNotFoundError(f"--resume {run_dir}: not a tether run directory (no config.yaml)")
+    if model is None:
+        check_model_name(config.model.name, config.model.revision)
+    if scorer is None:
+        check_scorer_spec(config.reward.scorer)
+    if config.eval.fluency_model != "none" and (config.eval.n_prompts or config.eval.every):
+        check_model_name(config.eval.fluency_model, field_name="eval.fluency_model")
+    # 2. the data (a user's file reads in seconds; the embedded prompts download once), then the
+    # scorer, checked against the data's columns before any model loads
+    train_prompts, heldout = (
+        load_prompts(config) if train_dataset is None else dataset_prompts(train_dataset, config)
+    )
+    # reward.scorer, or TRL's reward_funcs from Python (a callable, a reward model, (model, tokenizer),
+    # or a list of them), counted against reward.weights here; a reward model runs on this device
+    scorer = make_scorer(
+        config.reward.scorer if scorer is None else scorer, config.reward.weights, device=accelerator.device
+    )
+    check_scorer_columns(scorer, train_prompts.columns)
     path = None
     if model is None or tokenizer is None:  # before anything is written: a bad id costs nothing
         source = getattr(model, "name_or_path", None) if model is not None else None
@@ -434,12 +521,18 @@ def build_run(
         prepare_tokenizer(tokenizer)
         if config.data.chat_template:
             use_chat_template(tokenizer)
-        check_prompt_lengths(
+        context = model_context(model.config if model is not None else path, config.model.trust_remote_code)
+        pairs = config.train.algo == "dpo" and config.dpo.pairs != "sampled"
+        longest = check_prompt_lengths(
             tokenizer,
-            train_prompts.prompts + heldout.prompts,
+            train_prompts.prompts
+            + heldout.prompts
+            + (pair_prompts(config.dpo.pairs, config.data.split).prompts if pairs else []),
             config.rollout.max_prompt_tokens,
             None if config.data.prompts == DEFAULT_PROMPTS else config.data.prompts,
+            room=(context, config.rollout.max_new_tokens) if context else None,
         )
+        config = fill_max_prompt_tokens(config, longest, context)
         if model is not None:  # the caller's object: dropout off, eval mode, on the device
             lm = disable_dropout(model).eval().to(accelerator.device)
             if config.model.dtype != "auto":

@@ -20,6 +20,7 @@ applied to the policy's log-probs); ``step`` is the same algorithm for all three
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterator
@@ -39,12 +40,18 @@ from tether.core.diversity import distinct_n, repetition
 from tether.core.kl import kl_k3, sequence_kl
 from tether.core.leash import KLLeash
 from tether.data.prompts import PromptSampler
-from tether.judges.contract import WeightedReward, checked_scores
+from tether.judges.contract import RewardLog, WeightedReward, checked_scores, trainer_state
 from tether.models.sampling import Rollout, generate, sample_seeds
 from tether.models.scoring import rollout_logprobs
 from tether.models.sharding import generation_weights, is_sharded, root_gathered
 from tether.run.setup import Run
-from tether.trainers.common import RolloutLogprobs, make_optimizer, make_scheduler, old_and_ref_logprobs
+from tether.trainers.common import (
+    RolloutLogprobs,
+    make_optimizer,
+    make_scheduler,
+    old_and_ref_logprobs,
+    restore_optimization,
+)
 from tether.trainers.steps import Experience, KLRewards, kl_and_rewards
 from tether.trainers.update import MicroLoss, UpdateStats, minibatch_update
 
@@ -87,9 +94,11 @@ class OnPolicyTrainer:
             else run.policy
         )
         self.optimizer = make_optimizer(self.params, c.optim.lr, c.optim.weight_decay, c.optim.fused_adamw)
-        per_step = c.optim.epochs * (c.rollout.batch_size // c.optim.minibatch_size)  # optimizer steps
+        self.fused = bool(self.optimizer.param_groups[0].get("fused"))  # False where no fused kernel
+        self.per_step = per_step = c.optim.epochs * (c.rollout.batch_size // c.optim.minibatch_size)
+        self.schedule_steps = c.train.steps * per_step  # optimizer steps; a resume may change it
         self.scheduler = make_scheduler(
-            self.optimizer, c.optim.lr_scheduler, c.optim.warmup_steps, c.train.steps * per_step
+            self.optimizer, c.optim.lr_scheduler, c.optim.warmup_steps, self.schedule_steps
         )
         if c.optim.warmup_steps >= c.train.steps * per_step:
             log.warning(
@@ -116,6 +125,13 @@ class OnPolicyTrainer:
             )
         )
         self._reused_forward = None
+
+    def trainer_state(self, step: int):
+        """The ``trainer_state`` reward functions get at ``step`` (TRL's ``self.state``): the steps
+        done, ``train.steps``, and the passes over the training prompts so far."""
+        c = self.cfg
+        drawn = step * (c.rollout.batch_size // self.group_size)  # prompts drawn before this step
+        return trainer_state(step, c.train.steps, drawn / max(1, len(self.run.train_prompts)))
 
     # ---- the step --------------------------------------------------------------------------
     def step(self, step: int) -> dict:
@@ -146,12 +162,24 @@ class OnPolicyTrainer:
             )
         rollout.columns = prompts.columns
         t_gen = time.perf_counter()
-        # 3. score responses with the reward model (a reward list: their weighted sum)
+        # 3. score responses with the reward model (a reward list: their weighted sum), called as
+        #    TRL calls it: prompts, completions, completion_ids, columns, trainer_state, log hooks
+        reward_log = RewardLog()
         scores = torch.tensor(
-            checked_scores(run.scorer, rollout.responses, step, rollout.prompts, rollout.columns),
+            checked_scores(
+                run.scorer,
+                rollout.responses,
+                step,
+                rollout.prompts,
+                rollout.columns,
+                completion_ids=rollout.completion_ids,
+                state=self.trainer_state(step),
+                reward_log=reward_log,
+            ),
             device=self.device,
         )  # (B,)
         rewards = reward_components(run.scorer, self.device)
+        rewards.update(reward_log.step_metrics())  # reward_metric/<name>: what log_metric got
         # 4. old log-probs (+ values) and reference log-probs, no grad
         #    (in one pass, optim.reuse_forward: the update's own forward, whose graph step 7 reuses)
         minibatches = self.minibatch_indices()
@@ -235,17 +263,25 @@ class OnPolicyTrainer:
             "sampler": self.sampler.state_dict(),
             "leash_counts": dict(self.leash.counts),
             "scheduler": self.scheduler.state_dict(),
+            # the settings the run has: a resume with other ones says what changed
+            "optim": dataclasses.asdict(self.cfg.optim),
+            "schedule": {
+                "total_steps": self.schedule_steps,
+                "train_steps": self.cfg.train.steps,
+                "per_step": self.per_step,
+            },
         }
 
-    def load_state_dict(self, state: dict) -> None:
-        if "optimizer" in state:  # else loaded from a sharded checkpoint's files
-            self.optimizer.load_state_dict(state["optimizer"])
+    def load_state_dict(self, state: dict, next_step: int | None = None) -> None:
+        """Restore :meth:`state_dict`; ``next_step``: the step the resumed run trains first.
+
+        The controller's and the optimizer's settings are the resumed config's (a change is
+        printed): :meth:`restore_controller`, :func:`tether.trainers.common.restore_optimization`."""
         self.restore_controller(state["controller"])
         self.generator.set_state(state["generator"])
         self.sampler.load_state_dict(state["sampler"])
         self.leash.counts.update(state["leash_counts"])
-        if "scheduler" in state:  # checkpoints from before optim.lr_scheduler: a constant rate
-            self.scheduler.load_state_dict(state["scheduler"])
+        restore_optimization(self, state, next_step)  # the optimizer, and its schedule resumed
 
     def restore_controller(self, saved: dict) -> None:
         """Carry on the checkpoint's beta (and the budget controller's dual variable); the

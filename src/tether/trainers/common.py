@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
 
+from tether.core import distributed as D
 from tether.models.sampling import Rollout
 from tether.models.scoring import TokenStats, policy_and_reference_logprobs, rollout_logprobs
 from tether.trainers.precision import MasterWeights
@@ -40,6 +44,143 @@ def make_scheduler(
     inner = optimizer.optimizer if isinstance(optimizer, MasterWeights) else optimizer
     kind = "constant_with_warmup" if name == "constant" else name
     return get_scheduler(kind, inner, num_warmup_steps=warmup_steps, num_training_steps=max(total_steps, 1))
+
+
+def apply_optim_settings(
+    optimizer: MasterWeights | torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LambdaLR,
+    lr: float,
+    weight_decay: float,
+    fused: bool,
+) -> dict[str, tuple]:
+    """Put a resumed run's optimizer settings over the state its checkpoint loaded.
+
+    ``Optimizer.load_state_dict`` restores every param group's hyperparameters (``lr``,
+    ``initial_lr``, ``weight_decay``, ``fused``) and ``LambdaLR.load_state_dict`` the schedule's
+    ``base_lrs`` and last rate, all the checkpoint's: without this a run resumed with
+    ``optim.lr=...`` goes on at the old rate (prime-rl PRs #1095 and #2088 fix the same bug).
+    With ``n = scheduler.last_epoch`` (the optimizer steps taken so far) and ``lambda`` the
+    schedule's multiplier (``scheduler`` is the new schedule: name, warmup, total), every param
+    group gets::
+
+        initial_lr = lr    lr = lr * lambda(n)    weight_decay = weight_decay    fused = fused
+
+    and ``scheduler.base_lrs = [lr, ...]``: the next optimizer step runs at ``lr * lambda(n)`` and
+    ``scheduler.step()`` after it sets ``lr * lambda(n + 1)``, the rates of a run that had these
+    settings from its start (the same float expression as ``LambdaLR.get_lr``, so an unchanged
+    resume is bit for bit the uninterrupted run). AdamW's moments and step counts are kept; with
+    ``fused`` changed each step count moves where that kernel keeps it (the parameter's device
+    for the fused kernel, the host for the per-tensor loop).
+
+    Args:
+        optimizer: AdamW, or :class:`MasterWeights` over it, with the checkpoint's state loaded.
+        scheduler: the new schedule over ``optimizer``, at the checkpoint's position.
+        lr: optim.lr, the schedule's peak rate (> 0).
+        weight_decay: optim.weight_decay (>= 0).
+        fused: whether AdamW runs its fused kernel.
+
+    Returns:
+        ``{name: (loaded, now)}`` for each of ``lr``, ``weight_decay``, ``fused`` and ``next_lr``
+        (the rate of the next optimizer step) that changed.
+    """
+    inner = optimizer.optimizer if isinstance(optimizer, MasterWeights) else optimizer
+    group = inner.param_groups[0]
+    loaded = {
+        "lr": scheduler.base_lrs[0],  # the checkpoint's (its state_dict restored them)
+        "weight_decay": group["weight_decay"],
+        "fused": bool(group.get("fused")),
+        "next_lr": scheduler.get_last_lr()[0],  # the rate the checkpoint's schedule had next
+    }
+    n = scheduler.last_epoch
+    scheduler.base_lrs = [lr] * len(inner.param_groups)
+    for g, lmbda in zip(inner.param_groups, scheduler.lr_lambdas):
+        g["initial_lr"], g["lr"], g["weight_decay"] = lr, lr * lmbda(n), weight_decay
+        if bool(g.get("fused")) != fused:
+            g["fused"] = fused or None  # as make_optimizer builds it: None, the per-tensor loop
+            for p in g["params"]:
+                if "step" in inner.state.get(p, {}):
+                    step = inner.state[p]["step"]  # () float32
+                    inner.state[p]["step"] = step.to(p.device if fused or g.get("capturable") else "cpu")
+    scheduler._last_lr = [g["lr"] for g in inner.param_groups]
+    now = {"lr": lr, "weight_decay": weight_decay, "fused": fused, "next_lr": group["lr"]}
+    return {k: (loaded[k], now[k]) for k in loaded if loaded[k] != now[k]}
+
+
+class ResumedSchedule(NamedTuple):
+    """The learning-rate schedule a resumed run goes on with, and what changed on the way."""
+
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    total_steps: int
+    """Optimizer steps the schedule runs over (its decay reaches 0 after the last)."""
+    changes: list[str]
+    """``"name old -> new"`` for each setting that changed (empty: none)."""
+
+
+def resume_schedule(
+    optimizer: MasterWeights | torch.optim.Optimizer,
+    saved: dict,
+    settings: dict,
+    per_step: int,
+    train_steps: int,
+    next_step: int | None,
+    fused: bool,
+) -> ResumedSchedule:
+    """The schedule of the resumed config at the checkpoint's position, its settings applied.
+
+    The schedule's total is the optimizer steps the saved schedule planned for the steps done
+    plus those the steps left take now::
+
+        total = saved_total - (saved_train_steps - next_step) * saved_per_step
+                + max(train_steps - next_step, 0) * per_step
+
+    so an unchanged resume keeps the saved total exactly; a larger train.steps gives the total
+    an uninterrupted run of that length has (a linear or cosine decay stretches: the rate jumps
+    up to that run's curve at the next step); a changed optim.epochs or optim.minibatch_size
+    counts the steps left at the new rate, so the decay still ends at the run's last step.
+    A checkpoint from before the saved record (``saved["schedule"]``), or no ``next_step``:
+    ``train_steps * per_step``. Then :func:`apply_optim_settings`.
+
+    Args:
+        optimizer: with the checkpoint's state loaded.
+        saved: the trainer's checkpoint state; reads ``scheduler`` (LambdaLR's state_dict: the
+            position ``last_epoch``), ``schedule`` (``total_steps``, ``train_steps``,
+            ``per_step``) and ``optim`` (the optim settings it ran with), each if present.
+        settings: the resumed run's optim settings (``dataclasses.asdict`` of them): ``lr``,
+            ``weight_decay``, ``lr_scheduler``, ``warmup_steps`` are read.
+        per_step: optimizer steps per training step now.
+        train_steps: train.steps now.
+        next_step: the first step the resumed run trains (None: not known).
+        fused: whether AdamW runs its fused kernel now.
+    """
+    old = saved.get("schedule")
+    if old is None or next_step is None:
+        total = train_steps * per_step
+    else:
+        total = (
+            old["total_steps"]
+            - (old["train_steps"] - next_step) * old["per_step"]
+            + max(train_steps - next_step, 0) * per_step
+        )
+    scheduler = make_scheduler(optimizer, settings["lr_scheduler"], settings["warmup_steps"], total)
+    if "scheduler" in saved:  # else a checkpoint from before optim.lr_scheduler: position 0
+        scheduler.load_state_dict(saved["scheduler"])  # the position, last_epoch
+    applied = apply_optim_settings(optimizer, scheduler, settings["lr"], settings["weight_decay"], fused)
+    # what the run had: its saved settings, or (older checkpoints) what its optimizer state says
+    names = {"lr": "lr", "weight_decay": "weight_decay", "fused": "fused_adamw"}
+    before = saved.get("optim") or {names[k]: v for k, (v, _) in applied.items() if k in names}
+    changes = [
+        f"{k} {_shown(before[k])} -> {_shown(v)}" for k, v in settings.items() if before.get(k, v) != v
+    ]
+    if old is not None and total != old["total_steps"] and settings["lr_scheduler"] != "constant":
+        changes.append(f"schedule over {old['total_steps']} -> {total} optimizer steps")
+    if "next_lr" in applied:
+        changes.append("the next optimizer step's rate {} -> {}".format(*map(_shown, applied["next_lr"])))
+    return ResumedSchedule(scheduler, total, changes)
+
+
+def _shown(value) -> str:
+    """A setting as a change line shows it: floats in %g, None as null."""
+    return "null" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
 
 
 @dataclass
@@ -112,3 +253,33 @@ def old_and_ref_logprobs(
         out["exact"] if exact_kl else None,
         update_forward,
     )
+
+
+log = logging.getLogger(__name__)
+
+
+def restore_optimization(trainer, state: dict, next_step: int | None) -> None:
+    """Resume a trainer's optimization from its checkpoint state: load the optimizer's state
+    (unless a sharded checkpoint's files held it), then set ``trainer.scheduler`` and
+    ``trainer.schedule_steps`` by :func:`resume_schedule` with the run's optim settings. What
+    changed is logged once, on rank 0.
+
+    Args:
+        trainer: a PPO, GRPO, RLOO or DPO trainer (``optimizer``, ``cfg``, ``per_step``, ``fused``).
+        state: the trainer's checkpoint state.
+        next_step: the step the run resumes at (None: as :func:`resume_schedule`).
+    """
+    if "optimizer" in state:  # else loaded from a sharded checkpoint's files
+        trainer.optimizer.load_state_dict(state["optimizer"])
+    resumed = resume_schedule(
+        trainer.optimizer,
+        state,
+        dataclasses.asdict(trainer.cfg.optim),
+        trainer.per_step,
+        trainer.cfg.train.steps,
+        next_step,
+        trainer.fused,
+    )
+    trainer.scheduler, trainer.schedule_steps = resumed.scheduler, resumed.total_steps
+    if resumed.changes and D.is_main():
+        log.warning("tether: resuming with optim settings changed (%s)", ", ".join(resumed.changes))

@@ -20,6 +20,8 @@ reduced over processes (docs/distributed.md).
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 from collections.abc import Iterator
 from typing import NamedTuple
@@ -31,8 +33,8 @@ from tether.core import distributed as D
 from tether.core.kl import estimate_kl, masked_sum
 from tether.core.losses import DPOLoss, dpo_loss
 from tether.core.shaping import shape_rewards
-from tether.data.prompts import PromptSampler, load_rows
-from tether.judges.contract import checked_scores
+from tether.data.prompts import PromptSampler, is_heldout, load_rows, prompt_key
+from tether.judges.contract import checked_scores, trainer_state
 from tether.models.sampling import generate, sample_seeds
 from tether.models.scoring import (
     policy_and_reference_logprobs,
@@ -42,9 +44,11 @@ from tether.models.scoring import (
 from tether.models.sharding import generation_weights, is_sharded, root_gathered
 from tether.run.setup import Run
 from tether.trainers.base import sample_metrics
-from tether.trainers.common import make_optimizer, make_scheduler
+from tether.trainers.common import make_optimizer, make_scheduler, restore_optimization
 from tether.trainers.steps import Experience, dpo_pair_loss
 from tether.trainers.update import MicroLoss, minibatch_update
+
+log = logging.getLogger(__name__)
 
 
 class Pairs(NamedTuple):
@@ -95,14 +99,27 @@ def response_text(x) -> str | None:
     return None
 
 
-def read_pair_file(path: str, tokenizer, split: str = "train") -> tuple[list, list[Tensor], list[Tensor]]:
+def read_pair_file(
+    path: str,
+    tokenizer,
+    split: str = "train",
+    heldout_fraction: float | None = None,
+    heldout: set[str] | frozenset[str] = frozenset(),
+) -> tuple[list, list[Tensor], list[Tensor]]:
     """Pairs ``{"prompt", "chosen", "rejected"}`` from a .jsonl file or any dataset
     :func:`tether.data.prompts.load_rows` reads (TRL's preference format, standard or
     conversational: a prompt of messages, chosen and rejected as assistant messages); responses
     get EOS appended.
 
+    Args:
+        heldout_fraction: drop the pairs whose prompt the hash split holds out
+            (:func:`tether.data.prompts.is_heldout` of its :func:`~tether.data.prompts.prompt_key`),
+            so that DPO never trains on a prompt it is evaluated on; None keeps every pair.
+        heldout: prompt keys held out by another rule (the run's held-out prompts), dropped too.
+
     Raises:
-        FileNotFoundError, ValueError: missing file, bad JSON or a missing field (the row named).
+        FileNotFoundError, ValueError: missing file, bad JSON or a missing field (the row named);
+            no pair left after the held-out prompts are dropped.
     """
     records, where = load_rows(str(path), split, field_name="dpo.pairs")
     prompts, chosen, rejected = [], [], []
@@ -116,6 +133,9 @@ def read_pair_file(path: str, tokenizer, split: str = "train") -> tuple[list, li
                 f'dpo.pairs: {at} needs non-empty "prompt", "chosen" and "rejected" (strings, or lists '
                 "of {role, content} messages)"
             )
+        key = prompt_key(prompt)
+        if key in heldout or (heldout_fraction is not None and is_heldout(key, heldout_fraction)):
+            continue  # a held-out prompt: evaluated on, never trained on
         prompts.append(prompt)
         for text, out in zip(texts, (chosen, rejected)):
             out.append(
@@ -126,7 +146,14 @@ def read_pair_file(path: str, tokenizer, split: str = "train") -> tuple[list, li
                 )
             )
     if not prompts:
-        raise ValueError(f"dpo.pairs: {path} holds no pairs")
+        raise ValueError(
+            f"dpo.pairs: {path} holds no pairs"
+            + (
+                f" outside the held-out prompts (data.heldout_fraction={heldout_fraction:g}); lower it"
+                if records and heldout_fraction is not None
+                else ""
+            )
+        )
     return prompts, chosen, rejected
 
 
@@ -156,11 +183,13 @@ class DPOTrainer:
         self.generator = torch.Generator(device="cpu").manual_seed(c.train.seed)
         self.pairs = self.build_pairs()
         self.position = 0
-        per_step = c.optim.epochs * -(
+        self.fused = bool(self.optimizer.param_groups[0].get("fused"))  # False where no fused kernel
+        self.per_step = c.optim.epochs * -(
             -min(c.rollout.batch_size, len(self.pairs.prompts)) // c.optim.minibatch_size
         )
+        self.schedule_steps = c.train.steps * self.per_step  # optimizer steps; a resume may change it
         self.scheduler = make_scheduler(
-            self.optimizer, c.optim.lr_scheduler, c.optim.warmup_steps, c.train.steps * per_step
+            self.optimizer, c.optim.lr_scheduler, c.optim.warmup_steps, self.schedule_steps
         )
         self.last_experience: Experience | None = None
 
@@ -170,7 +199,16 @@ class DPOTrainer:
         c, run = self.cfg, self.run
         if c.dpo.pairs == "sampled":
             return Pairs(*self.sample_pairs())
-        return Pairs(*read_pair_file(c.dpo.pairs, run.tokenizer, c.data.split))
+        held = {prompt_key(p) for p in run.heldout_prompts.prompts}
+        return Pairs(
+            *read_pair_file(
+                c.dpo.pairs,
+                run.tokenizer,
+                c.data.split,
+                heldout_fraction=c.data.heldout_fraction,
+                heldout=held,
+            )
+        )
 
     def sample_pairs(self) -> tuple[list[str], list[Tensor], list[Tensor]]:
         """Best-vs-worst of ``dpo.candidates`` reference samples per prompt, ties skipped."""
@@ -204,7 +242,15 @@ class DPOTrainer:
                 )
             tried += per_call
             scores = torch.tensor(
-                checked_scores(run.scorer, ro.responses, "DPO pair sampling", ro.prompts, candidates.columns),
+                checked_scores(
+                    run.scorer,
+                    ro.responses,
+                    "DPO pair sampling",
+                    ro.prompts,
+                    candidates.columns,
+                    completion_ids=ro.completion_ids,
+                    state=trainer_state(0, c.train.steps),  # before the first step
+                ),
                 device="cpu",
             ).view(-1, k)  # (prompts, k), read on the host one by one
             for g, prompt in enumerate(batch):
@@ -279,15 +325,22 @@ class DPOTrainer:
             "generator": self.generator.get_state(),
             "position": self.position,
             "scheduler": self.scheduler.state_dict(),
+            # the settings the run has: a resume with other ones says what changed
+            "optim": dataclasses.asdict(self.cfg.optim),
+            "schedule": {
+                "total_steps": self.schedule_steps,
+                "train_steps": self.cfg.train.steps,
+                "per_step": self.per_step,
+            },
         }
 
-    def load_state_dict(self, state: dict) -> None:
-        if "optimizer" in state:  # else loaded from a sharded checkpoint's files
-            self.optimizer.load_state_dict(state["optimizer"])
+    def load_state_dict(self, state: dict, next_step: int | None = None) -> None:
+        """Restore :meth:`state_dict`; ``next_step``: the step the resumed run trains first. The
+        optimizer's settings are the resumed config's, a change printed
+        (:func:`tether.trainers.common.restore_optimization`)."""
         self.generator.set_state(state["generator"])
         self.position = state["position"]
-        if "scheduler" in state:
-            self.scheduler.load_state_dict(state["scheduler"])
+        restore_optimization(self, state, next_step)  # the optimizer, and its schedule resumed
 
     # ---- the step --------------------------------------------------------------------------
     def step(self, step: int) -> dict:
@@ -377,7 +430,21 @@ class DPOTrainer:
         kl = estimate_kl(pol.logprobs, ref.logprobs, c.kl.estimator)
         ro.columns = prompts.columns
         scores = torch.tensor(
-            checked_scores(run.scorer, ro.responses, step, ro.prompts, ro.columns), device=self.device
+            checked_scores(
+                run.scorer,
+                ro.responses,
+                step,
+                ro.prompts,
+                ro.columns,
+                completion_ids=ro.completion_ids,
+                # the probe follows this step's update: step + 1 steps done, (step + 1) batches of pairs
+                state=trainer_state(
+                    step + 1,
+                    c.train.steps,
+                    (step + 1) * c.rollout.batch_size / max(1, len(self.pairs.prompts)),
+                ),
+            ),
+            device=self.device,
         )
         shaped = shape_rewards(scores, kl, c.dpo.beta, mask)
         self.last_experience = Experience(
