@@ -317,3 +317,146 @@ def test_config_is_still_a_dataclass_roundtrip():
     c = load_config(None, ["kl.kl_coef=0.1", "train.algo=rloo"])
     again = c.for_run()
     assert isinstance(again, Config) and again.to_dict() == c.to_dict()
+
+
+# ---- found by trying to break it -----------------------------------------------------------------
+def _answer_judge(prompts, completions, answer, **kwargs):
+    return [0.0 for _ in completions]
+
+
+def test_python_reward_is_named_in_config_yaml_and_a_cli_resume_asks_for_it(
+    tiny_model_dir, prompt_file, tmp_path, capsys
+):
+    """A run trained with a reward passed from Python must not go on with VADER when resumed from
+    the CLI: config.yaml names the object, and the resume is refused until a reward is named."""
+    out = tmp_path / "run"
+    c = load_config(
+        None, _tiny(tiny_model_dir, prompt_file, out, "eval.judge=none", "train.checkpoint_every=1")
+    )
+
+    def five(completions, **kwargs):
+        return [5.0] * len(completions)
+
+    train(c, scorer=five)
+    assert yaml.safe_load((out / "config.yaml").read_text())["reward"]["scorer"] == ["(from Python) five"]
+    capsys.readouterr()
+    assert main(["train", "--resume", str(out), "train.steps=3"]) == 1
+    err = capsys.readouterr().err
+    assert "reward was passed from Python (five)" in err and "scorer=..., resume=True" in err
+    # from Python, with the object again, it goes on (the recorded name is not a spec to build)
+    train(load_config(out / "config.yaml", ["train.steps=3"]), scorer=five, resume=True)
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1, 2]
+
+
+def test_a_callable_put_in_the_config_is_the_reward(tiny_model_dir, prompt_file, tmp_path):
+    out = tmp_path / "run"
+    c = load_config(None, _tiny(tiny_model_dir, prompt_file, out, "eval.judge=none"))
+
+    def two(completions, **kwargs):
+        return [2.0] * len(completions)
+
+    c.reward.scorer = two  # what a TRL user writes for reward_funcs
+    train(c)
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["objective/scores"] == 2.0
+
+
+def test_replaced_sections_still_follow_the_algo():
+    import dataclasses
+
+    c = load_config(None, [])
+    c.kl = dataclasses.replace(c.kl, kl_coef=0.1)  # a new section object: no fill marks
+    c.rollout = dataclasses.replace(c.rollout, temperature=0.9)
+    c.train.algo = "grpo"
+    run = c.for_run()
+    assert (run.kl.kl_in_reward, run.kl.kl_in_loss, run.rollout.group_size) == (False, True, 4)
+    assert run.kl.kl_coef == 0.1 and run.rollout.temperature == 0.9
+    c = load_config(None, [])
+    whole = dataclasses.replace(c, train=dataclasses.replace(c.train, algo="rloo"))
+    assert (whole.rollout.group_size, whole.kl.kl_in_reward) == (4, True)
+    assert (c.train.algo, c.rollout.group_size) == ("ppo", 1)  # the first config is untouched
+
+
+@pytest.mark.parametrize(
+    "weights,words",
+    [("2", "expected a list"), ("1 0.2", "give a list of numbers"), ("[1,x]", "reward.weights='x'")],
+)
+def test_reward_weights_of_the_wrong_type_name_the_field(weights, words):
+    with pytest.raises(ConfigError, match=words.replace("[", r"\[")):
+        load_config(None, [f"reward.weights={weights}"])
+    c = load_config(None, [])
+    c.reward.weights = [1, "x"]
+    with pytest.raises(ConfigError, match="reward.weights='x'"):
+        c.for_run()
+
+
+def test_resume_with_other_data_is_refused_before_anything_changes(
+    tiny_model_dir, prompt_file, tmp_path, capsys
+):
+    out = tmp_path / "run"
+    assert (
+        main(
+            ["train", *_tiny(tiny_model_dir, prompt_file, out, "eval.judge=none", "train.checkpoint_every=1")]
+        )
+        == 0
+    )
+    before = (out / "config.yaml").read_text(), (out / "metrics.jsonl").read_text()
+    small = tmp_path / "small.txt"
+    small.write_text("".join(f"tiny {i}\n" for i in range(6)))
+    capsys.readouterr()
+    for override in (f"data.prompts={small}", "train.algo=rloo"):
+        assert main(["train", "--resume", str(out), "train.steps=3", override]) == 2
+        err = capsys.readouterr().err
+        assert (
+            "--resume:" in err and override.split("=")[0] in err and "keeps its trainer and its data" in err
+        )
+    assert ((out / "config.yaml").read_text(), (out / "metrics.jsonl").read_text()) == before
+
+
+def test_a_judge_needing_a_missing_column_is_refused_before_the_model_loads(
+    no_heavy_steps, prompt_file, tmp_path
+):
+    out = tmp_path / "run"
+    c = load_config(
+        None,
+        [
+            f"data.prompts={prompt_file}",
+            "eval.judge=tests.test_task_defaults:_answer_judge",
+            f"train.output_dir={out}",
+        ],
+    )
+    with pytest.raises(
+        ValueError, match=r"eval\.judge '_answer_judge' needs the dataset column\(s\) \['answer'\]"
+    ):
+        train(c)
+    assert not out.exists()
+
+
+def test_dpo_pairs_all_held_out_names_the_pairs_file(tiny_model_dir, tmp_path):
+    from tether.run.setup import build_run
+
+    pairs = _pairs(tmp_path / "pairs.jsonl", n=3)
+    c = load_config(
+        None,
+        [
+            f"model.name={tiny_model_dir}",
+            "train.algo=dpo",
+            f"dpo.pairs={pairs}",
+            "data.heldout_fraction=0.999",
+            "reward.scorer=tests.conftest:length_judge",
+            f"train.output_dir={tmp_path / 'run'}",
+        ],
+    )
+    with pytest.raises(ValueError, match=r"dpo\.pairs=.*pairs\.jsonl: no training prompts left"):
+        build_run(c.for_run())
+
+
+def test_an_args_kwargs_reward_that_fails_is_told_how_it_was_called():
+    from tether.judges.contract import checked_scores
+
+    def trl_style(*args, **kwargs):
+        return [len(c) for c in kwargs["completions"]]
+
+    with pytest.raises(ValueError, match=r"called as a plain scorer, f\(texts\)"):
+        checked_scores(trl_style, ["a", "bb"], 0, prompts=["p", "q"])

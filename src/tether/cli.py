@@ -138,7 +138,13 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "print_config", False):
         import yaml
 
-        print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
+        # config.yaml's form: the defaults the run fills stay null (so the file reloads with
+        # another train.algo or data), their values for this config shown as a comment
+        filled = {k: v for k, v in config.unresolved.items() if v is None}
+        resolved = config.to_dict()
+        shown = ", ".join(f"{k}={resolved[k.split('.')[0]][k.split('.')[1]]!r}" for k in filled)
+        print(f"# left null, filled when the run starts; for this config: {shown}")
+        print(yaml.safe_dump(config.to_dict(resolved=False), sort_keys=False), end="")
         return 0
     try:
         if args.command == "train":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -20,7 +21,7 @@ from tether.core import distributed as D
 from tether.core.health import Alarm, HealthThresholds
 from tether.core.kl import masked_sum, sequence_kl
 from tether.judges.contract import Scorer, checked_scores
-from tether.judges.scorers import check_scorer_spec, make_scorer
+from tether.judges.scorers import builds_a_model, check_scorer_spec, make_scorer
 from tether.models.reference import fingerprint
 from tether.models.sharding import full_state_dict, gathered, is_sharded, local_bytes
 from tether.run.checkpoint import (
@@ -204,6 +205,12 @@ def train(
         RuntimeError: on resume, the reference no longer matches its recorded fingerprint.
     """
     t_start = time.perf_counter()
+    spec = config.reward.scorer
+    if scorer is None and (callable(spec) or (isinstance(spec, list) and any(callable(x) for x in spec))):
+        # a TRL user's reward_funcs put in the config: the objects are the scorer, and config.yaml
+        # names them (python_scorer_spec)
+        scorer, config = spec, copy.deepcopy(config)
+        config.reward.scorer = None
     # the config as the run starts it: rebuilt and checked whole, its defaults filled for this
     # train.algo and this data (a Python edit after load_config counts, config.yaml records it)
     config = config.for_run(
@@ -215,14 +222,25 @@ def train(
     c = config
     evaluating = bool(c.eval.n_prompts or c.eval.every)
     wants_judge = judge is None and c.eval.judge != "none" and evaluating
+    judges = {}
     if wants_judge:  # a bad judge spec fails here, in seconds; its fit (minutes) comes later
         check_scorer_spec(c.eval.judge, "eval.judge")
+        if not builds_a_model(c.eval.judge):  # a module:function: built now, its columns checked
+            judge = judges["eval.judge"] = make_scorer(c.eval.judge)
+    elif judge is not None:
+        judges["eval.judge"] = judge
     run = build_run(
-        config, scorer, resume=resume, model=model, tokenizer=tokenizer, train_dataset=train_dataset
+        config,
+        scorer,
+        resume=resume,
+        model=model,
+        tokenizer=tokenizer,
+        train_dataset=train_dataset,
+        judges=judges,
     )
     try:
-        if wants_judge:  # after every check and the model load: no fit for a run that cannot start
-            judge = make_scorer(c.eval.judge)
+        if wants_judge and judge is None:  # after every check and the model load: no fit for a run
+            judge = make_scorer(c.eval.judge)  # that cannot start
         return _train(run, judge, resume, t_start, scorer_given=scorer is not None)
     except BaseException:
         if not resume and D.is_main() and not run.writer.history:
@@ -597,9 +615,14 @@ def task_defaults_lines(c: Config, has_judge: bool, scorer_given: bool = False) 
     scores the held-out evaluation (the run's own reward; the gold judge only when named)."""
     lines = []
     if not c.embedded_data and c.reward._given("scorer") is None and not scorer_given:
+        uses = (
+            "DPO's per-step probe and the held-out evaluation score with"
+            if c.train.algo == "dpo" and c.dpo.pairs != "sampled"
+            else "the run trains on"
+        )
         lines.append(
-            "tether: note: reward.scorer is unset, so the run trains on VADER sentiment, the demo's "
-            "reward; name your own with reward.scorer=module:function (or hf:MODEL, a list of them)"
+            f"tether: note: reward.scorer is unset, so {uses} VADER sentiment, the demo's reward; name "
+            "your own with reward.scorer=module:function (or hf:MODEL, a list of them)"
         )
     if c.eval.n_prompts or c.eval.every:
         if has_judge:

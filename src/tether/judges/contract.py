@@ -74,6 +74,24 @@ def takes_prompts(scorer: Callable) -> bool:
     )
 
 
+def _plain_call_hint(scorer: Callable) -> str:
+    """For a failed plain call of a ``f(*args, **kwargs)`` callable: how it was called and how to
+    get TRL's keyword call (a wrapper of a plain scorer takes that form too, so it stays plain)."""
+    try:
+        kinds = {p.kind for p in inspect.signature(scorer).parameters.values()}
+    except (TypeError, ValueError):
+        return ""
+    if (
+        takes_prompts(scorer)
+        or not {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD} <= kinds
+    ):
+        return ""
+    return (
+        " (it takes *args and **kwargs and names no TRL argument, so it was called as a plain scorer, "
+        "f(texts); for TRL's keyword call name its parameters: def f(prompts, completions, **kwargs))"
+    )
+
+
 def required_arguments(scorer: Callable) -> list[str]:
     """The dataset columns a TRL-style reward function needs: its parameters without a default
     that are not one of :data:`TRL_ARGUMENTS` (those come with every call); [] for a plain
@@ -284,6 +302,7 @@ def checked_scores(
         raise ValueError(
             f"{where}: the scorer failed on {len(texts)} texts ({type(e).__name__}: {e})"
             + ("" if isinstance(e, ArgumentError) else "; it must return one float per text")
+            + _plain_call_hint(scorer)
         ) from e
     if len(scores) != len(texts):
         raise ValueError(f"{where}: the scorer returned {len(scores)} scores for {len(texts)} texts")

@@ -292,6 +292,10 @@ def make_scorer(spec, weights: Sequence[float] | None = None, device=None) -> Sc
     )
 
 
+PYTHON_SCORER = "(from Python)"
+"""The prefix config.yaml records for a reward passed as an object (``train(config, scorer=f)``)."""
+
+
 def builds_a_model(spec: str | Scorer) -> bool:
     """Whether building scorer ``spec`` loads or fits a model (``minilm-rm``, ``rm:``, ``hf:``):
     what :func:`check_scorer_spec` checks without building."""
@@ -316,6 +320,13 @@ def check_scorer_spec(spec: str | Scorer | list, field_name: str = "reward.score
         return
     if callable(spec) or spec in ("vader", "none"):
         return
+    if isinstance(spec, str) and spec.startswith(PYTHON_SCORER):
+        raise ValueError(
+            f"{field_name}: this run's reward was passed from Python "
+            f"({spec.removeprefix(PYTHON_SCORER).strip()}), "
+            "so config.yaml cannot rebuild it; resume from Python with tether.train(config, scorer=..., "
+            "resume=True), or name a reward: --resume RUN reward.scorer=module:function"
+        )
     if spec == "minilm-rm":
         import importlib.util
 

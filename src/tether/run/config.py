@@ -6,6 +6,7 @@ overrides) before any model or data loads; each error names the field, the value
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -268,7 +269,13 @@ class RewardConfig(_Defaulted):
     def __post_init__(self) -> None:
         self.scorer = _as_list(self.scorer)
         if isinstance(self.weights, str):
-            self.weights = [float(x) for x in self.weights.strip("[]").split(",") if x.strip()]
+            try:
+                self.weights = [float(x) for x in self.weights.strip("[]").split(",") if x.strip()]
+            except ValueError:
+                raise ConfigError(
+                    f"reward.weights={self.weights!r} is invalid: give a list of numbers, e.g. "
+                    "reward.weights=[1.0,0.2]"
+                ) from None
         n = len(self.scorer) if isinstance(self.scorer, list) else 1
         _check(
             not isinstance(self.scorer, list)
@@ -790,6 +797,10 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def __post_init__(self) -> None:
+        # the sections whose defaults the run fills are this config's own: another config built
+        # from them (dataclasses.replace) resolves its own defaults without touching the first's
+        for name in ("rollout", "kl", "eval", "reward"):
+            setattr(self, name, copy.deepcopy(getattr(self, name)))
         _check(
             self.rollout.batch_size % self.optim.minibatch_size == 0,
             "optim.minibatch_size",
@@ -953,6 +964,10 @@ class Config:
         "the default" (``to_dict(resolved=False)``) and reloads correctly with another
         ``train.algo``, and :meth:`for_run` fills it again after an edit in Python.
         """
+        for section, name in DEFAULTED_FIELDS:  # filled for another algo or data: fill anew
+            obj = getattr(self, section)
+            if name in obj.__dict__.get("_filled", ()):
+                object.__setattr__(obj, name, None)
         algo = self.train.algo
         self.kl._fill("controller", "fixed" if algo == "dpo" else "budget")
         self.rollout._fill("group_size", 1 if algo in ("ppo", "dpo") else 4)
@@ -966,6 +981,13 @@ class Config:
         self.kl._fill("kl_in_loss", algo == "grpo" and not self.kl.kl_in_reward)
         self.eval._fill("judge", "minilm-rm" if self.embedded_data else "none")
         self.reward._fill("scorer", "vader")
+        # what was filled, and in which section objects: a section replaced in Python
+        # (c.kl = dataclasses.replace(c.kl, ...)) carries no marks, and then a value equal to the
+        # filled one counts as filled (:attr:`unresolved`)
+        self._fills = {(sec, name): getattr(getattr(self, sec), name) for sec, name in DEFAULTED_FIELDS}
+        self._token = object()  # copied with the config (deepcopy keeps it shared with its sections)
+        for sec, _ in DEFAULTED_FIELDS:
+            getattr(self, sec).__dict__["_owner"] = self._token
         _check(
             self.eval.best_by != "gold" or self.eval.judge != "none",
             "eval.best_by",
@@ -988,9 +1010,16 @@ class Config:
     def unresolved(self) -> dict:
         """``section.field`` -> the value as given, None where the run fills it (a per-trainer,
         per-data or per-model default)."""
-        return {
-            f"{section}.{name}": getattr(self, section)._given(name) for section, name in DEFAULTED_FIELDS
-        }
+        out = {}
+        for section, name in DEFAULTED_FIELDS:
+            obj = getattr(self, section)
+            if obj.__dict__.get("_owner") is getattr(self, "_token", None):
+                out[f"{section}.{name}"] = obj._given(name)
+            else:  # a section object put in after the config was built: compare with the fill
+                value = getattr(obj, name)
+                filled = self._fills.get((section, name), _NOTHING)
+                out[f"{section}.{name}"] = None if value == filled else value
+        return out
 
     def for_run(self, data: str | None = None, model: str | None = None) -> Config:
         """This config as a run starts it: rebuilt from its fields, so that every check runs
@@ -1021,6 +1050,8 @@ class Config:
                 d[section][name] = value
         return d
 
+
+_NOTHING = object()
 
 DEFAULTED_FIELDS = (
     ("rollout", "group_size"),
@@ -1094,6 +1125,13 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
             ) from None
     if tp is str:
         return str(value)
+    if origin is list:
+        if isinstance(value, str):
+            return value  # a comma-separated list on the command line: the section parses it
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{name}={value!r} is invalid: expected a list, e.g. {name}=[a, b]")
+        (item,) = get_args(tp) or (Any,)
+        return [_coerce(v, item, name) if item is not Any else v for v in value]
     return value
 
 

@@ -27,7 +27,7 @@ from tether.data.prompts import (
     split_prompts,
 )
 from tether.judges.contract import Scorer, WeightedReward, required_arguments
-from tether.judges.scorers import check_scorer_spec, make_scorer
+from tether.judges.scorers import PYTHON_SCORER, check_scorer_spec, make_scorer, scorer_name
 from tether.models.loading import (
     check_model_name,
     disable_dropout,
@@ -80,23 +80,77 @@ def load_model_part(load, name: str, *args):
         ) from e
 
 
-def check_scorer_columns(scorer, columns: dict[str, list]) -> None:
-    """Refuse, before the model loads, a reward function that needs a dataset column the prompts
-    do not have.
+def check_scorer_columns(scorer, columns: dict[str, list], field_name: str = "reward.scorer") -> None:
+    """Refuse, before the model loads, a reward function (or judge, ``field_name``) that needs a
+    dataset column the prompts do not have.
 
     Raises:
-        ValueError: naming the function, the column and the columns there are.
+        ValueError: naming the field, the function, the column and the columns there are.
     """
-    scorers = scorer.scorers.items() if isinstance(scorer, WeightedReward) else [("reward.scorer", scorer)]
+    scorers = (
+        scorer.scorers.items()
+        if isinstance(scorer, WeightedReward)
+        else [(getattr(scorer, "__name__", type(scorer).__name__), scorer)]
+    )
     for name, one in scorers:
         missing = [
             c for c in required_arguments(one) if c not in ("prompts", "completions") and c not in columns
         ]
         if missing:
             raise ValueError(
-                f"reward.scorer {name!r} needs the dataset column(s) {missing}, and data.prompts has "
+                f"{field_name} {name!r} needs the dataset column(s) {missing}, and data.prompts has "
                 f"{sorted(columns) or 'none'}; point data.prompts at a dataset with them (or set "
                 "data.prompt_column) or give the function defaults"
+            )
+
+
+def python_scorer_spec(scorer) -> list[str]:
+    """What config.yaml records for rewards passed as objects (``train(config, scorer=...)``): one
+    ``(from Python) NAME`` entry per reward, which no spec builds, so a resume without them asks
+    for them (:func:`tether.judges.scorers.check_scorer_spec`) rather than falling back to VADER."""
+    if isinstance(scorer, WeightedReward):
+        names = list(scorer.scorers)
+    elif isinstance(scorer, (list, tuple)) and not (len(scorer) == 2 and hasattr(scorer[1], "decode")):
+        names = [scorer_name(one) if callable(one) else type(one).__name__ for one in scorer]
+    else:
+        names = [scorer_name(scorer) if callable(scorer) else type(scorer).__name__]
+    return [f"{PYTHON_SCORER} {n}" for n in names]
+
+
+RESUME_FIXED = (
+    ("train", "algo"),
+    ("data", "prompts"),
+    ("data", "split"),
+    ("data", "prompt_column"),
+    ("data", "heldout_fraction"),
+    ("data", "min_words"),
+    ("data", "max_words"),
+    ("data", "chat_template"),
+    ("dpo", "pairs"),
+)
+"""Fields a resume cannot change: the trainer (its checkpoint state is another trainer's) and
+the data (the checkpoint's prompt order and the held-out split index these prompts)."""
+
+
+def check_resume_keeps(config: Config, saved: Path) -> None:
+    """Refuse, before anything loads or is rewritten, a ``--resume`` that changes a field of
+    :data:`RESUME_FIXED` from the run's config.yaml.
+
+    Raises:
+        ConfigError: naming the field, both values and the fix.
+    """
+    import yaml
+
+    before = yaml.safe_load(saved.read_text()) or {}
+    for section, name in RESUME_FIXED:
+        was = (before.get(section) or {}).get(name, getattr(getattr(Config(), section), name))
+        now = getattr(getattr(config, section), name)
+        if was != now:
+            raise ConfigError(
+                f"--resume: {section}.{name}={now!r} differs from the run's {was!r} ({saved}); a resumed "
+                "run keeps its trainer and its data (the checkpoint's prompt order, the held-out split). "
+                f"Drop the override, or start a new run with it: tether train --config {saved} "
+                f"{section}.{name}={now!r} train.output_dir=NEW_DIR"
             )
 
 
@@ -141,7 +195,10 @@ def load_prompts(config: Config) -> tuple[PromptData, PromptData]:
     if config.train.algo == "dpo" and config.dpo.pairs != "sampled" and d.prompts == DEFAULT_PROMPTS:
         # DPO on a pairs file: its own prompts, split by the usual hash (the held-out ones are the
         # evaluation's and never trained on); the demo's prompts are not fetched
-        return split_prompts(pair_prompts(config.dpo.pairs, d.split), d.heldout_fraction)
+        try:
+            return split_prompts(pair_prompts(config.dpo.pairs, d.split), d.heldout_fraction)
+        except ValueError as e:  # every pair's prompt held out: the pairs file is the prompt set
+            raise ValueError(str(e).replace("data.prompts:", f"dpo.pairs={config.dpo.pairs}:")) from None
     if d.prompts == DEFAULT_PROMPTS:
         train, held = movie_prompts(config.train.seed, d.min_words, d.max_words, d.heldout_fraction)
         return PromptData(train), PromptData(held)
@@ -423,6 +480,7 @@ def build_run(
     model: nn.Module | None = None,
     tokenizer=None,
     train_dataset=None,
+    judges: dict | None = None,
 ) -> Run:
     """Load model, reference, tokenizer, prompts and scorer; create the run directory.
 
@@ -437,6 +495,11 @@ def build_run(
         train_dataset: prompts instead of ``data.prompts``: a ``datasets.Dataset``, a list of row
             dicts (``data.prompt_column`` and other columns) or a list of prompts; split into train
             and held out by the usual hash.
+        judges: field name -> judge already built (``eval.judge``): its columns are checked
+            against the data's with the reward's.
+
+    Raises:
+        ConfigError, ValueError, FileNotFoundError: a bad input, before any model loads.
     """
     if model is not None or train_dataset is not None:  # config.yaml records what was passed
         config = copy.deepcopy(config)
@@ -448,6 +511,9 @@ def build_run(
                 )
         if train_dataset is not None:
             config.data.prompts = "(a train_dataset passed to train)"
+    if scorer is not None and config.reward._given("scorer") is None:
+        config = copy.deepcopy(config)  # config.yaml names the objects, so a resume asks for them
+        config.reward.scorer = python_scorer_spec(scorer)
     if config.train.threads:
         torch.set_num_threads(config.train.threads)
     device = resolve_device(config.train.device)
@@ -481,6 +547,8 @@ def build_run(
         )
     if resume and not (run_dir / "config.yaml").exists():
         raise FileNotFoundError(f"--resume {run_dir}: not a tether run directory (no config.yaml)")
+    if resume:
+        check_resume_keeps(config, run_dir / "config.yaml")
     if model is None:
         check_model_name(config.model.name, config.model.revision)
     if scorer is None:
@@ -498,6 +566,8 @@ def build_run(
         config.reward.scorer if scorer is None else scorer, config.reward.weights, device=accelerator.device
     )
     check_scorer_columns(scorer, train_prompts.columns)
+    for field_name, judge in (judges or {}).items():
+        check_scorer_columns(judge, train_prompts.columns, field_name)
     path = None
     if model is None or tokenizer is None:  # before anything is written: a bad id costs nothing
         source = getattr(model, "name_or_path", None) if model is not None else None
