@@ -63,3 +63,20 @@ def tiny_reward_model(tok, seed: int = 1):
 
     torch.manual_seed(seed)
     return LlamaForSequenceClassification(_config(tok, 1, num_labels=1)).eval()
+
+
+def small_run(tiny: bool, out: str | None) -> list[str]:
+    """The overrides every example shares: a 4-prompt held-out evaluation with the run's own
+    reward (no gold or fluency judge, no periodic evaluation), no checkpoint, no saved policy,
+    the progress bar off with ``--tiny``, and ``train.output_dir`` when ``--out`` names one."""
+    overrides = [
+        "eval.n_prompts=4",
+        "eval.samples_per_prompt=1",
+        "eval.every=0",
+        "eval.judge=none",
+        "eval.fluency_model=none",
+        "train.checkpoint_every=0",
+        "train.save_model=false",
+        f"train.progress={'false' if tiny else 'true'}",
+    ]
+    return overrides + ([f"train.output_dir={out}"] if out else [])

@@ -99,17 +99,10 @@ def main(argv: list[str] | None = None) -> Path:
         "reward.weights=[1.0, 1.0]",  # reward_weights, one per function below
         f"train.steps={steps}",
         "data.heldout_fraction=0.1",
-        "eval.n_prompts=4",
-        "eval.samples_per_prompt=1",
-        "eval.every=0",
-        "eval.judge=none",
-        "eval.fluency_model=none",
-        "train.checkpoint_every=0",
-        "train.save_model=false",
-        f"train.progress={'false' if args.tiny else 'true'}",
     ]
-    if args.out:
-        overrides.append(f"train.output_dir={args.out}")
+    from _tiny import small_run
+
+    overrides += small_run(args.tiny, args.out)  # a short evaluation, no checkpoint, no saved policy
     config = load_config(None, overrides)
     objects = {}
     if args.tiny:

@@ -460,3 +460,25 @@ def test_an_args_kwargs_reward_that_fails_is_told_how_it_was_called():
 
     with pytest.raises(ValueError, match=r"called as a plain scorer, f\(texts\)"):
         checked_scores(trl_style, ["a", "bb"], 0, prompts=["p", "q"])
+
+
+def test_a_mistyped_local_path_is_not_taken_for_a_hub_id(tmp_path, monkeypatch):
+    from tether.models.loading import is_hub_id
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my").mkdir()
+    assert not is_hub_id("my/maths.jsonl")  # "my" is a folder here: a local path, mistyped
+    assert not is_hub_id("nobody/prompts.jsonl")  # a file's suffix
+    assert is_hub_id("Qwen/Qwen2.5-0.5B") and is_hub_id("trl-lib/tldr")
+    with pytest.raises(FileNotFoundError, match="no such file or folder"):
+        train(load_config(None, ["data.prompts=my/maths.jsonl", f"train.output_dir={tmp_path / 'r'}"]))
+
+
+def test_first_lines_name_the_fluency_judge_and_a_tiny_heldout_set():
+    from tether.training import task_defaults_lines
+
+    c = load_config(None, ["data.prompts=p.txt"])
+    lines = "\n".join(task_defaults_lines(c, has_judge=False, n_heldout=1))
+    assert "eval.fluency_model=gemma3-270m" in lines
+    assert "only 1 held-out prompt(s)" in lines and "undefined (nan)" in lines
+    assert "only" not in "\n".join(task_defaults_lines(c, has_judge=False, n_heldout=8))

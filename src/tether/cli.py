@@ -140,7 +140,9 @@ def main(argv: list[str] | None = None) -> int:
 
         # config.yaml's form: the defaults the run fills stay null (so the file reloads with
         # another train.algo or data), their values for this config shown as a comment
-        filled = {k: v for k, v in config.unresolved.items() if v is None}
+        filled = {  # max_prompt_tokens is filled from the data, when the tokenizer has read it
+            k: v for k, v in config.unresolved.items() if v is None and k != "rollout.max_prompt_tokens"
+        }
         resolved = config.to_dict()
         shown = ", ".join(f"{k}={resolved[k.split('.')[0]][k.split('.')[1]]!r}" for k in filled)
         print(f"# left null, filled when the run starts; for this config: {shown}")

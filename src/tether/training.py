@@ -275,7 +275,9 @@ def _train(run: Run, judge: Scorer | None, resume: bool, t_start: float, scorer_
             show,
         )
     _say(f"tether: {len(run.train_prompts)} training prompts, {len(run.heldout_prompts)} held out", show)
-    for line in task_defaults_lines(c, has_judge=judge is not None, scorer_given=scorer_given):
+    for line in task_defaults_lines(
+        c, has_judge=judge is not None, scorer_given=scorer_given, n_heldout=len(run.heldout_prompts)
+    ):
         _say(line, show)
     if c.model.layers_to_train is not None:
         trained = sum(p.numel() for p in run.policy.lm.parameters() if p.requires_grad)
@@ -609,7 +611,13 @@ def _final_eval_and_plots(run: Run, evaluator: Evaluator, monitor: HealthMonitor
         run.accelerator.end_training()
 
 
-def task_defaults_lines(c: Config, has_judge: bool, scorer_given: bool = False) -> list[str]:
+SMALL_HELDOUT = 8
+"""Fewer held-out prompts than this: a warning that the held-out standard errors are rough."""
+
+
+def task_defaults_lines(
+    c: Config, has_judge: bool, scorer_given: bool = False, n_heldout: int | None = None
+) -> list[str]:
     """What the run took as defaults that belong to the demo or to the data, said in its first
     lines: the reward when reward.scorer was left unset on data other than the demo's, and what
     scores the held-out evaluation (the run's own reward; the gold judge only when named)."""
@@ -635,6 +643,18 @@ def task_defaults_lines(c: Config, has_judge: bool, scorer_given: bool = False) 
         else:
             gold = "alone (eval.judge=none)"
         lines.append(f"tether: the held-out evaluation scores with the run's reward (reward.scorer) {gold}")
+        if c.eval.fluency_model != "none":
+            lines.append(
+                f"tether: the fluency judge is eval.fluency_model={c.eval.fluency_model} (its NLL of each "
+                "held-out response; eval.fluency_model=none turns it off)"
+            )
+        held = n_heldout
+        if held is not None and 0 < held < SMALL_HELDOUT:
+            lines.append(
+                f"tether: warning: only {held} held-out prompt(s): the held-out numbers' standard errors are "
+                + ("undefined (nan) with one" if held == 1 else "rough")
+                + " (raise data.heldout_fraction or add prompts)"
+            )
     return lines
 
 

@@ -52,7 +52,25 @@ def is_hub_id(name: str) -> bool:
         and all(parts)
         and not name.startswith((".", "~"))
         and not Path(name).expanduser().exists()
+        # a mistyped local path is not a Hub id: a file's suffix, or a first part that is a folder here
+        and Path(name).suffix.lower() not in LOCAL_SUFFIXES
+        and not Path(parts[0]).expanduser().is_dir()
     )
+
+
+LOCAL_SUFFIXES = (
+    ".txt",
+    ".jsonl",
+    ".json",
+    ".csv",
+    ".tsv",
+    ".parquet",
+    ".gz",
+    ".safetensors",
+    ".bin",
+    ".yaml",
+)
+"""Suffixes that make an ``ORG/NAME``-shaped name a local path (a Hub id does not end in one)."""
 
 
 def hub_folder(

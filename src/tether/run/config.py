@@ -298,16 +298,18 @@ class RewardConfig(_Defaulted):
 @dataclass
 class RolloutConfig(_Defaulted):
     batch_size: int = 16
-    """Prompts (and responses) per training step."""
+    """Samples (responses) per training step: batch_size / group_size prompts, each sampled
+    group_size times (PPO: as many prompts as samples; GRPO, RLOO: groups of rollout.group_size,
+    TRL's per-step generations)."""
     max_new_tokens: int = 16
     """Response length cap, tokens; a response stops earlier at EOS."""
     temperature: float = 1.0
     """Sampling temperature; every log-probability (policy, old, reference) uses the same one."""
     max_prompt_tokens: int | None = None
-    """Longest prompt accepted, tokens; a longer prompt is an error naming it. None = what the
-    data needs: its longest prompt (with the chat template's tokens), which must fit the model's
-    context with rollout.max_new_tokens (``max_position_embeddings``); the value is printed when
-    the run starts."""
+    """Longest prompt accepted, tokens (None: the data's longest prompt); a longer prompt is an
+    error naming it. None = what the data needs: its longest prompt (with the chat template's
+    tokens), which must fit the model's context (``max_position_embeddings``) with
+    rollout.max_new_tokens; the value is printed when the run starts."""
     forward_batch_size: int = 32
     """Rows per no-grad scoring forward of DPO's reference and pair sampling (bounds the memory
     of the (B, R, V) logits). PPO, GRPO and RLOO score in optim.minibatch_size groups instead,
