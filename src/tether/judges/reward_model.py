@@ -153,7 +153,7 @@ def embeddings_cached(texts: list[str], progress: bool) -> torch.Tensor:
     key = hashlib.sha256("\n".join(texts).encode()).hexdigest()[:16]
     path = cache_dir() / "embeddings" / f"minilm-{key}.pt"
     if path.exists():
-        return torch.load(path)
+        return torch.load(path, weights_only=True)  # a tensor: nothing in the cache runs code
     e = MiniLMEncoder().encode(texts, progress=progress)
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(e, path.with_suffix(".tmp"))

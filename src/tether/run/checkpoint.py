@@ -215,7 +215,21 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     pointer = Path(run_dir) / "checkpoints" / "LATEST"
     if not pointer.exists():
         return None
-    path = pointer.parent / pointer.read_text().strip()
+    name = pointer.read_text().strip()
+    path = pointer.parent / name
+    # LATEST names a folder beside it, nothing else: a run folder handed over must not point a
+    # resume at files outside it
+    if (
+        not name
+        or Path(name).name != name
+        or name in (".", "..")
+        or path.resolve().parent != pointer.parent.resolve()
+    ):
+        raise ValueError(
+            f"{pointer}: names {name!r}, which is not a checkpoint folder inside {pointer.parent}; a run "
+            "folder's LATEST holds one folder name (step-N). Fix or delete it (the newest step-N folder "
+            "with a meta.json is the last complete checkpoint)"
+        )
     return path if (path / "meta.json").exists() else None
 
 
@@ -226,7 +240,28 @@ def load_checkpoint(path: Path, policy) -> tuple[dict, dict]:
     if not (Path(path) / SHARDED).exists():
         load_policy_weights(path, policy)
     meta = json.loads((path / "meta.json").read_text())
-    return meta, torch.load(path / "trainer.pt", weights_only=False)
+    return meta, load_trainer_state(path / "trainer.pt")
+
+
+def load_trainer_state(path: Path) -> dict:
+    """A checkpoint's ``trainer.pt`` with ``torch.load(weights_only=True)``: tensors, numbers,
+    strings and the containers of them that tether writes (optimizer, scheduler, controller, RNG,
+    sampler and leash state), and nothing that runs code. A pickle of anything else (a run folder
+    crafted to execute code on ``--resume``) is refused.
+
+    Raises:
+        ValueError: the file holds an object tether did not write, or is not a torch file; the
+            message names the file.
+    """
+    try:
+        return torch.load(path, weights_only=True)
+    except Exception as e:  # UnpicklingError for a foreign object; RuntimeError/EOFError for a torn file
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise ValueError(
+            f"{path}: not a trainer state tether wrote ({type(e).__name__}: {first}); it is loaded with "
+            "weights_only=True, so a file holding other objects is refused, not run. Resume from an "
+            "intact checkpoint"
+        ) from None
 
 
 def rng_state() -> dict:

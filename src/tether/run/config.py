@@ -73,6 +73,28 @@ def _check(ok: bool, field_name: str, value: Any, rule: str) -> None:
         raise ConfigError(f"{field_name}={value!r} is invalid: {rule}")
 
 
+def expand_path(value: str | None) -> str | None:
+    """A path field as the shell would read it: ``~`` and ``$VAR`` / ``${VAR}`` expanded
+    (``train.output_dir=~/runs/x`` is the home folder's, not a folder named ``~``). Other values
+    (names, Hub ids) come back unchanged."""
+    import os
+
+    if not isinstance(value, str) or not (value.startswith("~") or "$" in value):
+        return value
+    return os.path.expanduser(os.path.expandvars(value))
+
+
+PATH_FIELDS = (
+    ("model", "name"),
+    ("model", "adapter"),
+    ("data", "prompts"),
+    ("dpo", "pairs"),
+    ("eval", "fluency_model"),
+    ("train", "output_dir"),
+)
+"""The fields that may hold a file or folder: :func:`expand_path` applies to each."""
+
+
 class _Defaulted:
     """A section with fields left None for the run to fill (per-trainer and per-data defaults).
 
@@ -803,6 +825,9 @@ class Config:
         # from them (dataclasses.replace) resolves its own defaults without touching the first's
         for name in ("rollout", "kl", "eval", "reward"):
             setattr(self, name, copy.deepcopy(getattr(self, name)))
+        for section, name in PATH_FIELDS:
+            obj = getattr(self, section)
+            object.__setattr__(obj, name, expand_path(getattr(obj, name)))
         _check(
             self.rollout.batch_size % self.optim.minibatch_size == 0,
             "optim.minibatch_size",
