@@ -178,6 +178,7 @@ TIERS = {
         "test_task_defaults",
         "test_examples",
         "test_run_folder_safety",
+        "test_run_lock",
     },
     # the real SmolLM2-135M, ICWSM prompts and MiniLM judge (also marked `slow`)
     "real": {"test_integration", "test_reward_model"},

@@ -41,6 +41,7 @@ from tether.run.checkpoint import (
 )
 from tether.run.config import Config
 from tether.run.evaluation import EvalResult, compare, evaluate, evaluation_state
+from tether.run.lock import release as release_lock
 from tether.run.metrics import sample_table
 from tether.run.monitor import HELDOUT_RULES, HealthMonitor
 from tether.run.plots import plot_score_vs_kl, plot_training
@@ -247,6 +248,8 @@ def train(
             # nothing was trained: leave no half-made run that would block the same command
             discard_failed_start(run.writer.run_dir, run.run_dir_existed)
         raise
+    finally:
+        release_lock(run.writer.lock)  # the run folder is free for the next writer
 
 
 def _train(run: Run, judge: Scorer | None, resume: bool, t_start: float, scorer_given: bool = False) -> Path:

@@ -737,7 +737,7 @@ class TrainConfig:
     seed: int = 0
     """Seed of torch, the prompt order and the prompt prefixes."""
     output_dir: str | None = None
-    """Run directory; default runs/<algo>-<date-time>."""
+    """Run directory; default runs/<algo>-<date-time>-<pid>; ~ and $VARS are expanded."""
     sample_every: int = 5
     """Print and record a sample table every N steps."""
     save_model: bool = True

@@ -40,6 +40,8 @@ class RunWriter:
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.samples_path = self.run_dir / "samples.jsonl"
         self.history: list[dict] = []
+        self.lock: Path | None = None
+        """The run folder's lock this process holds (:mod:`tether.run.lock`), or None."""
 
     def truncate_after(self, step: int) -> None:
         """Drop rows of steps after ``step`` from metrics, samples and warnings (on resume)."""

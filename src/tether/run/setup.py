@@ -6,6 +6,7 @@ import copy
 import datetime as _dt
 import inspect
 import logging
+import os
 import random
 import shutil
 from dataclasses import dataclass
@@ -48,6 +49,9 @@ from tether.models.reference import (
 from tether.models.sampling import prompt_texts, use_chat_template
 from tether.models.sharding import shard_model
 from tether.run.config import Config, ConfigError, check_world_size, dump_config
+from tether.run.lock import RunLocked
+from tether.run.lock import acquire as acquire_lock
+from tether.run.lock import release as release_lock
 from tether.run.metrics import RunWriter
 
 log = logging.getLogger(__name__)
@@ -59,8 +63,9 @@ def seed_everything(seed: int) -> None:
 
 
 def default_run_dir(algo: str) -> Path:
+    """``runs/<algo>-<date-time>-<pid>``: two runs started in the same second get two folders."""
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return Path("runs") / f"{algo}-{stamp}"
+    return Path("runs") / f"{algo}-{stamp}-{os.getpid()}"
 
 
 def load_model_part(load, name: str, *args):
@@ -577,7 +582,21 @@ def build_run(
             config.model.revision = path.name  # the snapshot's commit: --resume rebuilds this very model
     barrier()  # every process checked the folder before the first one writes into it
     existed = run_dir.exists()
+    # one writer per run: rank 0 takes the folder's lock before anything is written; every
+    # process learns whether it could (so that all stop together, none waits at a barrier)
+    held, refused = None, None
+    if is_main():
+        try:
+            held, note = acquire_lock(run_dir)
+            if note:
+                print(note)
+        except RunLocked as e:
+            refused = str(e)
+    refused = gather_objects(refused)[0]
+    if refused:
+        raise RunLocked(refused)
     writer = RunWriter(run_dir)
+    writer.lock = held
     try:
         if not resume and is_main():
             dump_config(config, run_dir / "config.yaml")
@@ -660,6 +679,7 @@ def build_run(
             existed,
         )
     except BaseException:
+        release_lock(held)
         if not resume and is_main():
             discard_failed_start(run_dir, existed)
         raise
