@@ -20,7 +20,6 @@ applied to the policy's log-probs); ``step`` is the same algorithm for all three
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Iterator
@@ -50,6 +49,7 @@ from tether.trainers.common import (
     make_optimizer,
     make_scheduler,
     old_and_ref_logprobs,
+    optimization_state,
     restore_optimization,
 )
 from tether.trainers.steps import Experience, KLRewards, kl_and_rewards
@@ -262,14 +262,7 @@ class OnPolicyTrainer:
             "generator": self.generator.get_state(),
             "sampler": self.sampler.state_dict(),
             "leash_counts": dict(self.leash.counts),
-            "scheduler": self.scheduler.state_dict(),
-            # the settings the run has: a resume with other ones says what changed
-            "optim": dataclasses.asdict(self.cfg.optim),
-            "schedule": {
-                "total_steps": self.schedule_steps,
-                "train_steps": self.cfg.train.steps,
-                "per_step": self.per_step,
-            },
+            **optimization_state(self),
         }
 
     def load_state_dict(self, state: dict, next_step: int | None = None) -> None:

@@ -258,6 +258,22 @@ def old_and_ref_logprobs(
 log = logging.getLogger(__name__)
 
 
+def optimization_state(trainer) -> dict:
+    """What :func:`restore_optimization` reads back, beside the optimizer's own state: the
+    scheduler's position, the optim settings the run has (a resume with other ones says what
+    changed) and the schedule's length with the train.steps and optimizer steps per step it was
+    planned for."""
+    return {
+        "scheduler": trainer.scheduler.state_dict(),
+        "optim": dataclasses.asdict(trainer.cfg.optim),
+        "schedule": {
+            "total_steps": trainer.schedule_steps,
+            "train_steps": trainer.cfg.train.steps,
+            "per_step": trainer.per_step,
+        },
+    }
+
+
 def restore_optimization(trainer, state: dict, next_step: int | None) -> None:
     """Resume a trainer's optimization from its checkpoint state: load the optimizer's state
     (unless a sharded checkpoint's files held it), then set ``trainer.scheduler`` and

@@ -20,7 +20,6 @@ reduced over processes (docs/distributed.md).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Iterator
@@ -44,7 +43,7 @@ from tether.models.scoring import (
 from tether.models.sharding import generation_weights, is_sharded, root_gathered
 from tether.run.setup import Run
 from tether.trainers.base import sample_metrics
-from tether.trainers.common import make_optimizer, make_scheduler, restore_optimization
+from tether.trainers.common import make_optimizer, make_scheduler, optimization_state, restore_optimization
 from tether.trainers.steps import Experience, dpo_pair_loss
 from tether.trainers.update import MicroLoss, minibatch_update
 
@@ -324,14 +323,7 @@ class DPOTrainer:
         return state | {
             "generator": self.generator.get_state(),
             "position": self.position,
-            "scheduler": self.scheduler.state_dict(),
-            # the settings the run has: a resume with other ones says what changed
-            "optim": dataclasses.asdict(self.cfg.optim),
-            "schedule": {
-                "total_steps": self.schedule_steps,
-                "train_steps": self.cfg.train.steps,
-                "per_step": self.per_step,
-            },
+            **optimization_state(self),
         }
 
     def load_state_dict(self, state: dict, next_step: int | None = None) -> None:
