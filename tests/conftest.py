@@ -122,6 +122,21 @@ def length_judge(texts: list[str]) -> list[float]:
     return [len(t) / 100 for t in texts]
 
 
+def exits_once_at_step_2(prompts, completions, trainer_state, **kwargs) -> list[float]:
+    """Length / 100 plus a draw from Python's and torch's RNGs (so a resume that did not put the
+    RNGs back would differ); at step 2 it calls ``sys.exit(0)`` once, after drawing, while the file
+    ``$TETHER_TEST_EXIT_MARKER`` does not exist (it writes it)."""
+    import random
+    import sys
+
+    noise = [1e-3 * random.random() + 1e-3 * float(torch.rand(())) for _ in completions]
+    marker = Path(os.environ["TETHER_TEST_EXIT_MARKER"])
+    if trainer_state.global_step == 2 and not marker.exists():
+        marker.write_text("exited")
+        sys.exit(0)
+    return [len(c) / 100 + n for c, n in zip(completions, noise)]
+
+
 def slow_length_scorer(texts: list[str]) -> list[float]:
     """A scorer that takes 0.3 s per call, so a test can kill a run between two steps."""
     import time
@@ -179,6 +194,7 @@ TIERS = {
         "test_examples",
         "test_run_folder_safety",
         "test_run_lock",
+        "test_run_files",
     },
     # the real SmolLM2-135M, ICWSM prompts and MiniLM judge (also marked `slow`)
     "real": {"test_integration", "test_reward_model"},

@@ -11,7 +11,7 @@ import torch
 
 from tether import load_config
 from tether.cli import main
-from tether.run.checkpoint import latest_checkpoint, load_trainer_state
+from tether.run.checkpoint import file_digests, latest_checkpoint, load_trainer_state
 
 
 class Payload:
@@ -66,10 +66,30 @@ def test_resume_of_a_run_folder_with_a_payload_runs_nothing(tiny_model_dir, prom
     assert "trainer" in state and "rng" in state
     marker = tmp_path / "ran"
     torch.save({**state, "trainer": Payload(str(marker))}, ckpt / "trainer.pt")
+    # an attacker who also rewrites meta.json's digests gets past the checksum: the load refuses
+    meta = json.loads((ckpt / "meta.json").read_text())
+    (ckpt / "meta.json").write_text(json.dumps(meta | {"files": file_digests(ckpt)}))
     capsys.readouterr()
     assert main(["train", "--resume", str(out), "train.steps=3"]) != 0
     assert not marker.exists()
     assert "not a trainer state tether wrote" in capsys.readouterr().err
+
+
+def test_a_payload_without_matching_digests_is_passed_over(tiny_model_dir, prompt_file, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(_run(tiny_model_dir, prompt_file, out)) == 0
+    ckpt = latest_checkpoint(out)
+    marker = tmp_path / "ran"
+    torch.save(
+        {**load_trainer_state(ckpt / "trainer.pt"), "trainer": Payload(str(marker))}, ckpt / "trainer.pt"
+    )
+    capsys.readouterr()
+    # the newest checkpoint fails its checksum, is moved aside unread, and the one before resumes
+    assert main(["train", "--resume", str(out), "train.steps=3"]) == 0
+    assert not marker.exists()
+    said = capsys.readouterr().out
+    assert f"checkpoint {ckpt.name} is damaged" in said and "trainer.pt (SHA-256 differs)" in said
+    assert (out / "checkpoints" / f".damaged-{ckpt.name}").is_dir()
 
 
 @pytest.mark.parametrize("name", ["../../..", "/etc", "..", "step-1/../../x", ""])

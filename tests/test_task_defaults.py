@@ -408,9 +408,7 @@ def test_resume_with_other_data_is_refused_before_anything_changes(
     for override in (f"data.prompts={small}", "train.algo=rloo"):
         assert main(["train", "--resume", str(out), "train.steps=3", override]) == 2
         err = capsys.readouterr().err
-        assert (
-            "--resume:" in err and override.split("=")[0] in err and "keeps its trainer and its data" in err
-        )
+        assert "--resume:" in err and override.split("=")[0] in err and "keeps its trainer, its data" in err
     assert ((out / "config.yaml").read_text(), (out / "metrics.jsonl").read_text()) == before
 
 

@@ -128,6 +128,15 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 1
+        moved = [o for o in args.overrides if o.split("=", 1)[0].strip() == "train.output_dir"]
+        if moved:
+            print(
+                f"tether: config error: --resume {resume} with {moved[-1]}: a resumed run stays in its "
+                "folder. Drop the override, or copy the folder and resume the copy: "
+                f"cp -r {resume} NEW_DIR && tether train --resume NEW_DIR",
+                file=sys.stderr,
+            )
+            return 2
         overrides.append(f"train.output_dir={resume}")
     try:
         config = load_config(args.config, overrides)

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from tether.core import distributed as D
 from tether.core.health import Alarm, HealthThresholds
 from tether.core.kl import masked_sum, sequence_kl
-from tether.judges.contract import Scorer, checked_scores
+from tether.judges.contract import Scorer, ScorerStopped, checked_scores
 from tether.judges.scorers import builds_a_model, check_scorer_spec, make_scorer
 from tether.models.reference import fingerprint
 from tether.models.sharding import full_state_dict, gathered, is_sharded, local_bytes
@@ -32,6 +32,7 @@ from tether.run.checkpoint import (
     load_policy_weights,
     load_sharded_state,
     policy_tensors,
+    resume_checkpoint,
     rng_state,
     save_best,
     save_checkpoint,
@@ -41,6 +42,7 @@ from tether.run.checkpoint import (
 )
 from tether.run.config import Config
 from tether.run.evaluation import EvalResult, compare, evaluate, evaluation_state
+from tether.run.files import atomic_write_text, read_json, read_jsonl, write_json_file
 from tether.run.lock import release as release_lock
 from tether.run.metrics import sample_table
 from tether.run.monitor import HELDOUT_RULES, HealthMonitor
@@ -350,7 +352,19 @@ def _loop(
     )
     step = start - 1  # a resumed run that has no step left
     for step in bar:
-        row = trainer.step(step)  # every process; the row holds the global metrics
+        before = _before_step(run, trainer)
+        try:
+            row = trainer.step(step)  # every process; the row holds the global metrics
+        except ScorerStopped as e:
+            _stopped_in_step(run, trainer, step, before, e)
+        except FloatingPointError as e:  # a non-finite gradient norm: name what sets its scale
+            raise FloatingPointError(
+                f"step {step}: {e}. The settings that scale the gradients: optim.lr={c.optim.lr:g}, "
+                f"rollout.temperature={c.rollout.temperature:g}, "
+                f"optim.max_grad_norm={c.optim.max_grad_norm}; "
+                "lower optim.lr (or raise rollout.temperature). The last checkpoint is kept: "
+                f"{latest_checkpoint(w.run_dir) or 'none'}"
+            ) from None
         sample_step = (
             step % c.train.sample_every == 0 or step == c.train.steps - 1
         ) and trainer.last_experience is not None
@@ -385,6 +399,43 @@ def _loop(
             break
     bar.close()
     return step
+
+
+def _before_step(run: Run, trainer) -> dict | None:
+    """What an on-policy step moves before it scores (the prompt sampler; the RNGs, which a scorer
+    may draw from): copied, so that a scorer that ends the step (:class:`ScorerStopped`) leaves a
+    checkpoint of the step before, exactly as it was. None for DPO, whose probe scores after the
+    update."""
+    if not hasattr(trainer, "sampler"):
+        return None
+    return {
+        "sampler": trainer.sampler.state_dict(),
+        "generator": trainer.generator.get_state(),
+        "rng": rng_state(),
+        "reference_forwards": run.reference_forwards[0],
+    }
+
+
+def _stopped_in_step(run: Run, trainer, step: int, before: dict | None, e: ScorerStopped):
+    """A scorer raised SystemExit or KeyboardInterrupt inside step ``step``: an on-policy step
+    scores before it updates, so the policy and the optimizer are those after step ``step - 1``;
+    with the sampler and RNGs put back as they were, that checkpoint is written (a resume then
+    runs step ``step`` as an uninterrupted run would). Raises the error with what was kept."""
+    w = run.writer
+    if before is not None and step > 0:
+        trainer.sampler.load_state_dict(before["sampler"])
+        trainer.generator.set_state(before["generator"])
+        set_rng_state(before["rng"])
+        run.reference_forwards[0] = before["reference_forwards"]
+        path = _checkpoint(run, trainer, step - 1)
+        kept = f"checkpoint {path} holds the run after step {step - 1}"
+    else:
+        kept = (
+            "no step completed; start the run again"
+            if step == 0
+            else f"the last checkpoint is kept ({latest_checkpoint(w.run_dir) or 'none'})"
+        )
+    raise ScorerStopped(f"{e} ({kept}; continue with: tether train --resume {w.run_dir})") from None
 
 
 def _evaluates(c: Config, step: int) -> bool:
@@ -520,7 +571,7 @@ def _best_meta(run: Run) -> dict | None:
     folder = best_folder(run.writer.run_dir)
     if folder is None:
         return None
-    meta = json.loads((folder / "meta.json").read_text())
+    meta = read_json(folder / "meta.json")
     return meta if meta.get("metric") == BEST_KEYS[run.config.eval.best_by] else None
 
 
@@ -705,21 +756,25 @@ def _restore_best(run: Run) -> dict | None:
 
 def _start(run: Run) -> int:
     if D.is_main():
-        (run.writer.run_dir / "reference.json").write_text(
-            json.dumps({"fingerprint": run.reference_fingerprint})
-        )
+        write_json_file(run.writer.run_dir / "reference.json", {"fingerprint": run.reference_fingerprint})
     return 0
 
 
 def _resume(run: Run, trainer, monitor: HealthMonitor) -> int:
     """Restore the newest checkpoint; check the rebuilt reference against its fingerprint."""
     w = run.writer
-    path = latest_checkpoint(w.run_dir)
+    # rank 0 checks every file's SHA-256 (falling back past a damaged newest checkpoint); all load
+    # the folder it chose
+    found, notes = resume_checkpoint(w.run_dir) if D.is_main() else (None, [])
+    path = D.gather_objects(found)[0]
+    for note in notes:
+        _say(note, True)
     if path is None:
         raise FileNotFoundError(
             f"--resume {w.run_dir}: no complete checkpoint in {w.run_dir / 'checkpoints'}"
+            + (" that verifies (each damaged one was moved aside)" if notes else "")
         )
-    recorded = json.loads((w.run_dir / "reference.json").read_text())["fingerprint"]
+    recorded = read_json(w.run_dir / "reference.json").get("fingerprint")
     if recorded != run.reference_fingerprint:
         raise RuntimeError(
             f"--resume {w.run_dir}: the reference rebuilt from {run.config.model.name} does not match "
@@ -737,11 +792,7 @@ def _resume(run: Run, trainer, monitor: HealthMonitor) -> int:
         return meta["step"] + 1
     w.truncate_after(meta["step"])
     _record_resumed_config(run, meta["step"])
-    monitor.fired = (
-        [Alarm(**a) for a in map(json.loads, (w.run_dir / "warnings.jsonl").read_text().splitlines())]
-        if (w.run_dir / "warnings.jsonl").exists()
-        else []
-    )
+    monitor.fired = [Alarm(**a) for a in read_jsonl(w.run_dir / "warnings.jsonl")]
     return meta["step"] + 1
 
 
@@ -755,8 +806,8 @@ def _record_resumed_config(run: Run, step: int) -> None:
     if now == before:
         return
     kept = path.with_name(f"config.until-step-{step}.yaml")
-    kept.write_text(path.read_text())
-    path.write_text(yaml.safe_dump(now, sort_keys=False))
+    atomic_write_text(kept, path.read_text())
+    atomic_write_text(path, yaml.safe_dump(now, sort_keys=False))
     _say(
         f"tether: config.yaml now holds the resumed settings; the run's earlier config is {kept.name}",
         run.config.train.progress,
@@ -790,6 +841,7 @@ def _checkpoint(run: Run, trainer, step: int) -> Path:
             },
             run.reference_fingerprint,
             sharded,
+            keep=run.config.train.keep_checkpoints,
         )
     D.barrier()
     return path
@@ -812,7 +864,7 @@ def _reference_eval(evaluator: Evaluator, run_dir: Path, show: bool):
         return None
     path = run_dir / "eval_reference.json"
     if path.exists():
-        saved = json.loads(path.read_text())
+        saved = read_json(path)
         offset = saved.get("prompt_offset", 0)  # files from before eval.best_by moved it: 0
         if offset != evaluator.start:
             # a resume that changed eval.best_by: the policy must be compared on the reference's
@@ -828,7 +880,7 @@ def _reference_eval(evaluator: Evaluator, run_dir: Path, show: bool):
             evaluator.use_window(offset)
         return EvalResult.from_json(saved)
     before = evaluator("reference", evaluator.heldout)  # evaluate() forks the RNG
-    path.write_text(json.dumps(before.to_json() | {"prompt_offset": evaluator.start}))
+    write_json_file(path, before.to_json() | {"prompt_offset": evaluator.start})
     s = before.summary()
     _say(
         f"tether: reference held-out proxy score {s['proxy_mean']:.3f} ± {s['proxy_se']:.3f}"
@@ -857,13 +909,13 @@ def _reference_periodic(evaluator: Evaluator, before, run_dir: Path, resume: boo
     in eval_reference_periodic.json (a resumed run's policy is no longer the reference)."""
     path = run_dir / "eval_reference_periodic.json"
     if path.exists():
-        evaluator.reference_periodic = json.loads(path.read_text())
+        evaluator.reference_periodic = read_json(path)
         return
     if resume and not evaluator.covers_periodic(before):
         return  # an older run without it, whose policy has moved: no reference numbers
     evaluator.set_reference(before)
     if evaluator.reference_periodic is not None:
-        path.write_text(json.dumps(evaluator.reference_periodic))
+        write_json_file(path, evaluator.reference_periodic)
 
 
 def flat_config(c: Config) -> dict:

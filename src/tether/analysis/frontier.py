@@ -17,7 +17,6 @@ where R is the score gain over the reference. Points go to ``frontier.csv``.
 from __future__ import annotations
 
 import csv
-import json
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -27,6 +26,7 @@ import torch
 from tether.core.bestofn import bon_kl_bound, bon_kl_empirical, bon_scores
 from tether.judges.contract import Scorer, checked_scores
 from tether.run.config import Config
+from tether.run.files import read_jsonl
 
 FIT_MIN_POINTS = 6
 """Below this many points with KL > 0, a fit's legend says it is illustrative only."""
@@ -179,8 +179,7 @@ statistic of a set, not an expectation over the pick)."""
 def run_points(run_dir: Path, label: str) -> list[dict]:
     """Held-out (KL, proxy, gold) points of one run: every periodic eval, and eval.json's end point."""
     pts = []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        r = json.loads(line)
+    for r in read_jsonl(run_dir / "metrics.jsonl"):
         if "eval/gold_score" in r and "eval/kl" in r:
             pts.append(
                 {

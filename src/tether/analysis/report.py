@@ -7,6 +7,8 @@ import html
 import json
 from pathlib import Path
 
+from tether.run.files import read_jsonl
+
 
 def _img(path: Path) -> str:
     if not path.exists():
@@ -16,17 +18,7 @@ def _img(path: Path) -> str:
 
 
 def _rows(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    rows = []
-    for i, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            raise ValueError(f"{path}:{i} is not valid JSON (a run killed mid-write?)") from None
-    return rows
+    return read_jsonl(path)  # a torn last line is dropped (and said so); a bad line names FILE:LINE
 
 
 def _table(rows: list[dict], cols: list[str]) -> str:

@@ -215,7 +215,48 @@ def records_to_data(
 
 
 DATASET_SUFFIXES = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
-"""File suffix -> ``datasets`` builder for a single data file."""
+"""File suffix (lower case) -> ``datasets`` builder for a single data file."""
+
+TEXT_SUFFIXES = (".txt", ".text", "")
+"""Suffixes (lower case) of a plain prompt file, one prompt per line; every other suffix that
+:data:`DATASET_SUFFIXES` does not name is refused (a .tsv's header would be a prompt, a .gz's
+bytes text)."""
+
+
+def file_suffix(path: Path, field_name: str = "data.prompts") -> str:
+    """The lower-case suffix of a data file (``UPPER.JSONL`` is a .jsonl).
+
+    Raises:
+        ValueError: a suffix tether does not read (.tsv, .gz, .xlsx ...); names the field and the
+            suffixes it reads.
+    """
+    suffix = Path(path).suffix.lower()
+    if suffix in DATASET_SUFFIXES or suffix in TEXT_SUFFIXES:
+        return suffix
+    fix = (
+        f"decompress it first (a {suffix} file)"
+        if suffix in (".gz", ".bz2", ".xz", ".zst", ".zip")
+        else ("convert it to .csv or .jsonl" if suffix == ".tsv" else "save it as one of those")
+    )
+    raise ValueError(
+        f"{field_name}={str(path)!r}: tether reads .txt (a prompt per line), .jsonl, .json, .csv and "
+        f".parquet files, not {suffix}; {fix}"
+    )
+
+
+def read_utf8(path: Path, field_name: str = "data.prompts") -> str:
+    """A data file's text, decoded as UTF-8.
+
+    Raises:
+        ValueError: it is not UTF-8 (a binary file, latin-1 text); names the file and the byte.
+    """
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{field_name}: {path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); "
+            "save it as UTF-8 (iconv -f latin1 -t utf-8), or give a .parquet or .csv file"
+        ) from None
 
 
 def load_rows(
@@ -233,9 +274,10 @@ def load_rows(
     from tether.models.loading import hub_folder, is_hub_id
 
     path = Path(spec).expanduser()
-    if path.is_file() and path.suffix == ".jsonl":  # errors name FILE:LINE
+    suffix = file_suffix(path, field_name) if path.is_file() else ""
+    if suffix == ".jsonl":  # errors name FILE:LINE
         records, where = [], []
-        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        for i, line in enumerate(read_utf8(path, field_name).splitlines(), start=1):
             if not line.strip():
                 continue
             try:
@@ -257,9 +299,11 @@ def load_rows(
 
     datasets.disable_progress_bars()
     if path.is_file():
-        if path.suffix not in DATASET_SUFFIXES:
+        if suffix not in DATASET_SUFFIXES:
             raise ValueError(f"{field_name}={spec!r}: a file must be .jsonl, .json, .parquet or .csv")
-        ds = datasets.load_dataset(DATASET_SUFFIXES[path.suffix], data_files=str(path), split="train")
+        if suffix in (".json", ".csv"):
+            read_utf8(path, field_name)  # a binary or latin-1 file: named, not a decoder's traceback
+        ds = datasets.load_dataset(DATASET_SUFFIXES[suffix], data_files=str(path), split="train")
     elif path.is_dir() and any(
         (path / f).exists() for f in ("dataset_info.json", "dataset_dict.json", "state.json")
     ):
@@ -307,10 +351,11 @@ def load_prompt_data(spec: str, split: str = "train", prompt_column: str = "prom
         ValueError: the split or the prompt column is missing, or a prompt is empty.
     """
     path = Path(spec).expanduser()
-    if path.is_file() and path.suffix not in DATASET_SUFFIXES:  # .txt: one prompt per line
+    suffix = file_suffix(path) if path.is_file() else ""
+    if path.is_file() and suffix in TEXT_SUFFIXES:  # .txt: one prompt per line
         return PromptData(read_prompt_file(path))
     records, where = load_rows(spec, split)
-    if records and all(prompt_column not in r for r in records) and path.suffix != ".jsonl":
+    if records and all(prompt_column not in r for r in records) and suffix != ".jsonl":
         raise ValueError(
             f"data.prompt_column={prompt_column!r}: {spec} has the columns {sorted(records[0])}; name the "
             "one that holds the prompts"
@@ -337,11 +382,12 @@ def prompt_file_lines(path: str | Path) -> list[tuple[int, str]]:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"data.prompts: no file {path}")
+    jsonl = file_suffix(path) == ".jsonl"
     prompts = []
-    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for i, line in enumerate(read_utf8(path).splitlines(), start=1):
         if not line.strip():
             continue
-        if path.suffix == ".jsonl":
+        if jsonl:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:

@@ -46,6 +46,11 @@ TRL_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "l
 (``GRPOTrainer._calculate_rewards``; RLOO's is the same): a dataset column never replaces one."""
 
 
+class ScorerStopped(RuntimeError):
+    """A scorer raised ``SystemExit`` (``sys.exit``, ``exit()``) or ``KeyboardInterrupt``: the run
+    stops with this message instead of ending silently (or with the scorer's exit status)."""
+
+
 class ArgumentError(ValueError):
     """A reward function needs an argument (a dataset column, the prompts) the call does not have."""
 
@@ -278,6 +283,7 @@ def checked_scores(
     Raises:
         ValueError: wrong count, a NaN/inf score, or one beyond float32's range; a missing argument
             (:class:`ArgumentError`'s message); the message names the step and the texts.
+        ScorerStopped: the scorer raised ``SystemExit`` or ``KeyboardInterrupt``.
     """
     where = f"step {step}" if isinstance(step, int) else step
     try:
@@ -298,6 +304,15 @@ def checked_scores(
                 "apply', is for a reward in a list of them: reward.scorer=[a, b])"
             )
         scores = [float("nan") if s is None else float(s) for s in raw]
+    except (SystemExit, KeyboardInterrupt) as e:  # never a silent end with the scorer's status
+        what = (
+            f"SystemExit({e.code!r}), as sys.exit() raises"
+            if isinstance(e, SystemExit)
+            else "KeyboardInterrupt"
+        )
+        raise ScorerStopped(
+            f"{where}: the scorer raised {what}; a reward function returns scores and never ends the process"
+        ) from None
     except Exception as e:  # a user's scorer: report it with the step, never a bare traceback
         raise ValueError(
             f"{where}: the scorer failed on {len(texts)} texts ({type(e).__name__}: {e})"

@@ -336,6 +336,31 @@ def prepare_tokenizer(tok, path: str | Path | None = None):
     return tok
 
 
+def check_loaded_tensors(path: str | Path, info: dict) -> None:
+    """Refuse a model whose weights files lack tensors its config needs (``from_pretrained``
+    would fill them with random values and only log it) or whose tensors do not fit it.
+
+    Args:
+        info: ``from_pretrained(..., output_loading_info=True)``'s second value.
+
+    Raises:
+        ValueError: naming the folder and the first missing or mismatched tensors.
+    """
+    missing = sorted(info.get("missing_keys") or [])
+    shapes = list(info.get("mismatched_keys") or [])
+    if missing or shapes:
+        what = (
+            f"{len(missing)} tensor(s) are missing from its weights ({', '.join(missing[:3])}"
+            f"{' ...' if len(missing) > 3 else ''})"
+            if missing
+            else f"{len(shapes)} tensor(s) have the wrong shape ({', '.join(map(str, shapes[:3]))})"
+        )
+        raise ValueError(
+            f"{path}: {what}; they would start random. The weights files are incomplete or belong to "
+            "another model: save the model again with save_pretrained, or copy its folder whole"
+        )
+
+
 def load_causal_lm(
     path: str | Path, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False
 ) -> nn.Module:
@@ -343,7 +368,10 @@ def load_causal_lm(
     folder's own modelling code (``model.trust_remote_code``; off unless asked)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    model, info = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, trust_remote_code=trust_remote_code, output_loading_info=True
+    )
+    check_loaded_tensors(path, info)
     disable_dropout(model)
     model.eval()
     return model

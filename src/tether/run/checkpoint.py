@@ -14,7 +14,9 @@ Layout inside the run directory::
 A checkpoint is written to a temporary folder, which is renamed into place when complete, and only
 then is ``LATEST`` replaced (write to a temporary file, then ``os.replace``). A process killed at
 any moment therefore leaves ``LATEST`` naming a complete checkpoint (or no checkpoint at all);
-older checkpoints are deleted only after ``LATEST`` moved on.
+older checkpoints beyond ``train.keep_checkpoints`` are deleted only after ``LATEST`` moved on.
+``meta.json`` records the SHA-256 of every other file of its checkpoint; a resume checks them and
+falls back to the newest earlier checkpoint that verifies (:func:`resume_checkpoint`).
 
 The reference model is never saved here: on resume it is rebuilt from its original source and
 its fingerprint compared with the one recorded when the run started.
@@ -22,6 +24,7 @@ its fingerprint compared with the one recorded when the run started.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -29,18 +32,11 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from tether.core import distributed as D
 from tether.models.sharding import load_full_state_dict
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
+from tether.run.files import atomic_write_text, read_json, write_error
 
 SHARDED = "sharded"
 """The folder of a sharded run's checkpoint (``train.sharding=fsdp``) that holds its weights and
@@ -89,8 +85,14 @@ def save_checkpoint(
     trainer_state: dict,
     reference_fingerprint: str | None,
     sharded: Path | None = None,
+    keep: int = 2,
 ) -> Path:
     """Write checkpoint ``step`` atomically and point ``LATEST`` at it; returns its folder.
+
+    Every file's SHA-256 goes into its ``meta.json`` (:func:`verify_checkpoint` checks them on
+    resume). Only once the new checkpoint is complete and ``LATEST`` names it are checkpoints
+    beyond the newest ``keep`` deleted; a failed write removes its temporary folder and leaves
+    every earlier checkpoint and ``LATEST`` as they were.
 
     Args:
         run_dir: the run directory.
@@ -101,30 +103,140 @@ def save_checkpoint(
         reference_fingerprint: recorded for the integrity check on resume.
         sharded: a sharded run's :func:`sharded_folder`, where every process has written its shards
             (:func:`save_sharded_state`): completed here with the rest and renamed into place.
+        keep: complete checkpoints to keep, the newest (``train.keep_checkpoints``, >= 1).
+
+    Raises:
+        tether.run.files.RunFileError: a write failed (a full disk, a file-size limit); names the
+            file and the checkpoint that is kept.
     """
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     name = f"step-{step:06d}"
-    if sharded is not None:
-        tmp = sharded
-    else:
-        tmp = root / f".{name}.tmp{os.getpid()}"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-        save_policy_weights(tmp, policy)
-    torch.save(trainer_state, tmp / "trainer.pt")
-    meta = {"step": step, "reference_fingerprint": reference_fingerprint}
-    (tmp / "meta.json").write_text(json.dumps(meta | ({"sharded": True} if sharded is not None else {})))
+    tmp = sharded if sharded is not None else root / f".{name}.tmp{os.getpid()}"
+    try:
+        if sharded is None:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+            save_policy_weights(tmp, policy)
+        torch.save(trainer_state, tmp / "trainer.pt")
+        meta = {"step": step, "reference_fingerprint": reference_fingerprint, "files": file_digests(tmp)}
+        (tmp / "meta.json").write_text(json.dumps(meta | ({"sharded": True} if sharded is not None else {})))
+    # torch.save's full disk is a RuntimeError (inline_container), safetensors' a SafetensorError
+    except (OSError, RuntimeError, SafetensorError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        before = latest_checkpoint(run_dir)
+        raise write_error(
+            root / name,  # the checkpoint as it would have been named (its temporary folder is gone)
+            e,
+            f"The checkpoint of step {step} is not written; "
+            + (f"{before} is kept" if before else "there is no earlier checkpoint"),
+        ) from None
     final = root / name
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _atomic_write_text(root / "LATEST", name)
-    for old in root.iterdir():  # older complete checkpoints and stale temporaries
-        if old.name not in (name, "LATEST") and old.is_dir():
+    atomic_write_text(root / "LATEST", name)
+    earlier = sorted(
+        (d for d in root.glob("step-*") if (d / "meta.json").exists() and _step_of(d) < step), key=_step_of
+    )
+    kept = {d.name for d in earlier[len(earlier) - (keep - 1) :]} if keep > 1 else set()
+    for old in root.iterdir():  # checkpoints beyond the newest ``keep``, and stale temporaries
+        if old.is_dir() and old.name != name and old.name not in kept and not old.name.startswith(DAMAGED):
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+DAMAGED = ".damaged-"
+"""The prefix a checkpoint that failed :func:`verify_checkpoint` is renamed with when a resume falls
+back to an earlier one (kept for a person to look at, never deleted by tether)."""
+
+
+def _step_of(folder: Path) -> int:
+    try:
+        return int(folder.name.removeprefix("step-"))
+    except ValueError:
+        return -1
+
+
+def file_digests(folder: Path) -> dict[str, str]:
+    """``relative path -> SHA-256 hex`` of every file under ``folder`` (meta.json excepted)."""
+    out = {}
+    for path in sorted(p for p in Path(folder).rglob("*") if p.is_file() and p.name != "meta.json"):
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+        out[path.relative_to(folder).as_posix()] = h.hexdigest()
+    return out
+
+
+class DamagedCheckpoint(ValueError):
+    """A checkpoint whose files do not match the digests its meta.json recorded."""
+
+
+def verify_checkpoint(folder: Path) -> dict:
+    """Check every file of checkpoint ``folder`` against its meta.json's SHA-256 digests; returns
+    the meta. A checkpoint written before digests were recorded (no ``files``) is taken as it is.
+
+    Raises:
+        DamagedCheckpoint: a file is missing, extra or differs (a flipped byte, a torn copy), or
+            meta.json is not valid JSON; the message names the files.
+    """
+    try:
+        meta = read_json(Path(folder) / "meta.json")
+    except (ValueError, FileNotFoundError) as e:
+        raise DamagedCheckpoint(str(e)) from None
+    recorded = meta.get("files")
+    if recorded is None:
+        return meta
+    found = file_digests(folder)
+    bad = sorted(k for k in set(recorded) | set(found) if recorded.get(k) != found.get(k))
+    if bad:
+
+        def why(k: str) -> str:
+            return "missing" if k not in found else "not recorded" if k not in recorded else "SHA-256 differs"
+
+        what = ", ".join(f"{k} ({why(k)})" for k in bad[:4])
+        raise DamagedCheckpoint(f"{folder}: {what}")
+    return meta
+
+
+def resume_checkpoint(run_dir: Path) -> tuple[Path | None, list[str]]:
+    """The checkpoint a resume starts from: ``LATEST``'s when it verifies, else the newest earlier
+    complete one that does (each damaged one is renamed ``.damaged-step-N``, kept); with a note
+    for each one passed over.
+
+    Returns:
+        (folder or None when no checkpoint verifies, notes to print).
+
+    Raises:
+        ValueError: ``LATEST`` names a folder outside ``checkpoints/`` (:func:`latest_checkpoint`).
+    """
+    root = Path(run_dir) / "checkpoints"
+    latest = latest_checkpoint(run_dir)
+    others = sorted(
+        (d for d in root.glob("step-*") if d != latest and (d / "meta.json").exists()), key=_step_of
+    )
+    candidates = ([latest] if latest is not None else []) + others[::-1]
+    notes = []
+    for folder in candidates:
+        try:
+            verify_checkpoint(folder)
+        except DamagedCheckpoint as e:
+            aside = folder.with_name(f"{DAMAGED}{folder.name}")
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(folder, aside)
+            notes.append(
+                f"tether: checkpoint {folder.name} is damaged ({e}); moved aside to {aside.name} (delete it "
+                "once looked at)"
+            )
+            continue
+        if notes:
+            notes.append(f"tether: resuming from the earlier checkpoint {folder.name} instead")
+            atomic_write_text(root / "LATEST", folder.name)
+        return folder, notes
+    return None, notes
 
 
 def policy_tensors(policy) -> dict[str, dict[str, torch.Tensor]]:
@@ -239,7 +351,7 @@ def load_checkpoint(path: Path, policy) -> tuple[dict, dict]:
     :func:`load_sharded_state` with the trainer's optimizer; they are not loaded here."""
     if not (Path(path) / SHARDED).exists():
         load_policy_weights(path, policy)
-    meta = json.loads((path / "meta.json").read_text())
+    meta = read_json(path / "meta.json")
     return meta, load_trainer_state(path / "trainer.pt")
 
 

@@ -317,6 +317,16 @@ class RewardConfig(_Defaulted):
         )
 
 
+MAX_SEED = 2**32 - 1
+"""The largest ``train.seed`` / ``eval.seed``: 32 bits, what every seeded library takes (a larger
+one overflows torch's 64-bit seed once offset)."""
+
+MIN_TEMPERATURE = 1e-3
+"""The smallest ``rollout.temperature``: every log-probability divides the logits by it, so below
+this a logit gap of a few units is thousands of nats and the gradients overflow float32 (a
+non-finite gradient norm); 1e-3 is already greedy decoding for any model's logits."""
+
+
 @dataclass
 class RolloutConfig(_Defaulted):
     batch_size: int = 16
@@ -344,10 +354,10 @@ class RolloutConfig(_Defaulted):
         _check(self.batch_size >= 1, "rollout.batch_size", self.batch_size, "must be >= 1")
         _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", self.max_new_tokens, "must be >= 1")
         _check(
-            self.temperature > 0,
+            self.temperature >= MIN_TEMPERATURE,
             "rollout.temperature",
             self.temperature,
-            "must be > 0 (use a small value such as 0.1 for near-greedy sampling)",
+            f"must be >= {MIN_TEMPERATURE} (use a small value such as 0.1 for near-greedy sampling)",
         )
         _check(
             self.max_prompt_tokens is None or self.max_prompt_tokens >= 1,
@@ -689,6 +699,7 @@ class EvalConfig(_Defaulted):
             "needs eval.best_by=gold or proxy (the score whose best it waits for)",
         )
         _check(self.batch_size >= 1, "eval.batch_size", self.batch_size, "must be >= 1")
+        _check(0 <= self.seed <= MAX_SEED, "eval.seed", self.seed, f"must be in [0, {MAX_SEED}] (32 bits)")
         _check(self.every >= 0, "eval.every", self.every, "must be >= 0 (0 = off)")
         _check(self.periodic_prompts >= 1, "eval.periodic_prompts", self.periodic_prompts, "must be >= 1")
         _check(
@@ -748,7 +759,10 @@ class TrainConfig:
     """Show a progress bar."""
     checkpoint_every: int = 10
     """Write an atomic checkpoint every N steps (0 = only on Ctrl-C / SIGTERM); resume with
-    ``tether train --resume RUN_DIR``. Only the newest checkpoint is kept."""
+    ``tether train --resume RUN_DIR``."""
+    keep_checkpoints: int = 2
+    """Complete checkpoints kept (the newest ones); each carries a SHA-256 of every file, checked on
+    resume, and a damaged newest one falls back to the one before it (so 1 keeps no fallback)."""
     tensorboard: bool = False
     """Also write every metric as TensorBoard event files in <run>/tensorboard (needs tensorboard)."""
     report_to: list[str] | str = "none"
@@ -793,6 +807,7 @@ class TrainConfig:
                 f"choose from {list(TRACKERS)} or name a tracker class as module:Class",
             )
         _check(self.steps >= 1, "train.steps", self.steps, "must be >= 1")
+        _check(0 <= self.seed <= MAX_SEED, "train.seed", self.seed, f"must be in [0, {MAX_SEED}] (32 bits)")
         _check(self.sample_every >= 1, "train.sample_every", self.sample_every, "must be >= 1")
         _check(
             self.threads is None or self.threads >= 1, "train.threads", self.threads, "must be >= 1 or null"
@@ -802,6 +817,12 @@ class TrainConfig:
             "train.checkpoint_every",
             self.checkpoint_every,
             "must be >= 0 (0 = on signal only)",
+        )
+        _check(
+            self.keep_checkpoints >= 1,
+            "train.keep_checkpoints",
+            self.keep_checkpoints,
+            "must be >= 1 (2 keeps a fallback for a damaged newest checkpoint)",
         )
 
 
@@ -1240,7 +1261,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 def dump_config(config: Config, path: Path) -> None:
     """Write the resolved config as YAML (and it loads back to an equal Config)."""
-    path.write_text(yaml.safe_dump(config.to_dict(resolved=False), sort_keys=False))
+    from tether.run.files import atomic_write_text
+
+    atomic_write_text(path, yaml.safe_dump(config.to_dict(resolved=False), sort_keys=False))
 
 
 def config_json(config: Config) -> str:
@@ -1428,6 +1451,7 @@ FIELD_UNITS: dict[str, str] = {
     "train.threads": "threads",
     "train.progress": "",
     "train.checkpoint_every": "steps",
+    "train.keep_checkpoints": "checkpoints",
     "train.tensorboard": "",
     "train.report_to": "",
     "train.device": "",

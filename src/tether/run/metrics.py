@@ -11,6 +11,14 @@ import math
 from pathlib import Path
 from typing import Any
 
+from tether.run.files import (
+    append_lines,
+    atomic_write_text,
+    read_jsonl,
+    remove_stale_temporaries,
+    rewrite_jsonl,
+)
+
 
 def _clean(v: Any) -> Any:
     if hasattr(v, "item"):
@@ -44,32 +52,48 @@ class RunWriter:
         """The run folder's lock this process holds (:mod:`tether.run.lock`), or None."""
 
     def truncate_after(self, step: int) -> None:
-        """Drop rows of steps after ``step`` from metrics, samples and warnings (on resume)."""
+        """Drop rows of steps after ``step`` from metrics, samples and warnings (on resume).
+
+        Each file is rewritten whole (:func:`tether.run.files.rewrite_jsonl`: a kill leaves the old
+        file or the new one) and only when a row goes; a torn last line is dropped (and said so).
+
+        Raises:
+            ValueError: a line other than the last is not JSON (names ``FILE:LINE``).
+            tether.run.files.RunFileError: the disk is full; every file is as it was.
+        """
+        remove_stale_temporaries(self.run_dir)  # a killed rewrite's (the files themselves are whole)
         for name in ("metrics.jsonl", "samples.jsonl", "warnings.jsonl"):
             path = self.run_dir / name
-            if path.exists():
-                rows = [line for line in path.read_text().splitlines() if line.strip()]
-                keep = [line for line in rows if json.loads(line).get("step", -1) <= step]
-                path.write_text("".join(line + "\n" for line in keep))
-        self.history = [
-            json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()
-        ]
+            if not path.exists():
+                continue
+            rows = read_jsonl(path)
+            keep = [r for r in rows if r.get("step", -1) <= step]
+            torn = path.stat().st_size > 0 and not path.read_bytes().endswith(b"\n")
+            if len(keep) < len(rows) or torn:
+                rewrite_jsonl(path, keep)
+        self.history = read_jsonl(self.metrics_path)
 
     def log(self, row: dict) -> None:
+        """Append ``row`` to metrics.jsonl (whole or not at all: :func:`tether.run.files.append_lines`).
+
+        Raises:
+            tether.run.files.RunFileError: the disk is full or a file-size limit was reached; names
+                the file, and the row is not in :attr:`history` either.
+        """
         row = {k: _clean(v) for k, v in row.items()}
+        append_lines(self.metrics_path, [json.dumps(row)])
         self.history.append(row)
-        with self.metrics_path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
 
     def samples(self, step: int, rows: list[dict]) -> None:
-        with self.samples_path.open("a") as f:
-            for r in rows:
-                f.write(json.dumps({"step": step, **{k: _clean(v) for k, v in r.items()}}) + "\n")
+        """Append ``rows`` to samples.jsonl, all of them or none (:func:`append_lines`)."""
+        lines = [json.dumps({"step": step, **{k: _clean(v) for k, v in r.items()}}) for r in rows]
+        append_lines(self.samples_path, lines)
 
     def write_json(self, name: str, obj: dict) -> Path:
-        """Write ``obj`` as JSON; a non-finite number at any depth becomes null (valid JSON)."""
+        """Write ``obj`` as JSON, replacing the file whole (:func:`atomic_write_text`); a non-finite
+        number at any depth becomes null (valid JSON)."""
         path = self.run_dir / name
-        path.write_text(json.dumps(_strict(obj), indent=2))
+        atomic_write_text(path, json.dumps(_strict(obj), indent=2))
         return path
 
 

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tether.core.health import RULES, Alarm, HealthThresholds
+from tether.run.files import append_lines
 
 HELDOUT_RULES = ("sample_quality",)
 """The rules that read held-out evaluations (``eval/*`` beside ``eval/ref_*``): run once more on the
@@ -31,8 +32,6 @@ class HealthMonitor:
             if name not in seen and (rules is None or name in rules) and (a := rule(history, self.thresholds))
         ]
         self.fired += new
-        if self.path is not None:
-            with self.path.open("a") as f:
-                for a in new:
-                    f.write(json.dumps(asdict(a)) + "\n")
+        if self.path is not None:  # created on the first check, even with no alarm
+            append_lines(self.path, [json.dumps(asdict(a)) for a in new])
         return new

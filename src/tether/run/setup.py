@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+from safetensors import SafetensorError
 from torch import nn
 
 from tether.core.distributed import barrier, gather_objects, is_main
@@ -77,7 +78,7 @@ def load_model_part(load, name: str, *args):
     """
     try:
         return load(*args)
-    except (OSError, ValueError, ImportError) as e:
+    except (OSError, ValueError, ImportError, RuntimeError, SafetensorError) as e:  # a shape's RuntimeError
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(
             f"model.name={name!r}: {load.__name__.replace('_', ' ')} failed ({first}); point model.name at a "
@@ -132,9 +133,17 @@ RESUME_FIXED = (
     ("data", "max_words"),
     ("data", "chat_template"),
     ("dpo", "pairs"),
+    ("model", "name"),
+    ("model", "revision"),
+    ("model", "trainable_layers"),
+    ("model", "lora_r"),
+    ("model", "lora_alpha"),
+    ("model", "lora_target_modules"),
+    ("model", "adapter"),
 )
-"""Fields a resume cannot change: the trainer (its checkpoint state is another trainer's) and
-the data (the checkpoint's prompt order and the held-out split index these prompts)."""
+"""Fields a resume cannot change: the trainer (its checkpoint state is another trainer's), the
+data (the checkpoint's prompt order and the held-out split index these prompts) and the model
+(the checkpoint's weights are this model's, with these adapters and trainable layers)."""
 
 
 def check_resume_keeps(config: Config, saved: Path) -> None:
@@ -153,7 +162,8 @@ def check_resume_keeps(config: Config, saved: Path) -> None:
         if was != now:
             raise ConfigError(
                 f"--resume: {section}.{name}={now!r} differs from the run's {was!r} ({saved}); a resumed "
-                "run keeps its trainer and its data (the checkpoint's prompt order, the held-out split). "
+                "run keeps its trainer, its data (the checkpoint's prompt order, the held-out split) and "
+                "its model (the checkpoint's weights and adapters). "
                 f"Drop the override, or start a new run with it: tether train --config {saved} "
                 f"{section}.{name}={now!r} train.output_dir=NEW_DIR"
             )
@@ -313,7 +323,11 @@ def check_prompt_lengths(
         for i, (p, n) in enumerate(zip(chunk, lengths)):
             if n == 0 or n > min(limit, fits):
                 where = f"prompt {start + i + 1}"
-                if source is not None and isinstance(p, str) and Path(source).suffix in (".txt", ".jsonl"):
+                if (
+                    source is not None
+                    and isinstance(p, str)
+                    and Path(source).suffix.lower() in (".txt", ".text", "", ".jsonl")
+                ):
                     where = f"data.prompts: {source}:{prompt_line(source, p)}:"
                 if 0 < n <= limit and room is not None:
                     raise ValueError(
@@ -359,6 +373,36 @@ class Run:
     wrap the policy with ``accelerator.prepare`` (DDP when there are several)."""
     run_dir_existed: bool = False
     """The run directory existed (empty) before this run, see :func:`discard_failed_start`."""
+
+
+ROLLOUT_BYTES_PER_TOKEN = 24
+"""The least host memory one token of a rollout takes, bytes: its id (int64, 8) and four float32
+values per token (logprobs, old_logprobs, ref_logprobs, advantages; 16). A floor: the real step
+also holds logits, values and masks."""
+
+
+def check_rollout_memory(batch_size: int, max_new_tokens: int, max_prompt_tokens: int | None) -> None:
+    """Refuse, before anything is built, a rollout whose floor of memory (batch_size x (prompt +
+    response tokens) x :data:`ROLLOUT_BYTES_PER_TOKEN`) exceeds this machine's physical memory:
+    it could only end in an out-of-memory kill, or hang building the prompt indices.
+
+    Raises:
+        ValueError: naming rollout.batch_size, the floor and the memory there is.
+    """
+    try:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not a POSIX system: no bound known
+        return
+    tokens = max_new_tokens + (max_prompt_tokens or 1)
+    need = batch_size * tokens * ROLLOUT_BYTES_PER_TOKEN
+    if need > memory:
+        most = memory // (tokens * ROLLOUT_BYTES_PER_TOKEN)
+        raise ValueError(
+            f"rollout.batch_size={batch_size}: a step's samples alone need at least {need / 2**30:.1f} GiB "
+            f"({tokens} tokens each x {ROLLOUT_BYTES_PER_TOKEN} bytes), more than this machine's "
+            f"{memory / 2**30:.1f} GiB; lower rollout.batch_size (at most {most} here, far fewer in "
+            "practice) or rollout.max_new_tokens"
+        )
 
 
 def check_launcher(distributed_type: str) -> None:
@@ -554,6 +598,8 @@ def build_run(
         raise FileNotFoundError(f"--resume {run_dir}: not a tether run directory (no config.yaml)")
     if resume:
         check_resume_keeps(config, run_dir / "config.yaml")
+    r = config.rollout
+    check_rollout_memory(r.batch_size, r.max_new_tokens, r.max_prompt_tokens)
     if model is None:
         check_model_name(config.model.name, config.model.revision)
     if scorer is None:
