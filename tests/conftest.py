@@ -137,6 +137,11 @@ def exits_once_at_step_2(prompts, completions, trainer_state, **kwargs) -> list[
     return [len(c) / 100 + n for c, n in zip(completions, noise)]
 
 
+def one_if_long(texts: list[str]) -> list[float]:
+    """A 0/1 reward for tests: 1 when the response has at least 8 characters."""
+    return [float(len(t) >= 8) for t in texts]
+
+
 def slow_length_scorer(texts: list[str]) -> list[float]:
     """A scorer that takes 0.3 s per call, so a test can kill a run between two steps."""
     import time

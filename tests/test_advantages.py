@@ -1,4 +1,4 @@
-"""Tests for tether.core.advantages: GAE and whitening."""
+"""Tests for tether.core.advantages: GAE, whitening and the group advantages."""
 
 from __future__ import annotations
 
@@ -218,3 +218,29 @@ def test_ppo_advantages_refuses_a_correction_of_another_shape():
     mask = torch.ones(2, 3, dtype=torch.bool)
     with pytest.raises(ValueError, match="token_correction"):
         ppo_advantages(rewards, rewards, mask, 1.0, 1.0, False, token_correction=torch.zeros(2, 2))
+
+
+def test_all_equal_groups_get_exactly_zero_advantages():
+    from tether.core.advantages import group_all_equal, group_normalized_advantages, rloo_advantages
+
+    # (0.1, 0.1, 0.1): in float64 the mean is 0.30000000000000004 / 3 = 0.10000000000000002, so
+    # the centred rewards are -1.4e-17 each, which the std division (0 + 1e-4) would make -1.4e-13;
+    # the second group (0, 1, 1) is not all-equal: mean 2/3, std sqrt(1/3) = 0.57735
+    scores = torch.tensor([0.1, 0.1, 0.1, 0.0, 1.0, 1.0], dtype=F64)
+    residue = scores[:3] - scores[:3].mean()
+    assert float(residue.abs().max()) > 0  # the formula alone leaves a residue: this test can fail
+    assert group_all_equal(scores, 3).tolist() == [True, True, True, False, False, False]
+    for adv in (
+        group_normalized_advantages(scores, 3),
+        group_normalized_advantages(scores, 3, scale_by_std=False),
+        rloo_advantages(scores, 3),
+    ):
+        assert torch.equal(adv[:3], torch.zeros(3, dtype=F64))
+    torch.testing.assert_close(
+        group_normalized_advantages(scores, 3)[3:],
+        torch.tensor([-2 / 3, 1 / 3, 1 / 3], dtype=F64) / (math.sqrt(1 / 3) + 1e-4),
+        rtol=1e-12,
+        atol=0,
+    )
+    # RLOO on (0, 1, 1): 0 - 1 = -1, 1 - 0.5 = 0.5, 0.5
+    torch.testing.assert_close(rloo_advantages(scores, 3)[3:], torch.tensor([-1.0, 0.5, 0.5], dtype=F64))

@@ -743,3 +743,20 @@ def test_a_resume_keeps_the_prompts_of_the_reference_evaluation(tmp_path, caplog
     with caplog.at_level("WARNING"):
         _reference_eval(moved, tmp_path, show=False)
     assert moved.heldout == prompts[4:14] and not caplog.text
+
+
+def test_grpo_logs_its_all_equal_groups_on_a_01_reward(tiny_model_dir, prompt_file, tmp_path):
+    out = tmp_path / "run"
+    args = _tiny_args(tiny_model_dir, prompt_file, out)
+    args += [
+        "train.algo=grpo",
+        "rollout.batch_size=8",  # two groups of 4 a step: each share is 0, 0.5 or 1
+        "optim.minibatch_size=4",
+        "reward.scorer=tests.conftest:one_if_long",
+        "train.save_model=false",
+    ]
+    assert main(args) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        equal, best, worst = (r[f"rollout/groups_all_{k}"] for k in ("equal", "best", "worst"))
+        assert equal in (0.0, 0.5, 1.0) and best + worst == equal, r

@@ -118,5 +118,24 @@ def test_grpo_kl_weights_are_one_over_the_group_std():
     rewards = torch.tensor([[0.0, 1.0], [3.0, 0.0], [2.0, 0.0], [1.0, 1.0]])
     mask = torch.tensor([[True, True], [True, False], [True, False], [True, True]])
     w = grpo_kl_weights(rewards, mask, 2)
-    expected = 1.0 / (torch.tensor([2**0.5, 2**0.5, 0.0, 0.0]) + GROUP_STD_EPS)
+    # group 1 is all-equal: not 1 / (0 + 1e-4) = 10^4 but the other groups' mean weight,
+    # here group 0's alone: 1 / (sqrt(2) + 1e-4) = 0.70706...
+    expected = 1.0 / (torch.tensor([2**0.5, 2**0.5, 2**0.5, 2**0.5]) + GROUP_STD_EPS)
     assert torch.allclose(w, expected, rtol=1e-6)
+
+
+def test_grpo_kl_weights_at_their_extremes():
+    from tether.core.advantages import GROUP_STD_EPS
+    from tether.trainers.steps import grpo_kl_weights
+
+    mask = torch.ones(8, 1, dtype=torch.bool)
+    # 0/1 rewards, G = 4: (0, 0, 0, 1) has unbiased std sqrt((3 x 0.25^2 + 0.75^2) / 3) = 0.5,
+    # weight 1 / 0.5001 = 1.99960...; (1, 1, 1, 1) is all-equal and takes that same weight
+    w = grpo_kl_weights(torch.tensor([[0.0], [0.0], [0.0], [1.0], [1.0], [1.0], [1.0], [1.0]]), mask, 4)
+    assert torch.allclose(w, torch.full((8,), 1 / (0.5 + GROUP_STD_EPS)), rtol=1e-6)
+    # every group all-equal: weight 1 (the KL term as in Dr. GRPO), never 10^4
+    w = grpo_kl_weights(torch.zeros(8, 1), mask, 4)
+    assert torch.equal(w, torch.ones(8))
+    # a group whose std is tiny but not 0 is bounded by 1 / GROUP_STD_EPS = 10^4
+    w = grpo_kl_weights(torch.tensor([[0.0], [0.0], [0.0], [1e-12], [0.0], [0.0], [0.0], [1.0]]), mask, 4)
+    assert float(w[:4].max()) <= 1 / GROUP_STD_EPS and float(w[:4].min()) > 0.99 / GROUP_STD_EPS

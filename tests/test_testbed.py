@@ -623,3 +623,66 @@ def test_best_of_n_kl_is_below_the_bound(which):
 def test_exact_shaping_is_refused_without_per_token_advantages():
     with pytest.raises(ValueError, match="per-token advantages"):
         tb.train_group(seq_bed(), "rloo", SEQ_BETA, SEQ, kl_shaping="exact")
+
+
+# ---- a 0/1 reward: all-equal groups -----------------------------------------------------------
+# A verifiable reward on the bandit: action 3 is right (1), the others wrong (0). With G = 4 the
+# groups are all-wrong with probability 0.768^4 = 0.35 at pi* (pi*(3) = 0.1e / (0.9 + 0.1e) =
+# 0.232), so every batch of 256 groups holds ~90 all-equal ones. The fixed points are computed
+# exactly, by enumerating the 35 outcomes of a group (tb.group_fixed_point).
+BED01_REWARDS = [0.0, 0.0, 0.0, 1.0]
+G01 = 4
+BANDIT01 = tb.TrainSettings(steps=300, batch_size=1024, group_size=G01)
+RULES01 = {  # name -> (the fixed point's rule, train_group's keywords)
+    "grpo": ("grpo", dict(algo="grpo", scale_by_std=True)),
+    "grpo-scale-kl": ("grpo-scale-kl", dict(algo="grpo", scale_by_std=True, scale_kl_by_std=True)),
+    "grpo-scale-kl-k1_seq": (
+        "grpo-scale-kl",
+        dict(algo="grpo", scale_by_std=True, scale_kl_by_std=True, loss_estimator="k1_seq"),
+    ),
+    "dr-grpo": ("dr-grpo", dict(algo="grpo", scale_by_std=False)),
+    "rloo": ("rloo", dict(algo="rloo")),
+}
+
+
+def bed01() -> tb.TabularBed:
+    return tb.bandit(REF, BED01_REWARDS)
+
+
+def test_group_fixed_points_on_the_01_bandit_by_enumeration():
+    bed = bed01()
+    fp = {
+        rule: tb.group_fixed_point(bed, BETA, G01, rule)
+        for rule in ("grpo", "grpo-scale-kl", "dr-grpo", "rloo")
+    }
+    star, star_g = pi_star(bed, BETA), pi_star(bed, BETA * G01 / (G01 - 1))
+    d = {rule: tb.kl_to(f, bed, star) for rule, f in fp.items()}
+    d_g = {rule: tb.kl_to(f, bed, star_g) for rule, f in fp.items()}
+    print("0/1 bandit, G = 4: KL(fp || pi*) =", d, "KL(fp || pi*(beta G/(G-1))) =", d_g)
+    # RLOO (k1 in the reward, leave-one-out) is unbiased: pi* itself, to rounding
+    assert abs(d["rloo"]) < 1e-12
+    # mean-centred advantages include r_i: pi*(beta G / (G - 1)) = pi*(4/3), to rounding
+    assert abs(d_g["dr-grpo"]) < 1e-12
+    # scale_kl_by_std with the all-equal rule: within 1e-5 of Dr. GRPO's fixed point (1.8e-6; the
+    # weights are not exactly uncorrelated with the group's gradient, docs/kl.md)
+    assert d_g["grpo-scale-kl"] < 1e-5
+    # the published GRPO (KL unscaled) puts beta in group-std units: it lands 0.017 away
+    assert d["grpo"] > 1e-2 and d_g["grpo"] > 1e-2
+    # all-equal groups are common there: P(all 4 wrong) + P(all 4 right) at Dr. GRPO's fixed point
+    # (pi(3) = 0.190: 0.810^4 + 0.190^4 = 0.43)
+    right = float(fp["dr-grpo"].exp()[0, 3])
+    assert (1 - right) ** G01 + right**G01 > 0.4
+
+
+@pytest.mark.parametrize("name", list(RULES01))
+def test_group_trainers_reach_their_fixed_point_on_the_01_bandit(name):
+    bed = bed01()
+    rule, kw = RULES01[name]
+    kw = dict(kw)
+    log = tb.train_group(bed, kw.pop("algo"), BETA, BANDIT01, **kw)
+    dist = tb.kl_to(log.table, bed, tb.group_fixed_point(bed, BETA, G01, rule))
+    msg = (
+        f"{name} on the 0/1 bandit (G = 4): after {BANDIT01.steps} batches KL(pi || fixed point) = {dist:.2e}"
+    )
+    print(msg)
+    assert dist < 1e-3, msg

@@ -117,8 +117,10 @@ def whiten(values: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
     return torch.where(mask.bool(), out, 0.0)
 
 
-# Added to the group standard deviation in GRPO's normalization, so a group whose rewards are
-# all equal gets advantage 0 instead of NaN (Shao et al. 2024 use the same form; TRL uses 1e-4).
+# Added to the group standard deviation in GRPO's normalization (Shao et al. 2024 use the same
+# form; TRL uses 1e-4). A group whose rewards are all equal gets advantage exactly 0 by
+# :func:`group_all_equal`, not by this epsilon (its mean-centered rewards may round to ~1e-17,
+# which the division would blow up 10^4 times); for the other groups it bounds 1 / std at 10^4.
 GROUP_STD_EPS = 1e-4
 
 
@@ -128,6 +130,20 @@ def _groups(scores: Tensor, group_size: int) -> Tensor:
             f"scores {tuple(scores.shape)} must be (B,) with B divisible by group_size={group_size}"
         )
     return at_least_fp32(scores).view(-1, group_size)  # (B / G, G), consecutive rows form a group
+
+
+def group_all_equal(scores: Tensor, group_size: int) -> Tensor:
+    """Whether each row's group has all its rewards exactly equal (max == min): (B,) -> (B,) bool.
+
+    Such a group carries no ranking, so every advantage of it is exactly 0 in GRPO, Dr. GRPO and
+    RLOO; with 0/1 rewards these are the all-right and all-wrong groups.
+
+    Raises:
+        ValueError: B is not a multiple of ``group_size``.
+    """
+    g = _groups(scores, group_size)
+    equal = g.amax(-1, keepdim=True) == g.amin(-1, keepdim=True)
+    return equal.expand_as(g).reshape(-1)
 
 
 def group_normalized_advantages(scores: Tensor, group_size: int, scale_by_std: bool = True) -> Tensor:
@@ -143,7 +159,7 @@ def group_normalized_advantages(scores: Tensor, group_size: int, scale_by_std: b
         group_size: G >= 1 (G = 1 gives zeros).
 
     Returns:
-        (B,) advantages, one per sequence.
+        (B,) advantages, one per sequence; exactly 0 for a group whose scores are all equal.
 
     Raises:
         ValueError: B is not a multiple of ``group_size``.
@@ -152,7 +168,8 @@ def group_normalized_advantages(scores: Tensor, group_size: int, scale_by_std: b
     centered = g - g.mean(-1, keepdim=True)
     if scale_by_std and group_size > 1:
         centered = centered / (g.std(-1, keepdim=True) + GROUP_STD_EPS)
-    return centered.reshape(-1)
+    # an all-equal group: exactly 0, not its rounding residue (up to 1e-17 x 10^4 after the division)
+    return torch.where(group_all_equal(scores, group_size), 0.0, centered.reshape(-1))
 
 
 def group_std(scores: Tensor, group_size: int) -> Tensor:
@@ -179,7 +196,7 @@ def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
         group_size: k >= 2 samples per prompt, consecutive rows.
 
     Returns:
-        (B,) advantages.
+        (B,) advantages; exactly 0 for a group whose rewards are all equal.
 
     Raises:
         ValueError: k < 2, or B not a multiple of k.
@@ -188,4 +205,5 @@ def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
         raise ValueError(f"RLOO needs group_size >= 2 samples per prompt, got {group_size}")
     g = _groups(rewards, group_size)
     baseline = (g.sum(-1, keepdim=True) - g) / (group_size - 1)
-    return (g - baseline).reshape(-1)
+    # an all-equal group: exactly 0 (the leave-one-out mean of equal floats may round off them)
+    return torch.where(group_all_equal(rewards, group_size), 0.0, (g - baseline).reshape(-1))

@@ -51,6 +51,13 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
+from tether.core.advantages import (
+    GROUP_STD_EPS,
+    group_all_equal,
+    group_normalized_advantages,
+    group_std,
+    rloo_advantages,
+)
 from tether.core.bestofn import bon_kl_bound
 from tether.core.controllers import FixedKLController, KLController
 from tether.core.kl import KLEstimator, estimate_kl, exact_kl_from_logits, kl_stats, masked_sum, sequence_kl
@@ -863,3 +870,103 @@ def train_dpo(bed: TabularBed, beta: float, settings: TrainSettings = TrainSetti
             avg.add(table)
     log.table = avg.mean()
     return log
+
+
+GroupRule = Literal["grpo", "grpo-scale-kl", "dr-grpo", "rloo"]
+
+
+def group_outcomes(vocab: int, group_size: int) -> Tensor:
+    """Every multiset of ``group_size`` actions of a bandit, as counts: (M, V) long, each row
+    summing to G (M = C(G + V - 1, V - 1); 35 for V = G = 4)."""
+
+    def rec(left: int, slots: int) -> list[list[int]]:
+        if slots == 1:
+            return [[left]]
+        return [[k, *rest] for k in range(left + 1) for rest in rec(left - k, slots - 1)]
+
+    return torch.tensor(rec(group_size, vocab), dtype=torch.long)
+
+
+def expected_group_gradient(
+    logits: Tensor, bed: TabularBed, beta: float, group_size: int, rule: GroupRule
+) -> Tensor:
+    """The exact expected ascent direction of one on-policy group update of a bandit, (V,) in
+    logit space, by enumerating every group outcome (:func:`group_outcomes`) with its
+    multinomial probability: ``E[(1/G) sum_i (A_i - beta w_g kl_i) grad log pi(y_i)]``.
+
+    The advantages and weights are the trainers' own (:func:`group_normalized_advantages`,
+    :func:`rloo_advantages`, and for ``grpo-scale-kl`` :func:`grpo_kl_weights`'s rule with the
+    batch mean taken in expectation: an all-equal group's weight is ``E[w 1{not equal}] /
+    P(not equal)``). The KL term's per-sample gradient is k2's (and k3+'s, and on a bandit
+    k1_seq's): ``(log pi(y) - log pi_ref(y)) grad log pi(y)``; RLOO's k1 is in the reward instead
+    (``r - beta (log pi - log pi_ref)``, no gradient through it).
+
+    Args:
+        logits: (V,) float64 policy logits. bed: a bandit (length 1). beta: kl_coef.
+        group_size: G >= 2. rule: ``grpo`` (std-scaled advantages, KL in the loss unweighted),
+            ``grpo-scale-kl`` (grpo.scale_kl_by_std), ``dr-grpo`` (mean-centred only), ``rloo``.
+
+    Returns:
+        (V,) float64 expected gradient of the objective (zero at the rule's fixed point).
+    """
+    if bed.length != 1:
+        raise ValueError("expected_group_gradient enumerates a bandit (length 1)")
+    V, G = bed.vocab, group_size
+    logp = torch.log_softmax(logits.to(F64), -1)
+    ref = torch.log_softmax(bed.ref_logits[0].to(F64), -1)
+    counts = group_outcomes(V, G)  # (M, V)
+    log_multi = torch.lgamma(torch.tensor(G + 1.0, dtype=F64)) - torch.lgamma(counts.to(F64) + 1).sum(-1)
+    prob = torch.exp(log_multi + (counts.to(F64) * logp).sum(-1))  # (M,)
+    actions = torch.repeat_interleave(torch.arange(V).repeat(len(counts)), counts.reshape(-1)).view(-1, G)
+    kl = (logp - ref)[actions]  # (M, G): log pi - log pi_ref of each sample
+    r = bed.rewards.to(F64)[actions]  # (M, G)
+    flat = lambda x: x.reshape(-1)  # noqa: E731
+    if rule == "rloo":
+        adv = rloo_advantages(flat(r - beta * kl), G).view(-1, G)
+        w = torch.zeros(len(counts), dtype=F64)
+    else:
+        adv = group_normalized_advantages(flat(r), G, scale_by_std=rule != "dr-grpo").view(-1, G)
+        w = torch.ones(len(counts), dtype=F64)
+        if rule == "grpo-scale-kl":
+            equal = group_all_equal(flat(r), G).view(-1, G)[:, 0]
+            w = 1.0 / (group_std(flat(r), G).view(-1, G)[:, 0] + GROUP_STD_EPS)
+            p_ne = prob[~equal].sum()
+            w = torch.where(equal, (prob * w)[~equal].sum() / p_ne if p_ne > 0 else 1.0, w)
+    coef = adv - beta * w[:, None] * kl  # (M, G): each sample's weight on grad log pi(y_i)
+    # grad log pi(a) = e_a - pi: sum over the group's samples
+    onehot = torch.nn.functional.one_hot(actions, V).to(F64)  # (M, G, V)
+    per_group = (coef[..., None] * (onehot - logp.exp())).sum(1) / G  # (M, V)
+    return (prob[:, None] * per_group).sum(0)
+
+
+def group_fixed_point(bed: TabularBed, beta: float, group_size: int, rule: GroupRule) -> Tensor:
+    """The bandit policy where :func:`expected_group_gradient` vanishes: (1, V) float64 log-probs,
+    by Newton's method on the V - 1 free logits from pi_ref (the gradient divided by pi, so that a
+    policy with some pi(a) -> 0 is no spurious zero), each step halved until that shrinks, to
+    |gradient / pi| < 1e-14.
+
+    Raises:
+        RuntimeError: no convergence in 200 steps.
+    """
+    ref = torch.log_softmax(bed.ref_logits[0].to(F64), -1)
+    free = ref[1:] - ref[0]  # logits relative to the first action's, starting at pi_ref
+
+    def f(x: Tensor) -> Tensor:
+        logits = torch.cat([torch.zeros(1, dtype=F64), x])
+        # each action's component over its probability: the logit gradient of action a carries a
+        # factor pi(a), which would make a policy with pi(a) -> 0 a spurious zero
+        return (expected_group_gradient(logits, bed, beta, group_size, rule) / torch.softmax(logits, -1))[1:]
+
+    g = f(free)
+    for _ in range(200):
+        if float(g.abs().max()) < 1e-14:
+            return torch.log_softmax(torch.cat([torch.zeros(1, dtype=F64), free]), -1)[None, :]
+        step = torch.linalg.solve(torch.autograd.functional.jacobian(f, free), g)
+        for _ in range(30):  # backtrack: a step that does not shrink |gradient| is halved
+            trial = free - step
+            g_trial = f(trial)
+            if float(g_trial.norm()) < float(g.norm()):
+                break
+            step = step / 2
+        free, g = trial, g_trial
+    raise RuntimeError(f"group_fixed_point({rule!r}): no convergence (|gradient| {float(g.abs().max()):.2e})")

@@ -15,7 +15,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from tether.core import distributed as D
-from tether.core.advantages import group_std
+from tether.core.advantages import group_all_equal, group_std
 from tether.core.kl import masked_sum
 from tether.trainers.base import OnPolicyTrainer
 from tether.trainers.common import RolloutLogprobs
@@ -33,9 +33,29 @@ from tether.trainers.update import MicroLoss
 class GroupTrainer(OnPolicyTrainer):
     """Shared by GRPO and RLOO; subclasses choose the advantage (step 6)."""
 
+    def extra_metrics(self, exp: Experience, kl_coef: float) -> dict:
+        """The groups whose scores are all equal (they carry no ranking: advantage 0), as shares of
+        the step's groups over every process: ``rollout/groups_all_equal``, and where every score
+        is 0 or 1 (a verifiable reward), ``rollout/groups_all_best`` (all 1) and
+        ``rollout/groups_all_worst`` (all 0)."""
+        return group_metrics(exp.scores, self.group_size)
+
     def minibatch_loss(self, mb: Experience, kl_coef: float, first_micro: bool = True) -> MicroLoss:
         logprobs = self.policy_logprobs(mb.rollout)  # (B, R), with grad
         return clipped_policy_loss(mb, logprobs, self.cfg.ppo.clip_eps, self.leash, kl_coef, first_micro)
+
+
+def group_metrics(scores: Tensor, group_size: int) -> dict:
+    """Shares of the batch's groups (all processes) whose scores are all equal, all 1 and all 0
+    (the last two only when every score is 0 or 1). ``scores``: (B,) this process's, whole
+    groups of ``group_size`` consecutive rows."""
+    equal = group_all_equal(scores, group_size)  # (B,): each row flags its group; groups weigh alike
+    out = {"rollout/groups_all_equal": D.sequence_mean(equal.float())}
+    binary = D.all_reduce_min(((scores == 0) | (scores == 1)).all().float())
+    if binary > 0:
+        out["rollout/groups_all_best"] = D.sequence_mean((equal & (scores == 1)).float())
+        out["rollout/groups_all_worst"] = D.sequence_mean((equal & (scores == 0)).float())
+    return out
 
 
 class GRPOTrainer(GroupTrainer):
@@ -58,12 +78,14 @@ class GRPOTrainer(GroupTrainer):
         return None
 
     def extra_metrics(self, exp: Experience, kl_coef: float) -> dict:
-        """``objective/kl_coef_effective``: beta x the batch's mean group reward std (reward units
-        per nat), the exchange rate GRPO optimizes while the std divides the advantages only."""
+        """The group shares (:meth:`GroupTrainer.extra_metrics`), and ``objective/kl_coef_effective``:
+        beta x the batch's mean group reward std (reward units per nat), the exchange rate GRPO
+        optimizes while the std divides the advantages only."""
+        out = super().extra_metrics(exp, kl_coef)
         if not self.beta_in_reward_std:
-            return {}
+            return out
         seq_rewards = masked_sum(exp.rewards, exp.mask, dim=-1)  # (B,)
-        return {
+        return out | {
             "objective/kl_coef_effective": kl_coef * D.sequence_mean(group_std(seq_rewards, self.group_size))
         }
 

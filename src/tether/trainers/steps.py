@@ -25,6 +25,7 @@ from tether.core import distributed as D
 from tether.core.advantages import (
     GROUP_STD_EPS,
     gae,
+    group_all_equal,
     group_normalized_advantages,
     group_std,
     return_scale,
@@ -248,21 +249,33 @@ def grpo_advantages(rewards: Tensor, mask: Tensor, group_size: int, scale_by_std
 
 
 def grpo_kl_weights(rewards: Tensor, mask: Tensor, group_size: int) -> Tensor:
-    """Per-row weights ``1 / (std_g + GROUP_STD_EPS)`` for GRPO's KL-in-loss term, the same
-    division the std-scaled advantages get, so that beta stays in reward units per nat
-    (``grpo.scale_kl_by_std``): with advantages ``(r - mean_g) / std_g`` and the KL term
+    """Per-row weights of GRPO's KL-in-loss term (``grpo.scale_kl_by_std``): ``1 / (std_g +
+    GROUP_STD_EPS)``, the same division the std-scaled advantages get, so that beta stays in
+    reward units per nat: with advantages ``(r - mean_g) / std_g`` and the KL term
     ``beta KL / std_g``, each group's gradient is ``(grad E[r] - beta grad KL) / std_g``, whose
     fixed point is ``pi*`` of the beta the user set.
+
+    A group whose rewards are all equal (std 0: all right or all wrong under a 0/1 reward) has
+    advantage 0 and no std to divide by; its KL term gets the mean weight of the batch's other
+    groups (over every process), which keeps ``pi*`` the fixed point (docs/kl.md, "All-equal
+    groups"), and weight 1 when every group of the batch is all-equal. Every weight is therefore
+    at most ``1 / GROUP_STD_EPS`` = 10^4, reached only by a group whose std is below 1e-4 yet not
+    0.
 
     Args:
         rewards: (B, R) per-token rewards; consecutive groups of ``group_size`` rows share a prompt.
         mask: (B, R) bool. group_size: G >= 2.
 
     Returns:
-        (B,) float, one over the row's group reward std (plus the advantages' epsilon).
+        (B,) float, each row's group weight.
     """
     seq_rewards = masked_sum(rewards, mask, dim=-1)  # (B,)
-    return 1.0 / (group_std(seq_rewards, group_size) + GROUP_STD_EPS)
+    weights = 1.0 / (group_std(seq_rewards, group_size) + GROUP_STD_EPS)
+    equal = group_all_equal(seq_rewards, group_size)
+    # the mean over the other groups' rows (each group has G rows, so rows weigh as groups)
+    n, total = D.all_reduce_sum(torch.stack([(~equal).sum().to(weights.dtype), weights[~equal].sum()]))
+    mean = total / n if n > 0 else torch.ones((), dtype=weights.dtype, device=weights.device)
+    return torch.where(equal, mean, weights)
 
 
 def rloo_token_advantages(rewards: Tensor, mask: Tensor, group_size: int) -> Tensor:
