@@ -200,6 +200,7 @@ TIERS = {
         "test_run_folder_safety",
         "test_run_lock",
         "test_run_files",
+        "test_verifiable",
     },
     # the real SmolLM2-135M, ICWSM prompts and MiniLM judge (also marked `slow`)
     "real": {"test_integration", "test_reward_model"},

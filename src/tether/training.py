@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from tether.core import distributed as D
 from tether.core.health import Alarm, HealthThresholds
 from tether.core.kl import masked_sum, sequence_kl
+from tether.data.tasks import TASKS
 from tether.judges.contract import Scorer, ScorerStopped, checked_scores
 from tether.judges.scorers import builds_a_model, check_scorer_spec, make_scorer
 from tether.models.reference import fingerprint
@@ -676,7 +677,12 @@ def task_defaults_lines(
     lines: the reward when reward.scorer was left unset on data other than the demo's, and what
     scores the held-out evaluation (the run's own reward; the gold judge only when named)."""
     lines = []
-    if not c.embedded_data and c.reward._given("scorer") is None and not scorer_given:
+    if (
+        not c.embedded_data
+        and c.data.prompts not in TASKS
+        and c.reward._given("scorer") is None
+        and not scorer_given
+    ):
         uses = (
             "DPO's per-step probe and the held-out evaluation score with"
             if c.train.algo == "dpo" and c.dpo.pairs != "sampled"

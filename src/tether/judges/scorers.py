@@ -267,6 +267,10 @@ def make_scorer(spec, weights: Sequence[float] | None = None, device=None) -> Sc
         return spec
     if spec == "vader":
         return vader_scorer()
+    if spec == "integer-answer":
+        from tether.judges.verifiers import integer_answer
+
+        return integer_answer
     if spec == "minilm-rm" or spec.startswith("rm:"):
         from tether.judges.reward_model import load_reward_model
 
@@ -287,8 +291,8 @@ def make_scorer(spec, weights: Sequence[float] | None = None, device=None) -> Sc
             raise ValueError(f"scorer {spec!r} is not callable")
         return fn
     raise ValueError(
-        f"scorer {spec!r} is unknown; use 'vader', 'minilm-rm', 'rm:FOLDER', 'hf:FOLDER[#LABEL]' "
-        "or 'module:function'"
+        f"scorer {spec!r} is unknown; use 'vader', 'integer-answer', 'minilm-rm', 'rm:FOLDER', "
+        "'hf:FOLDER[#LABEL]' or 'module:function'"
     )
 
 
@@ -318,7 +322,7 @@ def check_scorer_spec(spec: str | Scorer | list, field_name: str = "reward.score
         for one in spec:
             check_scorer_spec(one, field_name)
         return
-    if callable(spec) or spec in ("vader", "none"):
+    if callable(spec) or spec in ("vader", "integer-answer", "none"):
         return
     if isinstance(spec, str) and spec.startswith(PYTHON_SCORER):
         raise ValueError(

@@ -240,7 +240,9 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     prompts: str = "icwsm-movies"
-    """'icwsm-movies' (first words of ICWSM-2014 movie-review snippets), a .txt file (a prompt per
+    """'icwsm-movies' (first words of ICWSM-2014 movie-review snippets), 'arithmetic' (a built-in
+    verifiable task: two-digit addition with an answer column, checked by
+    reward.scorer=integer-answer, its default), a .txt file (a prompt per
     line), a .jsonl/.json/.parquet/.csv file, a folder saved with datasets' save_to_disk, or a
     Hugging Face Hub dataset id (ORG/NAME, through the HF cache). Columns other than the prompt
     travel with their rows to reward functions (as keyword arguments) and samples.jsonl."""
@@ -277,8 +279,10 @@ class DataConfig:
 @dataclass
 class RewardConfig(_Defaulted):
     scorer: list[str] | str | None = None
-    """None = 'vader', the demo's reward (the run says so when the data is not the demo's);
-    'vader' (VADER compound of the completion, [-1, 1]), 'minilm-rm', 'rm:FOLDER',
+    """None = 'vader', the demo's reward (the run says so when the data is not the demo's), or a
+    built-in task's checker (data.prompts=arithmetic: 'integer-answer');
+    'vader' (VADER compound of the completion, [-1, 1]), 'integer-answer' (1 when the response
+    starts with the row's integer answer, else 0), 'minilm-rm', 'rm:FOLDER',
     'hf:FOLDER[#LABEL]' or 'hf:ORG/NAME[#LABEL]' (a sequence classifier's logit of prompt and
     completion), 'module:function' (a callable list[str] -> list[float], or a TRL-style
     f(prompts, completions, **columns)); or a list of these (YAML list, or comma-separated on the
@@ -1028,7 +1032,9 @@ class Config:
         self.kl._fill("kl_in_reward", algo in ("ppo", "rloo") and not self.kl.kl_in_loss)
         self.kl._fill("kl_in_loss", algo == "grpo" and not self.kl.kl_in_reward)
         self.eval._fill("judge", "minilm-rm" if self.embedded_data else "none")
-        self.reward._fill("scorer", "vader")
+        from tether.data.tasks import TASK_SCORERS
+
+        self.reward._fill("scorer", TASK_SCORERS.get(self.data.prompts, "vader"))  # a task: its checker
         # what was filled, and in which section objects: a section replaced in Python
         # (c.kl = dataclasses.replace(c.kl, ...)) carries no marks, and then a value equal to the
         # filled one counts as filled (:attr:`unresolved`)

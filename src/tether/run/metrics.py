@@ -98,19 +98,23 @@ class RunWriter:
 
 
 def sample_table(rows: list[dict], width: int = 48) -> str:
-    """Plain-text table ``prompt | response | score | kl | reward`` (lm-human-preference-details)."""
+    """Plain-text table ``prompt | response | score | kl | reward`` (lm-human-preference-details).
+    A long prompt shows its end (what the response continues: the question after a few-shot
+    prefix), a long response its start."""
 
-    def cut(s, n: int) -> str:
+    def cut(s, n: int, end: bool = False) -> str:
         if not isinstance(s, str):  # a conversation: its last message
             s = s[-1]["content"] if s and isinstance(s[-1], dict) else str(s)
         s = s.replace("\n", " ")
-        return s if len(s) <= n else s[: n - 1] + "…"
+        if len(s) <= n:
+            return s
+        return "…" + s[len(s) - n + 1 :] if end else s[: n - 1] + "…"
 
     head = f"{'prompt':<24} | {'response':<{width}} | {'score':>6} | {'kl':>6} | {'reward':>6}"
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{cut(r['prompt'], 24):<24} | {cut(r['response'], width):<{width}} | "
+            f"{cut(r['prompt'], 24, end=True):<24} | {cut(r['response'], width):<{width}} | "
             f"{r['score']:6.3f} | {_kl_cell(r['kl'])} | {r['reward']:6.3f}"
         )
     return "\n".join(lines)

@@ -28,6 +28,7 @@ from tether.data.prompts import (
     records_to_data,
     split_prompts,
 )
+from tether.data.tasks import TASKS, task_prompts
 from tether.judges.contract import Scorer, WeightedReward, required_arguments
 from tether.judges.scorers import PYTHON_SCORER, check_scorer_spec, make_scorer, scorer_name
 from tether.models.loading import (
@@ -217,6 +218,8 @@ def load_prompts(config: Config) -> tuple[PromptData, PromptData]:
     if d.prompts == DEFAULT_PROMPTS:
         train, held = movie_prompts(config.train.seed, d.min_words, d.max_words, d.heldout_fraction)
         return PromptData(train), PromptData(held)
+    if d.prompts in TASKS:  # a built-in verifiable task, generated in code
+        return split_prompts(task_prompts(d.prompts), d.heldout_fraction)
     return split_prompts(load_prompt_data(d.prompts, d.split, d.prompt_column), d.heldout_fraction)
 
 
@@ -664,7 +667,7 @@ def build_run(
             + heldout.prompts
             + (pair_prompts(config.dpo.pairs, config.data.split).prompts if pairs else []),
             config.rollout.max_prompt_tokens,
-            None if config.data.prompts == DEFAULT_PROMPTS else config.data.prompts,
+            None if config.data.prompts in (DEFAULT_PROMPTS, *TASKS) else config.data.prompts,
             room=(context, config.rollout.max_new_tokens) if context else None,
         )
         config = fill_max_prompt_tokens(config, longest, context)

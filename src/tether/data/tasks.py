@@ -1,0 +1,50 @@
+"""Built-in verifiable tasks: problems generated in code (offline, no download) with an
+``answer`` column, for a checker reward (:mod:`tether.judges.verifiers`).
+
+``data.prompts=arithmetic`` (:data:`ARITHMETIC`): two-digit addition, prompted few-shot,
+
+    12 + 35 = 47
+    23 + 41 = 64
+    58 + 17 =
+
+with ``answer`` the sum as a string ("75"). Every pair of operands in [10, 99] is one problem
+(8,100, in a fixed order; the two worked examples are among them); the held-out ones are chosen by
+the usual hash split of the prompt text (``data.heldout_fraction``), so the same problems are
+held out in every run. The embedded SmolLM2-135M solves 29.7% +- 2.3% (SE) of the 394 held-out
+problems at the default temperature 1 and rollout.max_new_tokens=16 with ``reward.scorer=integer-answer``
+(seeds ``sample_seeds(1234, 0, i)``): hard enough to learn, common enough to give a gradient.
+"""
+
+from __future__ import annotations
+
+from tether.data.prompts import PromptData
+
+ARITHMETIC = "arithmetic"
+"""``data.prompts`` name of the two-digit addition task."""
+
+SHOTS = "12 + 35 = 47\n23 + 41 = 64\n"
+"""The arithmetic task's two worked examples, before every problem."""
+
+TASKS = (ARITHMETIC,)
+"""The built-in verifiable tasks, by ``data.prompts`` name."""
+
+TASK_SCORERS = {ARITHMETIC: "integer-answer"}
+"""Each task's checker, the ``reward.scorer`` it fills when that is unset."""
+
+
+def arithmetic_problems() -> PromptData:
+    """The 8,100 problems ``a + b`` for a, b in [10, 99], prompts with an ``answer`` column
+    (the sum, a string), in a fixed order (a, then b)."""
+    pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)]
+    return PromptData([f"{SHOTS}{a} + {b} =" for a, b in pairs], {"answer": [str(a + b) for a, b in pairs]})
+
+
+def task_prompts(name: str) -> PromptData:
+    """The problems of built-in task ``name`` (:data:`TASKS`).
+
+    Raises:
+        KeyError: not a built-in task.
+    """
+    if name == ARITHMETIC:
+        return arithmetic_problems()
+    raise KeyError(f"data.prompts={name!r} is not a built-in task ({', '.join(TASKS)})")
