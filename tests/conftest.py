@@ -201,6 +201,7 @@ TIERS = {
         "test_run_lock",
         "test_run_files",
         "test_verifiable",
+        "test_capability",
     },
     # the real SmolLM2-135M, ICWSM prompts and MiniLM judge (also marked `slow`)
     "real": {"test_integration", "test_reward_model"},

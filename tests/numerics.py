@@ -83,6 +83,10 @@ def term_magnitudes(row: dict) -> dict[str, float]:
         # whitened or group-normalized advantages have unit rms; the ratio is ~1; plus the KL term
         "policy/loss": 1.0 + beta * m_tok,
         "policy/clipfrac": 1.0,
+        # shares of groups whose scores are all equal: the same samples give the same share
+        "rollout/groups_all_equal": 1.0,
+        "rollout/groups_all_best": 1.0,
+        "rollout/groups_all_worst": 1.0,
         "value/clipfrac": 1.0,
         "value/loss": v * v,
         "value/mean": v,

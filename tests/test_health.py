@@ -42,6 +42,9 @@ def healthy(n: int = 20) -> list[dict]:
                     "eval/ref_distinct_2": 0.92,
                     "eval/repetition": 0.01 + 0.001 * s,  # +0.02 at most: within 0.1
                     "eval/ref_repetition": 0.01,
+                    "eval/capability_nll": 3.0 + 0.001 * s,  # +0.019 at most: within 0.05
+                    "eval/ref_capability_nll": 3.0,
+                    "eval/capability_nll_change_se": 0.005,
                 }
             )
     return rows
@@ -66,6 +69,8 @@ def with_pattern(rule: str) -> list[dict]:
             r["rollout/logprob_mismatch"] = 0.028  # bf16 sampling scored in float32
         if rule == "sample_quality" and "eval/fluency_nll" in r and s >= 12:
             r["eval/fluency_nll"] = 4.0  # 0.8 nats/token above the reference's 3.2
+        if rule == "capability_loss" and "eval/capability_nll" in r and s >= 12:
+            r["eval/capability_nll"] = 3.2  # +0.2 nats/token, 40 SE of 0.005
         if rule == "overoptimization" and "eval/gold_score" in r and s >= 8:
             r["eval/gold_score"] = 0.3 - 0.03 * (s - 8)  # gold falls while proxy keeps rising
     return rows

@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from tether.core import distributed as D
 from tether.core.health import Alarm, HealthThresholds
 from tether.core.kl import masked_sum, sequence_kl
+from tether.data.capability import capability_texts
 from tether.data.tasks import TASKS
 from tether.judges.contract import Scorer, ScorerStopped, checked_scores
 from tether.judges.scorers import builds_a_model, check_scorer_spec, make_scorer
@@ -42,7 +43,7 @@ from tether.run.checkpoint import (
     sharded_folder,
 )
 from tether.run.config import Config
-from tether.run.evaluation import EvalResult, compare, evaluate, evaluation_state
+from tether.run.evaluation import CapabilityProbe, EvalResult, compare, evaluate, evaluation_state
 from tether.run.files import atomic_write_text, read_json, read_jsonl, write_json_file
 from tether.run.lock import release as release_lock
 from tether.run.metrics import sample_table
@@ -99,6 +100,26 @@ class Evaluator:
             )
         self.use_window(start if left > 0 else 0)
         self.reference_periodic: dict | None = None
+        n = c.eval.capability_texts or 0
+        reference = getattr(run, "reference", None)
+        # the alignment tax: NLL of human text no run trains on, policy against reference
+        self.capability = (
+            CapabilityProbe(capability_texts(n), run.tokenizer, reference, c.eval.batch_size)
+            if n and reference is not None and D.is_main()
+            else None
+        )
+
+    def capability_row(self) -> dict:
+        """``eval/capability_nll``, ``eval/ref_capability_nll`` and
+        ``eval/capability_nll_change_se`` of the policy now ({} when eval.capability_texts=0)."""
+        if self.capability is None:
+            return {}
+        m = self.capability.measure(self.run.policy.lm)
+        return {
+            "eval/capability_nll": m["capability_nll"],
+            "eval/ref_capability_nll": m["ref_capability_nll"],
+            "eval/capability_nll_change_se": m["capability_nll_change_se"],
+        }
 
     def use_window(self, start: int) -> None:
         """Take the final evaluation's eval.n_prompts held-out prompts from index ``start``."""
@@ -146,7 +167,10 @@ class Evaluator:
         )
 
     def periodic_row(self) -> dict:
-        return eval_row(self("periodic", self.periodic).summary(), self.reference_periodic)
+        return (
+            eval_row(self("periodic", self.periodic).summary(), self.reference_periodic)
+            | self.capability_row()
+        )
 
 
 PERIODIC_KEYS = {
@@ -625,6 +649,10 @@ def _final_eval_and_plots(run: Run, evaluator: Evaluator, monitor: HealthMonitor
         result = compare(before, after)  # holds both summaries: computed once, here
         result["policy_step"] = best["step"] if best else w.history[-1]["step"]
         result["prompt_offset"] = evaluator.start  # index of its first held-out prompt
+        if evaluator.capability is not None:
+            result |= evaluator.capability.measure(run.policy.lm) | {
+                "capability_texts": c.eval.capability_texts
+            }
         w.write_json("eval.json", result)
         evals = [result["reference"], result["policy"]]
         gold = (
@@ -644,7 +672,22 @@ def _final_eval_and_plots(run: Run, evaluator: Evaluator, monitor: HealthMonitor
             show,
         )
         _say(_leash_line(result), show)
+        if "capability_nll" in result:
+            _say(
+                f"tether: capability (NLL of {result['capability_texts']} human sentences no run trains on, "
+                f"NYT editorials): {result['ref_capability_nll']:.3f} -> {result['capability_nll']:.3f} "
+                f"nats/token ({result['capability_nll_change']:+.3f} ± "
+                f"{result['capability_nll_change_se']:.3f}); "
+                f"{result['capability_seconds']:.1f} s per evaluation (eval.capability_texts=0 turns it off)",
+                show,
+            )
         final_row = {"step": result["policy_step"], **eval_row(result["policy"], result["reference"])}
+        if "capability_nll" in result:
+            final_row |= {
+                "eval/capability_nll": result["capability_nll"],
+                "eval/ref_capability_nll": result["ref_capability_nll"],
+                "eval/capability_nll_change_se": result["capability_nll_change_se"],
+            }
         for alarm in monitor.check([*w.history, final_row], HELDOUT_RULES):
             _say(
                 f"tether: WARNING [{alarm.rule}] final held-out evaluation (policy of step {alarm.step}): "

@@ -99,6 +99,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
                 f"; {label} {ev[f'{key}_change']:+.3f} ± {ev[f'{key}_change_se']:.3f}"
                 for key, label in (
                     ("fluency_nll", "fluency NLL change"),
+                    ("capability_nll", "capability NLL change"),
                     ("distinct_2", "distinct-2 change"),
                     ("repetition", "repetition change"),
                 )

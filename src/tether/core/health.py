@@ -68,6 +68,11 @@ class HealthThresholds:
     quality_min_z: float = 2.0
     """... each change also more than this many standard errors of the difference (from the
     ``eval/*_se`` keys, when logged), so that a few noisy prompts do not raise it."""
+    capability_margin: float = 0.05
+    """Capability loss: the policy's per-token NLL of the capability text (``eval/capability_nll``,
+    human sentences no run trains on) more than this above the reference's (nats per token; 0.05
+    is a 5% rise in perplexity) and more than ``quality_min_z`` standard errors of the paired
+    difference (``eval/capability_nll_change_se``)."""
 
     def __post_init__(self) -> None:
         if self.window < 2:
@@ -79,7 +84,7 @@ class HealthThresholds:
             raise ValueError(
                 f"health.quality_distinct_share={self.quality_distinct_share!r} is invalid: must be in (0, 1)"
             )
-        for name in ("quality_fluency_margin", "quality_repetition_margin"):
+        for name in ("quality_fluency_margin", "quality_repetition_margin", "capability_margin"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"health.{name}={getattr(self, name)!r} is invalid: must be > 0")
         if not 0 < self.entropy_collapse_fraction < 1:
@@ -276,6 +281,39 @@ def sample_quality(history: list[dict], t: HealthThresholds) -> Alarm | None:
     )
 
 
+def capability_loss(history: list[dict], t: HealthThresholds) -> Alarm | None:
+    """The policy models ordinary text worse than the reference did (the seeds' alignment tax;
+    the leash "retains general capabilities"): at the last evaluation that measured it,
+    ``eval/capability_nll - eval/ref_capability_nll`` (nats per token, on the same human
+    sentences) above ``t.capability_margin`` and above ``t.quality_min_z`` times
+    ``eval/capability_nll_change_se``, the SE of the paired per-sentence difference."""
+    rows = [
+        r
+        for r in history
+        if isinstance(r.get("eval/capability_nll"), (int, float))
+        and isinstance(r.get("eval/ref_capability_nll"), (int, float))
+    ]
+    if not rows:
+        return None
+    last = rows[-1]
+    pol, ref = float(last["eval/capability_nll"]), float(last["eval/ref_capability_nll"])
+    se = last.get("eval/capability_nll_change_se")
+    se = float(se) if isinstance(se, (int, float)) and se == se else 0.0
+    change = pol - ref
+    if change <= max(t.capability_margin, t.quality_min_z * se):
+        return None
+    return Alarm(
+        "capability_loss",
+        last["step"],
+        f"the NLL of human text no run trains on rose {ref:.3f} -> {pol:.3f} nats/token ({change:+.3f}, "
+        f"{change / se if se else float('inf'):.1f} SE; margin {t.capability_margin})",
+        "the policy drifted from the reference beyond the task: the alignment tax the leash should keep "
+        "small (too little KL, too large a learning rate)",
+        "raise kl.kl_coef or lower kl.target / kl.budget, lower optim.lr, or keep an earlier policy "
+        "(eval.best_by)",
+    )
+
+
 def logprob_mismatch(history: list[dict], t: HealthThresholds) -> Alarm | None:
     """Sampler and learner disagree: the last step's ``rollout/logprob_mismatch`` (k3 of
     KL(sampler || learner) on the sampled tokens, nats per token) above
@@ -305,4 +343,5 @@ RULES: dict[str, Callable[[list[dict], HealthThresholds], Alarm | None]] = {
     "overoptimization": overoptimization,
     "logprob_mismatch": logprob_mismatch,
     "sample_quality": sample_quality,
+    "capability_loss": capability_loss,
 }

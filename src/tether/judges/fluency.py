@@ -73,33 +73,50 @@ class FluencyJudge:
         """
         if len(prompts) != len(responses):
             raise ValueError(f"{len(prompts)} prompts for {len(responses)} responses")
-        tok = self.tokenizer
-        pairs = [
-            (tok(p).input_ids, tok(r, add_special_tokens=False).input_ids) for p, r in zip(prompts, responses)
-        ]
-        out: list[float | None] = [None] * len(pairs)
-        order = sorted((i for i, (_, r) in enumerate(pairs) if r), key=lambda i: len(pairs[i][1]))
-        for start in range(0, len(order), self.batch_size):
-            rows = order[start : start + self.batch_size]
-            width = max(len(pairs[i][0]) + len(pairs[i][1]) for i in rows)
-            resp_len = max(len(pairs[i][1]) for i in rows)
-            ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-            attn = torch.zeros((len(rows), width), dtype=torch.long)
-            for j, i in enumerate(rows):
-                seq = pairs[i][0] + pairs[i][1]
-                ids[j, width - len(seq) :] = torch.tensor(seq)
-                attn[j, width - len(seq) :] = 1
-            ids, attn = ids.to(self.device), attn.to(self.device)
-            # left padding: every row's response sits in the last resp_len positions, predicted
-            # by the logits of the resp_len positions before them; positions count from each
-            # row's first real token, so a padded row is scored as if it stood alone
-            positions = (attn.cumsum(-1) - 1).clamp(min=0)
-            logits = self.model(
-                input_ids=ids, attention_mask=attn, position_ids=positions, logits_to_keep=resp_len + 1
-            ).logits[:, :-1]  # (b, resp_len, V)
-            targets = ids[:, -resp_len:]  # (b, resp_len)
-            logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[..., None])[..., 0]
-            for j, i in enumerate(rows):
-                n = len(pairs[i][1])
-                out[i] = float(-logp[j, resp_len - n :].double().mean())
-        return out
+        return continuation_nll(self.model, self.tokenizer, prompts, responses, self.batch_size, self.pad_id)
+
+
+@torch.no_grad()
+def continuation_nll(
+    model, tokenizer, prefixes: Sequence[str], continuations: Sequence[str], batch_size: int, pad_id: int
+) -> list[float | None]:
+    """Per-token NLL of each continuation given its prefix under a causal LM, nats per token
+    (float32 log-softmax, float64 mean): the prefix tokenized with the tokenizer's special tokens,
+    the continuation without, joined, left-padded in batches of ``batch_size`` rows of similar
+    length, only the continuation's positions' logits computed (:class:`FluencyJudge`).
+
+    Returns:
+        One value per continuation; None for one with no token.
+    """
+    tok = tokenizer
+    device = next(model.parameters()).device
+    pairs = [
+        (tok(p).input_ids, tok(r, add_special_tokens=False).input_ids)
+        for p, r in zip(prefixes, continuations)
+    ]
+    out: list[float | None] = [None] * len(pairs)
+    order = sorted((i for i, (_, r) in enumerate(pairs) if r), key=lambda i: len(pairs[i][1]))
+    for start in range(0, len(order), batch_size):
+        rows = order[start : start + batch_size]
+        width = max(len(pairs[i][0]) + len(pairs[i][1]) for i in rows)
+        resp_len = max(len(pairs[i][1]) for i in rows)
+        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        attn = torch.zeros((len(rows), width), dtype=torch.long)
+        for j, i in enumerate(rows):
+            seq = pairs[i][0] + pairs[i][1]
+            ids[j, width - len(seq) :] = torch.tensor(seq)
+            attn[j, width - len(seq) :] = 1
+        ids, attn = ids.to(device), attn.to(device)
+        # left padding: every row's continuation sits in the last resp_len positions, predicted
+        # by the logits of the resp_len positions before them; positions count from each row's
+        # first real token, so a padded row is scored as if it stood alone
+        positions = (attn.cumsum(-1) - 1).clamp(min=0)
+        logits = model(
+            input_ids=ids, attention_mask=attn, position_ids=positions, logits_to_keep=resp_len + 1
+        ).logits[:, :-1]  # (b, resp_len, V)
+        targets = ids[:, -resp_len:]  # (b, resp_len)
+        logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[..., None])[..., 0]
+        for j, i in enumerate(rows):
+            n = len(pairs[i][1])
+            out[i] = float(-logp[j, resp_len - n :].double().mean())
+    return out

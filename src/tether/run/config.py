@@ -643,6 +643,12 @@ class EvalConfig(_Defaulted):
     'minilm-rm', the reward model fitted on human ratings of movie reviews (fitted once, ~2 min);
     with any other data 'none', so that the held-out evaluation scores with the run's own
     reward (reward.scorer) and a gold judge runs only when named here."""
+    capability_texts: int | None = None
+    """Sentences of human-written text no run trains on (NYT editorial snippets of ICWSM-2014,
+    tether.data.capability) whose per-token NLL under the policy, beside the reference's, each
+    evaluation logs as eval/capability_nll (nats per token; the alignment tax). None = 64 on the
+    embedded movie prompts (whose archive holds them), 0 (off) with other data; 0 = off. Costs
+    one no-grad forward of each sentence per evaluation (printed)."""
     fluency_model: str = "gemma3-270m"
     """Fluency judge: a causal LM of another family than the policy whose per-token NLL of each
     held-out response given its prompt is logged as eval/fluency_nll (nats per token):
@@ -716,6 +722,12 @@ class EvalConfig(_Defaulted):
             f"must be between 1 and eval.samples_per_prompt={self.samples_per_prompt}",
         )
         _check(bool(self.fluency_model), "eval.fluency_model", self.fluency_model, "name a model or 'none'")
+        _check(
+            self.capability_texts is None or 0 <= self.capability_texts <= 4000,
+            "eval.capability_texts",
+            self.capability_texts,
+            "must be in [0, 4000] (sentences; 0 = off), or null (64 on the embedded data)",
+        )
         for key in ("best_fluency_margin", "best_distinct_share"):
             _check(
                 getattr(self, key) is None or self.best_by != "none",
@@ -1032,6 +1044,7 @@ class Config:
         self.kl._fill("kl_in_reward", algo in ("ppo", "rloo") and not self.kl.kl_in_loss)
         self.kl._fill("kl_in_loss", algo == "grpo" and not self.kl.kl_in_reward)
         self.eval._fill("judge", "minilm-rm" if self.embedded_data else "none")
+        self.eval._fill("capability_texts", 64 if self.embedded_data else 0)
         from tether.data.tasks import TASK_SCORERS
 
         self.reward._fill("scorer", TASK_SCORERS.get(self.data.prompts, "vader"))  # a task: its checker
@@ -1114,6 +1127,7 @@ DEFAULTED_FIELDS = (
     ("kl", "kl_in_loss"),
     ("kl", "controller"),
     ("eval", "judge"),
+    ("eval", "capability_texts"),
     ("reward", "scorer"),
 )
 """The fields a run fills when left None: per trainer (group size, KL placement, controller), per
@@ -1421,6 +1435,7 @@ FIELD_UNITS: dict[str, str] = {
     "eval.samples_per_prompt": "samples per prompt",
     "eval.judge": "",
     "eval.fluency_model": "",
+    "eval.capability_texts": "sentences",
     "eval.fluency_samples": "samples per prompt",
     "eval.every": "steps",
     "eval.periodic_prompts": "prompts",
@@ -1447,6 +1462,7 @@ FIELD_UNITS: dict[str, str] = {
     "health.quality_repetition_margin": "fraction of 3-grams",
     "health.quality_distinct_share": "fraction of the reference's distinct-2",
     "health.quality_min_z": "standard errors",
+    "health.capability_margin": "nats per token",
     # train
     "train.algo": "",
     "train.steps": "steps",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -274,3 +275,61 @@ def compare(before: EvalResult, after: EvalResult) -> dict:
             out[f"{base}_change"], out[f"{base}_change_se"] = change, se
             out[f"{base}_change_z"] = change / se if se > 0 else None
     return out
+
+
+class CapabilityProbe:
+    """``eval/capability_nll``: the per-token NLL (nats per token) of fixed human-written
+    sentences no run trains on (:func:`tether.data.capability.capability_texts`) under a policy,
+    beside the reference's on the same sentences, the alignment tax of the seeds. Each sentence is
+    scored given its first word (:func:`tether.judges.fluency.continuation_nll`), so every
+    tokenizer, with or without a BOS token, scores the same words.
+
+    Args:
+        texts: the sentences. tokenizer: the policy's. reference: the frozen reference LM, scored
+            once (on the first :meth:`measure`). batch_size: rows per forward (eval.batch_size).
+    """
+
+    def __init__(self, texts: list[str], tokenizer, reference, batch_size: int):
+        firsts = [t.split(maxsplit=1) for t in texts]
+        self.prefixes = [f[0] for f in firsts]
+        self.rests = [" " + f[1] for f in firsts]
+        self.tokenizer, self.reference, self.batch_size = tokenizer, reference, batch_size
+        pad = tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else (tokenizer.eos_token_id or 0)
+        self.ref_nll: list[float] | None = None
+        self.seconds = 0.0  # the last policy measurement's
+
+    def nll(self, lm) -> list[float | None]:
+        """Each sentence's per-token NLL under ``lm`` (no grad, its current mode kept; None for a
+        sentence with no token after its first word)."""
+        from tether.judges.fluency import continuation_nll
+
+        was_training = lm.training
+        lm.eval()
+        try:
+            out = continuation_nll(
+                lm, self.tokenizer, self.prefixes, self.rests, self.batch_size, self.pad_id
+            )
+        finally:
+            lm.train(was_training)
+        return out
+
+    def measure(self, lm) -> dict:
+        """``capability_nll`` (the policy's mean), ``ref_capability_nll`` (the reference's),
+        ``capability_nll_change`` and ``capability_nll_change_se`` (the paired per-sentence
+        difference's mean and SE), nats per token, and ``capability_seconds`` (the policy's
+        forward passes)."""
+        if self.ref_nll is None:
+            self.ref_nll = self.nll(self.reference)
+        t0 = time.perf_counter()
+        pol = self.nll(lm)
+        self.seconds = time.perf_counter() - t0
+        pairs = [(a, b) for a, b in zip(pol, self.ref_nll) if a is not None and b is not None]
+        change, se = mean_se([a - b for a, b in pairs])
+        return {
+            "capability_nll": sum(a for a, _ in pairs) / len(pairs),
+            "ref_capability_nll": sum(b for _, b in pairs) / len(pairs),
+            "capability_nll_change": change,
+            "capability_nll_change_se": se,
+            "capability_seconds": self.seconds,
+        }

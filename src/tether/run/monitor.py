@@ -10,7 +10,7 @@ from pathlib import Path
 from tether.core.health import RULES, Alarm, HealthThresholds
 from tether.run.files import append_lines
 
-HELDOUT_RULES = ("sample_quality",)
+HELDOUT_RULES = ("sample_quality", "capability_loss")
 """The rules that read held-out evaluations (``eval/*`` beside ``eval/ref_*``): run once more on the
 final evaluation, whose ``eval.n_prompts`` prompts resolve smaller changes than a periodic one's."""
 

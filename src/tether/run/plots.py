@@ -18,12 +18,14 @@ _PANELS = [
     ("objective/entropy", "entropy, nats per token"),
     ("response/length", "response length, tokens"),
     ("eval/fluency_nll", "fluency NLL (held out), nats per token"),
+    ("eval/capability_nll", "capability NLL (human text), nats per token"),
     ("response/distinct_2", "distinct-2 (diversity)"),
     ("response/repetition", "3-gram repetition rate"),
 ]
 
 _HELD_OUT = {
     "eval/fluency_nll": "eval/fluency_nll",
+    "eval/capability_nll": "eval/capability_nll",
     "response/distinct_2": "eval/distinct_2",
     "response/repetition": "eval/repetition",
 }
@@ -55,11 +57,15 @@ def _held_out(ax, history: list[dict], key: str) -> None:
 def plot_training(
     history: list[dict], out: Path, kl_target: float | None = None, target_label: str = "target"
 ) -> Path:
-    """Nine panels against step: score, KL (with the target or budget, nats per sequence, labelled
+    """Ten panels against step: score, KL (with the target or budget, nats per sequence, labelled
     ``target_label``), beta, RLHF reward, entropy, length, and what the leash protects: the
-    held-out fluency NLL, distinct-2 and the repetition rate, each against the reference's."""
+    held-out fluency NLL, the capability NLL of human text no run trains on, distinct-2 and the
+    repetition rate, each against the reference's."""
     steps = [r["step"] for r in history]
-    fig, axes = plt.subplots(3, 3, figsize=(13, 9.5))
+    rows = -(-len(_PANELS) // 3)
+    fig, axes = plt.subplots(rows, 3, figsize=(13, 3.2 * rows))
+    for ax in axes.flat[len(_PANELS) :]:
+        ax.set_visible(False)
     for ax, (key, label) in zip(axes.flat, _PANELS):
         ys = [r.get(key) for r in history]
         pts = [(s, y) for s, y in zip(steps, ys) if isinstance(y, (int, float))]
@@ -73,7 +79,7 @@ def plot_training(
                 ax.text(
                     0.5,
                     0.5,
-                    "no periodic evaluation\n(eval.every, eval.fluency_model)",
+                    "no periodic evaluation\n(eval.every, eval.fluency_model, eval.capability_texts)",
                     transform=ax.transAxes,
                     ha="center",
                     va="center",

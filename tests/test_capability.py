@@ -1,0 +1,108 @@
+"""Issue #31 item 3: eval/capability_nll, the policy's NLL of human text no run trains on beside
+the reference's (the alignment tax), periodic and final, with its health rule."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import torch
+
+from tether.cli import main
+from tether.core.health import HealthThresholds, capability_loss
+from tether.judges.fluency import continuation_nll
+from tether.run.evaluation import CapabilityProbe
+
+SENTENCES = [
+    "The council voted to delay the budget until the spring session.",
+    "Schools in the district will open an hour later this year.",
+    "A new bridge would cut the commute for thousands of drivers.",
+    "Critics say the plan does too little for renters in the city.",
+]
+
+
+def test_batched_nll_matches_one_row_at_a_time(tiny_lm, tiny_tokenizer):
+    prefixes = [s.split()[0] for s in SENTENCES]
+    rests = [" " + s.split(maxsplit=1)[1] for s in SENTENCES]
+    pad = tiny_tokenizer.pad_token_id
+    batched = continuation_nll(tiny_lm, tiny_tokenizer, prefixes, rests, 4, pad)
+    alone = [continuation_nll(tiny_lm, tiny_tokenizer, [p], [r], 1, pad)[0] for p, r in zip(prefixes, rests)]
+    # each value is a float64 mean of float32 log-softmax values near log(300) = 5.7 nats; left
+    # padding only changes float32 summation order in attention (relative 1e-6 of 5.7)
+    for a, b in zip(batched, alone):
+        assert abs(a - b) < 1e-4, (a, b)
+
+
+def test_the_probe_is_zero_against_itself_and_sees_a_moved_policy(tiny_lm, tiny_tokenizer):
+    probe = CapabilityProbe(SENTENCES, tiny_tokenizer, tiny_lm, batch_size=2)
+    same = probe.measure(tiny_lm)
+    assert same["capability_nll_change"] == 0.0 and same["capability_nll_change_se"] == 0.0
+    assert same["capability_nll"] == same["ref_capability_nll"] > 0
+    moved = copy.deepcopy(tiny_lm)
+    with torch.no_grad():
+        for p in moved.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    m = probe.measure(moved)
+    assert m["ref_capability_nll"] == same["ref_capability_nll"]  # the reference scored once
+    assert m["capability_nll_change"] != 0.0 and m["capability_nll_change_se"] > 0
+
+
+def test_capability_loss_rule_by_hand():
+    t = HealthThresholds()  # capability_margin 0.05 nats/token, quality_min_z 2
+
+    def row(pol, ref, se):
+        return {
+            "step": 4,
+            "eval/capability_nll": pol,
+            "eval/ref_capability_nll": ref,
+            "eval/capability_nll_change_se": se,
+        }
+
+    # +0.10 above the reference, SE 0.02: 0.10 > max(0.05, 2 x 0.02 = 0.04): fires
+    alarm = capability_loss([row(3.10, 3.00, 0.02)], t)
+    assert alarm is not None and alarm.rule == "capability_loss" and "+0.100" in alarm.message
+    # the same rise with SE 0.06: 0.10 < 2 x 0.06 = 0.12, within noise
+    assert capability_loss([row(3.10, 3.00, 0.06)], t) is None
+    # +0.04, SE 0.001: below the 0.05 margin
+    assert capability_loss([row(3.04, 3.00, 0.001)], t) is None
+    # better than the reference never fires
+    assert capability_loss([row(2.90, 3.00, 0.001)], t) is None
+
+
+def test_a_run_logs_capability_periodically_and_finally(
+    tiny_model_dir, prompt_file, tmp_path, monkeypatch, capsys
+):
+    import tether.training
+
+    monkeypatch.setattr(tether.training, "capability_texts", lambda n: SENTENCES[:n])
+    out = tmp_path / "run"
+    args = [
+        "train",
+        f"model.name={tiny_model_dir}",
+        f"data.prompts={prompt_file}",
+        "rollout.batch_size=4",
+        "rollout.max_new_tokens=4",
+        "optim.minibatch_size=2",
+        "optim.lr=1e-2",  # moves the tiny policy enough to see
+        "train.steps=3",
+        "eval.every=2",
+        "eval.n_prompts=2",
+        "eval.periodic_prompts=2",
+        "eval.capability_texts=4",
+        "eval.fluency_model=none",
+        "reward.scorer=tests.conftest:length_judge",
+        "train.progress=false",
+        "train.save_model=false",
+        "train.checkpoint_every=0",
+        f"train.output_dir={out}",
+    ]
+    assert main(args) == 0
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    periodic = [r for r in rows if "eval/capability_nll" in r]
+    assert [r["step"] for r in periodic] == [0, 2]
+    assert len({r["eval/ref_capability_nll"] for r in periodic}) == 1  # the reference does not move
+    ev = json.loads((out / "eval.json").read_text())
+    assert ev["capability_texts"] == 4 and ev["capability_nll_change"] != 0
+    assert abs(ev["capability_nll"] - ev["ref_capability_nll"] - ev["capability_nll_change"]) < 1e-12
+    said = capsys.readouterr().out
+    assert "tether: capability (NLL of 4 human sentences" in said and "s per evaluation" in said
