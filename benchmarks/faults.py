@@ -176,7 +176,12 @@ def _payload(run: Path) -> None:
     torch.save({**state, "trainer": _Payload(str(run.parent / "payload-ran"))}, ckpt / "trainer.pt")
     meta = json.loads((ckpt / "meta.json").read_text())
     if "files" in meta:  # the attacker rewrites the digests too
-        (ckpt / "meta.json").write_text(json.dumps(meta | {"files": file_digests(ckpt)}))
+        meta |= {"files": file_digests(ckpt)}
+        if "meta_sha256" in meta:
+            from tether.run.checkpoint import meta_digest
+
+            meta["meta_sha256"] = meta_digest(meta)
+        (ckpt / "meta.json").write_text(json.dumps(meta))
 
 
 class _Payload:
@@ -342,7 +347,28 @@ CASES = {
         "nonzero",
         ["trainer.pt", "not a trainer state"],
     ),
-    "LATEST=../../..": (lambda c: _resume(c, prep=lambda r: _latest(r, "../../..")), "nonzero", ["LATEST"]),
+    "LATEST=../../..": (
+        lambda c: _resume(c, prep=lambda r: _latest(r, "../../..")),
+        "any",
+        ["LATEST is damaged"],
+    ),
+    "one bit of meta.json's step flipped": (
+        lambda c: _resume(
+            c,
+            prep=lambda r: (_newest(r) / "meta.json").write_text(
+                (_newest(r) / "meta.json").read_text().replace('"step": 2', '"step": 6')
+            ),
+        ),
+        "any",
+        ["meta.json", "damaged"],
+    ),
+    "prompt file shrunk before --resume": (
+        lambda c: _resume(
+            c, prep=lambda r: c.prompts.write_text("".join(f"the movie number {i} was\n" for i in range(30)))
+        ),
+        "nonzero",
+        ["the prompts differ", "data.prompts"],
+    ),
     "checkpoint past a file-size limit": (
         _file_limit,
         "nonzero",

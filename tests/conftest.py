@@ -122,6 +122,15 @@ def length_judge(texts: list[str]) -> list[float]:
     return [len(t) / 100 for t in texts]
 
 
+def exits_at_step_0(completions, trainer_state, **kwargs) -> list[float]:
+    """A reward function that calls ``sys.exit(0)`` at step 0 (length / 100 otherwise)."""
+    import sys
+
+    if trainer_state.global_step == 0:
+        sys.exit(0)
+    return [len(c) / 100 for c in completions]
+
+
 def exits_once_at_step_2(prompts, completions, trainer_state, **kwargs) -> list[float]:
     """Length / 100 plus a draw from Python's and torch's RNGs (so a resume that did not put the
     RNGs back would differ); at step 2 it calls ``sys.exit(0)`` once, after drawing, while the file

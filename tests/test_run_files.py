@@ -67,6 +67,8 @@ def test_an_append_past_a_file_size_limit_leaves_no_torn_line(tmp_path):
     path = tmp_path / "metrics.jsonl"
     rows = [{"step": i, "reward": 0.5} for i in range(10)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "LATEST").write_text("step-000009")  # so the hint is --resume
     size = path.stat().st_size
     # the limit falls inside the next row: the kernel writes part of it, then refuses the rest
     p = _child(
@@ -118,6 +120,10 @@ def test_a_full_disk_is_named_with_the_room_left(tmp_path):
     assert e.errno == errno.ENOSPC
     assert str(e).startswith(f"writing {tmp_path / 'metrics.jsonl'} failed: the disk is full; ")
     assert "MiB free on its disk. kept. Free space" in str(e)
+    assert str(e).endswith("and start the run again")  # no checkpoint there: nothing can resume
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "LATEST").write_text("step-000001")
+    e = write_error(tmp_path / "metrics.jsonl", OSError(errno.ENOSPC, "No space left on device"), "kept")
     assert str(e).endswith(f"continue with: tether train --resume {tmp_path}")
 
 
@@ -142,7 +148,7 @@ def test_checkpoints_record_every_file_and_keep_the_newest(tiny_lm, tmp_path):
     assert sorted(d.name for d in (tmp_path / "checkpoints").iterdir() if d.is_dir()) == ["step-000004"]
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "meta", "remove"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "meta", "meta-step", "remove"])
 def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(tiny_lm, tmp_path, damage):
     policy = _policy(tiny_lm)
     for step in range(3):
@@ -157,6 +163,9 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(tiny_lm, tmp_p
         (newest / "trainer.pt").write_bytes((newest / "trainer.pt").read_bytes()[:40])
     elif damage == "meta":
         (newest / "meta.json").write_text('{"step": 2, "files": {')
+    elif damage == "meta-step":  # one bit: "step": 2 -> "step": 3, which would skip a step
+        meta = (newest / "meta.json").read_text()
+        (newest / "meta.json").write_text(meta.replace('"step": 2', '"step": 3'))
     else:
         weights.unlink()
     folder, notes = resume_checkpoint(tmp_path)
@@ -334,3 +343,65 @@ def test_sizes_and_seeds_beyond_what_works_are_refused_before_work(
     err = capsys.readouterr().err
     assert field in err, err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_second_damage_keeps_the_first_damaged_copy_and_a_bad_latest_is_passed_over(tiny_lm, tmp_path):
+    policy = _policy(tiny_lm)
+    for step in range(3):
+        save_checkpoint(tmp_path, step, policy, {"x": step}, "fp", keep=3)
+    root = tmp_path / "checkpoints"
+    (root / "step-000002" / "trainer.pt").write_bytes(b"PK")
+    assert resume_checkpoint(tmp_path)[0].name == "step-000001"
+    save_checkpoint(tmp_path, 2, policy, {"x": 2}, "fp", keep=3)
+    (root / "step-000002" / "trainer.pt").write_bytes(b"PK again")
+    assert resume_checkpoint(tmp_path)[0].name == "step-000001"
+    assert sorted(d.name for d in root.glob(".damaged-*")) == [
+        ".damaged-step-000002",
+        ".damaged-step-000002-2",
+    ]
+    (root / "LATEST").write_bytes(b"\xff\xfe junk")  # not text: ignored, never followed
+    folder, notes = resume_checkpoint(tmp_path)
+    assert folder.name == "step-000001" and "LATEST is damaged" in notes[0]
+    assert (root / "LATEST").read_text() == "step-000001"
+
+
+def test_a_reward_exit_at_step_0_removes_the_run_folder(tiny_model_dir, prompt_file, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(_run(tiny_model_dir, prompt_file, out, "reward.scorer=tests.conftest:exits_at_step_0")) == 1
+    err = capsys.readouterr().err
+    assert "step 0: the scorer raised SystemExit(0)" in err and "the run folder is removed" in err, err
+    assert "--resume" not in err and not out.exists()
+
+
+def test_a_resume_on_edited_prompts_is_refused_and_a_respelled_path_accepted(
+    tiny_model_dir, prompt_file, tmp_path, capsys
+):
+    out = tmp_path / "run"
+    assert main(_run(tiny_model_dir, prompt_file, out, "train.steps=2")) == 0
+    config = (out / "config.yaml").read_bytes()
+    lines = prompt_file.read_text().splitlines()
+    prompt_file.write_text("\n".join(lines[:60]) + "\n")  # 80 prompts -> 60
+    capsys.readouterr()
+    assert main(["train", "--resume", str(out), "train.steps=3"]) == 1
+    err = capsys.readouterr().err
+    assert "the prompts differ from the run's" in err and "data.prompts=" in err, err
+    assert (out / "config.yaml").read_bytes() == config
+    prompt_file.write_text("\n".join(lines) + "\n")  # restored: the same prompts again
+    # the model folder spelled with a trailing slash is the same folder, not a change of model
+    assert main(["train", "--resume", str(out), "train.steps=3", f"model.name={tiny_model_dir}/"]) == 0
+
+
+def test_text_encodings_and_folders_are_named(tmp_path):
+    from tether.data.prompts import load_prompt_data
+
+    bom = tmp_path / "bom.txt"
+    bom.write_bytes("\ufeffthe movie was\na film\n".encode())
+    assert list(load_prompt_data(str(bom)).prompts) == ["the movie was", "a film"]
+    utf16 = tmp_path / "wide.txt"
+    utf16.write_bytes("the movie was\n".encode("utf-16"))
+    with pytest.raises(ValueError, match=r"wide\.txt is UTF-16 text; save it as UTF-8 \(iconv -f utf-16"):
+        load_prompt_data(str(utf16))
+    folder = tmp_path / "dir.txt"
+    folder.mkdir()
+    with pytest.raises(ValueError, match=r"data\.prompts=.*dir\.txt.*a folder datasets cannot read"):
+        load_prompt_data(str(folder))

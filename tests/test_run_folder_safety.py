@@ -11,7 +11,7 @@ import torch
 
 from tether import load_config
 from tether.cli import main
-from tether.run.checkpoint import file_digests, latest_checkpoint, load_trainer_state
+from tether.run.checkpoint import file_digests, latest_checkpoint, load_trainer_state, meta_digest
 
 
 class Payload:
@@ -67,8 +67,8 @@ def test_resume_of_a_run_folder_with_a_payload_runs_nothing(tiny_model_dir, prom
     marker = tmp_path / "ran"
     torch.save({**state, "trainer": Payload(str(marker))}, ckpt / "trainer.pt")
     # an attacker who also rewrites meta.json's digests gets past the checksum: the load refuses
-    meta = json.loads((ckpt / "meta.json").read_text())
-    (ckpt / "meta.json").write_text(json.dumps(meta | {"files": file_digests(ckpt)}))
+    meta = json.loads((ckpt / "meta.json").read_text()) | {"files": file_digests(ckpt)}
+    (ckpt / "meta.json").write_text(json.dumps(meta | {"meta_sha256": meta_digest(meta)}))
     capsys.readouterr()
     assert main(["train", "--resume", str(out), "train.steps=3"]) != 0
     assert not marker.exists()

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import json
 import logging
 import math
+import os
 import shutil
 import signal
 import time
@@ -44,7 +46,14 @@ from tether.run.checkpoint import (
 )
 from tether.run.config import Config
 from tether.run.evaluation import CapabilityProbe, EvalResult, compare, evaluate, evaluation_state
-from tether.run.files import atomic_write_text, read_json, read_jsonl, write_json_file
+from tether.run.files import (
+    atomic_write_text,
+    read_json,
+    read_jsonl,
+    resume_hint,
+    write_error,
+    write_json_file,
+)
 from tether.run.lock import release as release_lock
 from tether.run.metrics import sample_table
 from tether.run.monitor import HELDOUT_RULES, HealthMonitor
@@ -387,8 +396,10 @@ def _loop(
                 f"step {step}: {e}. The settings that scale the gradients: optim.lr={c.optim.lr:g}, "
                 f"rollout.temperature={c.rollout.temperature:g}, "
                 f"optim.max_grad_norm={c.optim.max_grad_norm}; "
-                "lower optim.lr (or raise rollout.temperature). The last checkpoint is kept: "
-                f"{latest_checkpoint(w.run_dir) or 'none'}"
+                "lower optim.lr (or raise rollout.temperature), then "
+                + resume_hint(w.run_dir).replace(
+                    "continue with:", "continue (the last checkpoint is kept) with:"
+                )
             ) from None
         sample_step = (
             step % c.train.sample_every == 0 or step == c.train.steps - 1
@@ -402,7 +413,12 @@ def _loop(
         # rank 0 evaluates alone; under FSDP on weights every process gathered (then goes on to
         # the all-reduce below and waits there)
         with gathered(run.policy, run.reference) if _evaluates(c, step) else nullcontext():
-            early = _log_step(run, evaluator, monitor, tb, bar, step, row, rows) if main else None
+            try:
+                early = _log_step(run, evaluator, monitor, tb, bar, step, row, rows) if main else None
+            except ScorerStopped as e:  # in the periodic evaluation: the step's row is not logged
+                raise ScorerStopped(
+                    f"{e} (in the evaluation after step {step}; {resume_hint(w.run_dir)})"
+                ) from None
         # every process asks: did any process get a signal, or rank 0's evaluation say stop?
         # (so that all stop after the same step)
         stopping, stop_early = (
@@ -453,14 +469,17 @@ def _stopped_in_step(run: Run, trainer, step: int, before: dict | None, e: Score
         set_rng_state(before["rng"])
         run.reference_forwards[0] = before["reference_forwards"]
         path = _checkpoint(run, trainer, step - 1)
-        kept = f"checkpoint {path} holds the run after step {step - 1}"
-    else:
-        kept = (
-            "no step completed; start the run again"
-            if step == 0
-            else f"the last checkpoint is kept ({latest_checkpoint(w.run_dir) or 'none'})"
-        )
-    raise ScorerStopped(f"{e} ({kept}; continue with: tether train --resume {w.run_dir})") from None
+        raise ScorerStopped(
+            f"{e} (checkpoint {path} holds the run after step {step - 1}; {resume_hint(w.run_dir)})"
+        ) from None
+    if step == 0 and not w.history:  # a fresh run's first step: train() removes the folder
+        raise ScorerStopped(
+            f"{e} (no step completed, so the run folder is removed: start the run again)"
+        ) from None
+    kept = latest_checkpoint(w.run_dir)
+    raise ScorerStopped(
+        f"{e} ({f'the last checkpoint, {kept}, is kept; ' if kept else ''}{resume_hint(w.run_dir)})"
+    ) from None
 
 
 def _evaluates(c: Config, step: int) -> bool:
@@ -696,13 +715,18 @@ def _final_eval_and_plots(run: Run, evaluator: Evaluator, monitor: HealthMonitor
             )
 
     target = _leash_kl(c)
-    plot_training(
-        w.history,
-        w.run_dir / "training.png",
-        kl_target=target,
-        target_label="budget" if c.kl.controller == "budget" else "target",
-    )
-    plot_score_vs_kl(w.history, w.run_dir / "score_vs_kl.png", evals)
+    png = w.run_dir / "training.png"
+    try:
+        plot_training(
+            w.history,
+            png,
+            kl_target=target,
+            target_label="budget" if c.kl.controller == "budget" else "target",
+        )
+        png = w.run_dir / "score_vs_kl.png"
+        plot_score_vs_kl(w.history, png, evals)
+    except OSError as e:
+        raise write_error(png, e, "metrics.jsonl and eval.json are written; the plots are not") from None
     if tb is not None:
         tb.close()
     if run.accelerator is not None and run.accelerator.log_with:
@@ -806,7 +830,41 @@ def _restore_best(run: Run) -> dict | None:
 def _start(run: Run) -> int:
     if D.is_main():
         write_json_file(run.writer.run_dir / "reference.json", {"fingerprint": run.reference_fingerprint})
+        write_json_file(run.writer.run_dir / "data.json", _data_record(run))
     return 0
+
+
+def _data_record(run: Run) -> dict:
+    """The run's prompts, fingerprinted (SHA-256 of the training and held-out prompts with their
+    columns, in order): a resume must see the same ones (the checkpoint's prompt order and the
+    held-out split index them)."""
+    h = hashlib.sha256()
+    for part in (run.train_prompts, run.heldout_prompts):
+        h.update(json.dumps([part.prompts, part.columns], sort_keys=True, default=str).encode())
+    return {
+        "prompts_sha256": h.hexdigest(),
+        "train": len(run.train_prompts),
+        "heldout": len(run.heldout_prompts),
+    }
+
+
+def _check_data(run: Run) -> None:
+    """Refuse a resume whose prompts differ from the run's (data.json; a run from before it has
+    none and is not checked)."""
+    path = run.writer.run_dir / "data.json"
+    if not path.exists():
+        return
+    saved, now = read_json(path), _data_record(run)
+    if saved.get("prompts_sha256") != now["prompts_sha256"]:
+        raise RuntimeError(
+            f"--resume {run.writer.run_dir}: the prompts differ from the run's "
+            f"({saved.get('train')} training and {saved.get('heldout')} held-out prompts then, "
+            f"{now['train']} and {now['heldout']} now, "
+            f"SHA-256 {str(saved.get('prompts_sha256'))[:12]}... vs {now['prompts_sha256'][:12]}...): "
+            f"data.prompts={run.config.data.prompts} was edited since, or train.seed changed the "
+            "embedded prompts' prefixes. The checkpoint's prompt order and the held-out split index the "
+            "run's prompts: restore the file (and train.seed), or start a new run"
+        )
 
 
 def _resume(run: Run, trainer, monitor: HealthMonitor) -> int:
@@ -823,6 +881,7 @@ def _resume(run: Run, trainer, monitor: HealthMonitor) -> int:
             f"--resume {w.run_dir}: no complete checkpoint in {w.run_dir / 'checkpoints'}"
             + (" that verifies (each damaged one was moved aside)" if notes else "")
         )
+    _check_data(run)
     recorded = read_json(w.run_dir / "reference.json").get("fingerprint")
     if recorded != run.reference_fingerprint:
         raise RuntimeError(
@@ -1029,13 +1088,31 @@ def save_policy(policy, tokenizer, out: Path, whole: dict | None = None) -> None
     """The final policy as a model folder (``save_pretrained``; a LoRA run's adapter as a peft
     folder), its tokenizer and ``value_head.safetensors``. ``whole``: when the policy is sharded,
     ``{"lm": ..., "value_head": ...}``, their whole tensors
-    (:func:`tether.models.sharding.full_state_dict`, gathered by every process)."""
+    (:func:`tether.models.sharding.full_state_dict`, gathered by every process).
+
+    Written to a temporary folder beside ``out`` and renamed into place, so ``out`` is a whole
+    policy or absent (an earlier one is replaced only once the new one is complete).
+
+    Raises:
+        tether.run.files.RunFileError: a write failed (a full disk, a file-size limit); names the
+            folder, and the last checkpoint is kept.
+    """
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
-    if whole is not None:
-        policy.lm.save_pretrained(out, state_dict=whole["lm"])
-    else:
-        policy.save_pretrained(out)  # the model, or for a LoRA run its adapter (a peft folder)
-    tokenizer.save_pretrained(out)
-    head = whole["value_head"] if whole is not None else policy.value_head.state_dict()
-    save_file({k: v.detach().contiguous() for k, v in head.items()}, str(out / "value_head.safetensors"))
+    out = Path(out)
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        if whole is not None:
+            policy.lm.save_pretrained(tmp, state_dict=whole["lm"])
+        else:
+            policy.save_pretrained(tmp)  # the model, or for a LoRA run its adapter (a peft folder)
+        tokenizer.save_pretrained(tmp)
+        head = whole["value_head"] if whole is not None else policy.value_head.state_dict()
+        save_file({k: v.detach().contiguous() for k, v in head.items()}, str(tmp / "value_head.safetensors"))
+    except (OSError, RuntimeError, SafetensorError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise write_error(out, e, "The final policy is not saved; the last checkpoint is kept") from None
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)

@@ -236,7 +236,11 @@ def file_suffix(path: Path, field_name: str = "data.prompts") -> str:
     fix = (
         f"decompress it first (a {suffix} file)"
         if suffix in (".gz", ".bz2", ".xz", ".zst", ".zip")
-        else ("convert it to .csv or .jsonl" if suffix == ".tsv" else "save it as one of those")
+        else (
+            "convert it to .csv or .jsonl"
+            if suffix == ".tsv"
+            else "rename it to .txt if it holds a prompt per line, or save it as one of the others"
+        )
     )
     raise ValueError(
         f"{field_name}={str(path)!r}: tether reads .txt (a prompt per line), .jsonl, .json, .csv and "
@@ -250,12 +254,15 @@ def read_utf8(path: Path, field_name: str = "data.prompts") -> str:
     Raises:
         ValueError: it is not UTF-8 (a binary file, latin-1 text); names the file and the byte.
     """
+    raw = Path(path).read_bytes()
+    if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise ValueError(f"{field_name}: {path} is UTF-16 text; save it as UTF-8 (iconv -f utf-16 -t utf-8)")
     try:
-        return Path(path).read_text(encoding="utf-8")
+        return raw.decode("utf-8-sig")  # a UTF-8 byte-order mark is not part of the first prompt
     except UnicodeDecodeError as e:
         raise ValueError(
             f"{field_name}: {path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); "
-            "save it as UTF-8 (iconv -f latin1 -t utf-8), or give a .parquet or .csv file"
+            "save it as UTF-8 (iconv -f latin1 -t utf-8 for latin-1 text), or give a .parquet or .csv file"
         ) from None
 
 
@@ -309,7 +316,14 @@ def load_rows(
     ):
         ds = datasets.load_from_disk(str(path))
     elif path.is_dir():
-        ds = datasets.load_dataset(str(path), split=split)
+        try:
+            ds = datasets.load_dataset(str(path), split=split)
+        except Exception as e:  # an empty folder, one without data files, an unknown split ...
+            raise ValueError(
+                f"{field_name}={spec!r}: a folder datasets cannot read ({type(e).__name__}: "
+                f"{str(e).splitlines()[0][:200] if str(e) else ''}); give a data file, or a folder of "
+                ".jsonl/.csv/.parquet files or saved with save_to_disk"
+            ) from None
     else:
         folder = hub_folder(spec, field_name=field_name, repo_type="dataset")
         try:

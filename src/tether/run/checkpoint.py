@@ -121,7 +121,8 @@ def save_checkpoint(
             save_policy_weights(tmp, policy)
         torch.save(trainer_state, tmp / "trainer.pt")
         meta = {"step": step, "reference_fingerprint": reference_fingerprint, "files": file_digests(tmp)}
-        (tmp / "meta.json").write_text(json.dumps(meta | ({"sharded": True} if sharded is not None else {})))
+        meta |= {"sharded": True} if sharded is not None else {}
+        (tmp / "meta.json").write_text(json.dumps(meta | {"meta_sha256": meta_digest(meta)}))
     # torch.save's full disk is a RuntimeError (inline_container), safetensors' a SafetensorError
     except (OSError, RuntimeError, SafetensorError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -171,6 +172,13 @@ def file_digests(folder: Path) -> dict[str, str]:
     return out
 
 
+def meta_digest(meta: dict) -> str:
+    """SHA-256 of a checkpoint's meta.json fields (``meta_sha256`` excepted), keys sorted: meta.json
+    vouches for itself too (a flipped ``"step"`` would skip or repeat steps)."""
+    rest = {k: v for k, v in meta.items() if k != "meta_sha256"}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()
+
+
 class DamagedCheckpoint(ValueError):
     """A checkpoint whose files do not match the digests its meta.json recorded."""
 
@@ -187,6 +195,12 @@ def verify_checkpoint(folder: Path) -> dict:
         meta = read_json(Path(folder) / "meta.json")
     except (ValueError, FileNotFoundError) as e:
         raise DamagedCheckpoint(str(e)) from None
+    if meta.get("step") != _step_of(Path(folder)):
+        raise DamagedCheckpoint(
+            f"{folder}: meta.json says step {meta.get('step')!r}, the folder's name another"
+        )
+    if "meta_sha256" in meta and meta["meta_sha256"] != meta_digest(meta):
+        raise DamagedCheckpoint(f"{folder}: meta.json (SHA-256 of its fields differs)")
     recorded = meta.get("files")
     if recorded is None:
         return meta
@@ -207,25 +221,30 @@ def resume_checkpoint(run_dir: Path) -> tuple[Path | None, list[str]]:
     complete one that does (each damaged one is renamed ``.damaged-step-N``, kept); with a note
     for each one passed over.
 
+    A ``LATEST`` that is not text or names a folder outside ``checkpoints/`` is ignored (never
+    followed), with a note, and rewritten to the checkpoint chosen.
+
     Returns:
         (folder or None when no checkpoint verifies, notes to print).
-
-    Raises:
-        ValueError: ``LATEST`` names a folder outside ``checkpoints/`` (:func:`latest_checkpoint`).
     """
     root = Path(run_dir) / "checkpoints"
-    latest = latest_checkpoint(run_dir)
+    notes = []
+    try:
+        latest = latest_checkpoint(run_dir)
+    except (ValueError, UnicodeDecodeError) as e:  # damaged or tampered: never followed
+        notes.append(f"tether: {root / 'LATEST'} is damaged ({str(e).splitlines()[0][:160]}); ignoring it")
+        latest = None
     others = sorted(
         (d for d in root.glob("step-*") if d != latest and (d / "meta.json").exists()), key=_step_of
     )
     candidates = ([latest] if latest is not None else []) + others[::-1]
-    notes = []
     for folder in candidates:
         try:
             verify_checkpoint(folder)
         except DamagedCheckpoint as e:
-            aside = folder.with_name(f"{DAMAGED}{folder.name}")
-            shutil.rmtree(aside, ignore_errors=True)
+            aside, k = folder.with_name(f"{DAMAGED}{folder.name}"), 2
+            while aside.exists():  # an earlier damaged copy of the same step is kept too
+                aside, k = folder.with_name(f"{DAMAGED}{folder.name}-{k}"), k + 1
             os.replace(folder, aside)
             notes.append(
                 f"tether: checkpoint {folder.name} is damaged ({e}); moved aside to {aside.name} (delete it "
@@ -327,7 +346,12 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     pointer = Path(run_dir) / "checkpoints" / "LATEST"
     if not pointer.exists():
         return None
-    name = pointer.read_text().strip()
+    try:
+        name = pointer.read_text().strip()
+    except UnicodeDecodeError:
+        raise ValueError(
+            f"{pointer}: not text (a damaged file); it should hold one folder name (step-N)"
+        ) from None
     path = pointer.parent / name
     # LATEST names a folder beside it, nothing else: a run folder handed over must not point a
     # resume at files outside it

@@ -60,10 +60,42 @@ def write_error(path: Path, e: BaseException, kept: str) -> RunFileError:
         errno.EFBIG: "the file-size limit was reached (ulimit -f)",
         errno.EDQUOT: "the disk quota is spent",
     }.get(code, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+    if code is None:  # torch.save's "[enforce fail at inline_container.cc] unexpected pos": guess
+        cause += likely_write_cause(path)
     return RunFileError(
         code or errno.EIO,
         f"writing {path} failed: {cause}{space_note(path)}. {kept}. Free space (or raise the limit), then "
-        f"continue with: tether train --resume {run_folder_of(path)}",
+        f"{resume_hint(run_folder_of(path))}",
+    )
+
+
+def likely_write_cause(path: Path) -> str:
+    """For a write error that names no cause: ``"; likely ..."`` when a file-size limit is set
+    or the disk holding ``path`` has under 256 MiB free, else empty."""
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if soft != resource.RLIM_INFINITY:
+        return f"; likely the file-size limit (ulimit -f: {soft} bytes)"
+    for folder in (Path(path), *Path(path).parents):
+        if folder.exists():
+            try:
+                if shutil.disk_usage(folder).free < 256 * 2**20:
+                    return "; likely a full disk"
+            except OSError:
+                pass
+            break
+    return ""
+
+
+def resume_hint(run_dir: Path) -> str:
+    """What to do after a failure: resume when the run has a checkpoint, else start again (a run
+    folder without one cannot resume, and a new run refuses a folder that holds a run)."""
+    if (Path(run_dir) / "checkpoints" / "LATEST").exists():
+        return f"continue with: tether train --resume {run_dir}"
+    return (
+        f"no checkpoint was written, so nothing can resume: delete {run_dir} (or choose another "
+        "train.output_dir) and start the run again"
     )
 
 

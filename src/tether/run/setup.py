@@ -157,10 +157,13 @@ def check_resume_keeps(config: Config, saved: Path) -> None:
     import yaml
 
     before = yaml.safe_load(saved.read_text()) or {}
+    algo = config.train.algo
     for section, name in RESUME_FIXED:
+        if section == "dpo" and algo != "dpo":
+            continue  # read by DPO alone
         was = (before.get(section) or {}).get(name, getattr(getattr(Config(), section), name))
         now = getattr(getattr(config, section), name)
-        if was != now:
+        if was != now and not _same_path(was, now):
             raise ConfigError(
                 f"--resume: {section}.{name}={now!r} differs from the run's {was!r} ({saved}); a resumed "
                 "run keeps its trainer, its data (the checkpoint's prompt order, the held-out split) and "
@@ -168,6 +171,15 @@ def check_resume_keeps(config: Config, saved: Path) -> None:
                 f"Drop the override, or start a new run with it: tether train --config {saved} "
                 f"{section}.{name}={now!r} train.output_dir=NEW_DIR"
             )
+
+
+def _same_path(a, b) -> bool:
+    """Whether two field values name the same existing file or folder (``dir/`` and ``dir``,
+    ``./x`` and ``x``, a relative and an absolute path)."""
+    if not (isinstance(a, str) and isinstance(b, str)):
+        return False
+    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
 
 
 def dataset_prompts(dataset, config: Config) -> tuple[PromptData, PromptData]:
