@@ -1,7 +1,7 @@
 """The KL question on a verifiable reward, measured: GRPO on the built-in arithmetic task.
 
 Usage: python benchmarks/rlvr.py [--out runs/rlvr] [--steps 40] [--png docs/img/rlvr.png]
-       [--only NAME] [overrides]
+       [--only "beta 0,Dr. GRPO"] [overrides]
 
 The documents tether grew from say that with verifiable rewards the leash matters less against
 reward hacking "though it still helps against drift and instability", and that recipes disagree
@@ -74,6 +74,10 @@ def run_one(name: str, out: Path, steps: int, extra: list[str]) -> dict:
     }
 
 
+def _z(x: float, se: float) -> str:
+    return f"{x / se:.1f} SE" if se else "n/a"
+
+
 def table(results: list[dict]) -> str:
     head = (
         "| run | accuracy ref -> policy | gain (paired SE) | held-out KL | entropy | length | "
@@ -81,7 +85,7 @@ def table(results: list[dict]) -> str:
     )
     lines = [
         f"| {r['name']} | {r['ref_acc']:.3f} -> {r['acc']:.3f} | {r['gain']:+.3f} ± {r['gain_se']:.3f} "
-        f"({r['gain'] / r['gain_se'] if r['gain_se'] else float('inf'):.1f} SE) | {r['kl']:.2f} | "
+        f"({_z(r['gain'], r['gain_se'])}) | {r['kl']:.2f} | "
         f"{r['entropy']:.2f} | {r['length']:.1f} | {r['cap']:+.3f} ± {r['cap_se']:.3f} | "
         f"{r['flu']:+.2f} ± {r['flu_se']:.2f} | {r['all_equal']:.2f} |"
         for r in results
@@ -118,11 +122,15 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("runs/rlvr"))
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--png", type=Path, default=None)
-    ap.add_argument("--only", default="", help="run the configurations whose name holds this text")
+    ap.add_argument("--only", default="", help="comma-separated configuration names to run (default all)")
     args, extra = ap.parse_known_args()
     results = []
+    chosen = [x.strip() for x in args.only.split(",") if x.strip()] or list(RUNS)
+    unknown = [x for x in chosen if x not in RUNS]
+    if unknown:
+        ap.error(f"--only: unknown {unknown}; choose from {list(RUNS)}")
     for name in RUNS:
-        if args.only in name:
+        if name in chosen:
             slug = name.replace(" ", "-").replace("(", "").replace(")", "").replace(".", "")
             results.append(run_one(name, args.out / slug, args.steps, extra))
             print(table(results[-1:]).splitlines()[-1], flush=True)
