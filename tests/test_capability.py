@@ -106,3 +106,51 @@ def test_a_run_logs_capability_periodically_and_finally(
     assert abs(ev["capability_nll"] - ev["ref_capability_nll"] - ev["capability_nll_change"]) < 1e-12
     said = capsys.readouterr().out
     assert "tether: capability (NLL of 4 human sentences" in said and "s per evaluation" in said
+
+
+def test_a_resumed_run_does_not_score_the_reference_again(tiny_model_dir, prompt_file, tmp_path, monkeypatch):
+    import shutil
+
+    import tether.training
+
+    from .conftest import metric_rows
+
+    monkeypatch.setattr(tether.training, "capability_texts", lambda n: SENTENCES[:n])
+
+    def args(out, steps):
+        return [
+            "train",
+            f"model.name={tiny_model_dir}",
+            f"data.prompts={prompt_file}",
+            "rollout.batch_size=4",
+            "rollout.max_new_tokens=4",
+            "optim.minibatch_size=2",
+            f"train.steps={steps}",
+            "eval.every=2",
+            "eval.n_prompts=2",
+            "eval.periodic_prompts=2",
+            "eval.capability_texts=4",
+            "eval.fluency_model=none",
+            "reward.scorer=tests.conftest:length_judge",
+            "train.progress=false",
+            "train.save_model=false",
+            "train.checkpoint_every=1",
+            "train.keep_checkpoints=10",
+            f"train.output_dir={out}",
+        ]
+
+    # evaluations after steps 0, 2, 4 and 5: resumed after step 3, the evaluation after step 4
+    # would score the reference again and step 5's row count one reference forward more
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert main(args(full, 6)) == 0
+    assert main(args(part, 6)) == 0
+    # back to the checkpoint of step 2, as a kill after it would leave the folder
+    ckpts = part / "checkpoints"
+    for d in ckpts.glob("step-*"):
+        if d.name != "step-000003":
+            shutil.rmtree(d)
+    (ckpts / "LATEST").write_text("step-000003")
+    assert main(["train", "--resume", str(part)]) == 0
+    # every row, kl/reference_forwards included: the reference's capability NLLs are read back
+    assert metric_rows(part) == metric_rows(full)
+    assert (part / "eval_reference_capability.json").exists()

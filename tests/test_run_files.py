@@ -171,7 +171,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(tiny_lm, tmp_p
     folder, notes = resume_checkpoint(tmp_path)
     assert folder.name == "step-000001" and latest_checkpoint(tmp_path) == folder
     assert "checkpoint step-000002 is damaged" in notes[0] and "moved aside" in notes[0]
-    assert "resuming from the earlier checkpoint step-000001" in notes[-1]
+    assert "resuming from checkpoint step-000001, the newest that verifies" in notes[-1]
     assert (tmp_path / "checkpoints" / ".damaged-step-000002").is_dir()
     # a later checkpoint keeps the damaged folder for a person to look at
     save_checkpoint(tmp_path, 2, policy, {"x": 2}, "fp", keep=2)

@@ -118,12 +118,27 @@ class Evaluator:
             else None
         )
 
+    def measure_capability(self) -> dict:
+        """:meth:`CapabilityProbe.measure` of the policy now. The reference's per-sentence NLLs are
+        kept in eval_reference_capability.json, so that a resumed run does not score (and count,
+        ``kl/reference_forwards``) the reference again."""
+        probe, path = self.capability, self.run.writer.run_dir / "eval_reference_capability.json"
+        if probe.ref_nll is None and path.exists():
+            saved = read_json(path)
+            if saved.get("texts") == len(probe.prefixes):
+                probe.ref_nll = saved["nll"]
+        fresh = probe.ref_nll is None
+        m = probe.measure(self.run.policy.lm)
+        if fresh:
+            write_json_file(path, {"texts": len(probe.prefixes), "nll": probe.ref_nll})
+        return m
+
     def capability_row(self) -> dict:
         """``eval/capability_nll``, ``eval/ref_capability_nll`` and
         ``eval/capability_nll_change_se`` of the policy now ({} when eval.capability_texts=0)."""
         if self.capability is None:
             return {}
-        m = self.capability.measure(self.run.policy.lm)
+        m = self.measure_capability()
         return {
             "eval/capability_nll": m["capability_nll"],
             "eval/ref_capability_nll": m["ref_capability_nll"],
@@ -669,9 +684,7 @@ def _final_eval_and_plots(run: Run, evaluator: Evaluator, monitor: HealthMonitor
         result["policy_step"] = best["step"] if best else w.history[-1]["step"]
         result["prompt_offset"] = evaluator.start  # index of its first held-out prompt
         if evaluator.capability is not None:
-            result |= evaluator.capability.measure(run.policy.lm) | {
-                "capability_texts": c.eval.capability_texts
-            }
+            result |= evaluator.measure_capability() | {"capability_texts": c.eval.capability_texts}
         w.write_json("eval.json", result)
         evals = [result["reference"], result["policy"]]
         gold = (
@@ -758,6 +771,11 @@ def task_defaults_lines(
         lines.append(
             f"tether: note: reward.scorer is unset, so {uses} VADER sentiment, the demo's reward; name "
             "your own with reward.scorer=module:function (or hf:MODEL, a list of them)"
+        )
+    if c.data.prompts in TASKS and c.reward._given("scorer") is None and not scorer_given:
+        lines.append(
+            f"tether: data.prompts={c.data.prompts} trains on its checker, reward.scorer={c.reward.scorer} "
+            "(1 when the response starts with the row's answer, else 0; tether.judges.verifiers)"
         )
     if c.eval.n_prompts or c.eval.every:
         if has_judge:
@@ -879,7 +897,12 @@ def _resume(run: Run, trainer, monitor: HealthMonitor) -> int:
     if path is None:
         raise FileNotFoundError(
             f"--resume {w.run_dir}: no complete checkpoint in {w.run_dir / 'checkpoints'}"
-            + (" that verifies (each damaged one was moved aside)" if notes else "")
+            + (
+                " that verifies (each damaged one was moved aside to checkpoints/.damaged-step-N: rename "
+                "one back to look at it, or start a new run)"
+                if notes
+                else ""
+            )
         )
     _check_data(run)
     recorded = read_json(w.run_dir / "reference.json").get("fingerprint")

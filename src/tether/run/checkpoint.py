@@ -232,7 +232,7 @@ def resume_checkpoint(run_dir: Path) -> tuple[Path | None, list[str]]:
     try:
         latest = latest_checkpoint(run_dir)
     except (ValueError, UnicodeDecodeError) as e:  # damaged or tampered: never followed
-        notes.append(f"tether: {root / 'LATEST'} is damaged ({str(e).splitlines()[0][:160]}); ignoring it")
+        notes.append(f"tether: {root / 'LATEST'} is damaged ({e}); ignoring it")
         latest = None
     others = sorted(
         (d for d in root.glob("step-*") if d != latest and (d / "meta.json").exists()), key=_step_of
@@ -252,7 +252,7 @@ def resume_checkpoint(run_dir: Path) -> tuple[Path | None, list[str]]:
             )
             continue
         if notes:
-            notes.append(f"tether: resuming from the earlier checkpoint {folder.name} instead")
+            notes.append(f"tether: resuming from checkpoint {folder.name}, the newest that verifies")
             atomic_write_text(root / "LATEST", folder.name)
         return folder, notes
     return None, notes
