@@ -646,7 +646,7 @@ class EvalConfig(_Defaulted):
     capability_texts: int | None = None
     """Sentences of human-written text no run trains on (NYT editorial snippets of ICWSM-2014,
     tether.data.capability) whose per-token NLL under the policy, beside the reference's, each
-    evaluation logs as eval/capability_nll (nats per token; the alignment tax). None = 64 on the
+    evaluation logs as eval/capability_nll (nats per token; the alignment tax). None = 32 on the
     embedded movie prompts (whose archive holds them), 0 (off) with other data; 0 = off. Costs
     one no-grad forward of each sentence per evaluation (printed)."""
     fluency_model: str = "gemma3-270m"
@@ -726,7 +726,7 @@ class EvalConfig(_Defaulted):
             self.capability_texts is None or 0 <= self.capability_texts <= 4000,
             "eval.capability_texts",
             self.capability_texts,
-            "must be in [0, 4000] (sentences; 0 = off), or null (64 on the embedded data)",
+            "must be in [0, 4000] (sentences; 0 = off), or null (32 on the embedded data)",
         )
         for key in ("best_fluency_margin", "best_distinct_share"):
             _check(
@@ -1044,7 +1044,7 @@ class Config:
         self.kl._fill("kl_in_reward", algo in ("ppo", "rloo") and not self.kl.kl_in_loss)
         self.kl._fill("kl_in_loss", algo == "grpo" and not self.kl.kl_in_reward)
         self.eval._fill("judge", "minilm-rm" if self.embedded_data else "none")
-        self.eval._fill("capability_texts", 64 if self.embedded_data else 0)
+        self.eval._fill("capability_texts", 32 if self.embedded_data else 0)
         from tether.data.tasks import TASK_SCORERS
 
         self.reward._fill("scorer", TASK_SCORERS.get(self.data.prompts, "vader"))  # a task: its checker

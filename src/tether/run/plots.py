@@ -37,7 +37,8 @@ def _held_out(ax, history: list[dict], key: str) -> None:
     reference's on the same prompts (a dashed line)."""
     rows = [r for r in history if isinstance(r.get(key), (int, float))]
     if rows:
-        se = [r.get(key + "_se", 0.0) or 0.0 for r in rows]
+        # its SE, or (capability) the SE of the paired difference from the reference
+        se = [r.get(key + "_se", r.get(key + "_change_se", 0.0)) or 0.0 for r in rows]
         ax.errorbar(
             [r["step"] for r in rows],
             [r[key] for r in rows],
@@ -69,7 +70,7 @@ def plot_training(
     for ax, (key, label) in zip(axes.flat, _PANELS):
         ys = [r.get(key) for r in history]
         pts = [(s, y) for s, y in zip(steps, ys) if isinstance(y, (int, float))]
-        if pts:
+        if pts and not key.startswith("eval/"):  # an eval/ panel: drawn as held out, below
             ax.plot(*zip(*pts), marker=".", lw=1, label="training batch")
         if key in _HELD_OUT:
             _held_out(ax, history, _HELD_OUT[key])
