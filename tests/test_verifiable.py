@@ -79,3 +79,25 @@ def test_grpo_trains_on_the_task_end_to_end(tiny_model_dir, tmp_path, capsys):
     assert all("rollout/groups_all_worst" in r for r in rows)  # a 0/1 reward: the shares are logged
     samples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
     assert samples and all(s["score"] in (0.0, 1.0) and "answer" in s["columns"] for s in samples)
+
+
+def test_a_non_integer_answer_is_refused_before_the_model_loads(tiny_model_dir, tmp_path, capsys):
+    data = tmp_path / "sums.jsonl"
+    rows = [{"prompt": f"{i} + 1 =", "answer": str(i + 1)} for i in range(30)] + [
+        {"prompt": "x =", "answer": "15.0"}
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = [
+        "train",
+        f"data.prompts={data}",
+        "reward.scorer=integer-answer",
+        f"model.name={tiny_model_dir}",
+        "train.steps=1",
+        "eval.n_prompts=0",
+        "train.progress=false",
+        f"train.output_dir={tmp_path / 'run'}",
+    ]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert "has answer '15.0', not an integer" in err, err
+    assert not (tmp_path / "run").exists()

@@ -939,8 +939,17 @@ def _record_resumed_config(run: Run, step: int) -> None:
     kept = path.with_name(f"config.until-step-{step}.yaml")
     atomic_write_text(kept, path.read_text())
     atomic_write_text(path, yaml.safe_dump(now, sort_keys=False))
+    changed = [
+        f"{sec}.{name}: {(before.get(sec) or {}).get(name)!r} -> {value!r}"
+        for sec, fields in now.items()
+        if isinstance(fields, dict)
+        for name, value in fields.items()
+        if (before.get(sec) or {}).get(name) != value
+    ]
     _say(
-        f"tether: config.yaml now holds the resumed settings; the run's earlier config is {kept.name}",
+        f"tether: resumed with {len(changed)} changed setting(s), from step {step + 1}: "
+        f"{'; '.join(changed)}. "
+        f"config.yaml now holds them; the run's earlier config is {kept.name}",
         run.config.train.progress,
     )
 

@@ -182,6 +182,30 @@ def _same_path(a, b) -> bool:
     return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
 
 
+def check_integer_answers(scorer, *parts: PromptData) -> None:
+    """With the built-in ``integer-answer`` checker (alone or in a reward list), every row's
+    ``answer`` must be an integer, checked before any model loads (a bad row would otherwise fail
+    only when it is drawn, or never).
+
+    Raises:
+        ValueError: naming the first bad row and its value.
+    """
+    from tether.judges.verifiers import integer_answer
+
+    scorers = scorer.scorers.values() if isinstance(scorer, WeightedReward) else [scorer]
+    if not any(s is integer_answer for s in scorers):
+        return
+    for part in parts:
+        for i, a in enumerate(part.columns.get("answer", [])):
+            try:
+                integer_answer(["0"], [a])
+            except ValueError:
+                raise ValueError(
+                    f"reward.scorer=integer-answer: row {i + 1} of the prompts has answer {a!r}, not an "
+                    "integer; fix the data's answer column, or use your own reward.scorer=module:function"
+                ) from None
+
+
 def dataset_prompts(dataset, config: Config) -> tuple[PromptData, PromptData]:
     """(train, heldout) of a ``train_dataset`` given to :func:`build_run`: a ``datasets.Dataset``,
     a ``datasets.DatasetDict`` (its ``data.split``), a pandas ``DataFrame``, a list of row dicts,
@@ -632,6 +656,7 @@ def build_run(
         config.reward.scorer if scorer is None else scorer, config.reward.weights, device=accelerator.device
     )
     check_scorer_columns(scorer, train_prompts.columns)
+    check_integer_answers(scorer, train_prompts, heldout)
     for field_name, judge in (judges or {}).items():
         check_scorer_columns(judge, train_prompts.columns, field_name)
     path = None
