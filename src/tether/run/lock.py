@@ -42,16 +42,27 @@ def acquire(run_dir: Path) -> tuple[Path, str | None]:
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / LOCK_NAME
     me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
+    # the lock appears whole or not at all: written beside it, then hard-linked to its name (link
+    # fails if the name exists), so a second process never reads a lock still being written
+    tmp = path.with_name(f".{LOCK_NAME}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(me))
+    try:
+        return _take(path, tmp, run_dir, me)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _take(path: Path, tmp: Path, run_dir: Path, me: dict) -> tuple[Path, str | None]:
     note = None
     for _ in range(2):  # the second try after removing a stale lock
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            os.link(tmp, path)
         except FileExistsError:
             try:
                 holder = json.loads(path.read_text())
                 host, pid = str(holder["host"]), int(holder["pid"])
             except (OSError, ValueError, KeyError, TypeError):
-                holder, host, pid = {}, "?", -1  # torn by a kill while it was written: stale
+                holder, host, pid = {}, "?", -1  # damaged (never half-written by tether): stale
             if host == me["host"] and pid > 0 and _alive(pid) and pid != me["pid"]:
                 raise RunLocked(
                     f"{run_dir} is in use by another tether process (pid {pid} on {host}, {path}); "
@@ -65,8 +76,6 @@ def acquire(run_dir: Path) -> tuple[Path, str | None]:
             path.unlink(missing_ok=True)
             note = f"tether: took over a stale lock of {run_dir} (pid {pid} on {host} is gone)"
             continue
-        with os.fdopen(fd, "w") as f:
-            json.dump(me, f)
         return path, note
     raise RunLocked(f"{run_dir}: could not take its lock {path}; another process keeps taking it")
 
