@@ -134,7 +134,12 @@ def remove_stale_temporaries(folder: Path) -> list[Path]:
     Call it holding the run folder's lock (no other writer is mid-write). Returns what went."""
     gone = []
     for tmp in Path(folder).glob(".*.tmp*"):
-        if tmp.is_file() and tmp.name.rpartition(".tmp")[2].isdigit():
+        # a starting process's lock file, written beside the lock for a moment, is not this kind
+        if (
+            tmp.is_file()
+            and tmp.name.rpartition(".tmp")[2].isdigit()
+            and not tmp.name.startswith(".tether.lock")
+        ):
             tmp.unlink(missing_ok=True)
             gone.append(tmp)
     return gone
