@@ -233,16 +233,16 @@ def test_exact_kl_shaping_reaches_the_ppo_update(tiny_model_dir, prompt_file, tm
     responses and logs the same KL, and its value loss (targets with the exact KL) differs. The
     trainer hands each token's own correction to the advantages (without it the update would be
     the biased exact-KL-only one, tests/test_kl_placement.py)."""
-    from tether.trainers import ppo
+    from tether.trainers import steps
 
     corrections = []
-    real = ppo.ppo_advantages
+    real = steps.ppo_advantages
 
     def recording(*args, token_correction=None, **kw):
         corrections.append(token_correction)
         return real(*args, token_correction=token_correction, **kw)
 
-    monkeypatch.setattr(ppo, "ppo_advantages", recording)
+    monkeypatch.setattr(steps, "ppo_advantages", recording)  # what the ADVANTAGES entry calls
     rows = _two_step_ppo_runs(
         tiny_model_dir, prompt_file, tmp_path, 5, "ppo.kl_shaping", ("sampled", "exact")
     )

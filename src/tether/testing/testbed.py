@@ -46,7 +46,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import Tensor
@@ -60,19 +60,17 @@ from tether.core.advantages import (
 )
 from tether.core.bestofn import bon_kl_bound
 from tether.core.controllers import FixedKLController, KLController
-from tether.core.kl import KLEstimator, estimate_kl, exact_kl_from_logits, kl_stats, masked_sum, sequence_kl
+from tether.core.kl import estimate_kl, exact_kl_from_logits, masked_sum, sequence_kl
 from tether.core.leash import KLLeash
 from tether.core.logprobs import logprobs_from_logits
 from tether.core.losses import KLLossEstimator
 from tether.trainers.steps import (
     Experience,
+    StepSettings,
     clipped_policy_loss,
+    controller_input,
     dpo_pair_loss,
-    grpo_advantages,
-    grpo_kl_weights,
-    kl_and_rewards,
-    ppo_advantages,
-    rloo_token_advantages,
+    make_experience,
 )
 from tether.trainers.update import MicroLoss, minibatch_update
 
@@ -587,48 +585,56 @@ def train_on_policy(
     algo: Algo,
     controller: KLController,
     settings: TrainSettings = TrainSettings(),
-    estimator: KLEstimator = "k1",
     kl_in_reward: bool = True,
     kl_in_loss: bool = False,
     loss_estimator: KLLossEstimator = "k3+",
-    scale_by_std: bool = True,
-    scale_kl_by_std: bool = False,
     kl_shaping: Literal["sampled", "exact"] = "sampled",
+    **step: Any,
 ) -> RunLog:
     """PPO, GRPO or RLOO on the bed, step for step as :class:`tether.trainers.base.OnPolicyTrainer`.
 
     Each batch: sample B sequences from the current table (one prompt, so consecutive rows form
-    the groups); old and reference log-probs (B, T) via :func:`token_logprobs`; the per-token KL
-    and rewards from :func:`tether.trainers.steps.kl_and_rewards` (score on the last token,
-    ``-kl_coef * kl_t`` if the KL is in the reward); advantages from the trainers' own functions
-    (PPO: :func:`tether.trainers.steps.ppo_advantages`, GAE on a value table per prefix, whitened;
-    GRPO: :func:`~tether.trainers.steps.grpo_advantages`; RLOO:
-    :func:`~tether.trainers.steps.rloo_token_advantages`, both of the summed sequence reward and
-    broadcast to every token); ``epochs x minibatches`` Adam steps through
-    :func:`tether.trainers.update.minibatch_update` with :func:`table_policy_loss` (the trainers'
-    :func:`tether.trainers.steps.clipped_policy_loss`: clipped surrogate, PPO's value loss, the
-    leash's loss term); then ``controller.update`` with the batch mean of the per-sequence KL,
-    the number that was logged. No placement check is made here: biased configurations are the point of
-    some runs (tether's :func:`tether.core.placement.check_placement` refuses them in real runs).
+    the groups); old and reference log-probs (B, T) via :func:`token_logprobs` and the exact
+    per-position KL (:func:`position_kl`); then the trainers' own calls, with the trainers'
+    default settings unless an argument says otherwise
+    (:class:`tether.trainers.steps.StepSettings`): steps 5-6 by
+    :func:`tether.trainers.steps.make_experience` (the KL estimate, the leashed rewards, the
+    advantages: PPO's GAE on a value table per prefix, whitened, its rewards divided by the
+    returns' spread; GRPO's and RLOO's of the summed sequence reward, broadcast to every token);
+    ``epochs x minibatches`` Adam steps through :func:`tether.trainers.update.minibatch_update`
+    with :func:`table_policy_loss` (the trainers' :func:`tether.trainers.steps.clipped_policy_loss`);
+    then ``controller.update`` with :func:`tether.trainers.steps.controller_input` (the exact KL
+    per sequence, by default). No placement check is made here: biased configurations are the
+    point of some runs (tether's :func:`tether.core.placement.check_placement` refuses them in
+    real runs).
 
     Args:
         bed: the test bed. algo: "ppo", "grpo" or "rloo".
         controller: holds beta (e.g. :class:`FixedKLController`); updated once per batch.
         settings: see :class:`TrainSettings`.
-        estimator: per-token estimator logged, shaped into the reward and controlled on.
         kl_in_reward, kl_in_loss, loss_estimator: the placement, as :class:`KLLeash`.
-        scale_by_std: GRPO only, divide by the group std (False: Dr. GRPO).
-        scale_kl_by_std: GRPO only, divide each group's KL-in-loss term by the same std
-            (:func:`tether.trainers.steps.grpo_kl_weights`).
         kl_shaping: PPO's reward form (``ppo.kl_shaping``): ``exact`` shapes with the exact
             per-position KL of the table (:func:`position_kl`) and adds each token's own
             correction to its advantage (:func:`tether.core.shaping.shape_rewards_exact`).
+        **step: fields of :class:`tether.trainers.steps.StepSettings` other than ``algo``,
+            ``group_size``, ``gamma`` and ``gae_lambda`` (which ``algo`` and ``settings`` give):
+            ``estimator`` (logged, shaped and controlled on; default k1), ``scale_by_std``
+            (GRPO; False: Dr. GRPO), ``scale_kl_by_std`` (GRPO), ``scale_returns`` (PPO),
+            ``whiten`` (PPO), ``controller_signal`` and ``target_unit``. Unset, each is the
+            trainers' default, a default run's (tested).
 
     Returns:
         :class:`RunLog`.
     """
     s = settings
     _check_settings(s, group=algo != "ppo")
+    step_settings = StepSettings(
+        algo=algo,
+        group_size=1 if algo == "ppo" else s.group_size,
+        gamma=s.gamma,
+        gae_lambda=s.gae_lambda,
+        **step,
+    )
     if kl_shaping == "exact" and algo != "ppo":
         raise ValueError(f"kl_shaping='exact' needs per-token advantages (algo='ppo'), got algo={algo!r}")
     V, T, B = bed.vocab, bed.length, s.batch_size
@@ -658,54 +664,24 @@ def train_on_policy(
             ref_logprobs = token_logprobs(bed.ref_logits.to(F64), tokens, V)
             old_values = values[rows] if values is not None else None
             log.exact_kls.append(float(exact_kl(sequence_logprobs(table, V, T), ref_seq_logp)))
-        # 5. per-token KL and rewards (the same KL is logged and controlled on); ``estimate_kl``
-        #    is this module's name for it, so a test can flip its sign
+        # 5-6. per-token KL, leashed rewards and advantages: the trainers' own call, with the run's
+        #      settings; ``estimate_kl`` is this module's name for the estimator, so a test can
+        #      flip its sign
         kl_coef = controller.kl_coef
-        exact = position_kl(table, bed.ref_logits, rows) if kl_shaping == "exact" else None
-        leashed = kl_and_rewards(
-            scores,
-            old_logprobs,
-            ref_logprobs,
-            mask,
-            kl_coef,
-            estimator,
-            leash,
+        exp = make_experience(
+            rollout=TableSamples(tokens, rows, mask),
+            scores=scores,
+            old_logprobs=old_logprobs,
+            ref_logprobs=ref_logprobs,
+            values=old_values,
+            exact_kl=position_kl(table, bed.ref_logits, rows),
+            minibatches=[],
+            kl_coef=kl_coef,
+            leash=leash,
+            settings=step_settings,
             estimate=estimate_kl,
-            exact_kl=exact,
         )
-        kl = leashed.kl  # (B, T)
-        # 6. advantages
-        returns = None
-        if algo == "ppo":
-            advantages, returns, _ = ppo_advantages(
-                leashed.rewards,
-                old_values,
-                mask,
-                s.gamma,
-                s.gae_lambda,
-                True,
-                token_correction=leashed.token_correction,
-            )
-        elif algo == "grpo":
-            advantages = grpo_advantages(leashed.rewards, mask, s.group_size, scale_by_std)
-        else:
-            advantages = rloo_token_advantages(leashed.rewards, mask, s.group_size)
-        exp = Experience(
-            TableSamples(tokens, rows, mask),
-            scores,
-            old_logprobs,
-            ref_logprobs,
-            old_values,
-            kl,
-            leashed.rewards,
-            leashed.non_score_reward,
-            advantages,
-            returns,
-            [],
-            grpo_kl_weights(leashed.rewards, mask, s.group_size)
-            if algo == "grpo" and scale_by_std and scale_kl_by_std and kl_in_loss
-            else None,
-        )
+        kl = exp.kl  # (B, T)
         # 7. epochs of minibatch updates
         minibatch_update(
             exp,
@@ -726,8 +702,8 @@ def train_on_policy(
             math.inf,
             algo,
         )
-        # 8. the controller sees the logged number (nats per sequence)
-        controller.update(float(kl_stats(kl, mask)["kl_per_sequence"]), n_steps=B)
+        # 8. the controller reads what a run's reads (the exact KL per sequence by default)
+        controller.update(controller_input(exp, step_settings), n_steps=B)
         # 9. log
         log.kl_estimates.append(sequence_kl(kl, mask).detach())
         log.kl_coefs.append(kl_coef)

@@ -1,20 +1,22 @@
 """What the on-policy trainers (PPO, GRPO, RLOO) share: rollout, scoring, the leash, metrics.
 
-A subclass supplies ``advantages`` (per-token advantages and returns from shaped rewards) and
-``minibatch_loss`` (the loss of one micro-batch, a pure function of :mod:`tether.trainers.steps`
-applied to the policy's log-probs); ``step`` is the same algorithm for all three:
+A subclass supplies its ``name`` (the :data:`tether.trainers.steps.ADVANTAGES` entry of step 6)
+and ``minibatch_loss`` (the loss of one micro-batch, a pure function of
+:mod:`tether.trainers.steps` applied to the policy's log-probs); ``step`` is the same algorithm
+for all three:
 
 1. sample prompts (each repeated ``group_size`` times): the global batch, of which each process
    keeps its contiguous shard (a group is never split; docs/distributed.md);
 2. generate responses from the current policy, sample ``i`` of the step seeded by (seed, step, i);
 3. score the responses with the reward model;
 4. old log-probs (and values), reference log-probs, no grad;
-5. per-token KL; rewards (score on the last token, -kl_coef * kl_t if the KL is in the reward):
-   :func:`tether.trainers.steps.kl_and_rewards`;
-6. advantages;
+5. per-token KL; rewards (score on the last token, -kl_coef * kl_t if the KL is in the reward);
+6. advantages (5 and 6: :func:`tether.trainers.steps.make_experience`, with the run's
+   :func:`step_settings`);
 7. epochs of minibatch updates (+ kl_coef * KL surrogate if the KL is in the loss):
    :func:`tether.trainers.update.minibatch_update` with the subclass's ``minibatch_loss``;
-8. update kl_coef from the same KL numbers that were logged;
+8. update kl_coef from the same KL numbers that were logged
+   (:func:`tether.trainers.steps.controller_input`);
 9. metrics, each reduced over every process (tether.core.distributed).
 """
 
@@ -52,12 +54,35 @@ from tether.trainers.common import (
     optimization_state,
     restore_optimization,
 )
-from tether.trainers.steps import Experience, KLRewards, kl_and_rewards
+from tether.trainers.steps import Experience, StepSettings, controller_input, make_experience
 from tether.trainers.update import MicroLoss, UpdateStats, minibatch_update
 
-__all__ = ["CONTROLLER_CLASSES", "OnPolicyTrainer", "sample_metrics"]
+__all__ = ["CONTROLLER_CLASSES", "OnPolicyTrainer", "sample_metrics", "step_settings"]
 
 log = logging.getLogger(__name__)
+
+
+def step_settings(config, algo: str) -> StepSettings:
+    """The :class:`tether.trainers.steps.StepSettings` of a run: its config's fields, by name.
+
+    Args:
+        config: the run's :class:`tether.run.config.Config`.
+        algo: "ppo", "grpo" or "rloo".
+    """
+    c = config
+    return StepSettings(
+        algo=algo,
+        estimator=c.kl.estimator,
+        group_size=c.rollout.group_size,
+        gamma=c.ppo.gamma,
+        gae_lambda=c.ppo.gae_lambda,
+        whiten=c.ppo.whiten_advantages,
+        scale_returns=c.ppo.scale_returns,
+        scale_by_std=c.grpo.scale_by_std,
+        scale_kl_by_std=c.grpo.scale_kl_by_std,
+        controller_signal=c.kl.signal,
+        target_unit=c.kl.target_unit,
+    )
 
 
 class OnPolicyTrainer:
@@ -81,6 +106,7 @@ class OnPolicyTrainer:
             kp=c.kl.budget_kp,
         )
         self.leash = KLLeash(c.kl.kl_in_reward, c.kl.kl_in_loss, c.kl.loss_estimator, c.kl_reward_form)
+        self.settings = step_settings(c, self.name)
         if not self.uses_values:  # no loss reaches the value head: frozen, so DDP waits for no gradient of it
             run.policy.value_head.requires_grad_(False)
         self.params = [p for p in run.policy.parameters() if p.requires_grad]
@@ -197,34 +223,19 @@ class OnPolicyTrainer:
             )
         self._reused_forward = forwards.update_forward
         t_score = time.perf_counter()
-        # 5. per-token KL and rewards (the leash applies the KL in the reward if placed there)
+        # 5-6. per-token KL, leashed rewards, advantages (steps.make_experience)
         kl_coef = self.controller.kl_coef
-        leashed = kl_and_rewards(
-            scores,
-            forwards.old_logprobs,
-            forwards.ref_logprobs,
-            rollout.response_mask,
-            kl_coef,
-            c.kl.estimator,
-            self.leash,
-            exact_kl=forwards.exact_kl if self.leash.reward_form == "exact" else None,
-        )
-        kl = leashed.kl
-        # 6. advantages
-        advantages, returns = self.advantages(leashed, forwards, rollout.response_mask)
-        exp = Experience(
-            rollout,
-            scores,
-            forwards.old_logprobs,
-            forwards.ref_logprobs,
-            forwards.values,
-            kl,
-            leashed.rewards,
-            leashed.non_score_reward,
-            advantages,
-            returns,
-            minibatches,
-            self.kl_weights(leashed.rewards, rollout.response_mask),
+        exp = make_experience(
+            rollout=rollout,
+            scores=scores,
+            old_logprobs=forwards.old_logprobs,
+            ref_logprobs=forwards.ref_logprobs,
+            values=forwards.values,
+            exact_kl=forwards.exact_kl,
+            minibatches=minibatches,
+            kl_coef=kl_coef,
+            leash=self.leash,
+            settings=self.settings,
         )
         # 7. update epochs
         lr = self.optimizer.param_groups[0]["lr"]  # the rate of this step's first optimizer step
@@ -232,11 +243,9 @@ class OnPolicyTrainer:
         t_update = time.perf_counter()
         # 8. update kl_coef with the KL that was logged (kl.controller_signal: the estimator's, also
         #    the one in the reward, or the exact KL)
-        if kl is not None:
-            signal = forwards.exact_kl if c.kl.signal == "exact" else kl  # (B, R) nats per token
-            stats = D.kl_stats(signal, rollout.response_mask)
-            unit = "kl_per_sequence" if c.kl.target_unit == "nats_per_sequence" else "kl_per_token"
-            self.controller.update(float(stats[unit]), n_steps=c.rollout.batch_size)
+        signal = controller_input(exp, self.settings)
+        if signal is not None:
+            self.controller.update(signal, n_steps=c.rollout.batch_size)
         # 9. metrics
         row = self.metrics(step, exp, forwards, update, kl_coef)
         row.update(rewards)
@@ -320,19 +329,9 @@ class OnPolicyTrainer:
             )
 
     # ---- to override -----------------------------------------------------------------------
-    def kl_weights(self, rewards: Tensor, mask: Tensor) -> Tensor | None:
-        """(B,) weights of each row's KL-in-loss terms, or None (all 1; GRPO may override)."""
-        return None
-
     def extra_metrics(self, exp: Experience, kl_coef: float) -> dict:
         """Trainer-specific metrics of the step ({} here; GRPO logs its effective beta)."""
         return {}
-
-    def advantages(
-        self, leashed: KLRewards, forwards: RolloutLogprobs, mask: Tensor
-    ) -> tuple[Tensor, Tensor | None]:
-        """(B, R) advantages and value targets (or None) from step 5's rewards (``leashed``)."""
-        raise NotImplementedError
 
     def minibatch_loss(self, mb: Experience, kl_coef: float, first_micro: bool = True) -> MicroLoss:
         """The loss of micro-batch ``mb`` (``exp.select(rows)``) under the current policy.

@@ -440,17 +440,18 @@ class DPOTrainer:
         )
         shaped = shape_rewards(scores, kl, c.dpo.beta, mask)
         self.last_experience = Experience(
-            ro,
-            scores,
-            pol.logprobs,
-            ref.logprobs,
-            None,
-            kl,
-            shaped.rewards,
-            shaped.non_score_reward,
-            torch.zeros_like(kl),
-            None,
-            [],
+            rollout=ro,
+            scores=scores,
+            old_logprobs=pol.logprobs,
+            ref_logprobs=ref.logprobs,
+            values=None,
+            kl=kl,
+            rewards=shaped.rewards,
+            non_score_reward=shaped.non_score_reward,
+            advantages=torch.zeros_like(kl),
+            returns=None,
+            minibatches=[],
+            exact_kl=exact,
         )
         # beta is DPO's leash; the row's objective/kl_coef is set by the caller to the same beta
         return sample_metrics(ro, scores, kl, pol.entropy, exact, c.dpo.beta, c.kl.estimator, pol.logprobs)

@@ -18,20 +18,13 @@ from tether.core import distributed as D
 from tether.core.advantages import group_all_equal, group_std
 from tether.core.kl import masked_sum
 from tether.trainers.base import OnPolicyTrainer
-from tether.trainers.common import RolloutLogprobs
-from tether.trainers.steps import (
-    Experience,
-    KLRewards,
-    clipped_policy_loss,
-    grpo_advantages,
-    grpo_kl_weights,
-    rloo_token_advantages,
-)
+from tether.trainers.steps import Experience, clipped_policy_loss
 from tether.trainers.update import MicroLoss
 
 
 class GroupTrainer(OnPolicyTrainer):
-    """Shared by GRPO and RLOO; subclasses choose the advantage (step 6)."""
+    """Shared by GRPO and RLOO; a subclass's ``name`` chooses the advantage of step 6
+    (:data:`tether.trainers.steps.ADVANTAGES`)."""
 
     def extra_metrics(self, exp: Experience, kl_coef: float) -> dict:
         """The groups whose scores are all equal (they carry no ranking: advantage 0), as shares of
@@ -61,21 +54,12 @@ def group_metrics(scores: Tensor, group_size: int) -> dict:
 class GRPOTrainer(GroupTrainer):
     name = "grpo"
 
-    def advantages(self, leashed: KLRewards, forwards: RolloutLogprobs, mask: Tensor) -> tuple[Tensor, None]:
-        return grpo_advantages(leashed.rewards, mask, self.group_size, self.cfg.grpo.scale_by_std), None
-
     @property
     def beta_in_reward_std(self) -> bool:
         """The std scaling divides the advantages but not the KL term: beta then counts in group
         reward standard deviations, not reward units (docs/kl.md)."""
         g = self.cfg.grpo
         return self.leash.kl_in_loss and g.scale_by_std and not g.scale_kl_by_std and self.group_size > 1
-
-    def kl_weights(self, rewards: Tensor, mask: Tensor) -> Tensor | None:
-        g = self.cfg.grpo
-        if self.leash.kl_in_loss and g.scale_by_std and g.scale_kl_by_std and self.group_size > 1:
-            return grpo_kl_weights(rewards, mask, self.group_size)
-        return None
 
     def extra_metrics(self, exp: Experience, kl_coef: float) -> dict:
         """The group shares (:meth:`GroupTrainer.extra_metrics`), and ``objective/kl_coef_effective``:
@@ -92,6 +76,3 @@ class GRPOTrainer(GroupTrainer):
 
 class RLOOTrainer(GroupTrainer):
     name = "rloo"
-
-    def advantages(self, leashed: KLRewards, forwards: RolloutLogprobs, mask: Tensor) -> tuple[Tensor, None]:
-        return rloo_token_advantages(leashed.rewards, mask, self.group_size), None

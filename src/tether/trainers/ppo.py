@@ -1,43 +1,24 @@
 """PPO with the KL leash in the reward (Ziegler et al. 2019; Stiennon et al. 2020).
 
 The step is :class:`tether.trainers.base.OnPolicyTrainer`'s; PPO adds a value head, GAE
-advantages (step 6) and the clipped surrogate plus clipped value loss (step 7). Sources:
+advantages (step 6, :data:`tether.trainers.steps.ADVANTAGES`) and the clipped surrogate plus
+clipped value loss (step 7). Sources:
 Schulman et al. 2017 (arXiv 1707.06347), Schulman et al. 2016 (GAE, arXiv 1506.02438).
 """
 
 from __future__ import annotations
 
-from torch import Tensor
-
 from tether.core import distributed as D
 from tether.models.scoring import rollout_logprobs
 from tether.trainers.base import OnPolicyTrainer
 from tether.trainers.common import RolloutLogprobs
-from tether.trainers.steps import Experience, KLRewards, clipped_policy_loss, ppo_advantages
+from tether.trainers.steps import Experience, clipped_policy_loss
 from tether.trainers.update import MicroLoss, UpdateStats
 
 
 class PPOTrainer(OnPolicyTrainer):
     uses_values = True
-    _return_scale = 1.0  # the last step's (value/return_scale)
     name = "ppo"
-
-    def advantages(
-        self, leashed: KLRewards, forwards: RolloutLogprobs, mask: Tensor
-    ) -> tuple[Tensor, Tensor]:
-        p = self.cfg.ppo
-        advantages, returns, scale = ppo_advantages(
-            leashed.rewards,
-            forwards.values,
-            mask,
-            p.gamma,
-            p.gae_lambda,
-            p.whiten_advantages,
-            p.scale_returns,
-            token_correction=leashed.token_correction,  # ppo.kl_shaping=exact: token t's own KL term
-        )
-        self._return_scale = float(scale)  # logged by metrics() for this step
-        return advantages, returns
 
     def minibatch_loss(self, mb: Experience, kl_coef: float, first_micro: bool = True) -> MicroLoss:
         c = self.cfg
@@ -65,5 +46,5 @@ class PPOTrainer(OnPolicyTrainer):
         mask = exp.rollout.response_mask
         row["value/mean"] = D.token_mean(exp.values, mask)
         row["value/explained_variance"] = D.explained_variance(exp.values, exp.returns, mask)
-        row["value/return_scale"] = self._return_scale
+        row["value/return_scale"] = float(exp.return_scale)
         return row

@@ -5,18 +5,22 @@ functions with their models' log-probabilities, and the tabular test bed
 (:mod:`tether.testing.testbed`) calls the very same ones with its logit tables', so its
 exact-optimum tests check the code that trains:
 
-* :class:`Experience`, the record of one rollout batch from scoring to update, and its
-  :meth:`Experience.select`;
+* :class:`StepSettings`, the per-run constants of steps 5, 6 and 8, built by name;
+* :func:`make_experience`, steps 5 and 6 in one call: :class:`Experience`, the record of one
+  rollout batch from scoring to update (and its :meth:`Experience.select`);
 * step 5, :func:`kl_and_rewards`: the per-token KL estimate and the leashed rewards;
-* step 6, :func:`ppo_advantages` (GAE), :func:`grpo_advantages`, :func:`rloo_token_advantages`;
+* step 6, :data:`ADVANTAGES`, one signature per algorithm over :func:`ppo_advantages` (GAE),
+  :func:`grpo_advantages` and :func:`rloo_token_advantages`;
 * step 7, the minibatch losses: :func:`clipped_policy_loss` (PPO, GRPO, RLOO) and
-  :func:`dpo_pair_loss` (DPO).
+  :func:`dpo_pair_loss` (DPO);
+* step 8, :func:`controller_input`: the one number the KL controller reads.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple, Protocol
+from dataclasses import dataclass
+from typing import Literal, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -31,7 +35,7 @@ from tether.core.advantages import (
     return_scale,
     rloo_advantages,
 )
-from tether.core.kl import KLEstimator, at_least_fp32, estimate_kl, kl_k1, masked_sum
+from tether.core.kl import KLEstimator, at_least_fp32, estimate_kl, kl_k1, masked_sum, sequence_kl
 from tether.core.leash import KLLeash
 from tether.core.losses import clipped_value_loss, dpo_loss, ppo_policy_loss
 from tether.trainers.update import MicroLoss
@@ -78,6 +82,12 @@ class Experience(NamedTuple):
     kl_weights: Tensor | None = None
     """(B,) weight of each row's KL-in-loss terms (GRPO with ``grpo.scale_kl_by_std``: one over
     its group's reward std, as its advantage), or None (weight 1)."""
+    exact_kl: Tensor | None = None
+    """exact full-vocabulary KL(pi_old(.|s_t) || pi_ref(.|s_t)) at each sampled position, nats,
+    or None when not computed (``kl.exact=false``)."""
+    return_scale: Tensor | None = None
+    """() float64: what PPO divided the rewards by (``ppo.scale_returns``; 1 without), reward
+    units; None for GRPO and RLOO."""
 
     share_by = "tokens"
     """The losses are token means: a micro-batch weighs its share of the valid tokens
@@ -98,19 +108,57 @@ class Experience(NamedTuple):
             return t[idx] if t is not None else None
 
         return Experience(
-            self.rollout.select(idx),
-            self.scores[idx],
-            self.old_logprobs[idx],
-            rows(self.ref_logprobs),
-            rows(self.values),
-            rows(self.kl),
-            self.rewards[idx],
-            self.non_score_reward[idx],
-            self.advantages[idx],
-            rows(self.returns),
-            [],
-            rows(self.kl_weights),
+            rollout=self.rollout.select(idx),
+            scores=self.scores[idx],
+            old_logprobs=self.old_logprobs[idx],
+            ref_logprobs=rows(self.ref_logprobs),
+            values=rows(self.values),
+            kl=rows(self.kl),
+            rewards=self.rewards[idx],
+            non_score_reward=self.non_score_reward[idx],
+            advantages=self.advantages[idx],
+            returns=rows(self.returns),
+            minibatches=[],
+            kl_weights=rows(self.kl_weights),
+            exact_kl=rows(self.exact_kl),
+            return_scale=self.return_scale,
         )
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepSettings:
+    """The per-run constants of an on-policy step's math (steps 5, 6 and 8), by name.
+
+    The trainers build it once from their config (:func:`tether.trainers.base.step_settings`);
+    the tabular test bed builds it with these same defaults, which are the CLI's (a test asserts
+    it per algorithm), so the oracle proves the configuration users run.
+
+    Attributes:
+        algo: "ppo", "grpo" or "rloo": the :data:`ADVANTAGES` entry of step 6.
+        estimator: per-token KL estimator logged, shaped and controlled on (``kl.estimator``).
+        group_size: G, consecutive rows sharing a prompt (GRPO, RLOO); 1 for PPO.
+        gamma, gae_lambda: PPO's GAE discount and lambda, in [0, 1] (``ppo.gamma``, ``ppo.gae_lambda``).
+        whiten: PPO whitens its advantages over the global batch (``ppo.whiten_advantages``).
+        scale_returns: PPO divides the rewards by the spread of the returns (``ppo.scale_returns``).
+        scale_by_std: GRPO divides its advantages by the group std (False: Dr. GRPO).
+        scale_kl_by_std: GRPO weighs each group's KL-in-loss term as its advantage
+            (``grpo.scale_kl_by_std``, :func:`grpo_kl_weights`).
+        controller_signal: the KL the controller reads: "exact" (the full-vocabulary KL) or
+            "estimator" (``estimator``'s; ``kl.controller_signal`` resolved).
+        target_unit: "nats_per_sequence" or "nats_per_token" (``kl.target_unit``).
+    """
+
+    algo: Literal["ppo", "grpo", "rloo"]
+    estimator: KLEstimator = "k1"
+    group_size: int = 1
+    gamma: float = 1.0
+    gae_lambda: float = 0.95
+    whiten: bool = True
+    scale_returns: bool = True
+    scale_by_std: bool = True
+    scale_kl_by_std: bool = False
+    controller_signal: Literal["estimator", "exact"] = "exact"
+    target_unit: Literal["nats_per_sequence", "nats_per_token"] = "nats_per_sequence"
 
 
 class KLRewards(NamedTuple):
@@ -292,6 +340,171 @@ def rloo_token_advantages(rewards: Tensor, mask: Tensor, group_size: int) -> Ten
     """
     seq_rewards = masked_sum(rewards, mask, dim=-1)  # (B,)
     return broadcast_sequence_advantages(rloo_advantages(seq_rewards, group_size), mask)
+
+
+class Advantages(NamedTuple):
+    """Output of an :data:`ADVANTAGES` entry."""
+
+    advantages: Tensor
+    """(B, R) per-token advantages, 0 where masked."""
+    returns: Tensor | None
+    """(B, R) value targets (PPO), else None."""
+    return_scale: Tensor | None
+    """() float64 divisor of the rewards (PPO; 1 without ``scale_returns``), else None."""
+
+
+def _ppo_step_advantages(
+    leashed: KLRewards, mask: Tensor, values: Tensor | None, settings: StepSettings
+) -> Advantages:
+    """PPO's entry of :data:`ADVANTAGES`: :func:`ppo_advantages` (GAE on the value predictions)."""
+    if values is None:
+        raise ValueError("PPO's advantages need the value head's predictions (values), got None")
+    advantages, returns, scale = ppo_advantages(
+        leashed.rewards,
+        values,
+        mask,
+        settings.gamma,
+        settings.gae_lambda,
+        settings.whiten,
+        settings.scale_returns,
+        token_correction=leashed.token_correction,  # ppo.kl_shaping=exact: token t's own KL term
+    )
+    return Advantages(advantages=advantages, returns=returns, return_scale=scale)
+
+
+def _grpo_step_advantages(
+    leashed: KLRewards, mask: Tensor, values: Tensor | None, settings: StepSettings
+) -> Advantages:
+    """GRPO's entry of :data:`ADVANTAGES`: :func:`grpo_advantages` (Dr. GRPO without the std)."""
+    advantages = grpo_advantages(leashed.rewards, mask, settings.group_size, settings.scale_by_std)
+    return Advantages(advantages=advantages, returns=None, return_scale=None)
+
+
+def _rloo_step_advantages(
+    leashed: KLRewards, mask: Tensor, values: Tensor | None, settings: StepSettings
+) -> Advantages:
+    """RLOO's entry of :data:`ADVANTAGES`: :func:`rloo_token_advantages` (leave-one-out)."""
+    return Advantages(
+        advantages=rloo_token_advantages(leashed.rewards, mask, settings.group_size),
+        returns=None,
+        return_scale=None,
+    )
+
+
+ADVANTAGES: dict[str, Callable[[KLRewards, Tensor, Tensor | None, StepSettings], Advantages]] = {
+    "ppo": _ppo_step_advantages,
+    "grpo": _grpo_step_advantages,
+    "rloo": _rloo_step_advantages,
+}
+"""Step 6 by algorithm, one signature: ``(leashed, mask, values, settings) -> Advantages``, where
+``leashed`` is step 5's :class:`KLRewards`, ``mask`` the (B, R) response mask, ``values`` the
+(B, R) value predictions at rollout time (PPO) or None."""
+
+
+def uses_kl_weights(settings: StepSettings, leash: KLLeash) -> bool:
+    """Whether GRPO's KL-in-loss terms get per-group weights (:func:`grpo_kl_weights`): GRPO, the
+    KL in the loss, the std dividing the advantages and ``scale_kl_by_std``, groups of G >= 2."""
+    s = settings
+    return s.algo == "grpo" and leash.kl_in_loss and s.scale_by_std and s.scale_kl_by_std and s.group_size > 1
+
+
+def make_experience(
+    *,
+    rollout: Samples,
+    scores: Tensor,
+    old_logprobs: Tensor,
+    ref_logprobs: Tensor | None,
+    values: Tensor | None,
+    exact_kl: Tensor | None,
+    minibatches: list[Tensor],
+    kl_coef: float,
+    leash: KLLeash,
+    settings: StepSettings,
+    estimate: Callable[[Tensor, Tensor, KLEstimator], Tensor] = estimate_kl,
+) -> Experience:
+    """Steps 5 and 6 of PPO, GRPO and RLOO: the scored batch becomes the record the update reads.
+
+    Step 5 (:func:`kl_and_rewards`): the per-token KL estimate and the leashed rewards (the exact
+    reward form shapes with ``exact_kl``). Step 6 (:data:`ADVANTAGES`): advantages, PPO's value
+    targets and return scale; GRPO's per-group KL weights where :func:`uses_kl_weights`.
+
+    Args:
+        rollout: the samples; its ``response_mask`` (B, R) bool masks everything.
+        scores: (B,) scorer values.
+        old_logprobs, ref_logprobs: (B, R) log-probs of the sampled tokens under the sampling
+            policy and the reference, nats; ``ref_logprobs`` None without a reference (no KL).
+        values: (B, R) value predictions at rollout time (PPO), else None.
+        exact_kl: (B, R) exact per-position KL of the sampling policy, nats, or None.
+        minibatches: the rows of each epoch-0 minibatch (kept in the record).
+        kl_coef: beta >= 0 of this step, reward units per nat.
+        leash: the KL placement (:class:`tether.core.leash.KLLeash`); its reward count is updated.
+        settings: :class:`StepSettings`.
+        estimate: the estimator function (a test may substitute a wrong one).
+
+    Returns:
+        :class:`Experience`, with ``exact_kl`` and ``return_scale``.
+
+    Raises:
+        ValueError: the exact reward form without ``exact_kl``; PPO without ``values``.
+    """
+    mask = rollout.response_mask
+    leashed = kl_and_rewards(
+        scores,
+        old_logprobs,
+        ref_logprobs,
+        mask,
+        kl_coef,
+        settings.estimator,
+        leash,
+        estimate=estimate,
+        exact_kl=exact_kl if leash.reward_form == "exact" else None,
+    )
+    adv = ADVANTAGES[settings.algo](leashed, mask, values, settings)
+    weights = (
+        grpo_kl_weights(leashed.rewards, mask, settings.group_size)
+        if uses_kl_weights(settings, leash)
+        else None
+    )
+    return Experience(
+        rollout=rollout,
+        scores=scores,
+        old_logprobs=old_logprobs,
+        ref_logprobs=ref_logprobs,
+        values=values,
+        kl=leashed.kl,
+        rewards=leashed.rewards,
+        non_score_reward=leashed.non_score_reward,
+        advantages=adv.advantages,
+        returns=adv.returns,
+        minibatches=minibatches,
+        kl_weights=weights,
+        exact_kl=exact_kl,
+        return_scale=adv.return_scale,
+    )
+
+
+def controller_input(exp: Experience, settings: StepSettings) -> float | None:
+    """Step 8: the KL the controller reads, the same number that is logged: the batch mean over
+    every process of the exact or the estimated KL (``settings.controller_signal``), per sequence
+    (the per-sequence sum, nats) or per token (the token-weighted mean, nats per token) as
+    ``settings.target_unit``.
+
+    Returns:
+        The float, or None without a reference (no KL: the controller is not updated).
+
+    Raises:
+        ValueError: the exact signal on a record without ``exact_kl``.
+    """
+    if exp.kl is None:
+        return None
+    signal = exp.kl
+    if settings.controller_signal == "exact":
+        if exp.exact_kl is None:
+            raise ValueError("controller_signal='exact' needs the exact KL (kl.exact=true), got none")
+        signal = exp.exact_kl
+    if settings.target_unit == "nats_per_sequence":
+        return float(D.sequence_mean(sequence_kl(signal, exp.mask)))
+    return float(D.token_mean(signal, exp.mask))
 
 
 def clipped_policy_loss(
