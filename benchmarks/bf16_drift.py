@@ -40,7 +40,8 @@ def main() -> int:
     from transformers import AutoModelForCausalLM
 
     from tests.conftest import make_tiny_llama, make_tokenizer
-    from tether.core.kl import exact_kl_from_logits, masked_mean
+    from tether.core.kl import exact_kl_from_logits
+    from tether.core.masked import masked_mean
     from tether.models.sampling import generate, sample_seeds
     from tether.models.scoring import rollout_logprobs
     from tether.run.config import load_config

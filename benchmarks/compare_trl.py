@@ -229,15 +229,15 @@ def run_eval(name, lm, reference, tokenizer, prompts, scorer, spec):
         r = evaluate(
             name,
             lm,
-            reference,
-            tokenizer,
-            prompts,
-            {"proxy": scorer},
-            spec["max_new_tokens"],
-            1.0,
-            spec["eval_seed"],
-            64,
-            64,
+            reference=reference,
+            tokenizer=tokenizer,
+            prompts=prompts,
+            scorers={"proxy": scorer},
+            max_new_tokens=spec["max_new_tokens"],
+            temperature=1.0,
+            seed=spec["eval_seed"],
+            batch_size=64,
+            max_prompt_tokens=64,
         )
     finally:
         lm.train(was_training)

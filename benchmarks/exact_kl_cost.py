@@ -94,10 +94,10 @@ def scoring_memory(args) -> None:
         ro = Rollout(
             ["x"] * B,
             torch.randint(0, V, (B, P), generator=g),
-            torch.ones(B, P, dtype=torch.long),
-            ids,
-            torch.ones(B, R, dtype=torch.bool),
-            [""] * B,
+            prompt_mask=torch.ones(B, P, dtype=torch.long),
+            response_ids=ids,
+            response_mask=torch.ones(B, R, dtype=torch.bool),
+            responses=[""] * B,
         )
         for chunk in args.chunks:
             policy = PolicyWithValue(lm, head_chunk=chunk)

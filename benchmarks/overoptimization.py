@@ -81,7 +81,7 @@ def _quality_alarms(rows: list[dict], final: dict) -> list[int]:
     current default thresholds. The rules are pure functions of the history, so a run finished
     under older thresholds is judged the same way as a new one."""
     from tether.core.health import RULES, HealthThresholds
-    from tether.training import eval_row
+    from tether.run.evaluation import eval_row
 
     rule, t = RULES["sample_quality"], HealthThresholds()
     steps = [r["step"] for i, r in enumerate(rows) if "eval/proxy_score" in r and rule(rows[: i + 1], t)]

@@ -58,6 +58,36 @@ def make_tiny_llama(vocab_size: int, seed: int = 0, **overrides):
     return model
 
 
+TINY_RUN = {
+    "data.heldout_fraction": 0.2,
+    "rollout.batch_size": 4,
+    "rollout.max_new_tokens": 4,
+    "optim.minibatch_size": 2,
+    "optim.epochs": 1,
+    "train.steps": 1,
+    "eval.n_prompts": 0,
+    "eval.judge": "none",
+    "reward.scorer": "tests.conftest:length_judge",
+    "train.progress": "false",
+    "train.save_model": "false",
+    "train.checkpoint_every": 0,
+}
+"""The overrides of a tiny run: seconds on a tiny random model, nothing downloaded or judged."""
+
+
+def tiny_run_args(
+    model_dir, prompts, out, overrides: dict | None = None, *, command: bool = False
+) -> list[str]:
+    """CLI overrides of a tiny run (:data:`TINY_RUN`) on ``model_dir`` (None: model.name left at
+    its default) and the prompt file ``prompts``, writing to ``out``. ``overrides`` change a
+    setting, add one, or drop one with None (the default then applies). ``command``: prefixed by
+    the ``train`` command, as :func:`tether.cli.main` takes it."""
+    settings = {"model.name": model_dir, "data.prompts": prompts, **TINY_RUN, **(overrides or {})}
+    settings["train.output_dir"] = out
+    args = [f"{k}={v}" for k, v in settings.items() if v is not None]
+    return ["train", *args] if command else args
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     return make_tokenizer()

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from tether.core.advantages import WHITEN_EPS, gae, whiten
+from tether.core.advantages import WHITEN_EPS, gae
+from tether.core.distributed import whiten
 
 F64 = torch.float64
 
@@ -182,30 +183,38 @@ def test_scaled_returns_leave_whitened_advantages_unchanged_and_targets_at_unit_
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]], dtype=torch.bool)
     rewards = torch.where(mask, torch.randn(3, 4, generator=g, dtype=F64), 0.0)
     values = torch.randn(3, 4, generator=g, dtype=F64)
-    plain_adv, plain_ret, one = ppo_advantages(rewards, values, mask, 1.0, 0.95, True)
+    plain_adv, plain_ret, one = ppo_advantages(rewards, values, mask=mask, gamma=1.0, lam=0.95, whiten=True)
     assert float(one) == 1.0
     seq = (rewards * mask).sum(-1)
     for c in (10.0, 40.0):
         assert float(c * seq.std()) > 1.0  # above the floor, so the scale is c * std
-        adv, ret, scale = ppo_advantages(c * rewards, values, mask, 1.0, 0.95, False, scale_returns=True)
+        adv, ret, scale = ppo_advantages(
+            c * rewards, values, mask=mask, gamma=1.0, lam=0.95, whiten=False, scale_returns=True
+        )
         torch.testing.assert_close(scale, c * seq.std(), rtol=1e-12, atol=0)
         # GAE is linear in (rewards, values): c * rewards / (c * std) with values v is the
         # unscaled rewards with values v * std, divided by std (c cancels exactly)
-        want_adv, want_ret, _ = ppo_advantages(rewards, values * seq.std(), mask, 1.0, 0.95, False)
+        want_adv, want_ret, _ = ppo_advantages(
+            rewards, values * seq.std(), mask=mask, gamma=1.0, lam=0.95, whiten=False
+        )
         torch.testing.assert_close(adv, want_adv / seq.std(), rtol=0, atol=1e-12)
         torch.testing.assert_close(ret, want_ret / seq.std(), rtol=0, atol=1e-12)
         # whitened, the positive factor 1 / std cancels too, up to WHITEN_EPS: whiten(x) and
         # whiten(x / s) differ by |z| * |1 / sqrt(1 + eps / var) - 1 / sqrt(1 + eps s^2 / var)|
         # <= |z| * eps * max(1, s^2) / (2 var) for z the whitened value and var that of x
-        white, _, _ = ppo_advantages(c * rewards, values, mask, 1.0, 0.95, True, scale_returns=True)
-        want_white, _, _ = ppo_advantages(rewards, values * seq.std(), mask, 1.0, 0.95, True)
+        white, _, _ = ppo_advantages(
+            c * rewards, values, mask=mask, gamma=1.0, lam=0.95, whiten=True, scale_returns=True
+        )
+        want_white, _, _ = ppo_advantages(
+            rewards, values * seq.std(), mask=mask, gamma=1.0, lam=0.95, whiten=True
+        )
         var = float(want_adv[mask].var())
         bound = float(want_white.abs().max()) * WHITEN_EPS * max(1.0, float(seq.std()) ** 2) / (2 * var)
         torch.testing.assert_close(white, want_white, rtol=0, atol=bound + 1e-12)
     # below the floor nothing changes: the same numbers as without scaling
     small = rewards * (0.5 / float(seq.std()))  # sequence returns' std 0.5 < 1
-    a, r, s = ppo_advantages(small, values, mask, 1.0, 0.95, True, scale_returns=True)
-    b, q, _ = ppo_advantages(small, values, mask, 1.0, 0.95, True)
+    a, r, s = ppo_advantages(small, values, mask=mask, gamma=1.0, lam=0.95, whiten=True, scale_returns=True)
+    b, q, _ = ppo_advantages(small, values, mask=mask, gamma=1.0, lam=0.95, whiten=True)
     assert float(s) == 1.0 and torch.equal(a, b) and torch.equal(r, q)
     # the values' units matter (v against v * std): the comparisons above can fail
     assert not torch.allclose(plain_adv, want_white)
@@ -217,7 +226,9 @@ def test_ppo_advantages_refuses_a_correction_of_another_shape():
     rewards = torch.zeros(2, 3)
     mask = torch.ones(2, 3, dtype=torch.bool)
     with pytest.raises(ValueError, match="token_correction"):
-        ppo_advantages(rewards, rewards, mask, 1.0, 1.0, False, token_correction=torch.zeros(2, 2))
+        ppo_advantages(
+            rewards, rewards, mask=mask, gamma=1.0, lam=1.0, whiten=False, token_correction=torch.zeros(2, 2)
+        )
 
 
 def test_all_equal_groups_get_exactly_zero_advantages():

@@ -25,8 +25,15 @@ def test_batched_nll_matches_one_row_at_a_time(tiny_lm, tiny_tokenizer):
     prefixes = [s.split()[0] for s in SENTENCES]
     rests = [" " + s.split(maxsplit=1)[1] for s in SENTENCES]
     pad = tiny_tokenizer.pad_token_id
-    batched = continuation_nll(tiny_lm, tiny_tokenizer, prefixes, rests, 4, pad)
-    alone = [continuation_nll(tiny_lm, tiny_tokenizer, [p], [r], 1, pad)[0] for p, r in zip(prefixes, rests)]
+    batched = continuation_nll(
+        tiny_lm, tiny_tokenizer, prefixes=prefixes, continuations=rests, batch_size=4, pad_id=pad
+    )
+    alone = [
+        continuation_nll(tiny_lm, tiny_tokenizer, prefixes=[p], continuations=[r], batch_size=1, pad_id=pad)[
+            0
+        ]
+        for p, r in zip(prefixes, rests)
+    ]
     # each value is a float64 mean of float32 log-softmax values near log(300) = 5.7 nats; left
     # padding only changes float32 summation order in attention (relative 1e-6 of 5.7)
     for a, b in zip(batched, alone):
@@ -72,9 +79,9 @@ def test_capability_loss_rule_by_hand():
 def test_a_run_logs_capability_periodically_and_finally(
     tiny_model_dir, prompt_file, tmp_path, monkeypatch, capsys
 ):
-    import tether.training
+    import tether.run.evaluation
 
-    monkeypatch.setattr(tether.training, "capability_texts", lambda n: SENTENCES[:n])
+    monkeypatch.setattr(tether.run.evaluation, "capability_texts", lambda n: SENTENCES[:n])
     out = tmp_path / "run"
     args = [
         "train",
@@ -111,11 +118,11 @@ def test_a_run_logs_capability_periodically_and_finally(
 def test_a_resumed_run_does_not_score_the_reference_again(tiny_model_dir, prompt_file, tmp_path, monkeypatch):
     import shutil
 
-    import tether.training
+    import tether.run.evaluation
 
     from .conftest import metric_rows
 
-    monkeypatch.setattr(tether.training, "capability_texts", lambda n: SENTENCES[:n])
+    monkeypatch.setattr(tether.run.evaluation, "capability_texts", lambda n: SENTENCES[:n])
 
     def args(out, steps):
         return [

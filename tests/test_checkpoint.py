@@ -14,32 +14,30 @@ import pytest
 
 from tether.run.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 
-from .conftest import metric_rows
+from .conftest import metric_rows, tiny_run_args
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _args(model_dir, prompts, out, steps=6):
-    return [
-        "train",
-        f"model.name={model_dir}",
-        f"data.prompts={prompts}",
-        "data.heldout_fraction=0.2",
-        "rollout.batch_size=4",
-        "rollout.max_new_tokens=6",
-        "optim.minibatch_size=2",
-        f"train.steps={steps}",
-        "train.checkpoint_every=2",
-        "eval.n_prompts=4",
-        "eval.every=2",
-        "eval.periodic_prompts=4",
-        "eval.judge=tests.conftest:length_judge",
-        f"eval.fluency_model={model_dir}",  # a subprocess: conftest's stand-in does not reach it
-        "reward.scorer=tests.conftest:slow_length_scorer",
-        "train.progress=false",
-        "train.save_model=false",
-        f"train.output_dir={out}",
-    ]
+    return tiny_run_args(
+        model_dir,
+        prompts,
+        out,
+        {
+            "rollout.max_new_tokens": 6,
+            "optim.epochs": None,
+            "train.steps": steps,
+            "train.checkpoint_every": 2,
+            "eval.n_prompts": 4,
+            "eval.every": 2,
+            "eval.periodic_prompts": 4,
+            "eval.judge": "tests.conftest:length_judge",
+            "eval.fluency_model": model_dir,  # a subprocess: conftest's stand-in does not reach it
+            "reward.scorer": "tests.conftest:slow_length_scorer",
+        },
+        command=True,
+    )
 
 
 def _tether(args, **kw):

@@ -9,26 +9,24 @@ import torch
 
 from tether.cli import main
 
+from .conftest import tiny_run_args
+
 
 def _tiny_args(tiny_model_dir, prompt_file, out):
-    return [
-        "train",
-        f"model.name={tiny_model_dir}",
-        f"data.prompts={prompt_file}",
-        "data.heldout_fraction=0.2",
-        "rollout.batch_size=4",
-        "rollout.max_new_tokens=6",
-        "optim.minibatch_size=2",
-        "optim.epochs=2",
-        "train.steps=3",
-        "train.sample_every=2",
-        "eval.n_prompts=4",
-        "eval.judge=tests.conftest:length_judge",
-        "eval.every=2",
-        "eval.periodic_prompts=4",
-        "train.progress=false",
-        f"train.output_dir={out}",
-    ]
+    overrides = {
+        "rollout.max_new_tokens": 6,
+        "optim.epochs": 2,
+        "train.steps": 3,
+        "train.sample_every": 2,
+        "eval.n_prompts": 4,
+        "eval.judge": "tests.conftest:length_judge",
+        "eval.every": 2,
+        "eval.periodic_prompts": 4,
+        "reward.scorer": None,
+        "train.save_model": None,
+        "train.checkpoint_every": None,
+    }
+    return tiny_run_args(tiny_model_dir, prompt_file, out, overrides, command=True)
 
 
 @pytest.mark.numerics
@@ -681,8 +679,7 @@ def test_a_kept_policy_is_evaluated_on_prompts_it_was_not_chosen_on(caplog):
     from types import SimpleNamespace
 
     from tether.run.config import load_config
-    from tether.run.evaluation import EvalResult
-    from tether.training import Evaluator
+    from tether.run.evaluation import EvalResult, Evaluator
 
     prompts = [f"p{i}" for i in range(30)]
 
@@ -717,8 +714,8 @@ def test_a_resume_keeps_the_prompts_of_the_reference_evaluation(tmp_path, caplog
     from types import SimpleNamespace
 
     from tether.run.config import load_config
-    from tether.run.evaluation import EvalResult
-    from tether.training import Evaluator, _reference_eval
+    from tether.run.evaluation import EvalResult, Evaluator
+    from tether.training import _reference_eval
 
     prompts = [f"p{i}" for i in range(30)]
     cfg = load_config(

@@ -11,7 +11,7 @@ from tether.core.controllers import (
     FixedKLController,
     make_controller,
 )
-from tether.core.kl import kl_stats
+from tether.core.distributed import kl_stats
 
 
 def test_issue_example_from_kl_stats():

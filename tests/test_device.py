@@ -27,6 +27,7 @@ from tether.trainers.precision import INITIAL_LOSS_SCALE, MasterWeights
 from tether.trainers.update import optimizer_step
 from tether.training import TRAINERS
 
+from .conftest import tiny_run_args
 from .numerics import EPS32, assert_grads_close
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "tether"
@@ -75,21 +76,15 @@ class FactoryWatch(TorchFunctionMode):
 
 
 def _config(tiny_model_dir, prompt_file, tmp_path, algo: str, *extra: str):
-    args = [
-        f"model.name={tiny_model_dir}",
-        f"data.prompts={prompt_file}",
-        f"train.algo={algo}",
-        "rollout.batch_size=4",
-        "rollout.max_new_tokens=6",
-        "optim.minibatch_size=2",
-        "optim.epochs=1",
-        "eval.n_prompts=0",
-        "eval.judge=none",
-        "train.progress=false",
-        "reward.scorer=tests.conftest:length_judge",
-        f"train.output_dir={tmp_path / 'run'}",
-        *extra,
-    ]
+    settings = {
+        "train.algo": algo,
+        "rollout.max_new_tokens": 6,
+        "data.heldout_fraction": None,
+        "train.steps": None,
+        "train.save_model": None,
+        "train.checkpoint_every": None,
+    }
+    args = tiny_run_args(tiny_model_dir, prompt_file, tmp_path / "run", settings) + list(extra)
     if algo in ("grpo", "rloo"):
         args.append("rollout.group_size=2")
     if algo == "dpo":
@@ -312,15 +307,22 @@ def test_logprob_mismatch_is_k3_of_sampler_against_learner():
     ro = Rollout(
         ["p"],
         torch.ones(1, 1, dtype=torch.long),
-        torch.ones(1, 1, dtype=torch.long),
-        torch.zeros(1, 3, dtype=torch.long),
-        torch.tensor([[True, True, False]]),
-        ["r"],
+        prompt_mask=torch.ones(1, 1, dtype=torch.long),
+        response_ids=torch.zeros(1, 3, dtype=torch.long),
+        response_mask=torch.tensor([[True, True, False]]),
+        responses=["r"],
         sampler_logprobs=torch.tensor([[-1.0, -2.0, 0.0]]),
     )
     zeros = torch.zeros(1, 3)
     row = sample_metrics(
-        ro, torch.zeros(1), zeros, zeros, None, 0.1, "k1", torch.tensor([[-1.0, -2.5, -9.0]])
+        ro,
+        torch.zeros(1),
+        kl=zeros,
+        entropy=zeros,
+        exact_kl=None,
+        kl_coef=0.1,
+        estimator="k1",
+        logprobs=torch.tensor([[-1.0, -2.5, -9.0]]),
     )
     assert float(row["rollout/logprob_mismatch"]) == pytest.approx(0.0532653, abs=1e-6)
     assert float(row["rollout/logprob_diff_max"]) == 0.5

@@ -22,12 +22,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tether.core import distributed as D
-from tether.core.advantages import whiten
-from tether.core.kl import masked_mean
+from tether.core.advantages import WHITEN_EPS
+from tether.core.masked import masked_mean
 from tether.models.sampling import Rollout, generate, gumbel_noise, sample_seeds
 from tether.run.config import ConfigError, check_world_size, load_config
 
-from .conftest import make_tiny_llama
+from .conftest import make_tiny_llama, tiny_run_args
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -56,8 +56,23 @@ def _four_ranks(rank: int, world: int, init_file: str, out_dir: str) -> None:
 
         kl, mask = torch.tensor(FOUR_KL[rank]), torch.tensor(FOUR_MASK[rank])
         ids = torch.zeros(1, 2, dtype=torch.long)
-        ro = Rollout(["p"], ids[:, :1], torch.ones(1, 1, dtype=torch.long), ids, mask, ["r"])
-        row = sample_metrics(ro, torch.tensor([0.5]), kl, torch.zeros(1, 2), None, 0.1, "k1")
+        ro = Rollout(
+            ["p"],
+            ids[:, :1],
+            prompt_mask=torch.ones(1, 1, dtype=torch.long),
+            response_ids=ids,
+            response_mask=mask,
+            responses=["r"],
+        )
+        row = sample_metrics(
+            ro,
+            torch.tensor([0.5]),
+            kl=kl,
+            entropy=torch.zeros(1, 2),
+            exact_kl=None,
+            kl_coef=0.1,
+            estimator="k1",
+        )
         values, vmask, scores = _rank_data(rank)
         out = {
             "rank": D.rank(),
@@ -68,7 +83,7 @@ def _four_ranks(rank: int, world: int, init_file: str, out_dir: str) -> None:
             "token_mean_random": float(D.token_mean(values, vmask)),
             "sequence_mean": float(D.sequence_mean(scores)),
             "sequence_std": float(D.sequence_std(scores)),
-            "share": float(D.token_share(vmask)),
+            "share": float(D.token_shares([vmask])[0]),
             "explained_variance": float(D.explained_variance(values, values.flip(-1) * 0.5 + values, vmask)),
             "max": float(D.all_reduce_max(torch.tensor(float(rank)))),
             "min": float(D.all_reduce_min(torch.tensor(float(rank)))),
@@ -92,7 +107,7 @@ def test_four_gloo_ranks_reduce_token_weighted(tmp_path):
     values = torch.cat([p[0] for p in parts])
     mask = torch.cat([p[1] for p in parts])
     scores = torch.cat([p[2] for p in parts])
-    want_whiten = whiten(values, mask)
+    want_whiten = D.whiten(values, mask)  # one process: the whole batch's statistics
     for r in res:
         assert r["token_mean_random"] == pytest.approx(float(masked_mean(values, mask)), rel=1e-12)
         assert r["sequence_mean"] == pytest.approx(float(scores.mean()), rel=1e-12)
@@ -114,8 +129,10 @@ def test_reductions_without_a_process_group_are_the_batch_statistics():
     assert D.world_size() == 1 and D.rank() == 0 and D.is_main()
     assert float(D.token_mean(values, mask)) == pytest.approx(float(masked_mean(values, mask)), rel=1e-12)
     assert float(D.sequence_std(scores)) == pytest.approx(float(scores.std()), rel=1e-12)
-    torch.testing.assert_close(D.whiten(values, mask), whiten(values, mask), rtol=1e-12, atol=1e-12)
-    assert float(D.token_share(mask)) == 1.0 and D.gather_objects("x") == ["x"]
+    valid = values[mask]  # the formula by hand: (x - mean) / sqrt(unbiased var + WHITEN_EPS)
+    by_hand = torch.where(mask, (values - valid.mean()) / (valid.var() + WHITEN_EPS).sqrt(), 0.0)
+    torch.testing.assert_close(D.whiten(values, mask), by_hand, rtol=1e-12, atol=1e-12)
+    assert float(D.token_shares([mask])[0]) == 1.0 and D.gather_objects("x") == ["x"]
 
 
 def test_explained_variance_hand_values():
@@ -258,34 +275,24 @@ def _eos_model_dir(tok, out: Path) -> Path:
 
 
 def _args(model_dir, prompts, out, algo):
-    args = [
-        f"model.name={model_dir}",
-        f"data.prompts={prompts}",
-        "data.heldout_fraction=0.2",
-        "rollout.batch_size=8",
-        "rollout.max_new_tokens=6",
-        "optim.minibatch_size=4",
-        "optim.epochs=2",
+    overrides = {
+        "rollout.batch_size": 8,
+        "rollout.max_new_tokens": 6,
+        "optim.minibatch_size": 4,
+        "optim.epochs": 2,
         # the learning rate these comparisons were written for (the default rose to 8e-5): clip
         # fractions count tokens past a boundary, and a larger step brings more of them within
         # float32 rounding of it, where 1 and 2 processes may count one token differently
-        "optim.lr=4e-5",
-        "train.steps=1",
-        f"train.algo={algo}",
-        "eval.n_prompts=0",
-        "eval.every=0",
-        "eval.judge=none",
-        "reward.scorer=tests.conftest:length_judge",
-        "train.progress=false",
-        "train.save_model=false",
-        "train.checkpoint_every=0",
-        f"train.output_dir={out}",
+        "optim.lr": "4e-5",
+        "train.algo": algo,
+        "eval.every": 0,
         # the per-tensor AdamW loop: with the fused kernel, DPO's KL after one update was 4e-5
         # relative off between 1 and 2 processes, while 1-process loop, 2-process loop and
         # 2-process fused agreed to 1e-7 (rounding inside the kernel, not data parallelism);
         # fused against loop is tested in tests/test_optim.py
-        "optim.fused_adamw=false",
-    ]
+        "optim.fused_adamw": "false",
+    }
+    args = tiny_run_args(model_dir, prompts, out, overrides)
     return args + (["rollout.group_size=2"] if algo in ("grpo", "rloo") else [])
 
 

@@ -88,7 +88,14 @@ def test_prompt_means_and_jackknife_hand_worked():
 
 
 def _result(name, responses, proxy, fluency, k=2):
-    return EvalResult(name, responses, [0.0] * len(responses), {"proxy": proxy}, k, fluency)
+    return EvalResult(
+        name,
+        responses,
+        kl_per_sequence=[0.0] * len(responses),
+        scores={"proxy": proxy},
+        samples_per_prompt=k,
+        fluency_nll=fluency,
+    )
 
 
 def test_eval_summary_and_compare_are_over_prompts():

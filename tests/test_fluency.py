@@ -91,7 +91,15 @@ def test_the_fluency_judge_reads_the_first_samples_of_each_prompt(tiny_tokenizer
     kwargs = dict(max_new_tokens=4, temperature=1.0, seed=7, batch_size=3, samples_per_prompt=2)
     prompts = PROMPTS[:3]
     r = evaluate(
-        "policy", tiny_lm, None, tiny_tokenizer, prompts, {}, fluency=judge, fluency_samples=1, **kwargs
+        "policy",
+        tiny_lm,
+        reference=None,
+        tokenizer=tiny_tokenizer,
+        prompts=prompts,
+        scorers={},
+        fluency=judge,
+        fluency_samples=1,
+        **kwargs,
     )
     # batches of 3 rows cut prompt 1's two samples apart (rows 0-2, 3-5): still only even rows
     assert r.fluency_nll[1::2] == [None, None, None]
@@ -99,6 +107,15 @@ def test_the_fluency_judge_reads_the_first_samples_of_each_prompt(tiny_tokenizer
     assert seen == list(zip([p for p in prompts], r.responses[0::2]))
     nll = [float(len(x)) for x in r.responses[0::2]]
     assert r.summary()["fluency_nll_mean"] == pytest.approx(sum(nll) / 3)
-    every = evaluate("policy", tiny_lm, None, tiny_tokenizer, prompts, {}, fluency=judge, **kwargs)
+    every = evaluate(
+        "policy",
+        tiny_lm,
+        reference=None,
+        tokenizer=tiny_tokenizer,
+        prompts=prompts,
+        scorers={},
+        fluency=judge,
+        **kwargs,
+    )
     assert every.responses == r.responses  # the same seeds, the same samples
     assert every.fluency_nll == [float(len(x)) for x in r.responses]

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from tether.cli import main
-from tether.core.kl import masked_mean
 from tether.core.leash import KLLeash
+from tether.core.masked import masked_mean
 from tether.run.config import ConfigError, dump_config, load_config
 
 from .test_cli import _tiny_args

@@ -181,10 +181,10 @@ def test_kl_rising_to_the_leash_budget_is_not_an_explosion():
 
 def test_the_leash_of_the_run_sets_kl_leash():
     from tether.run.config import load_config
-    from tether.training import _health_thresholds
+    from tether.run.monitor import health_thresholds
 
-    assert _health_thresholds(load_config(None, [])).kl_leash == 2.5  # the default budget
+    assert health_thresholds(load_config(None, [])).kl_leash == 2.5  # the default budget
     adaptive = load_config(None, ["kl.controller=adaptive", "kl.target=4"])
-    assert _health_thresholds(adaptive).kl_leash == 4.0
-    assert _health_thresholds(load_config(None, ["kl.controller=fixed"])).kl_leash is None
-    assert _health_thresholds(load_config(None, ["health.kl_leash=1"])).kl_leash == 1.0
+    assert health_thresholds(adaptive).kl_leash == 4.0
+    assert health_thresholds(load_config(None, ["kl.controller=fixed"])).kl_leash is None
+    assert health_thresholds(load_config(None, ["health.kl_leash=1"])).kl_leash == 1.0

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .conftest import tiny_run_args
+
 REPO = Path(__file__).resolve().parents[1]
 SHA = "0123456789abcdef0123456789abcdef01234567"
 
@@ -37,23 +39,7 @@ def offline_cli(home: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def _train_args(out: Path, prompt_file: Path) -> list[str]:
-    return [
-        "train",
-        f"data.prompts={prompt_file}",
-        "data.heldout_fraction=0.2",
-        "rollout.batch_size=4",
-        "rollout.max_new_tokens=4",
-        "optim.minibatch_size=2",
-        "optim.epochs=1",
-        "train.steps=1",
-        "eval.n_prompts=0",
-        "eval.judge=none",
-        "reward.scorer=tests.conftest:length_judge",
-        "train.progress=false",
-        "train.save_model=false",
-        "train.checkpoint_every=0",
-        f"train.output_dir={out}",
-    ]
+    return tiny_run_args(None, prompt_file, out, command=True)
 
 
 def test_a_cached_hub_id_trains_offline_and_an_uncached_one_is_refused(tiny_model_dir, prompt_file, tmp_path):

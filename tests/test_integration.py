@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tether.core.kl import ESTIMATORS, estimate_kl, masked_sum
+from tether.core.kl import ESTIMATORS, estimate_kl
+from tether.core.masked import masked_sum
 from tether.run.config import load_config
 from tether.run.setup import build_run
 from tether.trainers.ppo import PPOTrainer

@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from tether.core.distributed import kl_stats
 from tether.core.kl import (
     ESTIMATORS,
     estimate_kl,
@@ -19,12 +20,9 @@ from tether.core.kl import (
     kl_k1,
     kl_k2,
     kl_k3,
-    kl_stats,
-    masked_mean,
-    masked_sum,
-    masked_var,
     sequence_kl,
 )
+from tether.core.masked import masked_mean, masked_sum, masked_var
 
 F64 = torch.float64
 INF, NAN = float("inf"), float("nan")

@@ -227,7 +227,16 @@ def _ppo_per_sequence_terms(bed, policy, values, form, beta=SHAPING_BETA):
     mask = torch.ones(seqs.shape, dtype=torch.bool)
     exact = tb.position_kl(table, bed.ref_logits, rows) if form != "sampled" else None
     leash = KLLeash(True, False, reward_form="sampled" if form == "sampled" else "exact")
-    leashed = kl_and_rewards(bed.rewards, logp.detach(), ref, mask, beta, "k1", leash, exact_kl=exact)
+    leashed = kl_and_rewards(
+        bed.rewards,
+        logp.detach(),
+        ref_logprobs=ref,
+        mask=mask,
+        kl_coef=beta,
+        estimator="k1",
+        leash=leash,
+        exact_kl=exact,
+    )
     adv, _, _ = ppo_advantages(
         leashed.rewards,
         values[rows],

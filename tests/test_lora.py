@@ -118,7 +118,12 @@ def test_starting_adapter_is_the_reference_not_the_bare_base(tmp_path):
     prompt = torch.tensor([[1, 0, 1]])  # (1, P)
     response = torch.tensor([[0, 1, 0]])  # (1, R): the first response token is token 0
     ro = Rollout(
-        ["p"], prompt, torch.ones_like(prompt), response, torch.ones_like(response, dtype=torch.bool), ["r"]
+        ["p"],
+        prompt,
+        prompt_mask=torch.ones_like(prompt),
+        response_ids=response,
+        response_mask=torch.ones_like(response, dtype=torch.bool),
+        responses=["r"],
     )
     with torch.no_grad():
         h = lm.model(input_ids=prompt).last_hidden_state[0, -1]  # (d,) predicts the first response token

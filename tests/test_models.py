@@ -97,7 +97,14 @@ def test_completion_scores_the_same_padded_or_alone(tiny_tokenizer, tiny_lm):
         batch = rollout_logprobs(tiny_lm, ro, 0.7).logprobs
         for i, p in enumerate(PROMPTS):
             ids, mask = tokenize_prompts(tiny_tokenizer, [p], 64)
-            alone = Rollout([p], ids, mask, ro.response_ids[i : i + 1], ro.response_mask[i : i + 1], [""])
+            alone = Rollout(
+                [p],
+                ids,
+                prompt_mask=mask,
+                response_ids=ro.response_ids[i : i + 1],
+                response_mask=ro.response_mask[i : i + 1],
+                responses=[""],
+            )
             single = rollout_logprobs(tiny_lm, alone, 0.7).logprobs
             m = ro.response_mask[i]
             torch.testing.assert_close(single[0][m], batch[i][m], rtol=0, atol=1e-5)

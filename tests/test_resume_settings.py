@@ -26,28 +26,25 @@ from tether.run.config import load_config
 from tether.run.setup import build_run
 from tether.training import TRAINERS
 
+from .conftest import tiny_run_args
+
 LR = 1e-3
 
 
 def _args(model_dir, prompts, out, algo: str, overrides: list[str]) -> list[str]:
-    args = [
-        f"model.name={model_dir}",
-        f"data.prompts={prompts}",
-        f"train.algo={algo}",
-        "rollout.batch_size=4",
-        "rollout.max_new_tokens=4",
-        "rollout.max_prompt_tokens=32",
-        "optim.minibatch_size=2",
-        "optim.epochs=1",
-        f"optim.lr={LR}",
-        "optim.lr_scheduler=linear",
-        "train.steps=3",
-        "eval.n_prompts=0",
-        "eval.every=0",
-        "eval.judge=none",
-        "reward.scorer=tests.conftest:length_judge",
-        f"train.output_dir={out}",
-    ]
+    settings = {
+        "train.algo": algo,
+        "rollout.max_prompt_tokens": 32,
+        "optim.lr": LR,
+        "optim.lr_scheduler": "linear",
+        "train.steps": 3,
+        "eval.every": 0,
+        "data.heldout_fraction": None,
+        "train.progress": None,
+        "train.save_model": None,
+        "train.checkpoint_every": None,
+    }
+    args = tiny_run_args(model_dir, prompts, out, settings)
     if algo in ("grpo", "rloo"):
         args.append("rollout.group_size=2")
     if algo == "dpo":

@@ -15,6 +15,8 @@ import pytest
 
 from tether.run.lock import LOCK_NAME, RunLocked, acquire, release
 
+from .conftest import tiny_run_args
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -64,26 +66,19 @@ def test_default_run_folders_differ_between_processes():
 
 
 def _args(model_dir, prompts, out, steps):
-    return [
-        "train",
-        f"model.name={model_dir}",
-        f"data.prompts={prompts}",
-        "data.heldout_fraction=0.2",
-        "rollout.batch_size=4",
-        "rollout.max_new_tokens=4",
-        "optim.minibatch_size=2",
-        "optim.epochs=1",
-        f"train.steps={steps}",
-        "train.checkpoint_every=1",
-        "eval.n_prompts=0",
-        "eval.every=0",
-        "eval.judge=none",
-        "eval.fluency_model=none",
-        "reward.scorer=tests.conftest:slow_length_scorer",
-        "train.progress=false",
-        "train.save_model=false",
-        f"train.output_dir={out}",
-    ]
+    return tiny_run_args(
+        model_dir,
+        prompts,
+        out,
+        {
+            "train.steps": steps,
+            "train.checkpoint_every": 1,
+            "eval.every": 0,
+            "eval.fluency_model": "none",
+            "reward.scorer": "tests.conftest:slow_length_scorer",
+        },
+        command=True,
+    )
 
 
 def _start(args):

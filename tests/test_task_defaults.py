@@ -15,27 +15,20 @@ from tether.cli import main
 from tether.data.prompts import prompt_key, split_prompts
 from tether.run.config import FIELD_UNITS, Config, ConfigError, config_fields
 
+from .conftest import tiny_run_args
+
 
 def _tiny(tiny_model_dir, prompt_file, out, *extra: str) -> list[str]:
-    return [
-        f"model.name={tiny_model_dir}",
-        f"data.prompts={prompt_file}",
-        "data.heldout_fraction=0.2",
-        "rollout.batch_size=4",
-        "rollout.max_new_tokens=4",
-        "optim.minibatch_size=2",
-        "optim.epochs=1",
-        "train.steps=2",
-        "train.sample_every=1",
-        "eval.n_prompts=2",
-        "eval.every=0",
-        "eval.fluency_model=none",
-        "train.progress=false",
-        "train.save_model=false",
-        "train.checkpoint_every=0",
-        f"train.output_dir={out}",
-        *extra,
-    ]
+    overrides = {
+        "train.steps": 2,
+        "train.sample_every": 1,
+        "eval.n_prompts": 2,
+        "eval.every": 0,
+        "eval.fluency_model": "none",
+        "eval.judge": None,
+        "reward.scorer": None,
+    }
+    return tiny_run_args(tiny_model_dir, prompt_file, out, overrides) + list(extra)
 
 
 # ---- 5. a config that cannot lie -----------------------------------------------------------------
@@ -120,8 +113,8 @@ def test_tether_config_prints_units(capsys):
 
 
 def test_z_is_none_and_printed_na_when_the_se_is_zero():
+    from tether.run.announce import z_text as _z
     from tether.run.evaluation import EvalResult, compare
-    from tether.training import _z
 
     # two prompts, one sample each; the policy scores 0.5 higher on both: every paired
     # difference is 0.5, so the paired SE is 0 and a z would be 0.5 / 0
@@ -473,7 +466,7 @@ def test_a_mistyped_local_path_is_not_taken_for_a_hub_id(tmp_path, monkeypatch):
 
 
 def test_first_lines_name_the_fluency_judge_and_a_tiny_heldout_set():
-    from tether.training import task_defaults_lines
+    from tether.run.announce import task_defaults_lines
 
     c = load_config(None, ["data.prompts=p.txt"])
     lines = "\n".join(task_defaults_lines(c, has_judge=False, n_heldout=1))

@@ -265,7 +265,14 @@ def test_rollout_completion_ids_are_trls():
     eos_idx = torch.full((3,), 4)
     eos_idx[is_eos.any(1)] = is_eos.int().argmax(1)[is_eos.any(1)]
     mask = torch.arange(4).expand(3, -1) <= eos_idx[:, None]
-    ro = Rollout(["a", "b", "c"], torch.zeros(3, 1), torch.ones(3, 1), response_ids, mask, ["", "", ""])
+    ro = Rollout(
+        ["a", "b", "c"],
+        torch.zeros(3, 1),
+        prompt_mask=torch.ones(3, 1),
+        response_ids=response_ids,
+        response_mask=mask,
+        responses=["", "", ""],
+    )
     assert ro.completion_ids == [[5, 6, 0], [7, 7, 7, 7], [0]]
     assert ro.completion_ids == [c[m].tolist() for c, m in zip(response_ids, mask)]
 

@@ -59,10 +59,10 @@ def best_of_n_points(
     config: Config, proxy: Scorer, gold: Scorer, ns: list[int], n_prompts: int
 ) -> list[dict]:
     """Sample max(ns) reference completions per held-out prompt; best-of-N points for every N."""
-    from tether.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
-    from tether.models.sampling import generate, use_chat_template
+    from tether.models.loading import resolve_model_path
+    from tether.models.sampling import generate
     from tether.run.evaluation import evaluation_state
-    from tether.run.setup import load_prompts, resolve_device, resolve_dtype
+    from tether.run.setup import load_prompts, load_run_lm, load_run_tokenizer, resolve_device, resolve_dtype
 
     c = config
     train_prompts, held = load_prompts(c)
@@ -71,13 +71,11 @@ def best_of_n_points(
         c.train.steps, c.rollout.batch_size / (c.rollout.group_size or 1), len(train_prompts)
     )
     prompts = held[:n_prompts]
+    # the runs' own stages (tether.run.setup): the same tokenizer set-up and weights as a run's
     path = resolve_model_path(c.model.name, c.model.revision)
     device = resolve_device(c.train.device)  # the run's device and weight dtype
-    trust = c.model.trust_remote_code
-    tok = load_tokenizer(path, trust)
-    lm = load_causal_lm(path, resolve_dtype(c.model.dtype, device), trust).to(device)
-    if c.data.chat_template:
-        use_chat_template(tok)
+    tok = load_run_tokenizer(c, path)
+    lm = load_run_lm(c, path=path, dtype=resolve_dtype(c.model.dtype, device), device=device)
     m = max(ns)
     P, G, texts = [], [], []
     with torch.random.fork_rng(devices=[]):
@@ -89,10 +87,10 @@ def best_of_n_points(
                 ro = generate(
                     lm,
                     tok,
-                    batch.prompts,
-                    c.rollout.max_new_tokens,
-                    c.rollout.temperature,
-                    c.rollout.max_prompt_tokens,
+                    prompts=batch.prompts,
+                    max_new_tokens=c.rollout.max_new_tokens,
+                    temperature=c.rollout.temperature,
+                    max_prompt_tokens=c.rollout.max_prompt_tokens,
                 )
             P.append(
                 torch.tensor(

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from tether.core.kl import at_least_fp32, masked_mean, masked_var
+from tether.core.masked import at_least_fp32
 
 # Added to the variance before the square root when whitening, so a batch whose valid values
 # are all equal gives zeros instead of NaN. 1e-8 is the value of lm-human-preferences and TRL.
@@ -94,27 +94,6 @@ def return_scale(returns_std: Tensor, floor: float = RETURN_SCALE_FLOOR) -> Tens
         scalar tensor (the dtype of ``returns_std``), >= ``floor``.
     """
     return returns_std.clamp(min=floor)
-
-
-def whiten(values: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
-    """Normalize to zero mean and unit variance over the valid slots.
-
-    ``(x - mean) / sqrt(var + WHITEN_EPS)`` with mean and unbiased variance over ``mask``;
-    masked slots are set to 0. With ``shift_mean=False`` the mean is added back.
-
-    Args:
-        values: (B, R) float.
-        mask: (B, R) bool.
-        shift_mean: subtract the mean (True) or only rescale (False).
-
-    Returns:
-        (B, R) float32.
-    """
-    mean, var = masked_mean(values, mask), masked_var(values, mask)
-    out = (at_least_fp32(values) - mean) * torch.rsqrt(var + WHITEN_EPS)
-    if not shift_mean:
-        out = out + mean
-    return torch.where(mask.bool(), out, 0.0)
 
 
 # Added to the group standard deviation in GRPO's normalization (Shao et al. 2024 use the same

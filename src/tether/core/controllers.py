@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Literal, Protocol
+from typing import ClassVar, Literal, Protocol
 
 ControllerName = Literal["fixed", "adaptive", "budget"]
 
@@ -25,6 +25,8 @@ ADAPTIVE_ERROR_CLIP = 0.2
 
 class KLController(Protocol):
     kl_coef: float
+    name: ClassVar[str]
+    """The ``kl.controller`` name of the class (a key of :data:`CONTROLLERS`)."""
 
     def update(self, kl: float, n_steps: int) -> float:
         """Update from a measured KL and the number of samples it covers; return new kl_coef."""
@@ -36,6 +38,7 @@ class KLController(Protocol):
 class FixedKLController:
     """beta never changes."""
 
+    name: ClassVar[str] = "fixed"
     kl_coef: float
 
     def __post_init__(self) -> None:
@@ -63,6 +66,8 @@ class AdaptiveKLController:
         e = clip(2.0/1.0 - 1, -0.2, 0.2) = 0.2; beta = 0.1 * (1 + 0.2 * 256/10000)
         = 0.1 * 1.00512 = 0.100512.
     """
+
+    name: ClassVar[str] = "adaptive"
 
     kl_coef: float
     target: float
@@ -179,6 +184,8 @@ class BudgetKLController:
         With kp 1.0 (same start): measured 1.5 gives dual 0.15 and beta 0.15 + 1.0 * 0.5 = 0.65.
     """
 
+    name: ClassVar[str] = "budget"
+
     kl_coef: float
     budget: float
     eta: float = 0.1
@@ -228,6 +235,7 @@ def make_controller(
     target: float | None = None,
     horizon: float = 10_000,
     budget: float | None = None,
+    *,
     eta: float = 0.1,
     kp: float = 0.0,
 ) -> KLController:

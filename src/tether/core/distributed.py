@@ -22,7 +22,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from tether.core.advantages import WHITEN_EPS
-from tether.core.kl import at_least_fp32, masked_sum, sequence_kl
+from tether.core.kl import sequence_kl
+from tether.core.masked import at_least_fp32, masked_sum
 
 
 def is_distributed() -> bool:
@@ -93,7 +94,7 @@ def token_mean(values: Tensor, mask: Tensor) -> Tensor:
 
     ``sum_r masked_sum_r / sum_r count_r``: one all-reduce of ``(masked sum, count)``. A rank with
     no valid token adds ``(0, 0)``: it changes neither the sum nor the count. With no valid token
-    anywhere the result is 0 (as :func:`tether.core.kl.masked_mean`'s clamp), never NaN.
+    anywhere the result is 0 (as :func:`tether.core.masked.masked_mean`'s clamp), never NaN.
 
     Args:
         values: (B, R) float, this rank's values; masked slots never contribute (even inf/NaN).
@@ -152,29 +153,11 @@ def sequence_std(values: Tensor) -> Tensor:
     return (sq / (n - 1)).sqrt() if n > 1 else torch.zeros((), dtype=torch.float64, device=values.device)
 
 
-def token_share(mask: Tensor) -> Tensor:
-    """This rank's fraction of the valid tokens of a minibatch split over ranks: ``n_r / sum_r n_r``.
-
-    A token-mean loss ``L_r`` of rank r's part, scaled by its share, sums over ranks to the
-    token-mean loss of the whole minibatch: ``sum_r share_r * L_r = sum_r masked_sum_r / N``.
-    DDP averages gradients over ranks, so the loss to differentiate is
-    ``world_size() * share_r * L_r`` (see ``OnPolicyTrainer.update``).
-
-    Args:
-        mask: (B, R) bool, this rank's part of the minibatch.
-
-    Returns:
-        float32 scalar in [0, 1]; 1.0 in one process.
-    """
-    local = mask.bool().sum().double()
-    return (local / all_reduce_sum(local).clamp(min=1)).float()
-
-
 def token_shares(masks: list[Tensor]) -> list[Tensor]:
     """Each part's fraction of the valid tokens of a minibatch split over ranks and, within a
     rank, into micro-batches: ``n_(r,m) / sum_r n_r``. The shares of one rank sum to its
-    :func:`token_share`; a token-mean loss of each part times its share sums (over parts and
-    ranks) to the token-mean loss of the whole minibatch.
+    fraction of the minibatch's valid tokens; a token-mean loss of each part times its share
+    sums (over parts and ranks) to the token-mean loss of the whole minibatch.
 
     Args:
         masks: (B_m, R) bool, this rank's micro-batches of the minibatch, in order.
@@ -187,14 +170,9 @@ def token_shares(masks: list[Tensor]) -> list[Tensor]:
     return [(n / total).float() for n in local]
 
 
-def row_share(n_rows: int) -> Tensor:
-    """This rank's fraction of the rows of a minibatch split over ranks (for per-sequence means)."""
-    local = torch.tensor(float(n_rows), dtype=torch.float64, device="cpu")  # 0-d: mixes with any device
-    return (local / all_reduce_sum(local).clamp(min=1)).float()
-
-
 def kl_stats(kl: Tensor, mask: Tensor) -> dict[str, Tensor]:
-    """:func:`tether.core.kl.kl_stats` over the global batch: the numbers that are logged and controlled on.
+    """The two aggregations of a per-token KL that tether logs and controls on, over the global
+    batch: per sequence (the Ziegler et al. 2019 controller's unit) and per token.
 
     Returns:
         ``{"kl_per_sequence": ..., "kl_per_token": ...}``, float64 scalars: the mean over every
@@ -230,7 +208,7 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
 
 
 def whiten(values: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
-    """:func:`tether.core.advantages.whiten` with the mean and variance of the global batch.
+    """Normalize to zero mean and unit variance over the valid tokens of the global batch.
 
     ``(x - mean) / sqrt(var + WHITEN_EPS)`` where mean and unbiased variance are over the valid
     tokens of every rank (two all-reduces); masked slots are 0.
@@ -276,6 +254,7 @@ def stratified_minibatches(
     generator: torch.Generator,
     world: int | None = None,
     at: int | None = None,
+    *,
     device: torch.device | str = "cpu",
 ) -> list[Tensor]:
     """Random minibatches whose membership does not depend on the number of processes.

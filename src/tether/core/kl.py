@@ -25,6 +25,8 @@ from typing import Literal, get_args
 import torch
 from torch import Tensor
 
+from tether.core.masked import at_least_fp32, masked_sum
+
 KLEstimator = Literal["k1", "abs", "k2", "k3"]
 """Names of the sampled per-token estimators, see :data:`ESTIMATORS`."""
 
@@ -35,11 +37,6 @@ KLEstimator = Literal["k1", "abs", "k2", "k3"]
 # far above the reference) where the KL must not be capped. The clamp applies only to k3's exp();
 # k1, abs and k2 use the raw ratio. Documented in docs/kl.md.
 K3_LOG_RATIO_CLAMP = 20.0
-
-
-def at_least_fp32(x: Tensor) -> Tensor:
-    """Upcast half/bfloat16 to float32; float32 and float64 keep their dtype."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 def _log_ratio(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
@@ -176,61 +173,6 @@ def exact_kl_from_logits(
     return out.view(B, R)
 
 
-def masked_sum(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
-    """Sum of ``values`` where ``mask`` is True; masked slots never contribute, even inf/NaN.
-
-    Args:
-        values: (B, R) float.
-        mask: (B, R) bool or {0,1}, True where the token counts (``response_mask``).
-        dim: reduce this dimension only (``-1``: per sequence), or all if None.
-
-    Returns:
-        Reduced tensor (float32, or float64 for float64 input).
-
-    Raises:
-        ValueError: ``mask`` and ``values`` differ in shape (no silent broadcasting).
-    """
-    if mask.shape != values.shape:
-        raise ValueError(f"mask {tuple(mask.shape)} must have the shape of values {tuple(values.shape)}")
-    values = at_least_fp32(values)
-    kept = torch.where(
-        mask.bool(), values, torch.zeros((), dtype=values.dtype, device=values.device)
-    )  # (B, R); masked inf/NaN -> 0
-    return kept.sum() if dim is None else kept.sum(dim=dim)
-
-
-def masked_mean(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
-    """Mean of ``values`` over True slots of ``mask``; masked slots never contribute.
-
-    The count is clamped to at least 1 so an all-masked row gives 0, never NaN (the only
-    clamp here; with one or more valid tokens the result is the exact mean).
-
-    Args:
-        values: (B, R) float.
-        mask: (B, R) bool, True where the token counts.
-        dim: reduce this dimension only, or all if None.
-
-    Returns:
-        float32 tensor: scalar if ``dim`` is None, else reduced along ``dim``.
-    """
-    m = mask.bool()
-    count = m.sum(dim=dim) if dim is not None else m.sum()
-    total = masked_sum(values, m, dim)
-    return total / count.clamp(min=1).to(total.dtype)
-
-
-def masked_var(values: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
-    """Variance of ``values`` over the True slots of ``mask`` (scalar, float32).
-
-    With ``unbiased`` the sum of squares is divided by ``n - 1`` (Bessel), clamped to >= 1.
-    """
-    mean = masked_mean(values, mask)
-    sq = masked_sum((at_least_fp32(values) - mean).pow(2), mask)
-    n = mask.bool().sum().to(sq.dtype)
-    denom = (n - 1).clamp(min=1) if unbiased else n.clamp(min=1)
-    return sq / denom
-
-
 def sequence_kl(kl: Tensor, mask: Tensor) -> Tensor:
     """Per-sequence KL: sum over the response's valid tokens.
 
@@ -242,17 +184,3 @@ def sequence_kl(kl: Tensor, mask: Tensor) -> Tensor:
         (B,) float32, nats per sequence.
     """
     return masked_sum(kl, mask, dim=-1)
-
-
-def kl_stats(kl: Tensor, mask: Tensor) -> dict[str, Tensor]:
-    """The two aggregations tether logs and controls on.
-
-    Returns:
-        ``{"kl_per_sequence": scalar, "kl_per_token": scalar}``: the batch mean of
-        per-sequence sums (nats per sequence, the Ziegler et al. 2019 controller's unit) and the
-        token-weighted mean over all valid tokens of the batch (nats per token).
-    """
-    return {
-        "kl_per_sequence": sequence_kl(kl, mask).mean(),
-        "kl_per_token": masked_mean(kl, mask),
-    }

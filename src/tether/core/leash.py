@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from tether.core.kl import masked_mean
 from tether.core.losses import KLLossEstimator, kl_loss_terms
+from tether.core.masked import masked_mean
 from tether.core.shaping import ShapedRewards, shape_rewards, shape_rewards_exact
 
 
@@ -54,6 +54,7 @@ class KLLeash:
         kl_coef: float,
         response_mask: Tensor,
         log_ratio: Tensor | None = None,
+        *,
         exact_kl: Tensor | None = None,
     ) -> ShapedRewards:
         """Per-token rewards: the score on the last real token, plus the KL term if in the reward:
@@ -95,6 +96,7 @@ class KLLeash:
         kl_coef: float,
         response_mask: Tensor,
         old_logprobs: Tensor | None = None,
+        *,
         count: bool = True,
         row_weights: Tensor | None = None,
     ) -> Tensor | None:

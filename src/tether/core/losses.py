@@ -14,7 +14,8 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
-from tether.core.kl import K3_LOG_RATIO_CLAMP, masked_mean
+from tether.core.kl import K3_LOG_RATIO_CLAMP
+from tether.core.masked import masked_mean
 from tether.core.placement import LOSS_ESTIMATOR_OK
 
 

@@ -50,6 +50,7 @@ def check_placement(
     reward_estimator: str,
     loss_estimator: str,
     kl_coef: float,
+    *,
     monitor_kl: bool = True,
     allow_double_kl: bool = False,
     allow_biased_estimator: bool = False,

@@ -28,8 +28,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from tether.core.kl import at_least_fp32
 from tether.core.logprobs import last_token_index
+from tether.core.masked import at_least_fp32
 
 
 class ShapedRewards(NamedTuple):

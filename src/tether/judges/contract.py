@@ -205,6 +205,7 @@ def _keywords(
     texts: list[str],
     columns: dict[str, list] | None,
     completion_ids: list[list[int]] | None = None,
+    *,
     state=None,
     reward_log: RewardLog | None = None,
 ) -> dict:
@@ -251,8 +252,8 @@ def checked_scores(
     step: int | str,
     prompts=None,
     columns: dict[str, list] | None = None,
-    allow_none: bool = False,
     *,
+    allow_none: bool = False,
     completion_ids: Sequence[Sequence[int]] | None = None,
     state=None,
     reward_log: RewardLog | None = None,
@@ -294,7 +295,17 @@ def checked_scores(
                 raise ValueError(f"{len(completion_ids)} completion_ids came with the {len(texts)} texts")
             if state is None:
                 state = trainer_state(step if isinstance(step, int) else 0)
-            raw = scorer(**_keywords(scorer, prompts, texts, columns, completion_ids, state, reward_log))
+            raw = scorer(
+                **_keywords(
+                    scorer,
+                    prompts,
+                    texts=texts,
+                    columns=columns,
+                    completion_ids=completion_ids,
+                    state=state,
+                    reward_log=reward_log,
+                )
+            )
         else:
             raw = scorer(texts)
         raw = list(raw)
@@ -374,6 +385,7 @@ class WeightedReward:
         completion_ids: list[list[int]] | None = None,
         trainer_state=None,
         log_extra: Callable | None = None,
+        *,
         log_metric: Callable | None = None,
         **columns,
     ) -> list[float]:

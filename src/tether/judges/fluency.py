@@ -73,12 +73,19 @@ class FluencyJudge:
         """
         if len(prompts) != len(responses):
             raise ValueError(f"{len(prompts)} prompts for {len(responses)} responses")
-        return continuation_nll(self.model, self.tokenizer, prompts, responses, self.batch_size, self.pad_id)
+        return continuation_nll(
+            self.model,
+            self.tokenizer,
+            prefixes=prompts,
+            continuations=responses,
+            batch_size=self.batch_size,
+            pad_id=self.pad_id,
+        )
 
 
 @torch.no_grad()
 def continuation_nll(
-    model, tokenizer, prefixes: Sequence[str], continuations: Sequence[str], batch_size: int, pad_id: int
+    model, tokenizer, prefixes: Sequence[str], continuations: Sequence[str], batch_size: int, *, pad_id: int
 ) -> list[float | None]:
     """Per-token NLL of each continuation given its prefix under a causal LM, nats per token
     (float32 log-softmax, float64 mean): the prefix tokenized with the tokenizer's special tokens,

@@ -192,6 +192,7 @@ def fit_reward_model(
     heldout_fraction: float = 0.2,
     n_pairs: int = 200_000,
     l2: float = 1e-3,
+    *,
     steps: int = 300,
     seed: int = 0,
     progress: bool = True,

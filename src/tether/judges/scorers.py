@@ -72,6 +72,7 @@ class RewardModelScorer:
         label: int | str | None = None,
         device=None,
         batch_size: int = 32,
+        *,
         name: str | None = None,
     ):
         if tokenizer is None:

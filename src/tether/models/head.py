@@ -85,6 +85,7 @@ def tail_hidden(
     attention_mask: torch.Tensor,
     position_ids: torch.Tensor,
     n_keep: int,
+    *,
     share_prefix: bool = False,
 ) -> torch.Tensor:
     """Last hidden states (B, n_keep, d), contiguous, at the last ``n_keep`` positions.
@@ -105,10 +106,24 @@ def tail_hidden(
     """
     if isinstance(lm, AdapterReference):
         with lm.active():
-            return tail_hidden(lm.lm, input_ids, attention_mask, position_ids, n_keep, share_prefix)
+            return tail_hidden(
+                lm.lm,
+                input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                n_keep=n_keep,
+                share_prefix=share_prefix,
+            )
     trunk = getattr(lm, lm.base_model_prefix)
     if share_prefix and shares_prefix(lm, input_ids.shape[1] - n_keep):
-        return shared_prefix_hidden(lm, trunk, input_ids, attention_mask, position_ids, n_keep)
+        return shared_prefix_hidden(
+            lm,
+            trunk,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            n_keep=n_keep,
+        )
     out = trunk(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
     )
@@ -195,6 +210,7 @@ def shared_prefix_hidden(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     position_ids: torch.Tensor,
+    *,
     n_keep: int,
 ) -> torch.Tensor:
     """:func:`tail_hidden` with the prefix (all but the last ``n_keep`` positions) run once per distinct row.
@@ -223,6 +239,7 @@ def tail_logits(
     attention_mask: torch.Tensor,
     position_ids: torch.Tensor,
     n_keep: int,
+    *,
     chunk_positions: int = HEAD_CHUNK_POSITIONS,
     share_prefix: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,7 +250,14 @@ def tail_logits(
     runs the same two steps without concatenating
     (:func:`tether.models.scoring.policy_and_reference_logprobs`).
     """
-    hidden = tail_hidden(lm, input_ids, attention_mask, position_ids, n_keep, share_prefix)
+    hidden = tail_hidden(
+        lm,
+        input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        n_keep=n_keep,
+        share_prefix=share_prefix,
+    )
     return apply_head(lm, hidden, chunk_positions), hidden
 
 

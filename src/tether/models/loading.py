@@ -205,7 +205,7 @@ def _one_gguf_reader():
     real, opened = gguf.GGUFReader, {}
     real_load, parsed = hf_gguf.load_gguf_checkpoint, {}
 
-    def in_memory(filename, dtype=np.uint8, mode="r+", offset=0, shape=None, order="C"):
+    def in_memory(filename, dtype=np.uint8, mode="r+", offset=0, shape=None, *, order="C"):
         if mode == "r" and offset == 0 and shape is None:  # GGUFReader's read-only whole file
             return np.fromfile(filename, dtype=dtype)
         return np.memmap(filename, dtype=dtype, mode=mode, offset=offset, shape=shape, order=order)

@@ -94,7 +94,13 @@ class PolicyWithValue(nn.Module):
             self.lm.train()
         try:
             logits, hidden = tail_logits(
-                self.lm, input_ids, attention_mask, position_ids, n_keep, self.head_chunk, self.share_prefix
+                self.lm,
+                input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                n_keep=n_keep,
+                chunk_positions=self.head_chunk,
+                share_prefix=self.share_prefix,
             )
         finally:
             if checkpointing:

@@ -261,6 +261,7 @@ def generate(
     prompts: list[str],
     max_new_tokens: int,
     temperature: float,
+    *,
     max_prompt_tokens: int = 64,
     seeds: Sequence[int] | Tensor | None = None,
     share_prefix: bool = False,
@@ -344,5 +345,12 @@ def generate(
     # (B, R): a finished row's later columns hold the log-prob of a token the pad replaced; masked
     sampler_logprobs = sampler.logprobs[:, : response_ids.shape[1]]
     return Rollout(
-        prompts, prompt_ids, prompt_mask, response_ids, response_mask, texts, ended, sampler_logprobs
+        prompts,
+        prompt_ids,
+        prompt_mask=prompt_mask,
+        response_ids=response_ids,
+        response_mask=response_mask,
+        responses=texts,
+        ended=ended,
+        sampler_logprobs=sampler_logprobs,
     )

@@ -48,7 +48,15 @@ def response_forward(
     R = rollout.response_ids.shape[1]
     if isinstance(getattr(model, "module", model), PolicyWithValue):
         return model(input_ids, attention_mask, position_ids, n_keep=R, with_values=with_values)
-    return tail_logits(model, input_ids, attention_mask, position_ids, R, head_chunk, share_prefix)[0], None
+    return tail_logits(
+        model,
+        input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        n_keep=R,
+        chunk_positions=head_chunk,
+        share_prefix=share_prefix,
+    )[0], None
 
 
 def response_hidden(
@@ -64,10 +72,10 @@ def response_hidden(
     return model, tail_hidden(
         model,
         rollout.input_ids,
-        rollout.attention_mask,
-        position_ids,
-        rollout.response_ids.shape[1],
-        share_prefix,
+        attention_mask=rollout.attention_mask,
+        position_ids=position_ids,
+        n_keep=rollout.response_ids.shape[1],
+        share_prefix=share_prefix,
     )
 
 
@@ -88,6 +96,7 @@ def rollout_logprobs(
     temperature: float,
     with_values: bool = False,
     with_entropy: bool = False,
+    *,
     keep_logits: bool = False,
     head_chunk: int = HEAD_CHUNK_POSITIONS,
     share_prefix: bool = False,
@@ -116,6 +125,7 @@ def policy_and_reference_logprobs(
     rollout: Rollout,
     temperature: float,
     with_values: bool = False,
+    *,
     exact_kl: bool = False,
     policy_logits: Tensor | None = None,
     kl_chunk_size: int = 1024,
@@ -207,4 +217,11 @@ def rollout_from_responses(
         ids[i, : len(r)] = r
         mask[i, : len(r)] = True
     texts = tokenizer.batch_decode([r for r in responses], skip_special_tokens=True)
-    return Rollout(list(prompts), prompt_ids, prompt_mask, ids, mask, texts)
+    return Rollout(
+        list(prompts),
+        prompt_ids,
+        prompt_mask=prompt_mask,
+        response_ids=ids,
+        response_mask=mask,
+        responses=texts,
+    )

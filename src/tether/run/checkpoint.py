@@ -84,6 +84,7 @@ def save_checkpoint(
     policy,
     trainer_state: dict,
     reference_fingerprint: str | None,
+    *,
     sharded: Path | None = None,
     keep: int = 2,
 ) -> Path:
@@ -407,3 +408,37 @@ def rng_state() -> dict:
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
+
+
+def save_policy(policy, tokenizer, out: Path, whole: dict | None = None) -> None:
+    """The final policy as a model folder (``save_pretrained``; a LoRA run's adapter as a peft
+    folder), its tokenizer and ``value_head.safetensors``. ``whole``: when the policy is sharded,
+    ``{"lm": ..., "value_head": ...}``, their whole tensors
+    (:func:`tether.models.sharding.full_state_dict`, gathered by every process).
+
+    Written to a temporary folder beside ``out`` and renamed into place, so ``out`` is a whole
+    policy or absent (an earlier one is replaced only once the new one is complete).
+
+    Raises:
+        tether.run.files.RunFileError: a write failed (a full disk, a file-size limit); names the
+            folder, and the last checkpoint is kept.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        if whole is not None:
+            policy.lm.save_pretrained(tmp, state_dict=whole["lm"])
+        else:
+            policy.save_pretrained(tmp)  # the model, or for a LoRA run its adapter (a peft folder)
+        tokenizer.save_pretrained(tmp)
+        head = whole["value_head"] if whole is not None else policy.value_head.state_dict()
+        save_file({k: v.detach().contiguous() for k, v in head.items()}, str(tmp / "value_head.safetensors"))
+    except (OSError, RuntimeError, SafetensorError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise write_error(out, e, "The final policy is not saved; the last checkpoint is kept") from None
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)

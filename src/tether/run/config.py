@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import math
 import types
 import typing
@@ -878,14 +877,14 @@ class Config:
             self.placement = check_placement(
                 self.kl.kl_in_reward,
                 self.kl.kl_in_loss,
-                self.kl.estimator,
-                self.kl.loss_estimator,
+                reward_estimator=self.kl.estimator,
+                loss_estimator=self.kl.loss_estimator,
                 # the budget controller raises beta from 0, so it needs the reference like a positive
                 # beta (the adaptive one multiplies beta, so from 0 it stays 0)
-                self.kl.kl_coef if self.kl.controller != "budget" else max(self.kl.kl_coef, 1.0),
-                self.kl.monitor,
-                self.kl.allow_double_kl,
-                self.kl.allow_biased_estimator,
+                kl_coef=self.kl.kl_coef if self.kl.controller != "budget" else max(self.kl.kl_coef, 1.0),
+                monitor_kl=self.kl.monitor,
+                allow_double_kl=self.kl.allow_double_kl,
+                allow_biased_estimator=self.kl.allow_biased_estimator,
             )
         except ValueError as e:
             raise ConfigError(str(e)) from None
@@ -1284,10 +1283,6 @@ def dump_config(config: Config, path: Path) -> None:
     from tether.run.files import atomic_write_text
 
     atomic_write_text(path, yaml.safe_dump(config.to_dict(resolved=False), sort_keys=False))
-
-
-def config_json(config: Config) -> str:
-    return json.dumps(config.to_dict(), sort_keys=True)
 
 
 def check_world_size(config: Config, world: int) -> None:

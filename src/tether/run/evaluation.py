@@ -2,20 +2,34 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from tether.core import distributed as D
 from tether.core.diversity import distinct_n, repetition, self_bleu
 from tether.core.kl import estimate_kl, sequence_kl
+from tether.data.capability import capability_texts
 from tether.data.prompts import PromptData
 from tether.judges.contract import Scorer, checked_scores, trainer_state
 from tether.models.sampling import generate, sample_seeds
 from tether.models.scoring import rollout_logprobs
+from tether.run.announce import leash_line, z_text
+from tether.run.console import say
+from tether.run.files import read_json, write_json_file
+from tether.run.monitor import HELDOUT_RULES
+
+if TYPE_CHECKING:  # run.setup builds the run this evaluates; imported for the type only
+    from tether.run.setup import Run
+
+log = logging.getLogger(__name__)
 
 
 def mean_se(xs: list[float]) -> tuple[float, float]:
@@ -84,10 +98,10 @@ class EvalResult:
         return EvalResult(
             self.name,
             self.responses[:n],
-            self.kl_per_sequence[:n],
-            {k: v[:n] for k, v in self.scores.items()},
-            self.samples_per_prompt,
-            self.fluency_nll[:n],
+            kl_per_sequence=self.kl_per_sequence[:n],
+            scores={k: v[:n] for k, v in self.scores.items()},
+            samples_per_prompt=self.samples_per_prompt,
+            fluency_nll=self.fluency_nll[:n],
         )
 
     def groups(self) -> list[list[str]]:
@@ -108,12 +122,12 @@ class EvalResult:
     @classmethod
     def from_json(cls, d: dict) -> EvalResult:
         return cls(
-            d["name"],
-            d["responses"],
-            d["kl_per_sequence"],
-            d["scores"],
-            d.get("samples_per_prompt", 1),
-            d.get("fluency_nll", []),
+            name=d["name"],
+            responses=d["responses"],
+            kl_per_sequence=d["kl_per_sequence"],
+            scores=d["scores"],
+            samples_per_prompt=d.get("samples_per_prompt", 1),
+            fluency_nll=d.get("fluency_nll", []),
         )
 
     def diversity(self) -> dict[str, float]:
@@ -164,6 +178,7 @@ def evaluate(
     reference: nn.Module | None,
     tokenizer,
     prompts: PromptData | list,
+    *,
     scorers: dict[str, Scorer],
     max_new_tokens: int,
     temperature: float,
@@ -203,10 +218,10 @@ def evaluate(
             ro = generate(
                 lm,
                 tokenizer,
-                batch,
-                max_new_tokens,
-                temperature,
-                max_prompt_tokens,
+                prompts=batch,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                max_prompt_tokens=max_prompt_tokens,
                 seeds=sample_seeds(seed, 0, range(i, i + len(batch))),
             )
             if reference is not None:
@@ -308,7 +323,12 @@ class CapabilityProbe:
         lm.eval()
         try:
             out = continuation_nll(
-                lm, self.tokenizer, self.prefixes, self.rests, self.batch_size, self.pad_id
+                lm,
+                self.tokenizer,
+                prefixes=self.prefixes,
+                continuations=self.rests,
+                batch_size=self.batch_size,
+                pad_id=self.pad_id,
             )
         finally:
             lm.train(was_training)
@@ -333,3 +353,277 @@ class CapabilityProbe:
             "capability_nll_change_se": se,
             "capability_seconds": self.seconds,
         }
+
+
+class Evaluator:
+    """Held-out evaluation with the proxy (training scorer), the gold judge and the fluency judge,
+    the same samples for each; the reference's numbers on the periodic prompts are kept, so that
+    every periodic row carries them (``eval/ref_*``) for the health rules and eval.best_by."""
+
+    def __init__(self, run: Run, judge: Scorer | None, fluency=None):
+        self.run, c = run, run.config
+        self.scorers: dict[str, Scorer] = {"proxy": run.scorer}
+        if judge is not None:
+            self.scorers["gold"] = judge
+        self.fluency = fluency
+        # every judging call's trainer_state: the end of training (reference and policies alike)
+        self.state = evaluation_state(
+            c.train.steps, c.rollout.batch_size / (c.rollout.group_size or 1), len(run.train_prompts)
+        )
+        self.periodic = run.heldout_prompts[: c.eval.periodic_prompts]
+        # eval.best_by chooses the policy on the periodic prompts: the final evaluation then uses
+        # the held-out prompts after them, so the kept policy's numbers are not biased up by the
+        # choice (the periodic set has the luck the choice selected for)
+        start = len(self.periodic) if c.eval.best_by != "none" else 0
+        left = len(run.heldout_prompts) - start
+        if start and c.eval.n_prompts and left < c.eval.n_prompts and D.is_main():
+            log.warning(
+                "tether: warning: eval.best_by: %d held-out prompts after the %d periodic ones the best "
+                "step is chosen on; %s (more data, or a larger data.heldout_fraction)",
+                max(left, 0),
+                start,
+                f"the final evaluation has {left} of eval.n_prompts={c.eval.n_prompts}"
+                if left > 0
+                else "the final evaluation uses the periodic prompts too, so its numbers for the kept "
+                "policy are biased up by the choice",
+            )
+        self.use_window(start if left > 0 else 0)
+        self.reference_periodic: dict | None = None
+        n = c.eval.capability_texts or 0
+        reference = getattr(run, "reference", None)
+        # the alignment tax: NLL of human text no run trains on, policy against reference
+        self.capability = (
+            CapabilityProbe(capability_texts(n), run.tokenizer, reference, c.eval.batch_size)
+            if n and reference is not None and D.is_main()
+            else None
+        )
+
+    def measure_capability(self) -> dict:
+        """:meth:`CapabilityProbe.measure` of the policy now. The reference's per-sentence NLLs are
+        kept in eval_reference_capability.json, so that a resumed run does not score (and count,
+        ``kl/reference_forwards``) the reference again."""
+        probe, path = self.capability, self.run.writer.run_dir / "eval_reference_capability.json"
+        if probe.ref_nll is None and path.exists():
+            saved = read_json(path)
+            if saved.get("texts") == len(probe.prefixes):
+                probe.ref_nll = saved["nll"]
+        fresh = probe.ref_nll is None
+        m = probe.measure(self.run.policy.lm)
+        if fresh:
+            write_json_file(path, {"texts": len(probe.prefixes), "nll": probe.ref_nll})
+        return m
+
+    def capability_row(self) -> dict:
+        """``eval/capability_nll``, ``eval/ref_capability_nll`` and
+        ``eval/capability_nll_change_se`` of the policy now ({} when eval.capability_texts=0)."""
+        if self.capability is None:
+            return {}
+        m = self.measure_capability()
+        return {
+            "eval/capability_nll": m["capability_nll"],
+            "eval/ref_capability_nll": m["ref_capability_nll"],
+            "eval/capability_nll_change_se": m["capability_nll_change_se"],
+        }
+
+    def use_window(self, start: int) -> None:
+        """Take the final evaluation's eval.n_prompts held-out prompts from index ``start``."""
+        self.start = start
+        self.heldout = self.run.heldout_prompts[start : start + self.run.config.eval.n_prompts]
+
+    def __call__(self, name: str, prompts: list[str]):
+        c, run = self.run.config, self.run
+        return evaluate(
+            name,
+            run.policy.lm,
+            reference=run.reference,
+            tokenizer=run.tokenizer,
+            prompts=prompts,
+            scorers=self.scorers,
+            max_new_tokens=c.rollout.max_new_tokens,
+            temperature=c.rollout.temperature,
+            seed=c.eval.seed,
+            batch_size=c.eval.batch_size,
+            max_prompt_tokens=c.rollout.max_prompt_tokens,
+            samples_per_prompt=c.eval.samples_per_prompt,
+            fluency=self.fluency,
+            fluency_samples=c.eval.fluency_samples,
+            state=self.state,
+        )
+
+    def set_reference(self, before: EvalResult | None) -> None:
+        """The reference's summary on the periodic prompts: the first of its full held-out
+        evaluation's (the same seeds give the same samples), or evaluated now when the periodic
+        set is the larger. Call before training moves the policy."""
+        if not self.run.config.eval.every or not self.periodic:
+            return
+        if self.covers_periodic(before):
+            self.reference_periodic = before.head(len(self.periodic)).summary()
+        else:
+            self.reference_periodic = self("reference", self.periodic).summary()
+
+    def covers_periodic(self, before: EvalResult | None) -> bool:
+        """Whether the reference's full evaluation holds every sample of the periodic prompts (it
+        starts with them unless eval.best_by moved the final evaluation past them)."""
+        return (
+            before is not None
+            and self.start == 0
+            and len(before.responses) >= len(self.periodic) * before.samples_per_prompt
+        )
+
+    def periodic_row(self) -> dict:
+        return (
+            eval_row(self("periodic", self.periodic).summary(), self.reference_periodic)
+            | self.capability_row()
+        )
+
+
+PERIODIC_KEYS = {
+    "proxy_score": "proxy_mean",
+    "gold_score": "gold_mean",
+    "fluency_nll": "fluency_nll_mean",
+    "fluency_nll_se": "fluency_nll_se",
+    "distinct_1": "distinct_1",
+    "distinct_2": "distinct_2",
+    "distinct_2_se": "distinct_2_se",
+    "self_bleu": "self_bleu",
+    "repetition": "repetition",
+    "repetition_se": "repetition_se",
+}
+"""Metric name after ``eval/`` (or ``eval/ref_``) -> key of :meth:`EvalResult.summary`."""
+
+
+def periodic_numbers(summary: dict, prefix: str) -> dict:
+    """The periodic evaluation's metrics from an evaluation summary, names prefixed."""
+    return {prefix + name: summary[key] for name, key in PERIODIC_KEYS.items() if key in summary}
+
+
+def eval_row(policy: dict, reference: dict | None) -> dict:
+    """The ``eval/*`` metrics of a policy's evaluation summary (:meth:`EvalResult.summary`) beside
+    the reference's on the same prompts (``eval/ref_*``), NaN dropped (no reference, no self-BLEU):
+    a periodic row, or the final evaluation's row for :data:`tether.run.monitor.HELDOUT_RULES`."""
+    row = {"eval/kl": policy["kl"], **periodic_numbers(policy, "eval/")}
+    if reference is not None:
+        row.update(periodic_numbers(reference, "eval/ref_"))
+    return {k: v for k, v in row.items() if v == v}
+
+
+def reference_eval(evaluator: Evaluator, run_dir: Path, show: bool):
+    """The reference's held-out evaluation, computed once and kept in eval_reference.json."""
+    if not evaluator.heldout:
+        return None
+    path = run_dir / "eval_reference.json"
+    if path.exists():
+        saved = read_json(path)
+        offset = saved.get("prompt_offset", 0)  # files from before eval.best_by moved it: 0
+        if offset != evaluator.start:
+            # a resume that changed eval.best_by: the policy must be compared on the reference's
+            # prompts (the reference can no longer be sampled from the moved policy)
+            log.warning(
+                "tether: warning: the reference's held-out evaluation (eval_reference.json) used the "
+                "held-out prompts from index %d, this config's final evaluation those from %d; the final "
+                "evaluation keeps the reference's (%s)",
+                offset,
+                evaluator.start,
+                "prompts the best step is chosen on included" if offset == 0 else "after the periodic ones",
+            )
+            evaluator.use_window(offset)
+        return EvalResult.from_json(saved)
+    before = evaluator("reference", evaluator.heldout)  # evaluate() forks the RNG
+    write_json_file(path, before.to_json() | {"prompt_offset": evaluator.start})
+    s = before.summary()
+    say(
+        f"tether: reference held-out proxy score {s['proxy_mean']:.3f} ± {s['proxy_se']:.3f}"
+        + (f", gold {s['gold_mean']:.3f} ± {s['gold_se']:.3f}" if "gold_mean" in s else "")
+        + f" (n={len(evaluator.heldout)})",
+        show,
+    )
+    return before
+
+
+def fluency_judge(run: Run):
+    """The fluency judge of eval.fluency_model on rank 0 (the one that evaluates), or None."""
+    c = run.config
+    if c.eval.fluency_model == "none" or not D.is_main() or not run.heldout_prompts:
+        return None
+    if not (c.eval.n_prompts or c.eval.every):
+        return None
+    from tether.judges.fluency import FluencyJudge
+
+    device = run.accelerator.device if run.accelerator is not None else "cpu"
+    return FluencyJudge(c.eval.fluency_model, device)
+
+
+def reference_periodic(evaluator: Evaluator, before, run_dir: Path, resume: bool) -> None:
+    """The reference's numbers on the periodic prompts, computed before the first step and kept
+    in eval_reference_periodic.json (a resumed run's policy is no longer the reference)."""
+    path = run_dir / "eval_reference_periodic.json"
+    if path.exists():
+        evaluator.reference_periodic = read_json(path)
+        return
+    if resume and not evaluator.covers_periodic(before):
+        return  # an older run without it, whose policy has moved: no reference numbers
+    evaluator.set_reference(before)
+    if evaluator.reference_periodic is not None:
+        write_json_file(path, evaluator.reference_periodic)
+
+
+def final_evaluation(
+    *, run: Run, evaluator: Evaluator, monitor, before: EvalResult, best: dict | None
+) -> list[dict]:
+    """The final held-out evaluation: the policy (``best``'s step's when eval.best_by restored
+    one) against the reference's ``before`` on the same prompts, written to eval.json (with the
+    capability probe's numbers), said with SEs, and read by the held-out health rules
+    (:data:`tether.run.monitor.HELDOUT_RULES`; ``monitor`` a :class:`tether.run.monitor.HealthMonitor`).
+
+    Returns:
+        ``[reference summary, policy summary]``, for the score-against-KL plot.
+    """
+    c, w, show = run.config, run.writer, run.config.train.progress
+    after = evaluator("policy", evaluator.heldout)
+    result = compare(before, after)  # holds both summaries: computed once, here
+    result["policy_step"] = best["step"] if best else w.history[-1]["step"]
+    result["prompt_offset"] = evaluator.start  # index of its first held-out prompt
+    if evaluator.capability is not None:
+        result |= evaluator.measure_capability() | {"capability_texts": c.eval.capability_texts}
+    w.write_json("eval.json", result)
+    evals = [result["reference"], result["policy"]]
+    gold = (
+        f"; gold {result['gold_gain']:+.3f} ± {result['gold_gain_se_paired']:.3f}"
+        if "gold_gain" in result
+        else ""
+    )
+    say(
+        f"tether: held-out proxy score {result['reference']['proxy_mean']:.3f} -> "
+        f"{result['policy']['proxy_mean']:.3f} (gain {result['gain']:+.3f} ± "
+        f"{result['gain_se_paired']:.3f} SE, z = {z_text(result['gain_z_paired'])}){gold}; "
+        + (
+            f"held-out KL {after.kl:.2f} nats/seq"
+            if after.kl == after.kl
+            else "held-out KL not measured (no reference model: kl.kl_coef=0 and kl.monitor=false)"
+        ),
+        show,
+    )
+    say(leash_line(result), show)
+    if "capability_nll" in result:
+        say(
+            f"tether: capability (NLL of {result['capability_texts']} human sentences no run trains on, "
+            f"NYT editorials): {result['ref_capability_nll']:.3f} -> {result['capability_nll']:.3f} "
+            f"nats/token ({result['capability_nll_change']:+.3f} ± "
+            f"{result['capability_nll_change_se']:.3f}); "
+            f"{result['capability_seconds']:.1f} s per evaluation (eval.capability_texts=0 turns it off)",
+            show,
+        )
+    final_row = {"step": result["policy_step"], **eval_row(result["policy"], result["reference"])}
+    if "capability_nll" in result:
+        final_row |= {
+            "eval/capability_nll": result["capability_nll"],
+            "eval/ref_capability_nll": result["ref_capability_nll"],
+            "eval/capability_nll_change_se": result["capability_nll_change_se"],
+        }
+    for alarm in monitor.check([*w.history, final_row], HELDOUT_RULES):
+        say(
+            f"tether: WARNING [{alarm.rule}] final held-out evaluation (policy of step {alarm.step}): "
+            f"{alarm.message}.\n  likely cause: {alarm.cause}\n  fix: {alarm.fix}",
+            show,
+        )
+    return evals

@@ -11,6 +11,9 @@ import math
 from pathlib import Path
 from typing import Any
 
+from tether.core.kl import sequence_kl
+from tether.core.masked import masked_sum
+from tether.run.config import Config
 from tether.run.files import (
     append_lines,
     atomic_write_text,
@@ -122,3 +125,61 @@ def sample_table(rows: list[dict], width: int = 48) -> str:
 
 def _kl_cell(kl: float | None) -> str:
     return f"{kl:6.2f}" if kl is not None else f"{'-':>6}"  # None: no reference model, no KL
+
+
+def flat_config(c: Config) -> dict:
+    """The config as ``section.field`` -> bool, int, float, str (lists and None as text), what
+    trackers take as hyperparameters."""
+    flat = {}
+    for section, fields in c.to_dict().items():
+        for name, v in fields.items():
+            flat[f"{section}.{name}"] = v if isinstance(v, (bool, int, float, str)) else str(v)
+    return flat
+
+
+SAMPLE_COLUMNS = ("prompt", "response", "score", "kl", "reward", "gold")
+
+
+def log_sample_table(accelerator, step: int, rows: list[dict]) -> None:
+    """The step's samples to every tracker of ``accelerator`` (the run's, or None) that takes
+    tables (wandb, clearml, a custom one with ``log_table``)."""
+    if accelerator is None or not accelerator.log_with:
+        return
+    columns = [k for k in SAMPLE_COLUMNS if k in rows[0]]
+    plain = (int, float, str, type(None))
+    data = [[r[k] if isinstance(r[k], plain) else json.dumps(r[k]) for k in columns] for r in rows]
+    for tracker in accelerator.trackers:
+        if hasattr(tracker, "log_table"):
+            tracker.log_table("samples", columns=columns, data=data, step=step)
+
+
+def tensorboard_writer(run_dir: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        raise RuntimeError(
+            "train.tensorboard=true needs the tensorboard package: pip install tensorboard"
+        ) from e
+    return SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+
+def sample_rows(exp) -> list[dict]:
+    """One dict per sample: prompt, response, score, kl (the estimator's, nats/seq) and reward
+    (the shaped rewards summed: score - beta * kl; with ppo.kl_shaping=exact the exact KL's sum
+    in place of kl, the per-token corrections not included), and completion_ids (the sampled
+    token ids, for the gold judge: :func:`_log_step` takes them out before writing)."""
+    mask = exp.rollout.response_mask
+    kl_seq = (
+        sequence_kl(exp.kl, mask).tolist() if exp.kl is not None else [None] * len(mask)
+    )  # None: no reference
+    rew_seq = masked_sum(exp.rewards, mask, dim=-1)
+    rows = [
+        {"prompt": p, "response": r, "score": float(s), "kl": k, "reward": float(rw)}
+        for p, r, s, k, rw in zip(exp.rollout.prompts, exp.rollout.responses, exp.scores, kl_seq, rew_seq)
+    ]
+    for i, row in enumerate(rows):  # the row's other dataset columns travel with it
+        if exp.rollout.columns:
+            row["columns"] = {k: v[i] for k, v in exp.rollout.columns.items()}
+    for row, ids in zip(rows, exp.rollout.completion_ids):  # the gold judge's; not written
+        row["completion_ids"] = ids
+    return rows

@@ -3,6 +3,7 @@ each alarm once, when it first fires, in the run's ``warnings.jsonl``."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -35,3 +36,19 @@ class HealthMonitor:
         if self.path is not None:  # created on the first check, even with no alarm
             append_lines(self.path, [json.dumps(asdict(a)) for a in new])
         return new
+
+
+def leash_kl(c) -> float | None:
+    """The KL (nats per sequence) the run's controller holds: kl.budget or kl.target of a budget
+    or adaptive controller with kl.target_unit=nats_per_sequence; None otherwise (and for DPO)."""
+    if c.kl.target_unit != "nats_per_sequence" or c.train.algo == "dpo":
+        return None
+    return {"budget": c.kl.budget, "adaptive": c.kl.target}.get(c.kl.controller)
+
+
+def health_thresholds(c) -> HealthThresholds:
+    """``c.health`` with ``kl_leash`` set from the leash (:func:`leash_kl`) when left unset."""
+    limit = leash_kl(c)
+    if c.health.kl_leash is not None or limit is None:
+        return c.health
+    return dataclasses.replace(c.health, kl_leash=limit)

@@ -567,6 +567,7 @@ def build_run(
     resume: bool = False,
     model: nn.Module | None = None,
     tokenizer=None,
+    *,
     train_dataset=None,
     judges: dict | None = None,
 ) -> Run:
@@ -589,7 +590,65 @@ def build_run(
     Raises:
         ConfigError, ValueError, FileNotFoundError: a bad input, before any model loads.
     """
-    if model is not None or train_dataset is not None:  # config.yaml records what was passed
+    config = record_passed_objects(
+        config, scorer=scorer, model=model, tokenizer=tokenizer, train_dataset=train_dataset
+    )
+    accelerator, sharded, dtype = start_process(config)
+    # 1. the checks that need no weights and no download, each in seconds
+    run_dir = check_before_loading(config, resume=resume, model=model, scorer=scorer)
+    # 2. the data, then the scorer, checked against the data's columns before any model loads
+    train_prompts, heldout, scorer = load_data_and_scorer(
+        config, scorer=scorer, train_dataset=train_dataset, judges=judges, device=accelerator.device
+    )
+    config, path = resolve_model_source(config, model=model, tokenizer=tokenizer)
+    barrier()  # every process checked the folder before the first one writes into it
+    existed = run_dir.exists()
+    writer = claim_run_dir(run_dir)
+    try:
+        if not resume and is_main():
+            dump_config(config, run_dir / "config.yaml")
+        for w in config.placement.warnings:
+            log.warning("tether: warning: %s", w)
+        # 3. the tokenizer and the prompts' lengths; 4. the policy and its frozen reference
+        tokenizer = load_run_tokenizer(config, path, tokenizer)
+        config = check_prompts_fit(config, tokenizer, model=model, path=path, parts=(train_prompts, heldout))
+        policy, reference, forwards = load_policy_and_reference(
+            config, model=model, path=path, dtype=dtype, device=accelerator.device, sharded=sharded
+        )
+        reference_fingerprint = fingerprint(reference) if reference is not None else None
+        if sharded:  # after the checks and the fingerprint, which read the whole weights
+            shard_model(policy, policy.lm)
+            if reference is not None:
+                shard_model(reference, reference)
+        return Run(
+            config,
+            policy,
+            reference=reference,
+            tokenizer=tokenizer,
+            scorer=scorer,
+            train_prompts=train_prompts,
+            heldout_prompts=heldout,
+            writer=writer,
+            reference_fingerprint=reference_fingerprint,
+            reference_forwards=forwards,
+            accelerator=accelerator,
+            run_dir_existed=existed,
+        )
+    except BaseException:
+        release_lock(writer.lock)
+        if not resume and is_main():
+            discard_failed_start(run_dir, existed)
+        raise
+
+
+def record_passed_objects(config: Config, *, scorer, model, tokenizer, train_dataset) -> Config:
+    """The config as config.yaml records it when Python passed objects in place of fields (a
+    model, a dataset, a reward): a copy naming them, so a resume asks for them again.
+
+    Raises:
+        ValueError: a model object that names no folder to load a tokenizer from, without one.
+    """
+    if model is not None or train_dataset is not None:
         config = copy.deepcopy(config)
         if model is not None:
             config.model.name = getattr(model, "name_or_path", "") or "(a model object passed to train)"
@@ -602,11 +661,19 @@ def build_run(
     if scorer is not None and config.reward._given("scorer") is None:
         config = copy.deepcopy(config)  # config.yaml names the objects, so a resume asks for them
         config.reward.scorer = python_scorer_spec(scorer)
+    return config
+
+
+def start_process(config: Config) -> tuple[Accelerator, bool, torch.dtype]:
+    """This process's threads, device, trackers and seed: ``(accelerator, sharded, dtype)``, where
+    ``sharded`` says FSDP shards the models over processes and ``dtype`` is their weights'.
+
+    Every tensor lives on the accelerator's device: this process's GPU (NCCL between processes)
+    or the CPU (gloo); docs/distributed.md.
+    """
     if config.train.threads:
         torch.set_num_threads(config.train.threads)
     device = resolve_device(config.train.device)
-    # every tensor lives on the accelerator's device: this process's GPU (NCCL between processes)
-    # or the CPU (gloo); docs/distributed.md
     trackers = make_trackers(config.train.report_to, config.train.output_dir or "runs")
     # a tracker that writes files (tensorboard) needs a folder now; the run's is set before init_trackers
     accelerator = Accelerator(
@@ -619,8 +686,17 @@ def build_run(
     check_launcher(str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type)))
     check_world_size(config, accelerator.num_processes)
     seed_everything(config.train.seed)
-    # 1. the checks that need no weights and no download, each in seconds: the run folder, the
-    # model's name, the scorers' and judges' names (a module:function imports here)
+    return accelerator, sharded, dtype
+
+
+def check_before_loading(config: Config, *, resume: bool, model, scorer) -> Path:
+    """The checks that need no weights and no download: the run folder (new, or a run to resume
+    with the settings it must keep), the rollout's memory, the model's, scorers' and judges' names
+    (a module:function imports here). Returns the run folder (rank 0's name).
+
+    Raises:
+        FileExistsError, FileNotFoundError, ConfigError, ValueError: naming the field and the fix.
+    """
     run_dir = Path(config.train.output_dir) if config.train.output_dir else default_run_dir(config.train.algo)
     run_dir = gather_objects(run_dir)[0]  # rank 0's (a default name holds the time)
     if not resume and run_dir.exists() and any(run_dir.iterdir()):
@@ -645,31 +721,53 @@ def build_run(
         check_scorer_spec(config.reward.scorer)
     if config.eval.fluency_model != "none" and (config.eval.n_prompts or config.eval.every):
         check_model_name(config.eval.fluency_model, field_name="eval.fluency_model")
-    # 2. the data (a user's file reads in seconds; the embedded prompts download once), then the
-    # scorer, checked against the data's columns before any model loads
+    return run_dir
+
+
+def load_data_and_scorer(
+    config: Config, *, scorer, train_dataset, judges: dict | None, device
+) -> tuple[PromptData, PromptData, Scorer]:
+    """The training and held-out prompts (a user's file reads in seconds; the embedded prompts
+    download once) and the reward: reward.scorer, or TRL's reward_funcs from Python (a callable,
+    a reward model, (model, tokenizer), or a list of them), counted against reward.weights; a
+    reward model runs on ``device``. The reward and the judges are checked against the data's
+    columns (and integer answers) here, before any model loads."""
     train_prompts, heldout = (
         load_prompts(config) if train_dataset is None else dataset_prompts(train_dataset, config)
     )
-    # reward.scorer, or TRL's reward_funcs from Python (a callable, a reward model, (model, tokenizer),
-    # or a list of them), counted against reward.weights here; a reward model runs on this device
     scorer = make_scorer(
-        config.reward.scorer if scorer is None else scorer, config.reward.weights, device=accelerator.device
+        config.reward.scorer if scorer is None else scorer, config.reward.weights, device=device
     )
     check_scorer_columns(scorer, train_prompts.columns)
     check_integer_answers(scorer, train_prompts, heldout)
     for field_name, judge in (judges or {}).items():
         check_scorer_columns(judge, train_prompts.columns, field_name)
-    path = None
-    if model is None or tokenizer is None:  # before anything is written: a bad id costs nothing
-        source = getattr(model, "name_or_path", None) if model is not None else None
-        path = Path(source) if source else resolve_model_path(config.model.name, config.model.revision)
-        if model is None and is_hub_id(config.model.name) and config.model.revision is None:
-            config = copy.deepcopy(config)
-            config.model.revision = path.name  # the snapshot's commit: --resume rebuilds this very model
-    barrier()  # every process checked the folder before the first one writes into it
-    existed = run_dir.exists()
-    # one writer per run: rank 0 takes the folder's lock before anything is written; every
-    # process learns whether it could (so that all stop together, none waits at a barrier)
+    return train_prompts, heldout, scorer
+
+
+def resolve_model_source(config: Config, *, model, tokenizer) -> tuple[Config, Path | None]:
+    """The folder the model (or its tokenizer) loads from, resolved before anything is written (a
+    bad id costs nothing), or None when both objects were passed. A Hub id without
+    model.revision gets the snapshot's commit in the returned config, so --resume rebuilds this
+    very model."""
+    if model is not None and tokenizer is not None:
+        return config, None
+    source = getattr(model, "name_or_path", None) if model is not None else None
+    path = Path(source) if source else resolve_model_path(config.model.name, config.model.revision)
+    if model is None and is_hub_id(config.model.name) and config.model.revision is None:
+        config = copy.deepcopy(config)
+        config.model.revision = path.name
+    return config, path
+
+
+def claim_run_dir(run_dir: Path) -> RunWriter:
+    """One writer per run: rank 0 takes the folder's lock before anything is written, and every
+    process learns whether it could (so that all stop together, none waits at a barrier).
+    Returns the folder's writer, holding the lock (``writer.lock``; None on other ranks).
+
+    Raises:
+        RunLocked: another process holds the run.
+    """
     held, refused = None, None
     if is_main():
         try:
@@ -683,92 +781,90 @@ def build_run(
         raise RunLocked(refused)
     writer = RunWriter(run_dir)
     writer.lock = held
-    try:
-        if not resume and is_main():
-            dump_config(config, run_dir / "config.yaml")
+    return writer
 
-        for w in config.placement.warnings:
-            log.warning("tether: warning: %s", w)
-        if tokenizer is None:
-            tokenizer = load_model_part(
-                load_tokenizer, config.model.name, path, config.model.trust_remote_code
-            )
-        prepare_tokenizer(tokenizer)
-        if config.data.chat_template:
-            use_chat_template(tokenizer)
-        context = model_context(model.config if model is not None else path, config.model.trust_remote_code)
-        pairs = config.train.algo == "dpo" and config.dpo.pairs != "sampled"
-        longest = check_prompt_lengths(
-            tokenizer,
-            train_prompts.prompts
-            + heldout.prompts
-            + (pair_prompts(config.dpo.pairs, config.data.split).prompts if pairs else []),
-            config.rollout.max_prompt_tokens,
-            None if config.data.prompts in (DEFAULT_PROMPTS, *TASKS) else config.data.prompts,
-            room=(context, config.rollout.max_new_tokens) if context else None,
-        )
-        config = fill_max_prompt_tokens(config, longest, context)
-        if model is not None:  # the caller's object: dropout off, eval mode, on the device
-            lm = disable_dropout(model).eval().to(accelerator.device)
-            if config.model.dtype != "auto":
-                lm = lm.to(dtype)
-        else:
-            lm = load_model_part(
-                load_causal_lm, config.model.name, path, dtype, config.model.trust_remote_code
-            )
-            lm = lm.to(accelerator.device)
-        m = config.model
-        if m.lora:  # a peft model: the policy trains adapters, the reference reuses its frozen base
-            lm = add_lora(lm, m.lora_r, m.lora_alpha, m.lora_target_modules, m.adapter)
-        needs_reference = config.placement.needs_reference or config.train.algo == "dpo"
-        reference = make_reference(lm) if needs_reference else None
-        forwards = [0]
-        if reference is not None:
-            # count on the trunk: every path (scoring, generation) runs it exactly once per forward
-            count_reference_forwards(reference, forwards)
-        freeze_lower_layers(lm, config.model.layers_to_train)
-        # rows share prompts only in groups; otherwise the prefix pass would be one trunk call more
-        # (and not under FSDP: whether a batch takes the prefix pass depends on its own prompts, and
-        # every process must run the same number of block forwards there)
-        share_prefix = (
-            m.share_prompt_prefix
-            and config.rollout.group_size > 1
-            and not m.gradient_checkpointing
-            and not sharded
-        )
-        policy = PolicyWithValue(
-            lm,
-            head_chunk=config.model.head_chunk_size,
-            share_prefix=share_prefix,
-            gradient_checkpointing=m.gradient_checkpointing,  # the policy's only: after the reference's copy
-        )
-        policy.value_head.to(accelerator.device)  # float32 whatever the LM's dtype
-        if reference is not None:
-            check_reference(policy, reference)
-        reference_fingerprint = fingerprint(reference) if reference is not None else None
-        if sharded:  # after the checks and the fingerprint, which read the whole weights
-            shard_model(policy, policy.lm)
-            if reference is not None:
-                shard_model(reference, reference)
-        return Run(
-            config,
-            policy,
-            reference,
-            tokenizer,
-            scorer,
-            train_prompts,
-            heldout,
-            writer,
-            reference_fingerprint,
-            forwards,
-            accelerator,
-            existed,
-        )
-    except BaseException:
-        release_lock(held)
-        if not resume and is_main():
-            discard_failed_start(run_dir, existed)
-        raise
+
+def load_run_tokenizer(config: Config, path: Path | None, tokenizer=None):
+    """The run's tokenizer: ``tokenizer`` if given, else model.name's (from ``path``), with a
+    padding token and left padding (:func:`tether.models.loading.prepare_tokenizer`) and, with
+    data.chat_template, the chat template applied to prompts."""
+    if tokenizer is None:
+        tokenizer = load_model_part(load_tokenizer, config.model.name, path, config.model.trust_remote_code)
+    prepare_tokenizer(tokenizer)
+    if config.data.chat_template:
+        use_chat_template(tokenizer)
+    return tokenizer
+
+
+def check_prompts_fit(config: Config, tokenizer, *, model, path: Path | None, parts) -> Config:
+    """Every prompt (of ``parts`` and DPO's pairs file) within rollout.max_prompt_tokens and,
+    with rollout.max_new_tokens, the model's context; returns the config with
+    rollout.max_prompt_tokens filled (the longest prompt) when it was left unset.
+
+    Raises:
+        ValueError: a prompt too long, named by its line.
+    """
+    context = model_context(model.config if model is not None else path, config.model.trust_remote_code)
+    pairs = config.train.algo == "dpo" and config.dpo.pairs != "sampled"
+    longest = check_prompt_lengths(
+        tokenizer,
+        [p for part in parts for p in part.prompts]
+        + (pair_prompts(config.dpo.pairs, config.data.split).prompts if pairs else []),
+        config.rollout.max_prompt_tokens,
+        None if config.data.prompts in (DEFAULT_PROMPTS, *TASKS) else config.data.prompts,
+        room=(context, config.rollout.max_new_tokens) if context else None,
+    )
+    return fill_max_prompt_tokens(config, longest, context)
+
+
+def load_run_lm(config: Config, *, path: Path | None, dtype: torch.dtype, device) -> nn.Module:
+    """model.name's causal LM from ``path`` in ``dtype`` on ``device`` (its failure named)."""
+    lm = load_model_part(load_causal_lm, config.model.name, path, dtype, config.model.trust_remote_code)
+    return lm.to(device)
+
+
+def load_policy_and_reference(
+    config: Config, *, model, path: Path | None, dtype: torch.dtype, device, sharded: bool
+) -> tuple[PolicyWithValue, nn.Module | None, list[int]]:
+    """The policy (``model`` or model.name's LM, LoRA adapters added, lower blocks frozen, a value
+    head) and the frozen reference where the run needs one (a copy, or the LoRA model's base),
+    checked equal to the policy at step 0. Returns ``(policy, reference, forwards)``, where
+    ``forwards[0]`` counts the reference's forwards (``kl/reference_forwards``)."""
+    if model is not None:  # the caller's object: dropout off, eval mode, on the device
+        lm = disable_dropout(model).eval().to(device)
+        if config.model.dtype != "auto":
+            lm = lm.to(dtype)
+    else:
+        lm = load_run_lm(config, path=path, dtype=dtype, device=device)
+    m = config.model
+    if m.lora:  # a peft model: the policy trains adapters, the reference reuses its frozen base
+        lm = add_lora(lm, m.lora_r, m.lora_alpha, m.lora_target_modules, m.adapter)
+    needs_reference = config.placement.needs_reference or config.train.algo == "dpo"
+    reference = make_reference(lm) if needs_reference else None
+    forwards = [0]
+    if reference is not None:
+        # count on the trunk: every path (scoring, generation) runs it exactly once per forward
+        count_reference_forwards(reference, forwards)
+    freeze_lower_layers(lm, config.model.layers_to_train)
+    # rows share prompts only in groups; otherwise the prefix pass would be one trunk call more
+    # (and not under FSDP: whether a batch takes the prefix pass depends on its own prompts, and
+    # every process must run the same number of block forwards there)
+    share_prefix = (
+        m.share_prompt_prefix
+        and config.rollout.group_size > 1
+        and not m.gradient_checkpointing
+        and not sharded
+    )
+    policy = PolicyWithValue(
+        lm,
+        head_chunk=config.model.head_chunk_size,
+        share_prefix=share_prefix,
+        gradient_checkpointing=m.gradient_checkpointing,  # the policy's only: after the reference's copy
+    )
+    policy.value_head.to(device)  # float32 whatever the LM's dtype
+    if reference is not None:
+        check_reference(policy, reference)
+    return policy, reference, forwards
 
 
 def discard_failed_start(run_dir: Path, existed: bool) -> None:

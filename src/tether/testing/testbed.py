@@ -60,10 +60,11 @@ from tether.core.advantages import (
 )
 from tether.core.bestofn import bon_kl_bound
 from tether.core.controllers import FixedKLController, KLController
-from tether.core.kl import estimate_kl, exact_kl_from_logits, masked_sum, sequence_kl
+from tether.core.kl import estimate_kl, exact_kl_from_logits, sequence_kl
 from tether.core.leash import KLLeash
 from tether.core.logprobs import logprobs_from_logits
 from tether.core.losses import KLLossEstimator
+from tether.core.masked import masked_sum
 from tether.trainers.steps import (
     Experience,
     StepSettings,
@@ -119,10 +120,6 @@ class TabularBed:
     @property
     def num_prefixes(self) -> int:
         return num_prefixes(self.vocab, self.length)
-
-    @property
-    def num_sequences(self) -> int:
-        return self.vocab**self.length
 
 
 def bandit(ref_probs: list[float] | Tensor, rewards: list[float] | Tensor) -> TabularBed:
@@ -563,10 +560,10 @@ def table_policy_loss(
     return clipped_policy_loss(
         mb,
         token_logprobs(table, samples.tokens, vocab),
-        clip_eps,
-        leash,
-        kl_coef,
-        first_micro,
+        clip_eps=clip_eps,
+        leash=leash,
+        kl_coef=kl_coef,
+        first_micro=first_micro,
         values=value_table[samples.rows] if value_table is not None else None,
         clip_eps_value=clip_eps_value,
         vf_coef=vf_coef,
@@ -586,6 +583,7 @@ def train_on_policy(
     controller: KLController,
     settings: TrainSettings = TrainSettings(),
     kl_in_reward: bool = True,
+    *,
     kl_in_loss: bool = False,
     loss_estimator: KLLossEstimator = "k3+",
     kl_shaping: Literal["sampled", "exact"] = "sampled",
@@ -686,7 +684,7 @@ def train_on_policy(
         minibatch_update(
             exp,
             epoch_minibatches(B, s, gen),
-            partial(
+            minibatch_loss=partial(
                 table_policy_loss,
                 table=table,
                 value_table=values,
@@ -697,10 +695,10 @@ def train_on_policy(
                 leash=leash,
                 kl_coef=kl_coef,
             ),
-            opt,
-            [table] if values is None else [table, values],
-            math.inf,
-            algo,
+            optimizer=opt,
+            params=[table] if values is None else [table, values],
+            max_grad_norm=math.inf,
+            name=algo,
         )
         # 8. the controller reads what a run's reads (the exact KL per sequence by default)
         controller.update(controller_input(exp, step_settings), n_steps=B)
@@ -830,11 +828,11 @@ def train_dpo(bed: TabularBed, beta: float, settings: TrainSettings = TrainSetti
         minibatch_update(
             TablePairs(chosen, rejected, ref_c, ref_r, mask),
             epoch_minibatches(B, s, gen),
-            partial(table_dpo_loss, table=table, vocab=V, beta=beta),
-            opt,
-            [table],
-            math.inf,
-            "DPO",
+            minibatch_loss=partial(table_dpo_loss, table=table, vocab=V, beta=beta),
+            optimizer=opt,
+            params=[table],
+            max_grad_norm=math.inf,
+            name="DPO",
         )
         with torch.no_grad():  # probe: the policy's own samples, k1 per sequence
             probe = sample(table, V, T, B, gen)

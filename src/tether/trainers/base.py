@@ -31,12 +31,7 @@ import torch
 from torch import Tensor
 
 from tether.core import distributed as D
-from tether.core.controllers import (
-    AdaptiveKLController,
-    BudgetKLController,
-    FixedKLController,
-    make_controller,
-)
+from tether.core.controllers import make_controller
 from tether.core.diversity import distinct_n, repetition
 from tether.core.kl import kl_k3, sequence_kl
 from tether.core.leash import KLLeash
@@ -57,7 +52,7 @@ from tether.trainers.common import (
 from tether.trainers.steps import Experience, StepSettings, controller_input, make_experience
 from tether.trainers.update import MicroLoss, UpdateStats, minibatch_update
 
-__all__ = ["CONTROLLER_CLASSES", "OnPolicyTrainer", "sample_metrics", "step_settings"]
+__all__ = ["OnPolicyTrainer", "sample_metrics", "step_settings"]
 
 log = logging.getLogger(__name__)
 
@@ -161,10 +156,52 @@ class OnPolicyTrainer:
 
     # ---- the step --------------------------------------------------------------------------
     def step(self, step: int) -> dict:
-        c, run = self.cfg, self.run
         t0 = time.perf_counter()
-        # 1. sample prompts, each group_size times (consecutive rows form a group); every process
-        #    draws the same global batch and keeps its contiguous shard
+        rollout = self.sample_rollout(step)  # 1-2. prompts (each group_size times), responses
+        t_gen = time.perf_counter()
+        scores, reward_metrics = self.score(rollout, step)  # 3. the reward, called as TRL calls it
+        minibatches = self.minibatch_indices()
+        forwards = self.rollout_forwards(rollout, minibatches)  # 4. old, reference log-probs
+        t_score = time.perf_counter()
+        kl_coef = self.controller.kl_coef
+        exp = make_experience(  # 5-6. per-token KL, leashed rewards, advantages
+            rollout=rollout,
+            scores=scores,
+            old_logprobs=forwards.old_logprobs,
+            ref_logprobs=forwards.ref_logprobs,
+            values=forwards.values,
+            exact_kl=forwards.exact_kl,
+            minibatches=minibatches,
+            kl_coef=kl_coef,
+            leash=self.leash,
+            settings=self.settings,
+        )
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate of this step's first optimizer step
+        update = self.update(exp, kl_coef)  # 7. epochs of minibatch updates
+        t_update = time.perf_counter()
+        signal = controller_input(exp, self.settings)  # 8. beta from the KL that was logged
+        if signal is not None:
+            self.controller.update(signal, n_steps=self.cfg.rollout.batch_size)
+        row = self.metrics(step, exp, forwards, update, kl_coef)  # 9. metrics, over every process
+        row.update(reward_metrics)
+        row.update(
+            {
+                "optim/lr": lr,
+                "time/step": t_update - t0,
+                "time/generate": t_gen - t0,
+                "time/score": t_score - t_gen,
+                "time/update": t_update - t_score,
+            }
+        )
+        self.last_experience = exp
+        return row
+
+    def sample_rollout(self, step: int) -> Rollout:
+        """Steps 1-2: the step's prompts, each ``group_size`` times (consecutive rows form a
+        group; every process draws the same global batch and keeps its contiguous shard), and
+        the current policy's responses; sample i of the step is seeded by (seed, step, i), so the
+        samples do not depend on the number of processes."""
+        c, run = self.cfg, self.run
         rows = [
             i
             for i in self.sampler.next_indices(c.rollout.batch_size // self.group_size)
@@ -172,24 +209,27 @@ class OnPolicyTrainer:
         ]
         mine = D.shard(len(rows))
         prompts = run.train_prompts.select(rows[mine])  # this process's rows, with their columns
-        # 2. generate responses from the current policy; sample i of the step is seeded by
-        #    (seed, step, i), so the samples do not depend on the number of processes
         with generation_weights(run.policy, c.train.sharded_generation) as synced:  # FSDP
             rollout = generate(
                 run.policy.lm,
                 run.tokenizer,
-                prompts.prompts,
-                c.rollout.max_new_tokens,
-                c.rollout.temperature,
-                c.rollout.max_prompt_tokens,
+                prompts=prompts.prompts,
+                max_new_tokens=c.rollout.max_new_tokens,
+                temperature=c.rollout.temperature,
+                max_prompt_tokens=c.rollout.max_prompt_tokens,
                 seeds=sample_seeds(c.train.seed, step, range(len(rows))[mine]),
                 share_prefix=run.policy.share_prefix,
                 synced=synced,
             )
         rollout.columns = prompts.columns
-        t_gen = time.perf_counter()
-        # 3. score responses with the reward model (a reward list: their weighted sum), called as
-        #    TRL calls it: prompts, completions, completion_ids, columns, trainer_state, log hooks
+        return rollout
+
+    def score(self, rollout: Rollout, step: int) -> tuple[Tensor, dict]:
+        """Step 3: the responses' scores, (B,), from the reward (a reward list: their weighted
+        sum), called as TRL calls it (prompts, completions, completion_ids, columns,
+        trainer_state, log hooks); and the step's ``reward/<name>`` and ``reward_metric/<name>``
+        metrics."""
+        run = self.run
         reward_log = RewardLog()
         scores = torch.tensor(
             checked_scores(
@@ -204,11 +244,15 @@ class OnPolicyTrainer:
             ),
             device=self.device,
         )  # (B,)
-        rewards = reward_components(run.scorer, self.device)
-        rewards.update(reward_log.step_metrics())  # reward_metric/<name>: what log_metric got
-        # 4. old log-probs (+ values) and reference log-probs, no grad
-        #    (in one pass, optim.reuse_forward: the update's own forward, whose graph step 7 reuses)
-        minibatches = self.minibatch_indices()
+        metrics = reward_components(run.scorer, self.device)
+        metrics.update(reward_log.step_metrics())  # reward_metric/<name>: what log_metric got
+        return scores, metrics
+
+    def rollout_forwards(self, rollout: Rollout, minibatches: list[Tensor]) -> RolloutLogprobs:
+        """Step 4: old log-probs (+ values, the exact KL) and reference log-probs, no grad, in
+        the groups of epoch 0's ``minibatches`` (with optim.reuse_forward in one pass: the
+        update's own forward, whose graph step 7 reuses)."""
+        c, run = self.cfg, self.run
         with root_gathered(run.policy, run.reference):  # FSDP: blocks gathered one at a time
             forwards = old_and_ref_logprobs(
                 run.policy,
@@ -222,44 +266,7 @@ class OnPolicyTrainer:
                 reuse_forward_of=self.model if self.reuse_forward else None,
             )
         self._reused_forward = forwards.update_forward
-        t_score = time.perf_counter()
-        # 5-6. per-token KL, leashed rewards, advantages (steps.make_experience)
-        kl_coef = self.controller.kl_coef
-        exp = make_experience(
-            rollout=rollout,
-            scores=scores,
-            old_logprobs=forwards.old_logprobs,
-            ref_logprobs=forwards.ref_logprobs,
-            values=forwards.values,
-            exact_kl=forwards.exact_kl,
-            minibatches=minibatches,
-            kl_coef=kl_coef,
-            leash=self.leash,
-            settings=self.settings,
-        )
-        # 7. update epochs
-        lr = self.optimizer.param_groups[0]["lr"]  # the rate of this step's first optimizer step
-        update = self.update(exp, kl_coef)
-        t_update = time.perf_counter()
-        # 8. update kl_coef with the KL that was logged (kl.controller_signal: the estimator's, also
-        #    the one in the reward, or the exact KL)
-        signal = controller_input(exp, self.settings)
-        if signal is not None:
-            self.controller.update(signal, n_steps=c.rollout.batch_size)
-        # 9. metrics
-        row = self.metrics(step, exp, forwards, update, kl_coef)
-        row.update(rewards)
-        row.update(
-            {
-                "optim/lr": lr,
-                "time/step": t_update - t0,
-                "time/generate": t_gen - t0,
-                "time/score": t_score - t_gen,
-                "time/update": t_update - t_score,
-            }
-        )
-        self.last_experience = exp
-        return row
+        return forwards
 
     # ---- checkpointing ---------------------------------------------------------------------
     def state_dict(self, with_optimizer: bool = True) -> dict:
@@ -292,7 +299,7 @@ class OnPolicyTrainer:
         setting is reported, and so is a change of controller, which carries beta on (the budget
         controller's dual variable starts at it; a fixed controller takes its configured beta)."""
         kind = _controller_kind(saved)
-        now = next(k for k, cls in CONTROLLER_CLASSES.items() if isinstance(self.controller, cls))
+        now = self.controller.name
         if kind != now:
             if now != "fixed":
                 self.controller.kl_coef = saved["kl_coef"]
@@ -379,15 +386,15 @@ class OnPolicyTrainer:
         return minibatch_update(
             exp,
             self.epoch_minibatches(exp),
-            partial(self.minibatch_loss, kl_coef=kl_coef),
-            self.optimizer,
-            self.params,
-            o.max_grad_norm,
-            self.name,
-            self.accelerator,
-            self.model,
-            o.micro_batch_size,
-            self.scheduler,
+            minibatch_loss=partial(self.minibatch_loss, kl_coef=kl_coef),
+            optimizer=self.optimizer,
+            params=self.params,
+            max_grad_norm=o.max_grad_norm,
+            name=self.name,
+            accelerator=self.accelerator,
+            model=self.model,
+            micro_batch_size=o.micro_batch_size,
+            scheduler=self.scheduler,
         )
 
     def metrics(
@@ -399,12 +406,12 @@ class OnPolicyTrainer:
             **sample_metrics(
                 exp.rollout,
                 exp.scores,
-                exp.kl,
-                forwards.entropy,
-                forwards.exact_kl,
-                kl_coef,
-                self.cfg.kl.estimator,
-                forwards.old_logprobs,
+                kl=exp.kl,
+                entropy=forwards.entropy,
+                exact_kl=forwards.exact_kl,
+                kl_coef=kl_coef,
+                estimator=self.cfg.kl.estimator,
+                logprobs=forwards.old_logprobs,
             ),
             "kl/applied_in_reward": self.leash.counts["reward"],
             "kl/applied_in_loss": self.leash.counts["loss"],
@@ -421,6 +428,7 @@ def sample_metrics(
     kl: Tensor | None,
     entropy: Tensor,
     exact_kl: Tensor | None,
+    *,
     kl_coef: float,
     estimator: str,
     logprobs: Tensor | None = None,
@@ -501,14 +509,6 @@ def reward_components(scorer, device: torch.device | str = "cpu") -> dict:
         if float(D.all_reduce_sum(scored.sum())) > 0:  # a reward that scored nothing logs nothing
             out[f"reward/{name}"] = D.token_mean(torch.where(scored, v, 0.0), scored)
     return out
-
-
-CONTROLLER_CLASSES = {
-    "fixed": FixedKLController,
-    "adaptive": AdaptiveKLController,
-    "budget": BudgetKLController,
-}
-"""``kl.controller`` name -> class, to tell which controller a checkpoint's state came from."""
 
 
 def _controller_kind(saved: dict) -> str:

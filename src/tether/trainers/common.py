@@ -122,6 +122,7 @@ def resume_schedule(
     settings: dict,
     per_step: int,
     train_steps: int,
+    *,
     next_step: int | None,
     fused: bool,
 ) -> ResumedSchedule:
@@ -205,6 +206,7 @@ def old_and_ref_logprobs(
     rollout: Rollout,
     temperature: float,
     row_chunks: list[Tensor],
+    *,
     with_values: bool,
     exact_kl: bool,
     exact_chunk_size: int = 256,
@@ -236,7 +238,14 @@ def old_and_ref_logprobs(
             policy_logits = update_forward.logits.detach()  # (B, R, V), held by the graph anyway
             update_forward.logits = None  # the graph keeps what the backward needs; drop the reference to it
         pol, ref, exact = policy_and_reference_logprobs(
-            policy, reference, part, temperature, with_values, exact_kl, policy_logits, exact_chunk_size
+            policy,
+            reference,
+            rollout=part,
+            temperature=temperature,
+            with_values=with_values,
+            exact_kl=exact_kl,
+            policy_logits=policy_logits,
+            kl_chunk_size=exact_chunk_size,
         )
         out["old"][idx], out["entropy"][idx] = pol.logprobs, pol.entropy
         if with_values:
@@ -248,10 +257,10 @@ def old_and_ref_logprobs(
     return RolloutLogprobs(
         out["old"],
         out["ref"] if reference is not None else None,
-        out["values"] if with_values else None,
-        out["entropy"],
-        out["exact"] if exact_kl else None,
-        update_forward,
+        values=out["values"] if with_values else None,
+        entropy=out["entropy"],
+        exact_kl=out["exact"] if exact_kl else None,
+        update_forward=update_forward,
     )
 
 
@@ -290,11 +299,11 @@ def restore_optimization(trainer, state: dict, next_step: int | None) -> None:
     resumed = resume_schedule(
         trainer.optimizer,
         state,
-        dataclasses.asdict(trainer.cfg.optim),
-        trainer.per_step,
-        trainer.cfg.train.steps,
-        next_step,
-        trainer.fused,
+        settings=dataclasses.asdict(trainer.cfg.optim),
+        per_step=trainer.per_step,
+        train_steps=trainer.cfg.train.steps,
+        next_step=next_step,
+        fused=trainer.fused,
     )
     trainer.scheduler, trainer.schedule_steps = resumed.scheduler, resumed.total_steps
     if resumed.changes and D.is_main():

@@ -29,8 +29,9 @@ import torch
 from torch import Tensor
 
 from tether.core import distributed as D
-from tether.core.kl import estimate_kl, masked_sum
+from tether.core.kl import estimate_kl
 from tether.core.losses import DPOLoss, dpo_loss
+from tether.core.masked import masked_sum
 from tether.core.shaping import shape_rewards
 from tether.data.prompts import PromptSampler, is_heldout, load_rows, prompt_key
 from tether.judges.contract import checked_scores, trainer_state
@@ -232,10 +233,10 @@ class DPOTrainer:
                 ro = generate(
                     run.reference,
                     run.tokenizer,
-                    candidates.prompts,
-                    c.rollout.max_new_tokens,
-                    c.rollout.temperature,
-                    c.rollout.max_prompt_tokens,
+                    prompts=candidates.prompts,
+                    max_new_tokens=c.rollout.max_new_tokens,
+                    temperature=c.rollout.temperature,
+                    max_prompt_tokens=c.rollout.max_prompt_tokens,
                     seeds=sample_seeds(c.train.seed, -1, range(tried * k, (tried + per_call) * k)),
                     synced=synced,
                 )
@@ -357,15 +358,15 @@ class DPOTrainer:
         update = minibatch_update(
             P,
             self.minibatches(batch),
-            self.minibatch_loss,
-            self.optimizer,
-            self.params,
-            c.optim.max_grad_norm,
-            "DPO",
-            self.accelerator,
-            self.model,
-            c.optim.micro_batch_size,
-            self.scheduler,
+            minibatch_loss=self.minibatch_loss,
+            optimizer=self.optimizer,
+            params=self.params,
+            max_grad_norm=c.optim.max_grad_norm,
+            name="DPO",
+            accelerator=self.accelerator,
+            model=self.model,
+            micro_batch_size=c.optim.micro_batch_size,
+            scheduler=self.scheduler,
         )
         t_update = time.perf_counter()
         # 3. the real KL and score of the policy's own samples on held-out prompts
@@ -402,10 +403,10 @@ class DPOTrainer:
             ro = generate(
                 run.policy.lm,
                 run.tokenizer,
-                prompts.prompts,
-                c.rollout.max_new_tokens,
-                c.rollout.temperature,
-                c.rollout.max_prompt_tokens,
+                prompts=prompts.prompts,
+                max_new_tokens=c.rollout.max_new_tokens,
+                temperature=c.rollout.temperature,
+                max_prompt_tokens=c.rollout.max_prompt_tokens,
                 seeds=seeds,
                 synced=synced,
             )
@@ -454,4 +455,13 @@ class DPOTrainer:
             exact_kl=exact,
         )
         # beta is DPO's leash; the row's objective/kl_coef is set by the caller to the same beta
-        return sample_metrics(ro, scores, kl, pol.entropy, exact, c.dpo.beta, c.kl.estimator, pol.logprobs)
+        return sample_metrics(
+            ro,
+            scores,
+            kl=kl,
+            entropy=pol.entropy,
+            exact_kl=exact,
+            kl_coef=c.dpo.beta,
+            estimator=c.kl.estimator,
+            logprobs=pol.logprobs,
+        )

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from tether.core import distributed as D
 from tether.core.advantages import group_all_equal, group_std
-from tether.core.kl import masked_sum
+from tether.core.masked import masked_sum
 from tether.trainers.base import OnPolicyTrainer
 from tether.trainers.steps import Experience, clipped_policy_loss
 from tether.trainers.update import MicroLoss
@@ -35,7 +35,14 @@ class GroupTrainer(OnPolicyTrainer):
 
     def minibatch_loss(self, mb: Experience, kl_coef: float, first_micro: bool = True) -> MicroLoss:
         logprobs = self.policy_logprobs(mb.rollout)  # (B, R), with grad
-        return clipped_policy_loss(mb, logprobs, self.cfg.ppo.clip_eps, self.leash, kl_coef, first_micro)
+        return clipped_policy_loss(
+            mb,
+            logprobs,
+            clip_eps=self.cfg.ppo.clip_eps,
+            leash=self.leash,
+            kl_coef=kl_coef,
+            first_micro=first_micro,
+        )
 
 
 def group_metrics(scores: Tensor, group_size: int) -> dict:

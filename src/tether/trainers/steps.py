@@ -35,9 +35,10 @@ from tether.core.advantages import (
     return_scale,
     rloo_advantages,
 )
-from tether.core.kl import KLEstimator, at_least_fp32, estimate_kl, kl_k1, masked_sum, sequence_kl
+from tether.core.kl import KLEstimator, estimate_kl, kl_k1, sequence_kl
 from tether.core.leash import KLLeash
 from tether.core.losses import clipped_value_loss, dpo_loss, ppo_policy_loss
+from tether.core.masked import at_least_fp32, masked_sum
 from tether.trainers.update import MicroLoss
 
 
@@ -182,6 +183,7 @@ def kl_and_rewards(
     ref_logprobs: Tensor | None,
     mask: Tensor,
     kl_coef: float,
+    *,
     estimator: KLEstimator,
     leash: KLLeash,
     estimate: Callable[[Tensor, Tensor, KLEstimator], Tensor] = estimate_kl,
@@ -226,6 +228,7 @@ def ppo_advantages(
     mask: Tensor,
     gamma: float,
     lam: float,
+    *,
     whiten: bool,
     scale_returns: bool = False,
     token_correction: Tensor | None = None,
@@ -362,11 +365,11 @@ def _ppo_step_advantages(
     advantages, returns, scale = ppo_advantages(
         leashed.rewards,
         values,
-        mask,
-        settings.gamma,
-        settings.gae_lambda,
-        settings.whiten,
-        settings.scale_returns,
+        mask=mask,
+        gamma=settings.gamma,
+        lam=settings.gae_lambda,
+        whiten=settings.whiten,
+        scale_returns=settings.scale_returns,
         token_correction=leashed.token_correction,  # ppo.kl_shaping=exact: token t's own KL term
     )
     return Advantages(advantages=advantages, returns=returns, return_scale=scale)
@@ -451,11 +454,11 @@ def make_experience(
     leashed = kl_and_rewards(
         scores,
         old_logprobs,
-        ref_logprobs,
-        mask,
-        kl_coef,
-        settings.estimator,
-        leash,
+        ref_logprobs=ref_logprobs,
+        mask=mask,
+        kl_coef=kl_coef,
+        estimator=settings.estimator,
+        leash=leash,
         estimate=estimate,
         exact_kl=exact_kl if leash.reward_form == "exact" else None,
     )
@@ -513,6 +516,7 @@ def clipped_policy_loss(
     clip_eps: float,
     leash: KLLeash,
     kl_coef: float,
+    *,
     first_micro: bool = True,
     values: Tensor | None = None,
     clip_eps_value: float = 0.2,

@@ -79,6 +79,7 @@ def optimizer_step(
     loss: Tensor | Sequence[Callable[[], Tensor]],
     max_grad_norm: float,
     name: str,
+    *,
     accelerator: Accelerator | None = None,
     model: nn.Module | None = None,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
@@ -194,6 +195,7 @@ def _weighted_loss(
     first_micro: bool,
     share: Tensor | float,
     world: int,
+    *,
     weighted: dict[str, float],
     devs: list[Tensor | None],
 ) -> Tensor:
@@ -213,6 +215,7 @@ def minibatch_update(
     minibatch_loss: Callable[..., MicroLoss],
     optimizer: torch.optim.Optimizer,
     params: list,
+    *,
     max_grad_norm: float,
     name: str,
     accelerator: Accelerator | None = None,
@@ -256,10 +259,19 @@ def minibatch_update(
         shares = micro_shares(parts)
         devs: list[Tensor | None] = []
         losses = [
-            partial(_weighted_loss, minibatch_loss, part, j == 0, share, world, weighted, devs)
+            partial(_weighted_loss, minibatch_loss, part, j == 0, share, world, weighted=weighted, devs=devs)
             for j, (part, share) in enumerate(zip(parts, shares))
         ]
-        norm = optimizer_step(optimizer, params, losses, max_grad_norm, name, accelerator, model, scheduler)
+        norm = optimizer_step(
+            optimizer,
+            params,
+            loss=losses,
+            max_grad_norm=max_grad_norm,
+            name=name,
+            accelerator=accelerator,
+            model=model,
+            scheduler=scheduler,
+        )
         grad_norms.append(float(norm))
         if n == 0 and devs[0] is not None:
             # before any update the ratio must be exactly 1 (same inputs, same weights)

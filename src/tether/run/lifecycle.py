@@ -1,0 +1,235 @@
+"""A run's life beside its checkpoints: start, resume, checkpoint, and the checks that keep a
+resumed run the run it was (the same prompts, the same reference, settings changes recorded).
+
+Each function takes the :class:`tether.run.setup.Run` and, where it saves or restores the
+trainer's state, the trainer (any object with ``state_dict``, ``load_state_dict`` and
+``optimizer``: the layers above build it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import torch
+import yaml
+
+from tether.core import distributed as D
+from tether.core.health import Alarm
+from tether.judges.contract import ScorerStopped
+from tether.models.reference import fingerprint
+from tether.models.sharding import is_sharded
+from tether.run.checkpoint import (
+    SHARDED,
+    latest_checkpoint,
+    load_checkpoint,
+    load_sharded_state,
+    policy_tensors,
+    resume_checkpoint,
+    rng_state,
+    save_checkpoint,
+    save_sharded_state,
+    set_rng_state,
+    sharded_folder,
+)
+from tether.run.console import say
+from tether.run.files import atomic_write_text, read_json, read_jsonl, resume_hint, write_json_file
+from tether.run.monitor import HealthMonitor
+from tether.run.setup import Run
+
+
+def start_run(run: Run) -> int:
+    """A fresh run: record its reference's fingerprint and its prompts' (reference.json,
+    data.json); returns the first step, 0."""
+    if D.is_main():
+        write_json_file(run.writer.run_dir / "reference.json", {"fingerprint": run.reference_fingerprint})
+        write_json_file(run.writer.run_dir / "data.json", data_record(run))
+    return 0
+
+
+def data_record(run: Run) -> dict:
+    """The run's prompts, fingerprinted (SHA-256 of the training and held-out prompts with their
+    columns, in order): a resume must see the same ones (the checkpoint's prompt order and the
+    held-out split index them)."""
+    h = hashlib.sha256()
+    for part in (run.train_prompts, run.heldout_prompts):
+        h.update(json.dumps([part.prompts, part.columns], sort_keys=True, default=str).encode())
+    return {
+        "prompts_sha256": h.hexdigest(),
+        "train": len(run.train_prompts),
+        "heldout": len(run.heldout_prompts),
+    }
+
+
+def check_data(run: Run) -> None:
+    """Refuse a resume whose prompts differ from the run's (data.json; a run from before it has
+    none and is not checked)."""
+    path = run.writer.run_dir / "data.json"
+    if not path.exists():
+        return
+    saved, now = read_json(path), data_record(run)
+    if saved.get("prompts_sha256") != now["prompts_sha256"]:
+        raise RuntimeError(
+            f"--resume {run.writer.run_dir}: the prompts differ from the run's "
+            f"({saved.get('train')} training and {saved.get('heldout')} held-out prompts then, "
+            f"{now['train']} and {now['heldout']} now, "
+            f"SHA-256 {str(saved.get('prompts_sha256'))[:12]}... vs {now['prompts_sha256'][:12]}...): "
+            f"data.prompts={run.config.data.prompts} was edited since, or train.seed changed the "
+            "embedded prompts' prefixes. The checkpoint's prompt order and the held-out split index the "
+            "run's prompts: restore the file (and train.seed), or start a new run"
+        )
+
+
+def resume_run(run: Run, trainer, monitor: HealthMonitor) -> int:
+    """Restore the newest checkpoint; check the rebuilt reference against its fingerprint."""
+    w = run.writer
+    # rank 0 checks every file's SHA-256 (falling back past a damaged newest checkpoint); all load
+    # the folder it chose
+    found, notes = resume_checkpoint(w.run_dir) if D.is_main() else (None, [])
+    path = D.gather_objects(found)[0]
+    for note in notes:
+        say(note, True)
+    if path is None:
+        raise FileNotFoundError(
+            f"--resume {w.run_dir}: no complete checkpoint in {w.run_dir / 'checkpoints'}"
+            + (
+                " that verifies (each damaged one was moved aside to checkpoints/.damaged-step-N: rename "
+                "one back to look at it, or start a new run)"
+                if notes
+                else ""
+            )
+        )
+    check_data(run)
+    recorded = read_json(w.run_dir / "reference.json").get("fingerprint")
+    if recorded != run.reference_fingerprint:
+        raise RuntimeError(
+            f"--resume {w.run_dir}: the reference rebuilt from {run.config.model.name} does not match "
+            f"the fingerprint recorded when the run started ({recorded[:12]}... vs "
+            f"{str(run.reference_fingerprint)[:12]}...): the reference would have moved"
+        )
+    meta, state = load_checkpoint(path, run.policy)
+    if (path / SHARDED).exists():  # a sharded run's: weights and AdamW state resharded to this run's
+        load_sharded_state(path / SHARDED, run.policy, trainer.optimizer.optimizer)
+    # the resumed config's controller and optimizer settings apply from the next step (printed)
+    trainer.load_state_dict(state["trainer"], next_step=meta["step"] + 1)
+    set_rng_state(state["rng"])
+    run.reference_forwards[0] = state["reference_forwards"]
+    if not D.is_main():
+        return meta["step"] + 1
+    w.truncate_after(meta["step"])
+    record_resumed_config(run, meta["step"])
+    monitor.fired = [Alarm(**a) for a in read_jsonl(w.run_dir / "warnings.jsonl")]
+    return meta["step"] + 1
+
+
+def record_resumed_config(run: Run, step: int) -> None:
+    """When ``--resume`` changed settings, config.yaml becomes the config the run goes on with (so
+    a later plain ``--resume`` keeps them) and the one it had is kept as config.until-step-N.yaml."""
+    path = run.writer.run_dir / "config.yaml"
+    before = yaml.safe_load(path.read_text())
+    now = run.config.to_dict(resolved=False)
+    now["train"]["output_dir"] = before["train"]["output_dir"]  # --resume names the folder; not a change
+    if now == before:
+        return
+    kept = path.with_name(f"config.until-step-{step}.yaml")
+    atomic_write_text(kept, path.read_text())
+    atomic_write_text(path, yaml.safe_dump(now, sort_keys=False))
+    changed = [
+        f"{sec}.{name}: {(before.get(sec) or {}).get(name)!r} -> {value!r}"
+        for sec, fields in now.items()
+        if isinstance(fields, dict)
+        for name, value in fields.items()
+        if (before.get(sec) or {}).get(name) != value
+    ]
+    say(
+        f"tether: resumed with {len(changed)} changed setting(s), from step {step + 1}: "
+        f"{'; '.join(changed)}. "
+        f"config.yaml now holds them; the run's earlier config is {kept.name}",
+        run.config.train.progress,
+    )
+
+
+def write_checkpoint(run: Run, trainer, step: int) -> Path:
+    """Rank 0 writes the checkpoint (policy, optimizer and trainer state are the same on every
+    process; under FSDP each process writes its shards of weights and AdamW state first). The
+    reference is fingerprinted when the run starts, on resume and after the last step, not here:
+    hashing copies every weight to the host (seconds for a 7B reference on a GPU)."""
+    path = run.writer.run_dir / "checkpoints"
+    sharded = sharded_folder(run.writer.run_dir, step) if is_sharded(run.policy) else None
+    if sharded is not None:  # every process writes its own shards of weights and AdamW state
+        if D.is_main():
+            shutil.rmtree(sharded, ignore_errors=True)  # a killed attempt's
+        D.barrier()
+        save_sharded_state(sharded / SHARDED, run.policy, trainer.optimizer.optimizer)
+        weights, trainer_state = None, trainer.state_dict(with_optimizer=False)
+    else:
+        weights, trainer_state = policy_tensors(run.policy), trainer.state_dict()
+    if D.is_main():
+        path = save_checkpoint(
+            run.writer.run_dir,
+            step,
+            policy=weights,
+            trainer_state={
+                "trainer": trainer_state,
+                "rng": rng_state(),
+                "reference_forwards": run.reference_forwards[0],
+            },
+            reference_fingerprint=run.reference_fingerprint,
+            sharded=sharded,
+            keep=run.config.train.keep_checkpoints,
+        )
+    D.barrier()
+    return path
+
+
+def check_reference(run: Run, when: str) -> None:
+    """Every process checks its reference against the fingerprint taken when the run started;
+    all stop if any one moved (before a checkpoint or the final evaluation is written)."""
+    moved = run.reference is not None and fingerprint(run.reference) != run.reference_fingerprint
+    if D.all_reduce_max(torch.tensor(float(moved))) > 0:
+        raise RuntimeError(
+            f"{when}: the reference model's weights changed since the run started; "
+            "stopping (the last checkpoint is kept)"
+        )
+
+
+def state_before_step(run: Run, trainer) -> dict | None:
+    """What an on-policy step moves before it scores (the prompt sampler; the RNGs, which a scorer
+    may draw from): copied, so that a scorer that ends the step (:class:`ScorerStopped`) leaves a
+    checkpoint of the step before, exactly as it was. None for DPO, whose probe scores after the
+    update."""
+    if not hasattr(trainer, "sampler"):
+        return None
+    return {
+        "sampler": trainer.sampler.state_dict(),
+        "generator": trainer.generator.get_state(),
+        "rng": rng_state(),
+        "reference_forwards": run.reference_forwards[0],
+    }
+
+
+def raise_stopped_in_step(run: Run, trainer, step: int, before: dict | None, e: ScorerStopped):
+    """A scorer raised SystemExit or KeyboardInterrupt inside step ``step``: an on-policy step
+    scores before it updates, so the policy and the optimizer are those after step ``step - 1``;
+    with the sampler and RNGs put back as they were, that checkpoint is written (a resume then
+    runs step ``step`` as an uninterrupted run would). Raises the error with what was kept."""
+    w = run.writer
+    if before is not None and step > 0:
+        trainer.sampler.load_state_dict(before["sampler"])
+        trainer.generator.set_state(before["generator"])
+        set_rng_state(before["rng"])
+        run.reference_forwards[0] = before["reference_forwards"]
+        path = write_checkpoint(run, trainer, step - 1)
+        raise ScorerStopped(
+            f"{e} (checkpoint {path} holds the run after step {step - 1}; {resume_hint(w.run_dir)})"
+        ) from None
+    if step == 0 and not w.history:  # a fresh run's first step: train() removes the folder
+        raise ScorerStopped(
+            f"{e} (no step completed, so the run folder is removed: start the run again)"
+        ) from None
+    kept = latest_checkpoint(w.run_dir)
+    raise ScorerStopped(
+        f"{e} ({f'the last checkpoint, {kept}, is kept; ' if kept else ''}{resume_hint(w.run_dir)})"
+    ) from None
