@@ -2,7 +2,7 @@
 
 A byte-level BPE tokenizer trained on the example's own texts (with an EOS, a pad and a chat
 template), a 2-block Llama policy and a 1-block Llama reward model, all random. Their numbers
-mean nothing; they let the examples (and ``tests/test_examples.py``) run the real code paths in
+mean nothing; they let the examples (and ``tests/e2e/test_examples.py``) run the real code paths in
 seconds, with nothing downloaded.
 """
 

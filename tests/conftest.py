@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny random Llama and a tiny byte-level tokenizer, built in the test.
+"""Shared fixtures and helpers: a tiny random Llama and a tiny byte-level tokenizer, built in the
+test; the arguments of a tiny run; an offline Hub cache; the tiers, from the folders.
 
 Nothing here downloads anything; a 2-layer Llama with hidden size 32 loads in milliseconds.
 """
@@ -6,6 +7,9 @@ Nothing here downloads anything; a 2-layer Llama with hidden size 32 loads in mi
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -86,6 +90,51 @@ def tiny_run_args(
     settings["train.output_dir"] = out
     args = [f"{k}={v}" for k, v in settings.items() if v is not None]
     return ["train", *args] if command else args
+
+
+def tiny_cli_args(tiny_model_dir, prompt_file, out):
+    """A tiny run with periodic evaluations, samples and a gold judge, as ``tether train`` takes it."""
+    overrides = {
+        "rollout.max_new_tokens": 6,
+        "optim.epochs": 2,
+        "train.steps": 3,
+        "train.sample_every": 2,
+        "eval.n_prompts": 4,
+        "eval.judge": "tests.conftest:length_judge",
+        "eval.every": 2,
+        "eval.periodic_prompts": 4,
+        "reward.scorer": None,
+        "train.save_model": None,
+        "train.checkpoint_every": None,
+    }
+    return tiny_run_args(tiny_model_dir, prompt_file, out, overrides, command=True)
+
+
+REPO = Path(__file__).resolve().parents[1]
+SHA = "0123456789abcdef0123456789abcdef01234567"
+
+
+def hub_cache(home: Path, repo_id: str, folder: Path, kind: str = "models") -> Path:
+    """``folder``'s files as the snapshot ``SHA`` of ``repo_id`` in an HF cache under ``home``
+    (``hub/models--ORG--NAME/snapshots/SHA`` with ``refs/main`` naming it), as a download leaves it."""
+    root = home / "hub" / f"{kind}--{repo_id.replace('/', '--')}"
+    shutil.copytree(folder, root / "snapshots" / SHA)
+    (root / "refs").mkdir(parents=True)
+    (root / "refs" / "main").write_text(SHA)
+    return root
+
+
+def offline_cli(home: Path, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HOME=str(home), HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
+    env.pop("HF_HUB_CACHE", None)
+    return subprocess.run(
+        [sys.executable, "-m", "tether", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -218,35 +267,14 @@ def prompt_length_scorer(prompts: list[str], completions: list[str], **kwargs) -
 
 
 # ---- test tiers -------------------------------------------------------------------------------
-TIERS = {
-    # exact enumeration on small vocabularies and tabular optima: equalities, not sampling luck
-    "oracle": {"test_kl", "test_testbed", "test_kl_placement", "test_k1_seq"},
-    # whole runs through the CLI or accelerate launch, on tiny random models
-    "e2e": {
-        "test_cli",
-        "test_checkpoint",
-        "test_distributed",
-        "test_frontier",
-        "test_lora",
-        "test_optim",
-        "test_guards",
-        "test_bad_inputs",
-        "test_dpo",
-        "test_hub",
-        "test_data",
-        "test_task_defaults",
-        "test_examples",
-        "test_run_folder_safety",
-        "test_run_lock",
-        "test_run_files",
-        "test_verifiable",
-        "test_capability",
-    },
-    # the real SmolLM2-135M, ICWSM prompts and MiniLM judge (also marked `slow`)
-    "real": {"test_integration", "test_reward_model"},
-}
-"""Each test module's tier; every other module is `unit` (hand-worked values, fast path against slow
-path, one function at a time). Select one with ``pytest -m unit`` (``oracle``, ``e2e``, ``real``)."""
+TIERS = ("oracle", "e2e", "real")
+"""The tiers with a folder of their own: ``tests/oracle`` (exact enumeration on small vocabularies
+and tabular optima: equalities, not sampling luck), ``tests/e2e`` (whole runs through the CLI or
+accelerate launch, on tiny random models) and ``tests/real`` (the real SmolLM2-135M, ICWSM prompts
+and MiniLM judge, also marked `slow`). Every other test is `unit` (hand-worked values, fast path
+against slow path, one function at a time), in the folder of the layer it tests
+(``tests/core`` ... ``tests/trainers``). Select one with ``pytest -m unit`` (``oracle``, ``e2e``,
+``real``)."""
 
 
 def pytest_generate_tests(metafunc):
@@ -258,10 +286,10 @@ def pytest_generate_tests(metafunc):
 
 
 def pytest_collection_modifyitems(config, items):
-    tier_of = {module: tier for tier, modules in TIERS.items() for module in modules}
     for item in items:
-        module = item.module.__name__.rpartition(".")[2]
-        item.add_marker(getattr(pytest.mark, tier_of.get(module, "unit")))
+        parts = item.module.__name__.split(".")  # tests.<folder>.test_x, or tests.test_x
+        folder = parts[1] if len(parts) > 2 else ""
+        item.add_marker(getattr(pytest.mark, folder if folder in TIERS else "unit"))
 
 
 try:

@@ -11,7 +11,7 @@ rank with no valid token contributes ``(0, 0)`` and so is left out rather than c
 Torch only (``torch.distributed``, set up by accelerate's ``PartialState``); imports only
 :mod:`tether.core.kl` and :mod:`tether.core.advantages`. Every function works without an initialised
 process group, as one rank of a world of size 1, and then equals its single-process twin
-(``tests/test_distributed.py``). Sums are reduced in float64 so that the result does not depend
+(``tests/e2e/test_distributed.py``). Sums are reduced in float64 so that the result does not depend
 on how the batch is split beyond float64 rounding.
 """
 

@@ -76,7 +76,7 @@ def kl_k2(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     """k2 = 0.5 * (log pi_theta - log pi_ref)^2: non-negative, biased, low variance.
 
     Its on-policy expectation is KL + O(third moment); the bias is exactly
-    ``E[k2] - KL`` which ``tests/test_kl.py`` computes by enumeration. Its gradient on-policy
+    ``E[k2] - KL`` which ``tests/oracle/test_kl.py`` computes by enumeration. Its gradient on-policy
     equals the reverse-KL gradient (Tang & Munos 2025, arXiv 2506.09477).
     Shapes and units as :func:`kl_k1`.
     """

@@ -115,7 +115,7 @@ def clipped_value_loss(
 # Which per-token surrogate to differentiate so that the expected gradient is the gradient of
 # the reverse KL(pi_theta || pi_ref). Tang & Munos 2025, "On a few pitfalls in KL divergence
 # gradient estimation for RL", arXiv 2506.09477; Schulman 2020. Exact checks by enumeration are
-# in tests/test_kl_placement.py and the table in docs/kl.md.
+# in tests/oracle/test_kl_placement.py and the table in docs/kl.md.
 # Which of them are allowed, and why the others are refused: tether.core.placement.
 KLLossEstimator = Literal["k2", "k3+", "k3_is", "k1_seq", "k1", "k3"]
 

@@ -18,7 +18,7 @@ Two forms of the same expected policy gradient:
   same: for ``t' > t``, ``E[k1_{t'} - KL_{t'} | s_{t'}] = 0`` while ``grad log pi(y_t | s_t)`` is
   fixed by ``s_{t'}``, so dropping those terms changes the variance only (a Rao-Blackwellization
   of the later tokens' KL); token t's own ``grad log pi(y_t) * k1_t`` is kept, and its mean is
-  the direct gradient of ``KL_t``. Tested by exact enumeration in tests/test_kl_placement.py.
+  the direct gradient of ``KL_t``. Tested by exact enumeration in tests/oracle/test_kl_placement.py.
 """
 
 from __future__ import annotations

@@ -174,7 +174,7 @@ def sample_seeds(seed: int, step: int, indices: Sequence[int]) -> list[int]:
     """One sampling seed per sample: a hash of (run seed, step, global sample index).
 
     A sample's random stream then depends only on which sample it is, not on how the step's
-    batch is split over processes or generate calls (``tests/test_distributed.py``).
+    batch is split over processes or generate calls (``tests/e2e/test_distributed.py``).
 
     Returns:
         ``len(indices)`` Python ints, each in [0, 2**63) (host values: each seeds a generator on

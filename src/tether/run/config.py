@@ -1477,7 +1477,7 @@ FIELD_UNITS: dict[str, str] = {
 }
 """Every config field's unit, declared here (``''``: a name, a flag or a choice, no quantity);
 ``tether config`` prints it. A step is one rollout batch (``train.steps``); an optimizer step is
-one minibatch update. tests/test_config.py checks that every field has an entry."""
+one minibatch update. tests/run/test_config.py checks that every field has an entry."""
 
 _SENTENCE_END = __import__("re").compile(r"(?<!\bal)(?<!e\.g)(?<!i\.e)(?<!\bvs)\.\s+(?=[A-Z(`'\"])")
 """The end of a sentence: a full stop before a capital, not in 'et al.', 'e.g.', 'i.e.', 'vs.'."""

@@ -10,12 +10,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.conftest import tiny_run_args
 from tether import load_config, train
 from tether.cli import main
 from tether.data.prompts import prompt_key, split_prompts
 from tether.run.config import FIELD_UNITS, Config, ConfigError, config_fields
-
-from .conftest import tiny_run_args
 
 
 def _tiny(tiny_model_dir, prompt_file, out, *extra: str) -> list[str]:

@@ -7,13 +7,11 @@ import math
 
 import pytest
 
+from tests.conftest import SHA, answer_checker, hub_cache, length_judge, offline_cli, sometimes_none
 from tether.cli import main
 from tether.data.prompts import PromptData, load_prompt_data, split_prompts
 from tether.judges.contract import WeightedReward, checked_scores
 from tether.judges.scorers import make_scorer
-
-from .conftest import answer_checker, length_judge, sometimes_none
-from .test_hub import SHA, hub_cache, offline_cli
 
 ROWS = [
     {"prompt": f"the movie number {i} was", "answer": f"ans:the movie number {i} was", "id": i}
@@ -183,7 +181,7 @@ def test_a_cached_hub_dataset_trains_offline(tiny_model_dir, tmp_path):
 
 
 def test_a_tracker_gets_every_metric_row_and_the_sample_tables(tiny_model_dir, prompt_file, tmp_path):
-    from .conftest import RecordingTracker
+    from tests.conftest import RecordingTracker
 
     RecordingTracker.rows, RecordingTracker.tables, RecordingTracker.finished = [], [], False
     args = _train(
@@ -299,7 +297,7 @@ def test_a_reward_model_reads_prompt_and_completion_together(tiny_tokenizer, tmp
         tok.save_pretrained(folder)
         score = make_scorer(f"hf:{folder}")
         # as TRL: string prompts are concatenated with the completion, conversations go through
-        # the reward model's template (tests/test_trl_contract.py checks TRL's rule in full)
+        # the reward model's template (tests/judges/test_trl_contract.py checks TRL's rule in full)
         prompts = (
             ["the movie", "the film"]
             if template is None

@@ -13,6 +13,8 @@ import math
 import pytest
 import torch
 
+from tests.conftest import make_tiny_llama, metric_rows
+from tests.conftest import tiny_cli_args as _tiny_args
 from tether.cli import main
 from tether.models.loading import load_causal_lm
 from tether.models.lora import (
@@ -30,9 +32,6 @@ from tether.run.config import ConfigError, load_config
 from tether.run.setup import build_run
 from tether.trainers.common import old_and_ref_logprobs
 from tether.trainers.ppo import PPOTrainer
-
-from .conftest import make_tiny_llama, metric_rows
-from .test_cli import _tiny_args
 
 
 def _lora_config(model_dir, prompts, out, *extra):

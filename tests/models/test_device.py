@@ -16,6 +16,8 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
+from tests.conftest import tiny_run_args
+from tests.numerics import EPS32, assert_grads_close
 from tether.cli import main
 from tether.models.policy import PolicyWithValue
 from tether.models.sampling import Rollout, generate, sample_seeds
@@ -27,10 +29,7 @@ from tether.trainers.precision import INITIAL_LOSS_SCALE, MasterWeights
 from tether.trainers.update import optimizer_step
 from tether.training import TRAINERS
 
-from .conftest import tiny_run_args
-from .numerics import EPS32, assert_grads_close
-
-SRC = Path(__file__).resolve().parents[1] / "src" / "tether"
+SRC = Path(__file__).resolve().parents[2] / "src" / "tether"
 
 FACTORIES = {
     torch.tensor,

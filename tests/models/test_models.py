@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.conftest import make_tiny_llama
 from tether.core.logprobs import response_mask_from_tokens
 from tether.models.head import position_ids_from_mask
 from tether.models.loading import disable_dropout
@@ -16,8 +17,6 @@ from tether.models.policy import PolicyWithValue
 from tether.models.reference import check_reference, fingerprint, freeze, make_reference
 from tether.models.sampling import Rollout, generate, tokenize_prompts
 from tether.models.scoring import rollout_logprobs
-
-from .conftest import make_tiny_llama
 
 PROMPTS = ["the movie was", "a terrible boring film with", "good"]
 

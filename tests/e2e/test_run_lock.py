@@ -13,11 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import tiny_run_args
 from tether.run.lock import LOCK_NAME, RunLocked, acquire, release
 
-from .conftest import tiny_run_args
-
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _write_lock(run_dir: Path, host: str, pid: int) -> None:

@@ -3,43 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
-from .conftest import tiny_run_args
-
-REPO = Path(__file__).resolve().parents[1]
-SHA = "0123456789abcdef0123456789abcdef01234567"
-
-
-def hub_cache(home: Path, repo_id: str, folder: Path, kind: str = "models") -> Path:
-    """``folder``'s files as the snapshot ``SHA`` of ``repo_id`` in an HF cache under ``home``
-    (``hub/models--ORG--NAME/snapshots/SHA`` with ``refs/main`` naming it), as a download leaves it."""
-    root = home / "hub" / f"{kind}--{repo_id.replace('/', '--')}"
-    shutil.copytree(folder, root / "snapshots" / SHA)
-    (root / "refs").mkdir(parents=True)
-    (root / "refs" / "main").write_text(SHA)
-    return root
-
-
-def offline_cli(home: Path, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, HF_HOME=str(home), HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
-    env.pop("HF_HUB_CACHE", None)
-    return subprocess.run(
-        [sys.executable, "-m", "tether", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+from tests.conftest import hub_cache, offline_cli, tiny_run_args
 
 
 def _train_args(out: Path, prompt_file: Path) -> list[str]:
     return tiny_run_args(None, prompt_file, out, command=True)
+
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_a_cached_hub_id_trains_offline_and_an_uncached_one_is_refused(tiny_model_dir, prompt_file, tmp_path):

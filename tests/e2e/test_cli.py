@@ -7,26 +7,8 @@ import json
 import pytest
 import torch
 
+from tests.conftest import tiny_cli_args as _tiny_args
 from tether.cli import main
-
-from .conftest import tiny_run_args
-
-
-def _tiny_args(tiny_model_dir, prompt_file, out):
-    overrides = {
-        "rollout.max_new_tokens": 6,
-        "optim.epochs": 2,
-        "train.steps": 3,
-        "train.sample_every": 2,
-        "eval.n_prompts": 4,
-        "eval.judge": "tests.conftest:length_judge",
-        "eval.every": 2,
-        "eval.periodic_prompts": 4,
-        "reward.scorer": None,
-        "train.save_model": None,
-        "train.checkpoint_every": None,
-    }
-    return tiny_run_args(tiny_model_dir, prompt_file, out, overrides, command=True)
 
 
 @pytest.mark.numerics
@@ -230,7 +212,7 @@ def test_exact_kl_shaping_reaches_the_ppo_update(tiny_model_dir, prompt_file, tm
     step 0 (policy = reference, every KL 0) is the same in both runs, so step 1 samples the same
     responses and logs the same KL, and its value loss (targets with the exact KL) differs. The
     trainer hands each token's own correction to the advantages (without it the update would be
-    the biased exact-KL-only one, tests/test_kl_placement.py)."""
+    the biased exact-KL-only one, tests/oracle/test_kl_placement.py)."""
     from tether.trainers import steps
 
     corrections = []
@@ -583,9 +565,8 @@ def test_trl_style_reward_function_gets_each_response_with_its_prompt(tiny_model
 
 
 def test_a_scorer_taking_prompts_without_them_is_a_clear_error():
+    from tests.conftest import length_judge, prompt_length_scorer
     from tether.judges.contract import checked_scores, takes_prompts
-
-    from .conftest import length_judge, prompt_length_scorer
 
     assert takes_prompts(prompt_length_scorer) and not takes_prompts(length_judge)
     assert checked_scores(prompt_length_scorer, ["x", "y"], 0, ["abc", "a"]) == [0.3, 0.1]

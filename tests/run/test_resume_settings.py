@@ -21,12 +21,11 @@ import pytest
 import torch
 
 import tether.trainers.update as update
+from tests.conftest import tiny_run_args
 from tether.cli import main
 from tether.run.config import load_config
 from tether.run.setup import build_run
 from tether.training import TRAINERS
-
-from .conftest import tiny_run_args
 
 LR = 1e-3
 

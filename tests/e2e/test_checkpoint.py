@@ -12,11 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import metric_rows, tiny_run_args
 from tether.run.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 
-from .conftest import metric_rows, tiny_run_args
-
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _args(model_dir, prompts, out, steps=6):

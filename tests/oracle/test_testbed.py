@@ -377,7 +377,7 @@ def seq_run(name: str) -> tb.RunLog:
     runs = {
         "ppo": lambda: tb.train_ppo(bed, SEQ_BETA, SEQ),
         # ppo.kl_shaping=exact: the exact per-position KL in the returns, each token's own k1 - KL_t
-        # on its advantage (the same expected gradient, tests/test_kl_placement.py). It ends
+        # on its advantage (the same expected gradient, tests/oracle/test_kl_placement.py). It ends
         # further from pi* than "ppo" (1.2e-4 to 2.8e-4 over seeds 0-3, against 0.7e-5 to 4.3e-5):
         # at pi* the sampled return r - beta * sum k1 is constant, a cancellation it gives up
         # (docs/kl.md, "Exact shaping")
@@ -399,7 +399,7 @@ def seq_run(name: str) -> tb.RunLog:
         ),
         "dpo": lambda: tb.train_dpo(bed, SEQ_BETA, SEQ_DPO),
         # the KL in the loss through the sequence-level surrogate (score function with the KL
-        # still to come): its expected gradient is the sequence KL's (tests/test_k1_seq.py)
+        # still to come): its expected gradient is the sequence KL's (tests/oracle/test_k1_seq.py)
         "grpo-k1_seq": lambda: tb.train_group(
             bed, "grpo", SEQ_BETA, SEQ_K1_SEQ, loss_estimator="k1_seq", scale_by_std=False
         ),

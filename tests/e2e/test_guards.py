@@ -7,12 +7,11 @@ import json
 import pytest
 import torch
 
+from tests.conftest import tiny_cli_args as _tiny_args
 from tether.cli import main
 from tether.core.leash import KLLeash
 from tether.core.masked import masked_mean
 from tether.run.config import ConfigError, dump_config, load_config
-
-from .test_cli import _tiny_args
 
 
 def test_partial_run_folder_is_refused(tiny_model_dir, prompt_file, tmp_path, capsys):

@@ -6,10 +6,9 @@ import json
 
 import torch
 
+from tests.conftest import make_tiny_llama
 from tether.models.policy import PolicyWithValue
 from tether.run.best import BestPolicy, qualifies
-
-from .conftest import make_tiny_llama
 
 
 def policy() -> PolicyWithValue:

@@ -21,15 +21,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.conftest import make_tiny_llama, tiny_run_args
 from tether.core import distributed as D
 from tether.core.advantages import WHITEN_EPS
 from tether.core.masked import masked_mean
 from tether.models.sampling import Rollout, generate, gumbel_noise, sample_seeds
 from tether.run.config import ConfigError, check_world_size, load_config
 
-from .conftest import make_tiny_llama, tiny_run_args
-
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # ---- (a) reductions over four real gloo ranks -------------------------------------------------
 # Per-token KL on each rank of a batch split four ways: rank 0 has two valid tokens, rank 2 one,
@@ -289,7 +288,7 @@ def _args(model_dir, prompts, out, algo):
         # the per-tensor AdamW loop: with the fused kernel, DPO's KL after one update was 4e-5
         # relative off between 1 and 2 processes, while 1-process loop, 2-process loop and
         # 2-process fused agreed to 1e-7 (rounding inside the kernel, not data parallelism);
-        # fused against loop is tested in tests/test_optim.py
+        # fused against loop is tested in tests/e2e/test_optim.py
         "optim.fused_adamw": "false",
     }
     args = tiny_run_args(model_dir, prompts, out, overrides)
@@ -437,9 +436,8 @@ def test_fsdp_sigkill_then_resume_matches_uninterrupted(tiny_tokenizer, prompt_f
     steps: a run killed (SIGKILL, launcher and both workers) after its step-1 checkpoint and
     resumed with 2 processes logs every row of the uninterrupted run bit for bit, and the same
     eval.json. The same checkpoint (each process's shards) resumes on 1 unsharded process too."""
+    from tests.conftest import metric_rows
     from tether.run.checkpoint import latest_checkpoint
-
-    from .conftest import metric_rows
 
     model = _eos_model_dir(tiny_tokenizer, tmp_path / "model")
     full, killed = tmp_path / "full", tmp_path / "killed"

@@ -119,8 +119,7 @@ def test_a_resumed_run_does_not_score_the_reference_again(tiny_model_dir, prompt
     import shutil
 
     import tether.run.evaluation
-
-    from .conftest import metric_rows
+    from tests.conftest import metric_rows
 
     monkeypatch.setattr(tether.run.evaluation, "capability_texts", lambda n: SENTENCES[:n])
 

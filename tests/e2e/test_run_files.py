@@ -19,13 +19,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import metric_rows
 from tether.cli import main
 from tether.run.checkpoint import latest_checkpoint, resume_checkpoint, save_checkpoint, verify_checkpoint
 from tether.run.files import read_jsonl, rewrite_jsonl
 
-from .conftest import metric_rows
-
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _child(code: str, limit: int | None = None) -> subprocess.CompletedProcess:
