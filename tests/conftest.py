@@ -62,6 +62,12 @@ def make_tiny_llama(vocab_size: int, seed: int = 0, **overrides):
     return model
 
 
+CHAT = (
+    "{{ bos_token }}{% for m in messages %}[user] {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}[assistant] {% endif %}"
+)
+"""A minimal chat template with a BOS token: the tiny tokenizer has none of its own."""
+
 TINY_RUN = {
     "data.heldout_fraction": 0.2,
     "rollout.batch_size": 4,
