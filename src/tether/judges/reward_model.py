@@ -40,7 +40,7 @@ DEFAULT_RM = "minilm-rm"
 DEFAULT_JUDGE_SENTENCES = 6000
 """Rated sentences the default gold judge is fitted on (a fixed random subset of the 23,699): the
 MiniLM embeddings of all of them take ~5 minutes on a 2-core AVX2 CPU, of 6,000 about 1.2; held-out
-pairwise accuracy 0.881 with all, see README for this subset's."""
+pairwise accuracy 0.881 with all, see docs/monitoring.md for this subset's."""
 
 
 def default_rm_dir() -> Path:

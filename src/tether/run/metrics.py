@@ -1,7 +1,7 @@
 """Run directory writers: metrics.jsonl, samples.jsonl and the printed sample table.
 
 Metric names are namespaced (``objective/kl``, ``policy/clipfrac``); each is documented with its
-unit in README.md ("Metrics").
+unit in docs/metrics.md.
 """
 
 from __future__ import annotations
