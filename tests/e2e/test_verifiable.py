@@ -34,8 +34,12 @@ def test_the_parsing_rule_by_example():
 def test_the_task_is_fixed_and_its_held_out_problems_are_stable():
     data = arithmetic_problems()
     assert len(data) == 90 * 90 and len(set(data.prompts)) == len(data)
-    assert data.prompts[0] == SHOTS + "10 + 10 =" and data.columns["answer"][0] == "20"
-    assert data.prompts[-1] == SHOTS + "99 + 99 =" and data.columns["answer"][-1] == "198"
+    operands = [
+        tuple(int(x) for x in p.removeprefix(SHOTS).removesuffix(" =").split(" + ")) for p in data.prompts
+    ]
+    assert set(operands) == {(a, b) for a in range(10, 100) for b in range(10, 100)}
+    assert [int(x) for x in data.columns["answer"]] == [a + b for a, b in operands]
+    assert data.prompts == arithmetic_problems().prompts  # the shuffle is fixed
     c = load_config(None, ["data.prompts=arithmetic"]).for_run()
     assert c.reward.scorer == "integer-answer" and c.eval.judge == "none"
     from tether.run.setup import load_prompts
@@ -45,12 +49,18 @@ def test_the_task_is_fixed_and_its_held_out_problems_are_stable():
     assert held.prompts == held2.prompts and len(train) + len(held) == len(data)
     assert 0.03 < len(held) / len(data) < 0.07  # data.heldout_fraction=0.05, by hash
     assert set(held.columns) == {"answer"}
+    # eval.n_prompts takes the first N held-out problems, so they must be a uniform sample. The
+    # first operand is uniform on [10, 99]: mean 54.5, sd sqrt((90**2 - 1) / 12) = 26.0, so the
+    # mean of 128 has SE 26.0 / sqrt(128) = 2.3; in operand order it was 24, 13 SE off.
+    first = [int(p.removeprefix(SHOTS).split(" + ")[0]) for p in held.prompts[:128]]
+    assert abs(sum(first) / 128 - 54.5) < 4 * 2.3
 
 
 def test_the_checker_goes_through_the_trl_contract(tmp_path):
     scorer = make_scorer("integer-answer")
-    data = arithmetic_problems().select([0, 1])  # 10 + 10, 10 + 11
-    scores = checked_scores(scorer, [" 20", " 22 + 1"], 0, data.prompts, data.columns)
+    data = arithmetic_problems().select([0, 1])
+    right, wrong = f" {data.columns['answer'][0]}", f" {int(data.columns['answer'][1]) + 1} + 1"
+    scores = checked_scores(scorer, [right, wrong], 0, data.prompts, data.columns)
     assert scores == [1.0, 0.0]
 
 

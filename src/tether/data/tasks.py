@@ -8,14 +8,19 @@
     58 + 17 =
 
 with ``answer`` the sum as a string ("75"). Every pair of operands in [10, 99] is one problem
-(8,100, in a fixed order; the two worked examples are among them); the held-out ones are chosen by
-the usual hash split of the prompt text (``data.heldout_fraction``), so the same problems are
-held out in every run. The embedded SmolLM2-135M solves 29.7% +- 2.3% (SE) of the 394 held-out
+(8,100; the two worked examples are among them), in a fixed shuffled order (:data:`ORDER_SEED`),
+so that any first N of them, as ``eval.n_prompts`` takes the held-out ones, are a uniform sample:
+in operand order the first 128 held-out problems all had a first operand below 39, and the
+reference solved 15.2% of them against 27.5% of all 394. The held-out ones are chosen by the
+usual hash split of the prompt text (``data.heldout_fraction``), so the same problems are held
+out in every run. The embedded SmolLM2-135M solves 29.7% +- 2.3% (SE) of the 394 held-out
 problems at the default temperature 1 and rollout.max_new_tokens=16 with ``reward.scorer=integer-answer``
 (seeds ``sample_seeds(1234, 0, i)``): hard enough to learn, common enough to give a gradient.
 """
 
 from __future__ import annotations
+
+import random
 
 from tether.data.prompts import PromptData
 
@@ -24,6 +29,9 @@ ARITHMETIC = "arithmetic"
 
 SHOTS = "12 + 35 = 47\n23 + 41 = 64\n"
 """The arithmetic task's two worked examples, before every problem."""
+
+ORDER_SEED = 31
+"""Seed of the fixed shuffle of the arithmetic problems (``random.Random(ORDER_SEED)``)."""
 
 TASKS = (ARITHMETIC,)
 """The built-in verifiable tasks, by ``data.prompts`` name."""
@@ -34,8 +42,9 @@ TASK_SCORERS = {ARITHMETIC: "integer-answer"}
 
 def arithmetic_problems() -> PromptData:
     """The 8,100 problems ``a + b`` for a, b in [10, 99], prompts with an ``answer`` column
-    (the sum, a string), in a fixed order (a, then b)."""
+    (the sum, a string), in a fixed shuffled order (the same in every run and process)."""
     pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)]
+    random.Random(ORDER_SEED).shuffle(pairs)
     return PromptData([f"{SHOTS}{a} + {b} =" for a, b in pairs], {"answer": [str(a + b) for a, b in pairs]})
 
 
