@@ -32,6 +32,13 @@ from pathlib import Path
 COMMON = [
     "data.prompts=arithmetic",
     "train.algo=grpo",
+    # the answer is at most 4 tokens (" 1", "9", "8" ...) and a newline: 5 tokens hold it, and a
+    # cut-off number then has 4 or more digits, never a 2- or 3-digit answer. At the default 16
+    # the 11 tokens after the answer carry the same advantage as the answer, noise the KL pays for
+    "rollout.max_new_tokens=5",
+    # the demo's 3e-4 (at 16 tokens) moved the policy 1.4 nats per sequence in one step and cost
+    # 4.7 points of held-out accuracy (z = -3.2, 394 problems); 5e-5 learns without that jump
+    "optim.lr=5e-5",
     "rollout.batch_size=32",
     "optim.minibatch_size=16",
     "eval.n_prompts=128",

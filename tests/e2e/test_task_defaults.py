@@ -472,3 +472,29 @@ def test_first_lines_name_the_fluency_judge_and_a_tiny_heldout_set():
     assert "eval.fluency_model=gemma3-270m" in lines
     assert "only 1 held-out prompt(s)" in lines and "undefined (nan)" in lines
     assert "only" not in "\n".join(task_defaults_lines(c, has_judge=False, n_heldout=8))
+
+
+def test_a_task_run_at_the_demos_defaults_is_told_the_measured_settings():
+    from tether.run.announce import task_defaults_lines
+
+    def note(*overrides: str) -> list[str]:
+        c = load_config(None, ["data.prompts=arithmetic", "train.algo=grpo", *overrides]).for_run()
+        return [x for x in task_defaults_lines(c, has_judge=False, n_heldout=394) if "measured at" in x]
+
+    assert note() == [
+        "tether: note: data.prompts=arithmetic was measured at rollout.max_new_tokens=5 optim.lr=5e-5; "
+        "this run keeps the demo's defaults there, at which the held-out accuracy fell (README, \"Verifiable "
+        'rewards")'
+    ]
+    assert (
+        "optim.lr=5e-5" in note("rollout.max_new_tokens=5")[0]
+        and "max_new_tokens" not in note("rollout.max_new_tokens=5")[0]
+    )
+    # a setting of the user's own, or the measured ones: no note
+    assert note("rollout.max_new_tokens=8", "optim.lr=1e-4") == []
+    assert note("rollout.max_new_tokens=5", "optim.lr=5e-5") == []
+    # what the note names is what the benchmark runs
+    from tests.conftest import REPO
+
+    bench = (REPO / "benchmarks" / "rlvr.py").read_text()
+    assert '"rollout.max_new_tokens=5",' in bench and '"optim.lr=5e-5",' in bench

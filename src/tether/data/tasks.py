@@ -39,6 +39,12 @@ TASKS = (ARITHMETIC,)
 TASK_SCORERS = {ARITHMETIC: "integer-answer"}
 """Each task's checker, the ``reward.scorer`` it fills when that is unset."""
 
+TASK_SETTINGS = {ARITHMETIC: {"rollout.max_new_tokens": 5, "optim.lr": 5e-5}}
+"""The settings each task was measured at (README, "Verifiable rewards"; benchmarks/rlvr.py),
+which a run left at the demo's defaults is told about when it starts. For arithmetic: 5 tokens
+hold the answer and a newline; at the demo's 16 tokens and lr 3e-4 the held-out accuracy fell
+(-0.059 +- 0.027 over 40 steps), at these it rose (+0.137 +- 0.041)."""
+
 
 def arithmetic_problems() -> PromptData:
     """The 8,100 problems ``a + b`` for a, b in [10, 99], prompts with an ``answer`` column

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from tether.core import distributed as D
-from tether.data.tasks import TASKS
+from tether.data.tasks import TASK_SETTINGS, TASKS
 from tether.models.sharding import is_sharded, local_bytes
 from tether.run.config import Config
 from tether.run.console import say
@@ -16,6 +16,11 @@ if TYPE_CHECKING:  # run.setup builds the run; the type only
 
 SMALL_HELDOUT = 8
 """Fewer held-out prompts than this: a warning that the held-out standard errors are rough."""
+
+
+def _value(c: Config, name: str):
+    section, field = name.split(".")
+    return getattr(getattr(c, section), field)
 
 
 def task_defaults_lines(
@@ -44,6 +49,17 @@ def task_defaults_lines(
         lines.append(
             f"tether: data.prompts={c.data.prompts} trains on its checker, reward.scorer={c.reward.scorer} "
             "(1 when the response starts with the row's answer, else 0; tether.judges.verifiers)"
+        )
+    at_defaults = [
+        f"{name}={value:g}".replace("e-0", "e-")  # 5e-5, as typed
+        for name, value in TASK_SETTINGS.get(c.data.prompts, {}).items()
+        if _value(c, name) == _value(Config(), name) != value
+    ]
+    if at_defaults:
+        lines.append(
+            f"tether: note: data.prompts={c.data.prompts} was measured at {' '.join(at_defaults)}; this run "
+            "keeps the demo's defaults there, at which the held-out accuracy fell (README, \"Verifiable "
+            'rewards")'
         )
     if c.eval.n_prompts or c.eval.every:
         if has_judge:
