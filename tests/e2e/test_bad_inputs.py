@@ -183,7 +183,9 @@ def test_scorer_errors_keep_the_last_checkpoint(
 ):
     _CALLS["n"] = 0
     out = tmp_path / "run"
-    assert main(_base(tiny_model_dir, prompt_file, out) + [f"reward.scorer=tests.test_bad_inputs:{fn}"]) == 1
+    assert (
+        main(_base(tiny_model_dir, prompt_file, out) + [f"reward.scorer=tests.e2e.test_bad_inputs:{fn}"]) == 1
+    )
     err = capsys.readouterr().err
     line = next(line for line in err.splitlines() if "step 2" in line)
     print(f"\n| {case} | `reward.scorer=...:{fn}` | 1 | {line.strip()} |")

@@ -611,15 +611,15 @@ def test_a_best_from_discarded_steps_survives_resume(
 
 def _scripted_log_step(real, scores):
     """_log_step with the periodic evaluation's proxy score replaced by ``scores[step]``."""
-    from tether import training as train_module
+    from tether.run import evaluation
 
-    def log_step(run, evaluator, monitor, tb, bar, step, row, rows):
-        original = train_module.Evaluator.periodic_row
-        train_module.Evaluator.periodic_row = lambda self: {"eval/proxy_score": scores[step], "eval/kl": 0.0}
+    def log_step(session, bar, *, step, row, rows):
+        original = evaluation.Evaluator.periodic_row
+        evaluation.Evaluator.periodic_row = lambda self: {"eval/proxy_score": scores[step], "eval/kl": 0.0}
         try:
-            return real(run, evaluator, monitor, tb, bar, step, row, rows)
+            return real(session, bar, step=step, row=row, rows=rows)
         finally:
-            train_module.Evaluator.periodic_row = original
+            evaluation.Evaluator.periodic_row = original
 
     return log_step
 
@@ -696,7 +696,7 @@ def test_a_resume_keeps_the_prompts_of_the_reference_evaluation(tmp_path, caplog
 
     from tether.run.config import load_config
     from tether.run.evaluation import EvalResult, Evaluator
-    from tether.training import _reference_eval
+    from tether.run.evaluation import reference_eval as _reference_eval
 
     prompts = [f"p{i}" for i in range(30)]
     cfg = load_config(

@@ -412,7 +412,7 @@ def test_a_judge_needing_a_missing_column_is_refused_before_the_model_loads(
         None,
         [
             f"data.prompts={prompt_file}",
-            "eval.judge=tests.test_task_defaults:_answer_judge",
+            "eval.judge=tests.e2e.test_task_defaults:_answer_judge",
             f"train.output_dir={out}",
         ],
     )
