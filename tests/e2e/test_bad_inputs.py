@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import metric_rows
 from tether.cli import main
 from tether.run.checkpoint import latest_checkpoint
 
@@ -194,11 +195,11 @@ def test_scorer_errors_keep_the_last_checkpoint(
     assert "Traceback" not in err
     ckpt = latest_checkpoint(out)
     assert ckpt is not None and ckpt.name == "step-000001"  # steps 0 and 1 were checkpointed
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(out, timings=True)
     assert [r["step"] for r in rows] == [0, 1]  # nothing already written is lost
     # and the run resumes from it (with a good scorer): steps 2 and 3 are appended
     assert main(["train", "--resume", str(out), "reward.scorer=tests.conftest:length_judge"]) == 0
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(out, timings=True)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
 
 

@@ -8,6 +8,7 @@ import json
 
 import torch
 
+from tests.conftest import metric_rows, tiny_run_args
 from tether.cli import main
 from tether.core.health import HealthThresholds, capability_loss
 from tether.judges.fluency import continuation_nll
@@ -76,6 +77,22 @@ def test_capability_loss_rule_by_hand():
     assert capability_loss([row(2.90, 3.00, 0.001)], t) is None
 
 
+def _capability_run(model_dir, prompts, out, overrides: dict) -> list[str]:
+    """A tiny run evaluated after every second step, capability probe on 4 sentences."""
+    settings = {
+        "data.heldout_fraction": None,
+        "optim.epochs": None,
+        "eval.every": 2,
+        "eval.n_prompts": 2,
+        "eval.periodic_prompts": 2,
+        "eval.capability_texts": 4,
+        "eval.fluency_model": "none",
+        "eval.judge": None,
+        **overrides,
+    }
+    return tiny_run_args(model_dir, prompts, out, settings, command=True)
+
+
 def test_a_run_logs_capability_periodically_and_finally(
     tiny_model_dir, prompt_file, tmp_path, monkeypatch, capsys
 ):
@@ -83,28 +100,18 @@ def test_a_run_logs_capability_periodically_and_finally(
 
     monkeypatch.setattr(tether.run.evaluation, "capability_texts", lambda n: SENTENCES[:n])
     out = tmp_path / "run"
-    args = [
-        "train",
-        f"model.name={tiny_model_dir}",
-        f"data.prompts={prompt_file}",
-        "rollout.batch_size=4",
-        "rollout.max_new_tokens=4",
-        "optim.minibatch_size=2",
-        "optim.lr=1e-2",  # moves the tiny policy enough to see
-        "train.steps=3",
-        "eval.every=2",
-        "eval.n_prompts=2",
-        "eval.periodic_prompts=2",
-        "eval.capability_texts=4",
-        "eval.fluency_model=none",
-        "reward.scorer=tests.conftest:length_judge",
-        "train.progress=false",
-        "train.save_model=false",
-        "train.checkpoint_every=0",
-        f"train.output_dir={out}",
-    ]
+    args = _capability_run(
+        tiny_model_dir,
+        prompt_file,
+        out,
+        {
+            "optim.lr": "1e-2",
+            "train.steps": 3,
+            "train.checkpoint_every": 0,
+        },  # lr: moves the tiny policy enough to see
+    )
     assert main(args) == 0
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(out, timings=True)
     periodic = [r for r in rows if "eval/capability_nll" in r]
     assert [r["step"] for r in periodic] == [0, 2]
     assert len({r["eval/ref_capability_nll"] for r in periodic}) == 1  # the reference does not move
@@ -119,31 +126,12 @@ def test_a_resumed_run_does_not_score_the_reference_again(tiny_model_dir, prompt
     import shutil
 
     import tether.run.evaluation
-    from tests.conftest import metric_rows
 
     monkeypatch.setattr(tether.run.evaluation, "capability_texts", lambda n: SENTENCES[:n])
 
     def args(out, steps):
-        return [
-            "train",
-            f"model.name={tiny_model_dir}",
-            f"data.prompts={prompt_file}",
-            "rollout.batch_size=4",
-            "rollout.max_new_tokens=4",
-            "optim.minibatch_size=2",
-            f"train.steps={steps}",
-            "eval.every=2",
-            "eval.n_prompts=2",
-            "eval.periodic_prompts=2",
-            "eval.capability_texts=4",
-            "eval.fluency_model=none",
-            "reward.scorer=tests.conftest:length_judge",
-            "train.progress=false",
-            "train.save_model=false",
-            "train.checkpoint_every=1",
-            "train.keep_checkpoints=10",
-            f"train.output_dir={out}",
-        ]
+        overrides = {"train.steps": steps, "train.checkpoint_every": 1, "train.keep_checkpoints": 10}
+        return _capability_run(tiny_model_dir, prompt_file, out, overrides)
 
     # evaluations after steps 0, 2, 4 and 5: resumed after step 3, the evaluation after step 4
     # would score the reference again and step 5's row count one reference forward more

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from tests.conftest import metric_rows
 from tests.conftest import tiny_cli_args as _tiny_args
 from tether.cli import main
 
@@ -26,7 +27,7 @@ def test_ppo_cli_end_to_end(tiny_model_dir, prompt_file, tmp_path, capsys):
         "policy/value_head.safetensors",
     ):
         assert (out / name).exists(), name
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(out, timings=True)
     assert [r["step"] for r in rows] == [0, 1, 2]
     for key in (
         "objective/kl",
@@ -116,7 +117,7 @@ def test_other_trainers_cli_end_to_end(algo, tiny_model_dir, prompt_file, tmp_pa
             "reward.scorer=tests.conftest:length_judge",
         ]
     assert main(args) == 0
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(out, timings=True)
     assert len(rows) == 3
     assert all("objective/kl" in r and "objective/scores" in r for r in rows)
     if algo == "dpo":  # DPO's probe samples the policy after its first update: the leash has moved
@@ -184,7 +185,7 @@ def _two_step_ppo_runs(tiny_model_dir, prompt_file, tmp_path, beta, field, value
             "train.steps=2",
         ]
         assert main(args) == 0
-        rows[value] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        rows[value] = metric_rows(out, timings=True)
     return rows
 
 
@@ -243,7 +244,7 @@ def test_zero_beta_with_monitoring_still_logs_kl(tiny_model_dir, prompt_file, tm
         "kl.kl_coef=0",
     ]
     assert main(args) == 0
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(out, timings=True)
     assert all("objective/kl" in r for r in rows)
     assert rows[-1]["kl/applied_in_loss"] == 0  # beta 0: nothing applied
 
@@ -268,7 +269,7 @@ def test_dpo_from_a_pairs_file(tiny_model_dir, prompt_file, tmp_path):
         "optim.epochs=3",
     ]
     assert main(args) == 0
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(out, timings=True)
     # the same pair every step: the policy learns to prefer "chosen", so the margin grows
     assert rows[-1]["dpo/margin"] > rows[0]["dpo/margin"]
     assert rows[-1]["dpo/accuracy"] == 1.0
@@ -339,7 +340,7 @@ def test_report_and_tensorboard(tiny_model_dir, prompt_file, tmp_path, capsys):
     acc.Reload()
     tags = acc.Tags()["scalars"]
     assert "objective/kl" in tags and "objective/kl_coef" in tags
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(out, timings=True)
     got = [e.value for e in acc.Scalars("objective/scores")]
     assert got == pytest.approx([r["objective/scores"] for r in rows], abs=1e-6)
 
@@ -364,7 +365,7 @@ def test_budget_controller_run_follows_its_rule(tiny_model_dir, prompt_file, tmp
         "eval.every=0",
     ]
     assert main(args) == 0
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(out, timings=True)
     key = "objective/kl" if signal == "estimator" else "objective/kl_exact"
     dual = 0.1
     assert rows[0]["objective/kl_coef"] == pytest.approx(0.1)
@@ -395,7 +396,7 @@ def test_grpo_with_long_shared_prompts_end_to_end(tiny_model_dir, tmp_path, monk
         "rollout.max_prompt_tokens=128",
     ]
     assert main(args) == 0
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(out, timings=True)
     assert rows[0]["objective/kl"] == 0.0 and rows[0]["policy/ratio_max_dev_first"] == 0.0
     assert rows[0]["objective/kl_exact"] == 0.0
     # each of the 3 steps: generation (4 rows), then per minibatch of 2 rows the policy's and the
@@ -460,7 +461,7 @@ def test_best_policy_is_kept_and_ends_the_run(tiny_model_dir, prompt_file, tmp_p
     said = text.out + text.err
     assert "stopping early after step 3" in said and "step 1's 0.500 in 2 evaluations" in said
     assert "ending with the policy of step 1" in said
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(out, timings=True)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert json.loads((out / "best" / "meta.json").read_text())["step"] == 1
     assert json.loads((out / "eval.json").read_text())["policy_step"] == 1
@@ -481,7 +482,7 @@ def _run_then_resume(tiny_model_dir, prompt_file, out, first: list[str], resumed
     )
     assert main(args) == 0
     assert main(["train", "--resume", str(out)] + resumed) == 0
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return metric_rows(out, timings=True)
 
 
 def test_resume_takes_the_new_controller_settings(tiny_model_dir, prompt_file, tmp_path, caplog):
@@ -734,7 +735,7 @@ def test_grpo_logs_its_all_equal_groups_on_a_01_reward(tiny_model_dir, prompt_fi
         "train.save_model=false",
     ]
     assert main(args) == 0
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(out, timings=True)
     for r in rows:
         equal, best, worst = (r[f"rollout/groups_all_{k}"] for k in ("equal", "best", "worst"))
         assert equal in (0.0, 0.5, 1.0) and best + worst == equal, r

@@ -7,7 +7,15 @@ import math
 
 import pytest
 
-from tests.conftest import SHA, answer_checker, hub_cache, length_judge, offline_cli, sometimes_none
+from tests.conftest import (
+    SHA,
+    answer_checker,
+    hub_cache,
+    length_judge,
+    metric_rows,
+    offline_cli,
+    sometimes_none,
+)
 from tether.cli import main
 from tether.data.prompts import PromptData, load_prompt_data, split_prompts
 from tether.judges.contract import WeightedReward, checked_scores
@@ -236,7 +244,7 @@ def test_train_takes_a_model_a_tokenizer_a_dataset_and_a_scorer_as_objects(tiny_
         ],
     )
     out = train(config, scorer=answer_checker, model=tiny_lm, tokenizer=tiny_tokenizer, train_dataset=ROWS)
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(out, timings=True)
     assert rows[0]["objective/kl"] == 0.0 and rows[0]["objective/scores"] >= 0.0
 
 

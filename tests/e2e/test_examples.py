@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import metric_rows
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -31,5 +32,5 @@ def test_an_example_runs_with_tiny_models(script, reward_keys, tmp_path):
     p = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "last step:" in p.stdout
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(out, timings=True)
     assert len(rows) == 2 and all(k in rows[-1] for k in reward_keys)

@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from tests.conftest import CHAT
+from tests.conftest import CHAT, metric_rows
 from tests.conftest import tiny_cli_args as _tiny_args
 from tether.cli import main
 
@@ -34,7 +34,7 @@ def test_dpo_with_only_ties_stops_with_a_reason(tiny_model_dir, prompt_file, tmp
 def test_reference_forwards_are_counted(tiny_model_dir, prompt_file, tmp_path):
     out = tmp_path / "c"
     assert main(_tiny_args(tiny_model_dir, prompt_file, out)) == 0
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(out, timings=True)
     counts = [r["kl/reference_forwards"] for r in rows]
     assert counts[0] > 0 and counts == sorted(counts) and counts[-1] > counts[0]
 

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from tests.conftest import hub_cache, offline_cli, tiny_run_args
+from tests.conftest import hub_cache, metric_rows, offline_cli, tiny_run_args
 
 
 def _train_args(out: Path, prompt_file: Path) -> list[str]:
@@ -21,7 +20,7 @@ def test_a_cached_hub_id_trains_offline_and_an_uncached_one_is_refused(tiny_mode
     out = tmp_path / "run"
     p = offline_cli(home, *_train_args(out, prompt_file), "model.name=tiny-org/tiny-llama")
     assert p.returncode == 0, p.stderr[-3000:]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(out, timings=True)
     assert rows[0]["objective/kl"] == 0.0
 
     missing = tmp_path / "missing"

@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from tests.conftest import metric_rows
 from tether.trainers.common import make_optimizer
 from tether.trainers.update import optimizer_step
 
@@ -127,7 +128,7 @@ def test_micro_batches_accumulate_to_the_minibatch_gradient(
         args += ["dpo.n_pairs=8", "dpo.candidates=2", "dpo.kl_eval_prompts=4"] if algo == "dpo" else []
         log["grads"], log["parts"] = [], []
         assert main(args + extra) == 0
-        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        rows = metric_rows(out, timings=True)
         return rows, log["grads"], log["parts"]
 
     whole, g_whole, _ = run(tmp_path / "whole", [])

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import tiny_run_args
+from tests.conftest import metric_rows, tiny_run_args
 from tether import load_config, train
 from tether.cli import main
 from tether.data.prompts import prompt_key, split_prompts
@@ -83,7 +83,7 @@ def test_python_algo_edit_trains_grpo_end_to_end(tiny_model_dir, prompt_file, tm
     rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     prompts = [r["prompt"] for r in rows if r["step"] == 0]
     assert len(prompts) == 4 and len(set(prompts)) == 1  # one group of G=4 (batch 4)
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    metrics = metric_rows(out, timings=True)
     assert metrics[0]["kl/applied_in_loss"] > 0 and metrics[0]["kl/applied_in_reward"] == 0
     saved = yaml.safe_load((out / "config.yaml").read_text())
     assert saved["train"]["algo"] == "grpo"
@@ -350,7 +350,7 @@ def test_a_callable_put_in_the_config_is_the_reward(tiny_model_dir, prompt_file,
 
     c.reward.scorer = two  # what a TRL user writes for reward_funcs
     train(c)
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(out, timings=True)
     assert rows[0]["objective/scores"] == 2.0
 
 

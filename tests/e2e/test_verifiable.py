@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from tests.conftest import metric_rows
 from tether import load_config
 from tether.cli import main
 from tether.data.tasks import SHOTS, arithmetic_problems
@@ -84,7 +85,7 @@ def test_grpo_trains_on_the_task_end_to_end(tiny_model_dir, tmp_path, capsys):
     assert main(args) == 0
     said = capsys.readouterr().out
     assert "VADER" not in said  # the task's checker is its reward, not the demo's
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(out, timings=True)
     assert all(r["objective/scores"] in (0.0, 0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0) for r in rows)
     assert all("rollout/groups_all_worst" in r for r in rows)  # a 0/1 reward: the shares are logged
     samples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]

@@ -19,6 +19,7 @@ import torch
 trl = pytest.importorskip("trl")  # the test extra pins trl==1.16.0
 rewards = pytest.importorskip("trl.rewards")
 
+from tests.conftest import metric_rows  # noqa: E402
 from tether.judges.contract import (  # noqa: E402
     RewardLog,
     WeightedReward,
@@ -490,7 +491,7 @@ def test_a_grpo_step_passes_messages_and_completion_ids(tiny_lm, tiny_tokenizer,
         assert tok.eos_token_id not in ids[:-1]  # up to and including the first EOS
     assert isinstance(call["state"], TrainerState)
     assert (call["state"].global_step, call["state"].max_steps) == (0, 1)
-    (row,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    (row,) = metric_rows(out, timings=True)
     r1 = sum(len(ids) / 10 for ids in call["ids"]) / 8
     assert row["reward/record"] == pytest.approx(r1, abs=1e-6)
     assert row["reward/think_format_reward"] == 0.0  # a random model writes no <think> block
