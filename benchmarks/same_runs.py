@@ -9,6 +9,8 @@ evaluations on. A case's digest is the SHA-256 of its ``metrics.jsonl`` rows wit
 keys left out, serialized in file order: two trees that compute the same thing give the same
 digest bit for bit (same machine, same kernels). ``--compare`` prints each case as same or
 different and, for a different one, the first differing row and key; it exits 1 when any differs.
+``--ignore KEY`` (repeatable) leaves a metric out of the comparison, for a change meant to move it
+(the k3 of ``policy/approx_kl`` moved to ``expm1``), and prints its largest relative change.
 """
 
 from __future__ import annotations
@@ -102,6 +104,10 @@ def run_cases(root: Path) -> dict[str, list[dict]]:
     return out
 
 
+def drop(rows: list[dict], keys: list[str]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in keys} for r in rows]
+
+
 def digest(rows: list[dict]) -> str:
     return hashlib.sha256(json.dumps(rows).encode()).hexdigest()
 
@@ -122,6 +128,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--save", type=Path, help="write the cases' rows to this JSON file")
     ap.add_argument("--compare", type=Path, help="compare against rows saved by --save")
+    ap.add_argument("--ignore", action="append", default=[], metavar="KEY", help="a metric left out")
     args = ap.parse_args()
     import torch
 
@@ -133,15 +140,24 @@ def main() -> int:
         print(f"wrote {args.save}")
     if args.compare:
         before = json.loads(args.compare.read_text())
-        differ = 0
+        differ, moved = 0, dict.fromkeys(args.ignore, 0.0)
         for name in CASES:
             if name not in before:
                 print(f"{name:28s} not in {args.compare}")
                 continue
-            diff = first_difference(before[name], rows[name])
+            for key in args.ignore:
+                for x, y in zip(before[name], rows[name]):
+                    if isinstance(x.get(key), float) and isinstance(y.get(key), float):
+                        rel = abs(x[key] - y[key]) / max(abs(x[key]), 1e-300)
+                        moved[key] = max(moved[key], rel)
+            diff = first_difference(drop(before[name], args.ignore), drop(rows[name], args.ignore))
             differ += diff != "same"
             print(f"{name:28s} {'byte-identical' if diff == 'same' else 'DIFFERS: ' + diff}")
-        print(f"{len(CASES) - differ} of {len(CASES)} cases byte-identical (metrics.jsonl without time/*)")
+        left_out = "".join(f", {k}" for k in args.ignore)
+        same = len(CASES) - differ
+        print(f"{same} of {len(CASES)} cases byte-identical (metrics.jsonl without time/*{left_out})")
+        for key, rel in moved.items():
+            print(f"{key}: largest relative change {rel:.2e}")
         return 1 if differ else 0
     return 0
 

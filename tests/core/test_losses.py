@@ -151,3 +151,25 @@ def test_value_loss_masked_nonfinite_gradient_is_finite():
     )
     out.loss.backward()
     assert torch.isfinite(values.grad).all()
+
+
+def test_approx_kl_in_float32_keeps_its_digits_at_small_ratios():
+    """approx_kl is the shared k3 (expm1): in float32, a log ratio of 1e-3 keeps its digits.
+
+    k3 = expm1(r) - r ~ r^2 / 2 = 5e-7 at r = 1e-3. expm1 rounds to about eps32 / 2 = 6e-8 of its
+    value r (the subtraction of r is then exact), an error of 6e-11, a relative 1.2e-4 of r^2 / 2;
+    the bound used, 4 * eps32 / r = 4.8e-4, is four times that. ``(exp(r) - 1) - r`` loses the
+    leading digits of exp(r) = 1.001: its rounding, up to eps32 / 2 = 6e-8, is up to 12% of the
+    value (0.7% on these tokens); that form fails this test.
+    """
+    eps32 = torch.finfo(torch.float32).eps
+    r = torch.tensor([[1e-3, -1e-3, 2e-3]], dtype=F64)  # log new - log old per token
+    old = torch.full_like(r, -2.0)
+    mask = torch.ones_like(r, dtype=torch.bool)
+    adv = torch.zeros_like(r)
+    new32, old32 = (old + r).float(), old.float()
+    r32 = new32.double() - old32.double()  # the log ratio float32 holds (exact: Sterbenz)
+    # k3 of KL(old || new) on samples of old: ratio - 1 - log ratio = expm1(r) - r, in float64
+    want = (torch.expm1(r32) - r32).mean().item()
+    got = ppo_policy_loss(new32, old32, adv.float(), mask, clip_eps=0.2).approx_kl.item()
+    assert got == pytest.approx(want, rel=4 * eps32 / 1e-3)

@@ -384,3 +384,19 @@ def test_tensorboard_through_report_to(tiny_model_dir, prompt_file, tmp_path):
     )
     assert main(args) == 0
     assert list((tmp_path / "run").rglob("events.out.tfevents.*"))
+
+
+def test_jsonl_objects_numbers_lines_and_refuses_what_is_not_an_object(tmp_path):
+    """The one strict reader of a user's .jsonl (prompt files and data.prompts rows alike)."""
+    from tether.data.prompts import jsonl_objects, read_prompt_file
+
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"prompt": "a"}\n\n{"prompt": "b", "answer": 2}\n')  # line 2 is blank
+    assert jsonl_objects(good) == [(1, {"prompt": "a"}), (3, {"prompt": "b", "answer": 2})]
+    assert read_prompt_file(good) == ["a", "b"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a"}\n[1, 2]\n')
+    with pytest.raises(ValueError, match=r"data.reward_data: .*bad.jsonl:2 needs a JSON object"):
+        jsonl_objects(bad, "data.reward_data")
+    with pytest.raises(ValueError, match=r"data.prompts: .*bad.jsonl:2 needs a JSON object"):
+        read_prompt_file(bad)

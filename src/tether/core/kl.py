@@ -91,7 +91,18 @@ def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     result is exact, however far the policy's log-probability is above the reference's. Shapes
     and units as :func:`kl_k1`.
     """
-    r = (-_log_ratio(logprobs, ref_logprobs)).clamp(max=K3_LOG_RATIO_CLAMP)
+    return k3_from_log_ratio(_log_ratio(logprobs, ref_logprobs))
+
+
+def k3_from_log_ratio(log_ratio: Tensor) -> Tensor:
+    """k3 of ``log_ratio = log p - log q`` on samples of p: ``expm1(r) - r`` with ``r = -log_ratio``.
+
+    The one k3 of the code: :func:`kl_k3` (p = pi_theta, q = pi_ref), the KL-loss surrogates of
+    :mod:`tether.core.losses`, and the clipped loss's ``approx_kl`` (p = pi_old, q = pi_theta).
+    ``r`` is clamped from above at ``K3_LOG_RATIO_CLAMP`` (20 nats; exact below it). Any shape;
+    float, nats.
+    """
+    r = (-log_ratio).clamp(max=K3_LOG_RATIO_CLAMP)
     return torch.expm1(r) - r
 
 

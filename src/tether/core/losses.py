@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from tether.core.kl import K3_LOG_RATIO_CLAMP
+from tether.core.kl import k3_from_log_ratio as _k3
 from tether.core.masked import masked_mean
 from tether.core.placement import LOSS_ESTIMATOR_OK
 
@@ -63,8 +64,8 @@ def ppo_policy_loss(
     loss = masked_mean(torch.maximum(unclipped, clipped), response_mask)
     with torch.no_grad():
         clipfrac = masked_mean((clipped > unclipped).float(), response_mask)
-        # k3 of KL(old || new) on samples of old: (ratio - 1) - log ratio
-        approx_kl = masked_mean((ratio - 1.0) - log_ratio, response_mask)
+        # k3 of KL(old || new) on samples of old: log p - log q = old - new = -log_ratio
+        approx_kl = masked_mean(_k3(-log_ratio), response_mask)
     return PolicyLoss(loss=loss, clipfrac=clipfrac, approx_kl=approx_kl, ratio=ratio.detach())
 
 
@@ -210,12 +211,6 @@ def k1_seq_terms(
         log_rho = torch.where(mask, lp.detach() - old_logprobs.detach(), 0.0).sum(-1, keepdim=True)
         weight = torch.exp(log_rho) * to_come
     return k1 + weight * (lp - lp.detach())
-
-
-def _k3(log_ratio: Tensor) -> Tensor:
-    """k3 of ``log_ratio = log pi - log pi_ref`` (as :func:`tether.core.kl.kl_k3`, r clamped from above)."""
-    r = (-log_ratio).clamp(max=K3_LOG_RATIO_CLAMP)
-    return torch.expm1(r) - r
 
 
 def _k2(log_ratio: Tensor) -> Tensor:

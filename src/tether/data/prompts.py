@@ -266,6 +266,30 @@ def read_utf8(path: Path, field_name: str = "data.prompts") -> str:
         ) from None
 
 
+def jsonl_objects(path: Path, field_name: str = "data.prompts") -> list[tuple[int, dict]]:
+    """(1-based line, object) of each non-blank line of a user's UTF-8 ``.jsonl`` file.
+
+    Strict, as data a user gives should be read (tether's own files are read by
+    :func:`tether.run.files.read_jsonl`, which forgives a torn last line).
+
+    Raises:
+        ValueError: not UTF-8, a line that is not valid JSON, or not a JSON object; names
+            ``FIELD: FILE:LINE``.
+    """
+    rows = []
+    for i, line in enumerate(read_utf8(path, field_name).splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{field_name}: {path}:{i} is not valid JSON ({e.msg})") from None
+        if not isinstance(obj, dict):
+            raise ValueError(f"{field_name}: {path}:{i} needs a JSON object")
+        rows.append((i, obj))
+    return rows
+
+
 def load_rows(
     spec: str, split: str = "train", field_name: str = "data.prompts"
 ) -> tuple[list[dict], list[str]]:
@@ -283,18 +307,9 @@ def load_rows(
     path = Path(spec).expanduser()
     suffix = file_suffix(path, field_name) if path.is_file() else ""
     if suffix == ".jsonl":  # errors name FILE:LINE
-        records, where = [], []
-        for i, line in enumerate(read_utf8(path, field_name).splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{field_name}: {path}:{i} is not valid JSON ({e.msg})") from None
-            if not isinstance(obj, dict):
-                raise ValueError(f"{field_name}: {path}:{i} needs a JSON object")
-            records.append(obj)
-            where.append(f"{path}:{i}")
+        numbered = jsonl_objects(path, field_name)
+        records = [obj for _, obj in numbered]
+        where = [f"{path}:{i}" for i, _ in numbered]
         if not records:
             raise ValueError(f"{field_name}: {path} holds no rows")
         return records, where
@@ -396,25 +411,15 @@ def prompt_file_lines(path: str | Path) -> list[tuple[int, str]]:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"data.prompts: no file {path}")
-    jsonl = file_suffix(path) == ".jsonl"
-    prompts = []
-    for i, line in enumerate(read_utf8(path).splitlines(), start=1):
-        if not line.strip():
-            continue
-        if jsonl:
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"data.prompts: {path}:{i} is not valid JSON ({e.msg})") from None
-            if (
-                not isinstance(obj, dict)
-                or not isinstance(obj.get("prompt"), str)
-                or not obj["prompt"].strip()
-            ):
+    if file_suffix(path) == ".jsonl":
+        prompts = []
+        for i, obj in jsonl_objects(path, "data.prompts"):
+            if not isinstance(obj.get("prompt"), str) or not obj["prompt"].strip():
                 raise ValueError(f'data.prompts: {path}:{i} needs a non-empty "prompt" string')
             prompts.append((i, obj["prompt"]))
-        else:
-            prompts.append((i, line.strip()))
+    else:
+        lines = enumerate(read_utf8(path).splitlines(), start=1)
+        prompts = [(i, line.strip()) for i, line in lines if line.strip()]
     if not prompts:
         raise ValueError(f"data.prompts: {path} holds no prompts")
     return prompts
