@@ -1,15 +1,33 @@
-"""The on-policy step's glue in tether.trainers.steps, by hand: make_experience (steps 5-6), the
-advantage registry, controller_input (step 8). Every value below is worked out in the comments;
-the trainers and the test bed both call these functions, so these numbers are theirs."""
+"""tether.trainers.steps by hand: make_experience (steps 5-6), the advantage registry,
+controller_input (step 8), and each step function called directly. Every value below is worked
+out in the comments; the trainers and the test bed both call these functions, so these numbers
+are theirs."""
 
 from __future__ import annotations
+
+import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from tether.core.leash import KLLeash
 from tether.testing.testbed import TableSamples
-from tether.trainers.steps import ADVANTAGES, StepSettings, controller_input, make_experience
+from tether.trainers.steps import (
+    ADVANTAGES,
+    StepSettings,
+    broadcast_sequence_advantages,
+    clipped_policy_loss,
+    controller_input,
+    dpo_pair_loss,
+    grpo_advantages,
+    grpo_kl_weights,
+    kl_and_rewards,
+    make_experience,
+    ppo_advantages,
+    rloo_token_advantages,
+    uses_kl_weights,
+)
 
 F64 = torch.float64
 
@@ -104,3 +122,193 @@ def test_controller_input_reads_the_signal_and_unit_asked_for():
     with pytest.raises(ValueError, match="kl.exact=true"):
         controller_input(exp._replace(exact_kl=None), StepSettings(algo="ppo"))
     assert controller_input(exp._replace(kl=None), StepSettings(algo="ppo")) is None  # no reference
+
+
+# ---- each function of steps.py called directly, by hand ----------------------------------------
+
+# two rows of three tokens; the second row's third token is padding (its numbers are garbage)
+MASK = torch.tensor([[True, True, True], [True, True, False]])
+
+
+def flat(x) -> list[float]:
+    """A tensor or nested list as one flat list of floats (pytest.approx takes no nesting)."""
+    return torch.as_tensor(x, dtype=F64).flatten().tolist()
+
+
+def test_kl_and_rewards_by_hand():
+    # k1 = old - ref: row 0 [-1 + 1.5, -2 + 2, -3 + 2] = [0.5, 0, -1]; row 1 [-0.5, 0, .]
+    old = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, -1.0, 0.0]], dtype=F64)
+    ref = torch.tensor([[-1.5, -2.0, -2.0], [-0.5, -1.0, -9.0]], dtype=F64)
+    scores = torch.tensor([2.0, 1.0], dtype=F64)
+    out = kl_and_rewards(scores, old, ref, MASK, 0.1, estimator="k1", leash=KLLeash(True, False))
+    assert out.kl[MASK].tolist() == [0.5, 0.0, -1.0, -0.5, 0.0]
+    # KL in the reward at beta 0.1: -0.1 k1 on every valid token, the score on the last valid one:
+    #   row 0 [-0.05, 0, 0.1 + 2] = [-0.05, 0, 2.1]; row 1 [0.05, 0 + 1, pad 0]
+    assert flat(out.rewards) == pytest.approx(flat([[-0.05, 0.0, 2.1], [0.05, 1.0, 0.0]]), abs=1e-15)
+    assert flat(out.non_score_reward) == pytest.approx(flat([[-0.05, 0.0, 0.1], [0.05, 0.0, 0.0]]), abs=1e-15)
+    assert out.token_correction is None
+    # KL in the loss: the rewards are the scores alone; the KL is still estimated (logged)
+    out = kl_and_rewards(scores, old, ref, MASK, 0.1, estimator="k3", leash=KLLeash(False, True))
+    assert out.rewards.tolist() == [[0.0, 0.0, 2.0], [0.0, 1.0, 0.0]]
+    assert out.non_score_reward.abs().sum().item() == 0.0
+    # k3 of row 0's first token: r = ref - old = -0.5, e^-0.5 - 1 + 0.5 = 0.1065307
+    assert out.kl[0, 0].item() == pytest.approx(math.exp(-0.5) - 0.5, rel=1e-15)
+    # no reference: no KL, the scores alone
+    none = kl_and_rewards(scores, old, None, MASK, 0.1, estimator="k1", leash=KLLeash(True, False))
+    assert none.kl is None and none.rewards.tolist() == [[0.0, 0.0, 2.0], [0.0, 1.0, 0.0]]
+
+
+def test_ppo_advantages_by_hand():
+    # one row, rewards [0, 1, pad], values [0.5, 0.25, pad], gamma 0.9, lambda 0.5, no whitening:
+    # delta_1 = 1 + 0.9 * 0 - 0.25 = 0.75 (nothing after the last valid token)
+    # delta_0 = 0 + 0.9 * 0.25 - 0.5 = -0.275
+    # A_1 = 0.75, A_0 = -0.275 + 0.9 * 0.5 * 0.75 = 0.0625; returns = A + V = [0.5625, 1.0]
+    rewards = torch.tensor([[0.0, 1.0, 5.0]], dtype=F64)
+    values = torch.tensor([[0.5, 0.25, 7.0]], dtype=F64)
+    mask = torch.tensor([[True, True, False]])
+    adv, ret, scale = ppo_advantages(rewards, values, mask, 0.9, 0.5, whiten=False)
+    assert flat(adv) == pytest.approx([0.0625, 0.75, 0.0], abs=1e-15)
+    assert flat(ret) == pytest.approx([0.5625, 1.0, 0.0], abs=1e-15)
+    assert float(scale) == 1.0
+
+
+def test_ppo_advantages_scale_returns_and_token_correction_by_hand():
+    # summed rewards [0, 4]: std (n - 1) = sqrt(8) = 2.8284 > 1, so the scale is 2.8284; gamma =
+    # lambda = 1, values 0: each token's return is the scaled reward to come, row 1 [4, 4] / 2.8284
+    # = [1.41421, 1.41421]. The correction 0.1 on row 0's first token reaches its advantage alone,
+    # divided by the same scale: 0.1 / 2.8284 = 0.0353553; it is in no return.
+    rewards = torch.tensor([[0.0, 0.0], [0.0, 4.0]], dtype=F64)
+    values = torch.zeros(2, 2, dtype=F64)
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    corr = torch.tensor([[0.1, 0.0], [0.0, 0.0]], dtype=F64)
+    adv, ret, scale = ppo_advantages(
+        rewards, values, mask, 1.0, 1.0, whiten=False, scale_returns=True, token_correction=corr
+    )
+    s = math.sqrt(8)
+    assert float(scale) == pytest.approx(s, rel=1e-15)
+    assert flat(ret) == pytest.approx([0.0, 0.0, 4 / s, 4 / s], rel=1e-15)
+    assert flat(adv) == pytest.approx([0.1 / s, 0.0, 4 / s, 4 / s], rel=1e-15)
+    with pytest.raises(ValueError, match="token_correction"):
+        ppo_advantages(rewards, values, mask, 1.0, 1.0, whiten=False, token_correction=corr[:, :1])
+
+
+def test_group_advantages_and_kl_weights_by_hand():
+    # per-token rewards whose row sums are [1, 3, 2, 2, 0, 4] (row 3's masked 9 counts nowhere);
+    # groups of 2
+    rewards = torch.tensor([[0.0, 1.0], [1.0, 2.0], [2.0, 0.0], [2.0, 9.0], [0.0, 0.0], [4.0, 0.0]])
+    mask = torch.ones(6, 2, dtype=torch.bool)
+    mask[3, 1] = False
+    # GRPO: group 1 mean 2, std (n - 1) of (1, 3) = sqrt(2); advantages -+1 / (sqrt(2) + 1e-4)
+    # = -+0.707057; group 2 all-equal: 0; group 3 mean 2, std sqrt(8): -+2 / (2.828427 + 1e-4)
+    # = -+0.707082
+    w1, w3 = 1 / (math.sqrt(2) + 1e-4), 1 / (math.sqrt(8) + 1e-4)
+    want = [[a, a] for a in (-w1, w1, 0.0, 0.0, -2 * w3, 2 * w3)]
+    want[3][1] = 0.0  # masked
+    # the group statistics are float32: rel 1e-6 (unit roundoff 6e-8, a few operations)
+    assert flat(grpo_advantages(rewards, mask, 2, True)) == pytest.approx(flat(want), rel=1e-6)
+    # Dr. GRPO: the mean removed alone
+    dr = grpo_advantages(rewards, mask, 2, False)
+    assert dr.tolist() == [[-1.0, -1.0], [1.0, 1.0], [0.0, 0.0], [0.0, 0.0], [-2.0, -2.0], [2.0, 2.0]]
+    # KL weights: 1 / (std + 1e-4) per group; the all-equal group gets the mean over the other
+    # groups' rows, (2 w1 + 2 w3) / 4 = (0.707057 + 0.353541) / 2 = 0.530299
+    weights = grpo_kl_weights(rewards, mask, 2)
+    mean = (w1 + w3) / 2
+    assert weights.tolist() == pytest.approx([w1, w1, mean, mean, w3, w3], rel=1e-6)
+    # every group all-equal: weight 1 (no other group to borrow from)
+    assert grpo_kl_weights(torch.ones(4, 2), torch.ones(4, 2, dtype=torch.bool), 2).tolist() == [1.0] * 4
+    # RLOO, leave-one-out: r_i - r_other = [1 - 3, 3 - 1, 0, 0, 0 - 4, 4 - 0]
+    loo = rloo_token_advantages(rewards, mask, 2)
+    assert loo.tolist() == [[-2.0, -2.0], [2.0, 2.0], [0.0, 0.0], [0.0, 0.0], [-4.0, -4.0], [4.0, 4.0]]
+    # groups of 3 over the first 3 rows, sums [1, 3, 2]: r_i - mean of the other two
+    # = [1 - 2.5, 3 - 1.5, 2 - 2] = [-1.5, 1.5, 0]
+    loo3 = rloo_token_advantages(rewards[:3], mask[:3], 3)
+    assert loo3[:, 0].tolist() == [-1.5, 1.5, 0.0]
+    assert broadcast_sequence_advantages(torch.tensor([3.0, -1.0]), MASK).tolist() == [
+        [3.0, 3.0, 3.0],
+        [-1.0, -1.0, 0.0],
+    ]
+
+
+def test_uses_kl_weights_only_for_grpo_with_the_std_the_kl_in_the_loss_and_the_option():
+    on = StepSettings(algo="grpo", group_size=4, scale_by_std=True, scale_kl_by_std=True)
+    assert uses_kl_weights(on, KLLeash(False, True))
+    assert not uses_kl_weights(on, KLLeash(True, False))  # KL in the reward
+    for off in (
+        StepSettings(algo="rloo", group_size=4, scale_by_std=True, scale_kl_by_std=True),
+        StepSettings(algo="grpo", group_size=4, scale_by_std=False, scale_kl_by_std=True),  # Dr. GRPO
+        StepSettings(algo="grpo", group_size=4, scale_by_std=True, scale_kl_by_std=False),
+        StepSettings(algo="grpo", group_size=1, scale_by_std=True, scale_kl_by_std=True),
+    ):
+        assert not uses_kl_weights(off, KLLeash(False, True)), off
+
+
+def test_clipped_policy_loss_by_hand():
+    # one row, two valid tokens and a padded one; old log-probs -1, the new ones make the ratio
+    # [1.5, 0.5]; advantages 1; clip 0.2. Per token max(-A r, -A clip(r, 0.8, 1.2)):
+    #   token 0: max(-1.5, -1.2) = -1.2 (clipped); token 1: max(-0.5, -0.8) = -0.5
+    #   loss = (-1.2 - 0.5) / 2 = -0.85; clipfrac 1 / 2; ratio_dev max |r - 1| = 0.5
+    #   approx_kl = mean(r - 1 - log r) = (0.5 - 0.405465 + -0.5 + 0.693147) / 2 = 0.143841
+    mask = torch.tensor([[True, True, False]])
+    old = torch.tensor([[-1.0, -1.0, 50.0]], dtype=F64)
+    logprobs = (old + torch.tensor([[math.log(1.5), math.log(0.5), 0.0]], dtype=F64)).requires_grad_(True)
+    rows = SimpleNamespace(
+        mask=mask,
+        old_logprobs=old,
+        advantages=torch.tensor([[1.0, 1.0, 99.0]], dtype=F64),
+        ref_logprobs=torch.tensor([[-1.0, -1.0, 3.0]], dtype=F64),
+        values=torch.tensor([[0.4, 0.0, 8.0]], dtype=F64),  # at rollout time
+        returns=torch.tensor([[1.0, 0.0, 8.0]], dtype=F64),
+        kl_weights=None,
+    )
+    no_kl = KLLeash(True, False)
+    out = clipped_policy_loss(rows, logprobs, 0.2, no_kl, 0.1)
+    approx_kl = (0.5 - math.log(1.5) + -0.5 - math.log(0.5)) / 2
+    assert out.loss.item() == pytest.approx(-0.85, rel=1e-15)
+    assert out.stats["policy/clipfrac"].item() == 0.5
+    assert out.stats["policy/approx_kl"].item() == pytest.approx(approx_kl, rel=1e-14)
+    assert out.ratio_dev.item() == pytest.approx(0.5, rel=1e-15)
+    assert "policy/kl_loss" not in out.stats and no_kl.counts["loss"] == 0
+    # PPO's value term: values now [0.7, -0.3], at rollout [0.4, 0], returns [1, 0], clip 0.2:
+    #   clipped values [0.6, -0.2]; squared errors unclipped [0.09, 0.09], clipped [0.16, 0.04];
+    #   max [0.16, 0.09], value loss 0.5 * mean = 0.0625; value clipfrac 1 / 2
+    # k2 in the loss at beta 0.1 against ref [-1, -1]: 0.5 (log r)^2 = [0.0822010, 0.2402265],
+    #   mean 0.1612138, times 0.1 = 0.01612138
+    # loss = -0.85 + 0.5 * 0.0625 + 0.01612138 = -0.80262862
+    k2 = 0.1 * (0.5 * math.log(1.5) ** 2 + 0.5 * math.log(0.5) ** 2) / 2
+    leash = KLLeash(False, True, "k2")
+    values = torch.tensor([[0.7, -0.3, 4.0]], dtype=F64, requires_grad=True)
+    out = clipped_policy_loss(rows, logprobs, 0.2, leash, 0.1, values=values, clip_eps_value=0.2, vf_coef=0.5)
+    assert out.stats["value/loss"].item() == pytest.approx(0.0625, rel=1e-14)
+    assert out.stats["value/clipfrac"].item() == 0.5
+    assert out.stats["policy/kl_loss"].item() == pytest.approx(k2, rel=1e-14)
+    assert out.loss.item() == pytest.approx(-0.85 + 0.5 * 0.0625 + k2, rel=1e-14)
+    assert leash.counts["loss"] == 1
+    # a later micro-batch of the same gradient step is not counted again; row weights scale the term
+    weighted = SimpleNamespace(**{**vars(rows), "kl_weights": torch.tensor([2.0], dtype=F64)})
+    out = clipped_policy_loss(weighted, logprobs, 0.2, leash, 0.1, first_micro=False)
+    assert out.stats["policy/kl_loss"].item() == pytest.approx(2 * k2, rel=1e-14)
+    assert leash.counts["loss"] == 1
+    out.loss.backward()
+    assert logprobs.grad[0, 2].item() == 0.0  # the padded token gets no gradient
+
+
+def test_dpo_pair_loss_by_hand():
+    # beta 0.5. Pair 1: implicit rewards 0.5 (-1 + 2) = 0.5 and 0.5 (-3 + 2) = -0.5, margin 1,
+    #   loss -log sigmoid(1) = log(1 + e^-1) = 0.3132617, right. Pair 2: 0.5 (-2 + 2) = 0 and
+    #   0.5 (-1 + 2) = 0.5, margin -0.5, loss log(1 + e^0.5) = 0.9740770, wrong.
+    # means: loss 0.6436693, margin 0.25, accuracy 0.5, chosen 0.25, rejected 0.0
+    out = dpo_pair_loss(
+        torch.tensor([-1.0, -2.0], dtype=F64),
+        torch.tensor([-3.0, -1.0], dtype=F64),
+        torch.tensor([-2.0, -2.0], dtype=F64),
+        torch.tensor([-2.0, -2.0], dtype=F64),
+        0.5,
+    )
+    loss = (math.log1p(math.exp(-1)) + math.log1p(math.exp(0.5))) / 2
+    assert out.loss.item() == pytest.approx(loss, rel=1e-14)
+    assert out.stats["dpo/loss"].item() == pytest.approx(loss, rel=1e-14)
+    assert out.stats["dpo/margin"].item() == pytest.approx(0.25, rel=1e-14)
+    assert out.stats["dpo/accuracy"].item() == 0.5
+    assert out.stats["dpo/chosen_reward"].item() == pytest.approx(0.25, rel=1e-14)
+    assert out.stats["dpo/rejected_reward"].item() == pytest.approx(0.0, abs=1e-15)
+    assert out.ratio_dev is None
