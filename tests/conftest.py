@@ -314,6 +314,12 @@ class RecordingTracker(GeneralTracker):
     rows: list = []
     tables: list = []
     finished = False
+    project: str | None = None
+    run_name: str | None = None
+
+    def __init__(self, project: str | None = None, run_name: str | None = None):
+        super().__init__()
+        RecordingTracker.project, RecordingTracker.run_name = project, run_name
 
     @property
     def tracker(self):

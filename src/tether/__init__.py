@@ -7,6 +7,7 @@ stays torch-only)::
     from tether import kl_k1, kl_k2, kl_k3, estimate_kl, exact_kl_from_logits   # KL estimators
     from tether import FixedKLController, AdaptiveKLController, BudgetKLController, make_controller
     from tether import KLLeash, shape_rewards                   # where the KL goes, once
+    from tether import StopTraining, Interrupted                # a callback's stop, and its end
 
     config = load_config("my.yaml", ["kl.kl_coef=0.1", "train.steps=40"])
     run_dir = train(config)
@@ -35,6 +36,8 @@ _EXPORTS = {
     "make_controller": "tether.core.controllers",
     "KLLeash": "tether.core.leash",
     "shape_rewards": "tether.core.shaping",
+    "StopTraining": "tether.run.reporting",
+    "Interrupted": "tether.run.signals",
 }
 __all__ = sorted(_EXPORTS) + ["__version__"]
 

@@ -42,9 +42,10 @@ from tether.run.lifecycle import (
     write_checkpoint,
 )
 from tether.run.lock import release as release_lock
-from tether.run.metrics import flat_config, log_sample_table, sample_rows, sample_table, tensorboard_writer
+from tether.run.metrics import flat_config, log_sample_table, sample_rows, sample_table
 from tether.run.monitor import HealthMonitor, health_thresholds, leash_kl
 from tether.run.plots import plot_score_vs_kl, plot_training
+from tether.run.reporting import Reporter, check_callbacks
 from tether.run.setup import Run, build_run, discard_failed_start
 from tether.run.signals import Interrupted, install_signal_handlers
 from tether.trainers.dpo import DPOTrainer
@@ -66,8 +67,8 @@ class Session:
     """The :data:`TRAINERS` instance: ``step(step) -> dict``, ``last_experience``, state dicts."""
     evaluator: Evaluator
     monitor: HealthMonitor
-    tb: object | None
-    """The TensorBoard writer (train.tensorboard), or None."""
+    reporter: Reporter
+    """The run's trackers and callbacks (:mod:`tether.run.reporting`)."""
     best: BestPolicy | None
     """eval.best_by's tracker, or None (eval.best_by=none)."""
 
@@ -81,6 +82,8 @@ def train(
     *,
     tokenizer=None,
     train_dataset=None,
+    eval_dataset=None,
+    callbacks=None,
 ) -> Path:
     """Run ``config`` end to end (or continue it from its last checkpoint); returns the run directory.
 
@@ -96,13 +99,20 @@ def train(
     ``(model, tokenizer)`` pair, or a list of them, weighted by ``reward.weights``: TRL's
     ``reward_funcs``), ``model`` and ``tokenizer`` (instead of ``model.name``),
     ``train_dataset`` (a ``datasets.Dataset``, row dicts or prompts, instead of ``data.prompts``);
-    see :func:`tether.run.setup.build_run`.
+    see :func:`tether.run.setup.build_run`. ``eval_dataset`` (the same kinds as ``train_dataset``,
+    or ``data.eval_prompts``) is the held-out set, instead of the hash share of the training
+    prompts; a training prompt that is also in it is left out of training (said). ``callbacks``:
+    objects with any of ``on_step_end(step, metrics)``, ``on_evaluate(step, row)``,
+    ``on_alarm(alarm)``, ``on_train_end(run_dir)``, called on rank 0; a hook raising
+    :class:`tether.run.reporting.StopTraining` stops the run after that step, checkpointed and
+    resumable (:mod:`tether.run.reporting`).
 
     Raises:
         Interrupted: after Ctrl-C or SIGTERM, once a checkpoint is written.
         RuntimeError: on resume, the reference no longer matches its recorded fingerprint.
     """
     t_start = time.perf_counter()
+    callbacks = check_callbacks(callbacks)
     spec = config.reward.scorer
     if scorer is None and (callable(spec) or (isinstance(spec, list) and any(callable(x) for x in spec))):
         # a TRL user's reward_funcs put in the config: the objects are the scorer, and config.yaml
@@ -134,12 +144,13 @@ def train(
         model=model,
         tokenizer=tokenizer,
         train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
         judges=judges,
     )
     try:
         if wants_judge and judge is None:  # after every check and the model load: no fit for a run
             judge = make_scorer(c.eval.judge)  # that cannot start
-        return _train(run, judge, resume, t_start, scorer_given=scorer is not None)
+        return _train(run, judge, resume, t_start, scorer_given=scorer is not None, callbacks=callbacks)
     except BaseException:
         if not resume and D.is_main() and not run.writer.history:
             # nothing was trained: leave no half-made run that would block the same command
@@ -149,7 +160,15 @@ def train(
         release_lock(run.writer.lock)  # the run folder is free for the next writer
 
 
-def _train(run: Run, judge: Scorer | None, resume: bool, t_start: float, scorer_given: bool = False) -> Path:
+def _train(
+    run: Run,
+    judge: Scorer | None,
+    resume: bool,
+    t_start: float,
+    *,
+    scorer_given: bool = False,
+    callbacks: list | None = None,
+) -> Path:
     c = run.config
     w, show = run.writer, c.train.progress
     trainer = TRAINERS[c.train.algo](run)
@@ -177,18 +196,25 @@ def _train(run: Run, judge: Scorer | None, resume: bool, t_start: float, scorer_
         scorer_given=scorer_given,
         beta_in_reward_std=getattr(trainer, "beta_in_reward_std", False),
     )
-    tb = tensorboard_writer(w.run_dir) if c.train.tensorboard else None
-    if run.accelerator is not None and run.accelerator.log_with:  # train.report_to
-        run.accelerator.project_configuration.set_directories(str(w.run_dir))
-        run.accelerator.init_trackers("tether", config=flat_config(c))
+    stop, previous_handlers = install_signal_handlers()
+    reporter = Reporter(run.accelerator if D.is_main() else None, callbacks, stop)
+    if D.is_main():
+        reporter.start(
+            report_to=c.train.report_to,
+            project=c.train.project,
+            run_name=c.train.run_name or w.run_dir.name,
+            run_dir=w.run_dir,
+            config=flat_config(c),
+        )
 
     with gathered(run.policy, run.reference):  # FSDP: whole weights while rank 0 evaluates alone
         before = reference_eval(evaluator, w.run_dir, show) if D.is_main() else None
         if D.is_main():
             reference_periodic(evaluator, before, w.run_dir, resume)
     D.barrier()
-    session = Session(run=run, trainer=trainer, evaluator=evaluator, monitor=monitor, tb=tb, best=best)
-    stop, previous_handlers = install_signal_handlers()
+    session = Session(
+        run=run, trainer=trainer, evaluator=evaluator, monitor=monitor, reporter=reporter, best=best
+    )
     try:
         last = _loop(session, start=start, stop=stop)
     finally:
@@ -277,20 +303,14 @@ def _evaluates(c: Config, step: int) -> bool:
 def _log_step(session: Session, bar, *, step: int, row: dict, rows: list[dict] | None) -> str | None:
     """Rank 0: periodic evaluation (and the best policy), metrics.jsonl, TensorBoard, health
     alarms, samples. Returns why to stop early (eval.patience), or None."""
-    run, evaluator, monitor, tb = session.run, session.evaluator, session.monitor, session.tb
+    run, evaluator, monitor = session.run, session.evaluator, session.monitor
     c, w, show = run.config, run.writer, run.config.train.progress
     evaluated = _evaluates(c, step)
     if evaluated:
         row.update(evaluator.periodic_row())
     w.log(row)
     early = session.best.consider(step, w.history[-1]) if evaluated and session.best is not None else None
-    if tb is not None:
-        for k, v in w.history[-1].items():
-            if isinstance(v, (int, float)) and k != "step":
-                tb.add_scalar(k, v, step)
-    if run.accelerator is not None and run.accelerator.log_with:  # every row to every tracker
-        numbers = {k: v for k, v in w.history[-1].items() if isinstance(v, (int, float)) and k != "step"}
-        run.accelerator.log(numbers, step=step)
+    session.reporter.step_end(step, w.history[-1])  # every row to every tracker and callback
     bar.set_postfix(
         {
             k: f"{row[key]:.3f}"
@@ -308,6 +328,7 @@ def _log_step(session: Session, bar, *, step: int, row: dict, rows: list[dict] |
             f"  likely cause: {alarm.cause}\n  fix: {alarm.fix}",
             show,
         )
+        session.reporter.alarm(alarm)
     if rows is not None:
         ids = [r.pop("completion_ids") for r in rows]  # for the judge; samples.jsonl keeps the texts
         if "gold" in evaluator.scorers:
@@ -347,13 +368,14 @@ def _finish(session: Session, *, before, t_start: float, last: int) -> Path:
             save_policy(run.policy, run.tokenizer, w.run_dir / "policy", whole)
     if monitor.fired:
         say(f"tether: {len(monitor.fired)} health warning(s), see {w.run_dir / 'warnings.jsonl'}", show)
+    session.reporter.train_end(w.run_dir)
     say(f"tether: done in {time.perf_counter() - t_start:.0f} s; plots and metrics in {w.run_dir}", show)
     D.barrier()  # the other processes wait for rank 0's evaluation, so the run ends together
     return run.writer.run_dir
 
 
 def _final_eval_and_plots(session: Session, before) -> None:
-    run, evaluator, monitor, tb = session.run, session.evaluator, session.monitor, session.tb
+    run, evaluator, monitor = session.run, session.evaluator, session.monitor
     c, w, show = run.config, run.writer, run.config.train.progress
     last_step = w.history[-1]["step"] if w.history else -1
     best = session.best.restore(last_step) if session.best is not None else None
@@ -364,7 +386,9 @@ def _final_eval_and_plots(session: Session, before) -> None:
             show,
         )
     evals = (
-        final_evaluation(run=run, evaluator=evaluator, monitor=monitor, before=before, best=best)
+        final_evaluation(
+            run=run, evaluator=evaluator, monitor=monitor, before=before, best=best, reporter=session.reporter
+        )
         if before
         else []
     )
@@ -381,7 +405,3 @@ def _final_eval_and_plots(session: Session, before) -> None:
         plot_score_vs_kl(w.history, png, evals)
     except OSError as e:
         raise write_error(png, e, "metrics.jsonl and eval.json are written; the plots are not") from None
-    if tb is not None:
-        tb.close()
-    if run.accelerator is not None and run.accelerator.log_with:
-        run.accelerator.end_training()

@@ -252,6 +252,10 @@ class DataConfig:
     messages, system prompts kept), which the tokenizer's chat template renders."""
     heldout_fraction: float = 0.05
     """Fraction of prompts held out for evaluation, chosen by a hash of the text (never trained)."""
+    eval_prompts: str | None = None
+    """The held-out set, instead of the hash share of data.prompts: any source data.prompts takes
+    (its split and prompt column too). Training then uses every prompt of data.prompts except
+    those also in this set (a count is said). None: the hash share."""
     min_words: int = 2
     """Shortest movie-review prefix, in words."""
     max_words: int = 8
@@ -779,7 +783,12 @@ class TrainConfig:
     """Complete checkpoints kept (the newest ones); each carries a SHA-256 of every file, checked on
     resume, and a damaged newest one falls back to the one before it (so 1 keeps no fallback)."""
     tensorboard: bool = False
-    """Also write every metric as TensorBoard event files in <run>/tensorboard (needs tensorboard)."""
+    """Deprecated: the same as adding ``tensorboard`` to ``train.report_to`` (event files in
+    <run>/tensorboard; needs tensorboard). Kept so that older configs run; says so when set."""
+    project: str = "tether"
+    """The trackers' project (W&B's project, MLflow's experiment, Trackio's project, ...)."""
+    run_name: str | None = None
+    """The run's name in every tracker that names runs; None: the run folder's name."""
     report_to: list[str] | str = "none"
     """Experiment trackers, through accelerate's (``Accelerator(log_with=...)``): none, all,
     tensorboard, wandb, trackio, mlflow, aim, comet_ml, dvclive, swanlab, clearml, or
@@ -814,6 +823,20 @@ class TrainConfig:
         )
         self.report_to = _as_list(self.report_to)
         self.report_to = [self.report_to] if isinstance(self.report_to, str) else self.report_to
+        if self.tensorboard and "tensorboard" not in self.report_to:  # one TensorBoard path
+            self.report_to = [n for n in self.report_to if n != "none"] + ["tensorboard"]
+        _check(
+            isinstance(self.project, str) and self.project.strip() != "",
+            "train.project",
+            self.project,
+            "give a non-empty name",
+        )
+        _check(
+            self.run_name is None or (isinstance(self.run_name, str) and self.run_name.strip() != ""),
+            "train.run_name",
+            self.run_name,
+            "give a non-empty name, or null for the run folder's",
+        )
         for name in self.report_to:
             _check(
                 name in TRACKERS or ":" in name,
@@ -1006,6 +1029,11 @@ class Config:
                 f"against kl.target={k.target:g}. To hold the target in this run, lower kl.horizon (e.g. "
                 f"{adaptive_horizon_for(self.rollout.batch_size, self.train.steps):g}) or use "
                 "kl.controller=budget"
+            )
+        if self.train.tensorboard:
+            self.placement.warnings.append(
+                "train.tensorboard=true is deprecated: it now means train.report_to=tensorboard "
+                "(event files in <run>/tensorboard, as before); write that instead"
             )
         if k.kl_coef == 0 and k.controller != "budget":
             why = (
@@ -1361,6 +1389,7 @@ FIELD_UNITS: dict[str, str] = {
     "model.gradient_checkpointing": "",
     # data
     "data.prompts": "",
+    "data.eval_prompts": "",
     "data.split": "",
     "data.prompt_column": "",
     "data.heldout_fraction": "fraction of prompts",
@@ -1470,6 +1499,8 @@ FIELD_UNITS: dict[str, str] = {
     "train.checkpoint_every": "steps",
     "train.keep_checkpoints": "checkpoints",
     "train.tensorboard": "",
+    "train.project": "",
+    "train.run_name": "",
     "train.report_to": "",
     "train.device": "",
     "train.sharding": "",

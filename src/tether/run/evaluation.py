@@ -568,7 +568,7 @@ def reference_periodic(evaluator: Evaluator, before, run_dir: Path, resume: bool
 
 
 def final_evaluation(
-    *, run: Run, evaluator: Evaluator, monitor, before: EvalResult, best: dict | None
+    *, run: Run, evaluator: Evaluator, monitor, before: EvalResult, best: dict | None, reporter=None
 ) -> list[dict]:
     """The final held-out evaluation: the policy (``best``'s step's when eval.best_by restored
     one) against the reference's ``before`` on the same prompts, written to eval.json (with the
@@ -586,6 +586,8 @@ def final_evaluation(
     if evaluator.capability is not None:
         result |= evaluator.measure_capability() | {"capability_texts": c.eval.capability_texts}
     w.write_json("eval.json", result)
+    if reporter is not None:  # a tether.run.reporting.Reporter: trackers and callbacks
+        reporter.final_evaluation(result)
     evals = [result["reference"], result["policy"]]
     gold = (
         f"; gold {result['gold_gain']:+.3f} ± {result['gold_gain_se_paired']:.3f}"
@@ -626,4 +628,6 @@ def final_evaluation(
             f"{alarm.message}.\n  likely cause: {alarm.cause}\n  fix: {alarm.fix}",
             show,
         )
+        if reporter is not None:
+            reporter.alarm(alarm)
     return evals

@@ -153,16 +153,6 @@ def log_sample_table(accelerator, step: int, rows: list[dict]) -> None:
             tracker.log_table("samples", columns=columns, data=data, step=step)
 
 
-def tensorboard_writer(run_dir: Path):
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError as e:
-        raise RuntimeError(
-            "train.tensorboard=true needs the tensorboard package: pip install tensorboard"
-        ) from e
-    return SummaryWriter(log_dir=str(run_dir / "tensorboard"))
-
-
 def sample_rows(exp) -> list[dict]:
     """One dict per sample: prompt, response, score, kl (the estimator's, nats/seq) and reward
     (the shaped rewards summed: score - beta * kl; with ppo.kl_shaping=exact the exact KL's sum

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import datetime as _dt
-import inspect
 import logging
 import os
 import random
@@ -25,6 +24,7 @@ from tether.data.prompts import (
     movie_prompts,
     pair_prompts,
     prompt_file_lines,
+    prompt_key,
     records_to_data,
     split_prompts,
 )
@@ -55,6 +55,7 @@ from tether.run.lock import RunLocked
 from tether.run.lock import acquire as acquire_lock
 from tether.run.lock import release as release_lock
 from tether.run.metrics import RunWriter
+from tether.run.reporting import resolve_trackers
 
 log = logging.getLogger(__name__)
 
@@ -207,18 +208,25 @@ def check_integer_answers(scorer, *parts: PromptData) -> None:
 
 
 def dataset_prompts(dataset, config: Config) -> tuple[PromptData, PromptData]:
-    """(train, heldout) of a ``train_dataset`` given to :func:`build_run`: a ``datasets.Dataset``,
-    a ``datasets.DatasetDict`` (its ``data.split``), a pandas ``DataFrame``, a list of row dicts,
-    or a list of prompts.
+    """(train, heldout) of a ``train_dataset`` given to :func:`build_run`, split by the hash.
 
     Raises:
-        ValueError: another type, a missing split, or no rows.
+        the errors of :func:`dataset_data`.
+    """
+    return split_prompts(dataset_data(dataset, config, "train_dataset"), config.data.heldout_fraction)
+
+
+def dataset_data(dataset, config: Config, field_name: str) -> PromptData:
+    """The rows of a dataset passed from Python (``train_dataset``, ``eval_dataset``): a
+    ``datasets.Dataset``, a ``datasets.DatasetDict`` (its ``data.split``), a pandas ``DataFrame``,
+    a list of row dicts, or a list of prompts.
+
+    Raises:
+        ValueError: another type, a missing split, or no rows (``field_name`` named).
     """
     if isinstance(dataset, dict) and dataset and all(hasattr(v, "to_list") for v in dataset.values()):
         if config.data.split not in dataset:  # a DatasetDict
-            raise ValueError(
-                f"data.split={config.data.split!r}: train_dataset has the splits {list(dataset)}"
-            )
+            raise ValueError(f"data.split={config.data.split!r}: {field_name} has the splits {list(dataset)}")
         dataset = dataset[config.data.split]
     if hasattr(dataset, "to_dict") and hasattr(dataset, "columns") and not hasattr(dataset, "to_list"):
         rows = dataset.to_dict("records")  # a pandas DataFrame
@@ -228,17 +236,73 @@ def dataset_prompts(dataset, config: Config) -> tuple[PromptData, PromptData]:
         rows = list(dataset)
     else:
         raise ValueError(
-            f"train_dataset: a {type(dataset).__name__} is not a dataset; pass a datasets.Dataset or "
+            f"{field_name}: a {type(dataset).__name__} is not a dataset; pass a datasets.Dataset or "
             "DatasetDict, a pandas DataFrame, a list of row dicts or a list of prompts (a file or Hub id "
             "goes in config.data.prompts)"
         )
     if not rows:
-        raise ValueError("train_dataset holds no rows")
+        raise ValueError(f"{field_name} holds no rows")
     if rows and all(isinstance(r, dict) for r in rows):
-        data = records_to_data(rows, config.data.prompt_column, "train_dataset")
-    else:
-        data = records_to_data([{"prompt": r} for r in rows], "prompt", "train_dataset")
-    return split_prompts(data, config.data.heldout_fraction)
+        return records_to_data(rows, config.data.prompt_column, field_name)
+    return records_to_data([{"prompt": r} for r in rows], "prompt", field_name)
+
+
+def eval_set(config: Config, eval_dataset=None) -> PromptData | None:
+    """The held-out set of ``train(..., eval_dataset=...)`` or ``data.eval_prompts`` (any source
+    ``data.prompts`` takes), whole; None for neither (the hash share).
+
+    Raises:
+        ValueError, FileNotFoundError: as for ``data.prompts``, naming ``data.eval_prompts``.
+    """
+    if eval_dataset is not None:
+        return dataset_data(eval_dataset, config, "eval_dataset")
+    spec, d = config.data.eval_prompts, config.data
+    if spec is None:
+        return None
+    if spec == "(an eval_dataset passed to train)":
+        raise ValueError(
+            "data.eval_prompts: this run's held-out set was an eval_dataset passed to train(); "
+            "pass it again (train(..., eval_dataset=...)) to resume the run"
+        )
+    try:
+        if spec == DEFAULT_PROMPTS:
+            train, held = movie_prompts(config.train.seed, d.min_words, d.max_words, d.heldout_fraction)
+            return PromptData(train + held)
+        if spec in TASKS:
+            return task_prompts(spec)
+        return load_prompt_data(spec, d.split, d.prompt_column)
+    except (ValueError, FileNotFoundError) as e:
+        raise type(e)(str(e).replace("data.prompts", "data.eval_prompts")) from None
+
+
+def train_on_the_rest(train: PromptData, heldout: PromptData, evaluation: PromptData) -> PromptData:
+    """Every prompt of ``train`` and ``heldout`` (the hash split of data.prompts, whole again)
+    except those also in ``evaluation`` (by :func:`tether.data.prompts.prompt_key`): what a run
+    with its own held-out set trains on. The count left out is said.
+
+    Raises:
+        ValueError: no training prompt is left, or the two sets' columns differ.
+    """
+    if set(train.columns) != set(heldout.columns):  # pragma: no cover - one source, one set of columns
+        raise ValueError("data.prompts: its training and held-out rows have different columns")
+    both = PromptData(
+        train.prompts + heldout.prompts, {k: train.columns[k] + heldout.columns[k] for k in train.columns}
+    )
+    held = {prompt_key(p) for p in evaluation.prompts}
+    kept = [i for i, p in enumerate(both.prompts) if prompt_key(p) not in held]
+    if not kept:
+        raise ValueError(
+            "data.eval_prompts: every training prompt is also in the held-out set; give prompts to "
+            "train on that the evaluation does not hold"
+        )
+    if len(kept) < len(both):
+        log.warning(
+            "tether: %d training prompt(s) are also in the held-out set (data.eval_prompts / "
+            "eval_dataset) and are left out of training; %d remain",
+            len(both) - len(kept),
+            len(kept),
+        )
+    return both.select(kept)
 
 
 def load_prompts(config: Config) -> tuple[PromptData, PromptData]:
@@ -504,49 +568,17 @@ def resolve_device(name: str, cuda_available: bool | None = None) -> torch.devic
     return torch.device("cuda" if name == "cuda" or (name == "auto" and cuda) else "cpu")
 
 
-def make_trackers(report_to: list[str], logging_dir: str = "runs") -> list | None:
-    """accelerate's ``log_with`` for ``train.report_to``: tracker names, and an instance of each
-    ``module:Class`` (a ``GeneralTracker`` subclass, built with the ``run_name`` "tether" and the
-    ``logging_dir`` when its ``__init__`` takes them, as accelerate's own trackers do); None for none.
+def make_trackers(report_to: list[str]) -> list | None:
+    """accelerate's ``log_with`` for ``train.report_to``: the names of accelerate's own trackers, or
+    None; a ``module:Class`` tracker is checked here (it imports, it is a ``GeneralTracker``) and
+    built when the run starts (:meth:`tether.run.reporting.Reporter.start`), with the run's
+    project and name.
 
     Raises:
         ConfigError: a named tracker's package is not installed, or a class cannot be imported.
     """
-    import importlib
-
-    from accelerate.tracking import GeneralTracker, get_available_trackers
-
-    names = [n for n in report_to if n != "none"]
-    if not names:
-        return None
-    available = {str(t) for t in get_available_trackers()}
-    out: list = []
-    for name in names:
-        if ":" in name:
-            module, _, attr = name.partition(":")
-            try:
-                cls = getattr(importlib.import_module(module), attr)
-            except (ImportError, AttributeError) as e:
-                raise ConfigError(f"train.report_to={name!r}: cannot import ({e})") from None
-            if not (isinstance(cls, type) and issubclass(cls, GeneralTracker)):
-                raise ConfigError(f"train.report_to={name!r} is not an accelerate GeneralTracker subclass")
-            params = inspect.signature(cls.__init__).parameters
-            offered = {"run_name": "tether", "logging_dir": str(logging_dir)}
-            try:
-                out.append(cls(**{k: v for k, v in offered.items() if k in params}))
-            except Exception as e:  # a user's class: name the field, never a bare traceback
-                raise ConfigError(
-                    f"train.report_to={name!r}: building the tracker failed ({type(e).__name__}: {e}); "
-                    "tether calls it with run_name and logging_dir when its __init__ takes them"
-                ) from e
-        elif name != "all" and name not in available:
-            raise ConfigError(
-                f"train.report_to={name!r}: the {name} package is not installed (pip install {name}); "
-                f"installed trackers: {sorted(available) or 'none'}"
-            )
-        else:
-            out.append(name)
-    return out
+    names, _ = resolve_trackers(report_to)
+    return names or None
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -569,6 +601,7 @@ def build_run(
     tokenizer=None,
     *,
     train_dataset=None,
+    eval_dataset=None,
     judges: dict | None = None,
 ) -> Run:
     """Load model, reference, tokenizer, prompts and scorer; create the run directory.
@@ -591,14 +624,24 @@ def build_run(
         ConfigError, ValueError, FileNotFoundError: a bad input, before any model loads.
     """
     config = record_passed_objects(
-        config, scorer=scorer, model=model, tokenizer=tokenizer, train_dataset=train_dataset
+        config,
+        scorer=scorer,
+        model=model,
+        tokenizer=tokenizer,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
     )
     accelerator, sharded, dtype = start_process(config)
     # 1. the checks that need no weights and no download, each in seconds
     run_dir = check_before_loading(config, resume=resume, model=model, scorer=scorer)
     # 2. the data, then the scorer, checked against the data's columns before any model loads
     train_prompts, heldout, scorer = load_data_and_scorer(
-        config, scorer=scorer, train_dataset=train_dataset, judges=judges, device=accelerator.device
+        config,
+        scorer=scorer,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        judges=judges,
+        device=accelerator.device,
     )
     config, path = resolve_model_source(config, model=model, tokenizer=tokenizer)
     barrier()  # every process checked the folder before the first one writes into it
@@ -641,7 +684,9 @@ def build_run(
         raise
 
 
-def record_passed_objects(config: Config, *, scorer, model, tokenizer, train_dataset) -> Config:
+def record_passed_objects(
+    config: Config, *, scorer, model, tokenizer, train_dataset, eval_dataset=None
+) -> Config:
     """The config as config.yaml records it when Python passed objects in place of fields (a
     model, a dataset, a reward): a copy naming them, so a resume asks for them again.
 
@@ -658,6 +703,9 @@ def record_passed_objects(config: Config, *, scorer, model, tokenizer, train_dat
                 )
         if train_dataset is not None:
             config.data.prompts = "(a train_dataset passed to train)"
+    if eval_dataset is not None:
+        config = copy.deepcopy(config)
+        config.data.eval_prompts = "(an eval_dataset passed to train)"
     if scorer is not None and config.reward._given("scorer") is None:
         config = copy.deepcopy(config)  # config.yaml names the objects, so a resume asks for them
         config.reward.scorer = python_scorer_spec(scorer)
@@ -674,7 +722,7 @@ def start_process(config: Config) -> tuple[Accelerator, bool, torch.dtype]:
     if config.train.threads:
         torch.set_num_threads(config.train.threads)
     device = resolve_device(config.train.device)
-    trackers = make_trackers(config.train.report_to, config.train.output_dir or "runs")
+    trackers = make_trackers(config.train.report_to)
     # a tracker that writes files (tensorboard) needs a folder now; the run's is set before init_trackers
     accelerator = Accelerator(
         cpu=device.type == "cpu", log_with=trackers, project_dir=config.train.output_dir or "runs"
@@ -725,7 +773,7 @@ def check_before_loading(config: Config, *, resume: bool, model, scorer) -> Path
 
 
 def load_data_and_scorer(
-    config: Config, *, scorer, train_dataset, judges: dict | None, device
+    config: Config, *, scorer, train_dataset, judges: dict | None, device, eval_dataset=None
 ) -> tuple[PromptData, PromptData, Scorer]:
     """The training and held-out prompts (a user's file reads in seconds; the embedded prompts
     download once) and the reward: reward.scorer, or TRL's reward_funcs from Python (a callable,
@@ -735,10 +783,16 @@ def load_data_and_scorer(
     train_prompts, heldout = (
         load_prompts(config) if train_dataset is None else dataset_prompts(train_dataset, config)
     )
+    evaluation = eval_set(config, eval_dataset)
+    if evaluation is not None:  # the user's held-out set: train on everything else
+        train_prompts, heldout = train_on_the_rest(train_prompts, heldout, evaluation), evaluation
     scorer = make_scorer(
         config.reward.scorer if scorer is None else scorer, config.reward.weights, device=device
     )
     check_scorer_columns(scorer, train_prompts.columns)
+    if evaluation is not None:
+        field = "eval_dataset" if eval_dataset is not None else "data.eval_prompts"
+        check_scorer_columns(scorer, heldout.columns, f"reward.scorer (on {field})")
     check_integer_answers(scorer, train_prompts, heldout)
     for field_name, judge in (judges or {}).items():
         check_scorer_columns(judge, train_prompts.columns, field_name)

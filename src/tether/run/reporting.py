@@ -1,0 +1,236 @@
+"""Where a run's results go beyond its own files: accelerate's trackers and the user's callbacks.
+
+One :class:`Reporter` per run, on rank 0 (the process that writes the run folder and evaluates).
+It starts every tracker of ``train.report_to`` under ``train.project`` with the run's name
+(``train.run_name``, default the run folder's), and hands each of them, and each callback of
+``train(..., callbacks=[...])``:
+
+- every metric row (``on_step_end(step, metrics)``; trackers: ``log``),
+- every periodic and the final held-out evaluation (``on_evaluate(step, row)``; trackers: the
+  numbers under ``eval/`` each step, the final one's under ``final/``, with their SEs),
+- every health alarm when it first fires (``on_alarm(alarm)``; trackers: ``alarm/<rule>`` = 1 at
+  its step, and its text where the tracker takes text),
+- the end of the run (``on_train_end(run_dir)``, after the policy and the plots are written).
+
+A callback defines any of these hooks (each optional). To stop the run it raises
+:class:`StopTraining` from a hook: the run writes a checkpoint after that step and raises
+:class:`tether.run.lifecycle.Interrupted`, as after Ctrl-C, and ``tether train --resume RUN``
+continues it. Any other exception from a callback is a bug in it and propagates.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+from pathlib import Path
+
+log = logging.getLogger("tether")
+
+HOOKS = ("on_step_end", "on_evaluate", "on_alarm", "on_train_end")
+"""The callback hooks tether calls, each optional."""
+
+TEXT_TRACKERS = ("tensorboard", "wandb", "trackio", "comet_ml", "aim", "swanlab", "clearml")
+"""Trackers whose ``log`` takes a string value (mlflow and dvclive log numbers alone): alarms reach
+them as text too. A ``module:Class`` tracker gets the text as well."""
+
+RUN_NAME_KWARGS = {
+    "wandb": "name",
+    "trackio": "name",
+    "comet_ml": "experiment_name",
+    "swanlab": "experiment_name",
+    "clearml": "task_name",
+    "mlflow": "run_name",
+}
+"""The ``init_kwargs`` key that names the run for each accelerate tracker that takes one; the
+project is ``init_trackers``' first argument (W&B's project, MLflow's experiment, TensorBoard's
+folder under the run's). ``aim`` and ``dvclive`` take no run name."""
+
+
+def resolve_trackers(report_to: list[str]) -> tuple[list[str], list[type]]:
+    """``train.report_to`` as (accelerate's tracker names, ``module:Class`` tracker classes).
+
+    Raises:
+        ConfigError: a named tracker's package is not installed, a class cannot be imported or
+            is not an accelerate ``GeneralTracker`` subclass.
+    """
+    import importlib
+
+    from accelerate.tracking import GeneralTracker, get_available_trackers
+
+    from tether.run.config import ConfigError
+
+    names, classes = [], []
+    available = {str(t) for t in get_available_trackers()}
+    for name in (n for n in report_to if n != "none"):
+        if ":" in name:
+            module, _, attr = name.partition(":")
+            try:
+                cls = getattr(importlib.import_module(module), attr)
+            except (ImportError, AttributeError) as e:
+                raise ConfigError(f"train.report_to={name!r}: cannot import ({e})") from None
+            if not (isinstance(cls, type) and issubclass(cls, GeneralTracker)):
+                raise ConfigError(f"train.report_to={name!r} is not an accelerate GeneralTracker subclass")
+            classes.append(cls)
+        elif name != "all" and name not in available:
+            raise ConfigError(
+                f"train.report_to={name!r}: the {name} package is not installed (pip install {name}); "
+                f"installed trackers: {sorted(available) or 'none'}"
+            )
+        else:
+            names.append(name)
+    return names, classes
+
+
+def build_tracker(cls: type, *, project: str, run_name: str, logging_dir: Path):
+    """A ``module:Class`` tracker, given ``project``, ``run_name`` and ``logging_dir`` where its
+    ``__init__`` takes them (as accelerate's own take theirs).
+
+    Raises:
+        ConfigError: its ``__init__`` failed (the field named, the cause kept).
+    """
+    from tether.run.config import ConfigError
+
+    params = inspect.signature(cls.__init__).parameters
+    offered = {"project": project, "run_name": run_name, "logging_dir": str(logging_dir)}
+    try:
+        return cls(**{k: v for k, v in offered.items() if k in params})
+    except Exception as e:  # a user's class: name the field, never a bare traceback
+        raise ConfigError(
+            f"train.report_to={cls.__module__}:{cls.__qualname__}: building the tracker failed "
+            f"({type(e).__name__}: {e}); tether calls it with project, run_name and logging_dir "
+            "when its __init__ takes them"
+        ) from e
+
+
+class StopTraining(Exception):
+    """Raised by a callback hook to stop the run after this step, checkpointed and resumable."""
+
+
+def check_callbacks(callbacks) -> list:
+    """The callbacks of ``train(..., callbacks=...)`` as a list, each checked.
+
+    Raises:
+        TypeError: not a list of objects, or an object with none of :data:`HOOKS` (names them),
+            or a hook that is not callable.
+    """
+    if callbacks is None:
+        return []
+    if not isinstance(callbacks, (list, tuple)):
+        raise TypeError(
+            f"train(callbacks=...) takes a list of callback objects, got {type(callbacks).__name__}"
+        )
+    for cb in callbacks:
+        hooks = [h for h in HOOKS if hasattr(cb, h)]
+        if not hooks:
+            raise TypeError(
+                f"train(callbacks=...): {cb!r} has none of the hooks {', '.join(HOOKS)}; define at least one"
+            )
+        for h in hooks:
+            if not callable(getattr(cb, h)):
+                raise TypeError(f"train(callbacks=...): {type(cb).__name__}.{h} is not callable")
+    return list(callbacks)
+
+
+def numbers(values: dict, prefix: str = "") -> dict[str, float]:
+    """The finite-or-not numbers of a (nested) dict, flattened with ``/``; booleans and strings left out."""
+    out: dict[str, float] = {}
+    for k, v in values.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out |= numbers(v, key + "/")
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[key] = float(v)
+    return out
+
+
+class Reporter:
+    """The run's trackers and callbacks (module docstring).
+
+    Args:
+        accelerator: the run's ``Accelerator`` (its ``log_with`` holds ``train.report_to``), or None.
+        callbacks: checked by :func:`check_callbacks`.
+        stop: the run's stop list (the signal handlers'); a :class:`StopTraining` appends to it.
+    """
+
+    def __init__(self, accelerator, callbacks: list, stop: list[str]):
+        self._accelerator = accelerator
+        self.accelerator = accelerator if accelerator is not None and accelerator.log_with else None
+        self.callbacks = callbacks
+        self.stop = stop
+
+    # ---- trackers -------------------------------------------------------------------------
+    def start(
+        self, *, report_to: list[str], project: str, run_name: str, run_dir: Path, config: dict
+    ) -> None:
+        """``init_trackers(project, config, init_kwargs)`` naming the run for each tracker
+        (:data:`RUN_NAME_KWARGS`); TensorBoard writes to ``<run>/tensorboard``; each
+        ``module:Class`` tracker is built by :func:`build_tracker`."""
+        _, classes = resolve_trackers(report_to)
+        acc = self.accelerator
+        if acc is None and not classes:
+            return
+        from accelerate.tracking import TensorBoardTracker
+
+        if acc is None:
+            acc = self.accelerator = self._accelerator
+        acc.project_configuration.set_directories(str(run_dir))
+        trackers = [
+            TensorBoardTracker("tensorboard", str(run_dir)) if str(t) == "tensorboard" else t  # one path
+            for t in acc.log_with
+        ]
+        trackers += [
+            build_tracker(c, project=project, run_name=run_name, logging_dir=run_dir) for c in classes
+        ]
+        acc.log_with = trackers
+        init_kwargs = {name: {key: run_name} for name, key in RUN_NAME_KWARGS.items()}
+        acc.init_trackers(project, config=config, init_kwargs=init_kwargs)
+
+    def _log(self, values: dict, step: int) -> None:
+        if self.accelerator is not None and values:
+            self.accelerator.log(values, step=step)
+
+    # ---- events ---------------------------------------------------------------------------
+    def _call(self, hook: str, *args) -> None:
+        for cb in self.callbacks:
+            fn = getattr(cb, hook, None)
+            if fn is None:
+                continue
+            try:
+                fn(*args)
+            except StopTraining as e:
+                self.stop.append(f"a callback ({type(cb).__name__}.{hook}: {e or 'StopTraining'})")
+
+    def step_end(self, step: int, row: dict) -> None:
+        """A step's metrics row, as metrics.jsonl holds it."""
+        self._log({k: v for k, v in numbers(row).items() if k != "step"}, step)
+        self._call("on_step_end", step, dict(row))
+        evaluation = {k: v for k, v in row.items() if k.startswith("eval/")}
+        if evaluation:
+            self._call("on_evaluate", step, evaluation)
+
+    def alarm(self, alarm) -> None:
+        """A health alarm (:class:`tether.core.health.Alarm`), when it first fires."""
+        text = (
+            f"[{alarm.rule}] step {alarm.step}: {alarm.message}. "
+            f"Likely cause: {alarm.cause}. Fix: {alarm.fix}"
+        )
+        if self.accelerator is not None:
+            self.accelerator.log({f"alarm/{alarm.rule}": 1.0}, step=alarm.step)
+            for t in self.accelerator.trackers:
+                if t.name in TEXT_TRACKERS or type(t).__module__.split(".")[0] != "accelerate":
+                    t.log({"alarms": text}, step=alarm.step)
+        self._call("on_alarm", alarm)
+
+    def final_evaluation(self, result: dict) -> None:
+        """The final held-out evaluation, as eval.json holds it (gains with their SEs)."""
+        step = int(result.get("policy_step", 0))
+        values = {f"final/{k}": v for k, v in numbers(result).items() if math.isfinite(v)}
+        self._log(values, step)
+        self._call("on_evaluate", step, {"final": True, **result})
+
+    def train_end(self, run_dir: Path) -> None:
+        """The run is over: trackers closed, then ``on_train_end(run_dir)``."""
+        if self.accelerator is not None:
+            self.accelerator.end_training()
+        self._call("on_train_end", Path(run_dir))
