@@ -57,6 +57,10 @@ def _parser() -> argparse.ArgumentParser:
         help="held-out prompts for best-of-N (default eval.periodic_prompts, the RL runs' prompts)",
     )
     fr.add_argument("overrides", nargs="*", help="section.field=value for every run")
+    pu = sub.add_parser("push", help="upload a run's saved policy and its model card to the Hugging Face Hub")
+    pu.add_argument("run_dir")
+    pu.add_argument("repo_id", help="the model repository, ORG/NAME (created if missing)")
+    pu.add_argument("--private", action="store_true", help="create the repository private")
     rp = sub.add_parser("report", help="write a self-contained HTML report of a run directory")
     rp.add_argument("run_dir")
     rp.add_argument("--out", help="output file (default RUN_DIR/report.html)")
@@ -91,6 +95,16 @@ def main(argv: list[str] | None = None) -> int:
         _quiet_transformers()
     if args.command == "reward":
         return _reward_fit(args)
+    if args.command == "push":
+        from tether.run.publish import push
+
+        try:
+            url = push(args.run_dir, args.repo_id, private=args.private)
+        except (FileNotFoundError, ValueError, RuntimeError) as e:
+            print(f"tether: error: {e}", file=sys.stderr)
+            return 1
+        print(f"tether: pushed {args.run_dir}/policy to {url}")
+        return 0
     if args.command == "report":
         from tether.analysis.report import write_report
 

@@ -16,9 +16,11 @@ from tqdm.auto import tqdm
 from tether.core import distributed as D
 from tether.judges.contract import Scorer, ScorerStopped, checked_scores
 from tether.judges.scorers import builds_a_model, check_scorer_spec, make_scorer
+from tether.models.loading import is_hub_id
 from tether.models.sharding import full_state_dict, gathered, is_sharded
 from tether.run.announce import announce_start
 from tether.run.best import BestPolicy
+from tether.run.card import write_model_card
 from tether.run.checkpoint import save_policy
 from tether.run.config import Config
 from tether.run.console import say
@@ -30,6 +32,7 @@ from tether.run.evaluation import (
     reference_periodic,
 )
 from tether.run.files import (
+    read_json,
     resume_hint,
     write_error,
 )
@@ -365,13 +368,32 @@ def _finish(session: Session, *, before, t_start: float, last: int) -> Path:
             else None
         )
         if D.is_main():
-            save_policy(run.policy, run.tokenizer, w.run_dir / "policy", whole)
+            _save_final_policy(run, whole)
     if monitor.fired:
         say(f"tether: {len(monitor.fired)} health warning(s), see {w.run_dir / 'warnings.jsonl'}", show)
     session.reporter.train_end(w.run_dir)
     say(f"tether: done in {time.perf_counter() - t_start:.0f} s; plots and metrics in {w.run_dir}", show)
     D.barrier()  # the other processes wait for rank 0's evaluation, so the run ends together
     return run.writer.run_dir
+
+
+def _save_final_policy(run: Run, whole: dict | None) -> None:
+    """Rank 0: ``<run>/policy`` (an adapter names a Hub base by id and revision) and its model card."""
+    c, w = run.config, run.writer
+    base = (c.model.name, c.model.revision) if is_hub_id(c.model.name) else None
+    save_policy(run.policy, run.tokenizer, w.run_dir / "policy", whole, base_model=base)
+    card = w.run_dir / "policy" / "README.md"
+    evaluated = (w.run_dir / "eval.json").exists()
+    try:
+        write_model_card(
+            card.parent,
+            run_dir=w.run_dir,
+            config=c.to_dict(),
+            history=w.history,
+            evaluation=read_json(w.run_dir / "eval.json") if evaluated else None,
+        )
+    except OSError as e:
+        raise write_error(card, e, "The policy is saved; its model card is not") from None
 
 
 def _final_eval_and_plots(session: Session, before) -> None:

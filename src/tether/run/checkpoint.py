@@ -410,11 +410,23 @@ def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
 
 
-def save_policy(policy, tokenizer, out: Path, whole: dict | None = None) -> None:
+def save_policy(
+    policy,
+    tokenizer,
+    out: Path,
+    whole: dict | None = None,
+    *,
+    base_model: tuple[str, str | None] | None = None,
+) -> None:
     """The final policy as a model folder (``save_pretrained``; a LoRA run's adapter as a peft
     folder), its tokenizer and ``value_head.safetensors``. ``whole``: when the policy is sharded,
     ``{"lm": ..., "value_head": ...}``, their whole tensors
     (:func:`tether.models.sharding.full_state_dict`, gathered by every process).
+
+    ``base_model``: ``(Hub id, revision)`` of a base model that came from the Hub. An adapter's
+    ``adapter_config.json`` then names it by id and revision (peft would record the local cache
+    folder it was loaded from, which breaks once the cache moves), as TRL's adapters do; a local
+    base stays a path.
 
     Written to a temporary folder beside ``out`` and renamed into place, so ``out`` is a whole
     policy or absent (an earlier one is replaced only once the new one is complete).
@@ -434,6 +446,10 @@ def save_policy(policy, tokenizer, out: Path, whole: dict | None = None) -> None
             policy.lm.save_pretrained(tmp, state_dict=whole["lm"])
         else:
             policy.save_pretrained(tmp)  # the model, or for a LoRA run its adapter (a peft folder)
+        if base_model is not None and (tmp / "adapter_config.json").exists():
+            adapter = json.loads((tmp / "adapter_config.json").read_text())
+            adapter["base_model_name_or_path"], adapter["revision"] = base_model
+            (tmp / "adapter_config.json").write_text(json.dumps(adapter, indent=2, sort_keys=True) + "\n")
         tokenizer.save_pretrained(tmp)
         head = whole["value_head"] if whole is not None else policy.value_head.state_dict()
         save_file({k: v.detach().contiguous() for k, v in head.items()}, str(tmp / "value_head.safetensors"))

@@ -1,0 +1,209 @@
+"""The model card (``README.md``) of a saved policy: what it is, how it was leashed, what it gained.
+
+Written into ``<run>/policy`` at the end of a run (beside the weights, the tokenizer and copies of
+the run's two plots), so that the folder explains itself on disk and on the Hub (``tether push``).
+Everything in it is read from the run's own records (config, metrics rows, ``eval.json``); the
+metadata block is ``huggingface_hub``'s ``ModelCardData``.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+PLOTS = ("training.png", "score_vs_kl.png")
+"""The run's plots the card shows; copied into the policy folder."""
+
+
+def _pm(value: float, se: float | None = None, digits: int = 3) -> str:
+    """``+0.137 ± 0.041`` (a value with its standard error), or ``n/a``."""
+    if value is None or not math.isfinite(value):
+        return "n/a"
+    text = f"{value:+.{digits}f}"
+    if se is not None and math.isfinite(se):
+        text += f" ± {se:.{digits}f}"
+    return text
+
+
+def _beta_path(history: list[dict]) -> str:
+    betas = [r["objective/kl_coef"] for r in history if "objective/kl_coef" in r]
+    if not betas:
+        return "not logged"
+    lo, hi = min(betas), max(betas)
+    return f"{betas[0]:.4g} at step 0, {lo:.4g} to {hi:.4g} over the run, {betas[-1]:.4g} at the end"
+
+
+def model_card_text(
+    *,
+    config: dict,
+    history: list[dict],
+    evaluation: dict | None,
+    adapter: bool,
+    repo_id: str | None = None,
+    name: str | None = None,
+) -> str:
+    """The model card's Markdown, YAML metadata first.
+
+    Args:
+        config: the run's config as ``Config.to_dict()`` gives it (sections of fields).
+        history: the rows of ``metrics.jsonl``.
+        evaluation: ``eval.json`` (the final held-out evaluation), or None when there was none.
+        adapter: the policy folder holds a LoRA adapter (peft) rather than whole weights.
+        repo_id: the Hub repository the card is for, in the loading example (None: a local path).
+        name: the title's run name (None: ``train.run_name``).
+    """
+    from huggingface_hub import ModelCardData
+
+    m, t, k, d, r = (config[s] for s in ("model", "train", "kl", "data", "reward"))
+    algo = t["algo"]
+    base = m["name"]
+    meta = ModelCardData(
+        base_model=base if "/" in base and not base.startswith(("/", ".", "~")) else None,
+        library_name="peft" if adapter else "transformers",
+        tags=["tether", "rlhf", algo, "kl-regularized"],
+        pipeline_tag="text-generation",
+    )
+    placement = "in the reward (shaping, per token)" if k.get("kl_in_reward") else "in the loss"
+    if k.get("kl_in_reward") and k.get("kl_in_loss"):
+        placement = "in the reward and in the loss (allowed by kl.allow_double_kl)"
+    estimator = k["estimator"] + (f"; loss surrogate {k['loss_estimator']}" if k.get("kl_in_loss") else "")
+    last = history[-1] if history else {}
+    lines = [
+        "---",
+        meta.to_yaml(),
+        "---",
+        "",
+        f"# {name or t.get('run_name') or 'tether policy'}: {algo.upper()} on a KL leash",
+        "",
+        f"Fine-tuned with tether ({algo.upper()}), which keeps the policy on a "
+        "KL leash to its frozen reference: the objective is `E[r(x, y)] - beta KL(pi || pi_ref)`, "
+        "KL in nats.",
+        "",
+        "## Training",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| base model | `{base}`" + (f" at revision `{m['revision']}`" if m.get("revision") else "") + " |",
+        f"| data | `{d['prompts']}` (split `{d['split']}`)"
+        + (
+            f", held out: `{d['eval_prompts']}`"
+            if d.get("eval_prompts")
+            else f", held out: a {d['heldout_fraction']:g} hash share"
+        )
+        + " |",
+        f"| reward | `{r['scorer']}`" + (f", weights {r['weights']}" if r.get("weights") else "") + " |",
+        f"| trainer | {algo}, {t['steps']} steps of {config['rollout']['batch_size']} samples, "
+        f"seed {t['seed']} |",
+        f"| KL placement | {placement}; per-token estimator {estimator} |",
+        f"| leash | `kl.controller={k['controller']}`"
+        + (f", budget {k['budget']:g} nats per sequence" if k["controller"] == "budget" else "")
+        + (f", target {k['target']:g}" if k["controller"] == "adaptive" else "")
+        + (f", beta {k['kl_coef']:g}" if k["controller"] == "fixed" else "")
+        + " |",
+        f"| beta's path | {_beta_path(history)} |",
+        f"| KL at the last step | {last.get('objective/kl', float('nan')):.3f} nats per sequence "
+        "(on the policy's own samples) |",
+        f"| LoRA | {'yes, this folder is the adapter' if adapter else 'no, whole weights'} |",
+        "",
+    ]
+    if evaluation:
+        ref, pol = evaluation["reference"], evaluation["policy"]
+        lines += [
+            "## Held-out results",
+            "",
+            f"{evaluation['n_prompts']} held-out prompts x {evaluation['samples_per_prompt']} samples, "
+            f"never trained on; the policy of step {evaluation.get('policy_step', '?')} against the "
+            "reference on the same prompts and seeds "
+            "(paired standard errors).",
+            "",
+            "| measure | reference | policy | change |",
+            "|---|---|---|---|",
+            f"| reward (proxy) | {ref['proxy_mean']:.3f} | {pol['proxy_mean']:.3f} | "
+            f"{_pm(evaluation['gain'], evaluation.get('gain_se_paired'))} |",
+        ]
+        if "gold_gain" in evaluation:
+            lines.append(
+                f"| gold judge | {ref.get('gold_mean', math.nan):.3f} | "
+                f"{pol.get('gold_mean', math.nan):.3f} | "
+                f"{_pm(evaluation['gold_gain'], evaluation.get('gold_gain_se_paired'))} |"
+            )
+        lines.append(f"| held-out KL (nats per sequence) | 0 | {pol.get('kl', float('nan')):.3f} | |")
+        lines += [
+            "",
+            "### What the leash protects",
+            "",
+            "| measure | reference | policy | change |",
+            "|---|---|---|---|",
+        ]
+        for key, name in (
+            ("fluency_nll", "fluency NLL (nats per token)"),
+            ("distinct_2", "distinct-2"),
+            ("self_bleu", "self-BLEU"),
+            ("repetition", "repetition"),
+        ):
+            mean = "fluency_nll_mean" if key == "fluency_nll" else key
+            if mean in pol and f"{key}_change" in evaluation:
+                lines.append(
+                    f"| {name} | {ref[mean]:.3f} | {pol[mean]:.3f} | "
+                    f"{_pm(evaluation[f'{key}_change'], evaluation.get(f'{key}_change_se'))} |"
+                )
+        if "capability_nll" in evaluation:
+            lines.append(
+                f"| capability NLL ({evaluation.get('capability_texts', '?')} human sentences) | "
+                f"{evaluation['ref_capability_nll']:.3f} | {evaluation['capability_nll']:.3f} | "
+                f"{_pm(evaluation['capability_nll_change'], evaluation.get('capability_nll_change_se'))} |"
+            )
+        lines.append("")
+    else:
+        lines += ["## Held-out results", "", "No final held-out evaluation was run (eval.n_prompts=0).", ""]
+    lines += ["## Plots", "", "![training](training.png)", "", "![reward against KL](score_vs_kl.png)", ""]
+    where = repo_id or "PATH/TO/policy"
+    if adapter:
+        load = [
+            "```python",
+            "from peft import AutoPeftModelForCausalLM",
+            "from transformers import AutoTokenizer",
+            "",
+            f'model = AutoPeftModelForCausalLM.from_pretrained("{where}")  # the base of adapter_config.json',
+            f'tokenizer = AutoTokenizer.from_pretrained("{where}")',
+            "```",
+        ]
+    else:
+        load = [
+            "```python",
+            "from transformers import AutoModelForCausalLM, AutoTokenizer",
+            "",
+            f'model = AutoModelForCausalLM.from_pretrained("{where}")',
+            f'tokenizer = AutoTokenizer.from_pretrained("{where}")',
+            "```",
+        ]
+    lines += [
+        "## How to load it",
+        "",
+        *load,
+        "",
+        "`value_head.safetensors` holds tether's value head (PPO), which generation does not use.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write_model_card(
+    folder: Path, *, run_dir: Path, config: dict, history: list[dict], evaluation: dict | None
+) -> Path:
+    """Write ``folder/README.md`` and copy the run's plots beside it; returns the card's path.
+
+    Raises:
+        OSError: a write failed (the caller names what is kept).
+    """
+    folder = Path(folder)
+    adapter = (folder / "adapter_config.json").exists()
+    name = config["train"].get("run_name") or Path(run_dir).name
+    text = model_card_text(config=config, history=history, evaluation=evaluation, adapter=adapter, name=name)
+    for name in PLOTS:
+        if (Path(run_dir) / name).exists():
+            shutil.copyfile(Path(run_dir) / name, folder / name)
+    path = folder / "README.md"
+    path.write_text(text, encoding="utf-8")
+    return path

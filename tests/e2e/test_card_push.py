@@ -1,0 +1,139 @@
+"""A saved policy travels (issue 33): its model card, `tether push`, and a LoRA adapter that names
+its Hub base by id so that it loads after the cache moved."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO, SHA, hub_cache, metric_rows, offline_cli, tiny_run_args
+from tether.cli import main
+
+
+@pytest.fixture(scope="module")
+def saved_run(tiny_model_dir, tmp_path_factory):
+    """A tiny PPO run with a final evaluation and a saved policy (shared by the tests below)."""
+    tmp = tmp_path_factory.mktemp("saved")
+    prompts = tmp / "prompts.txt"
+    prompts.write_text("\n".join(f"the movie number {i} was" for i in range(40)) + "\n")
+    out = tmp / "run"
+    overrides = {"train.steps": 2, "eval.n_prompts": 4, "train.save_model": "true"}
+    assert main(tiny_run_args(tiny_model_dir, prompts, out, overrides, command=True)) == 0
+    return out
+
+
+def _digest(folder):
+    return {
+        p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_the_saved_policy_has_a_model_card(saved_run):
+    from huggingface_hub import ModelCard
+
+    card_path = saved_run / "policy" / "README.md"
+    card = ModelCard.load(card_path)
+    assert set(card.data.tags) >= {"tether", "rlhf", "ppo", "kl-regularized"}
+    assert card.data.library_name == "transformers"
+    text = card_path.read_text()
+    ev = json.loads((saved_run / "eval.json").read_text())
+    # the held-out gain with its SE, as eval.json holds it; the leash and its placement
+    assert f"{ev['gain']:+.3f} ± {ev['gain_se_paired']:.3f}" in text
+    assert "KL placement | in the reward (shaping, per token); per-token estimator k1" in text
+    assert "`kl.controller=budget`, budget 2.5 nats per sequence" in text
+    betas = [r["objective/kl_coef"] for r in metric_rows(saved_run)]
+    assert f"beta's path | {betas[0]:.4g} at step 0" in text and "# run: PPO on a KL leash" in text
+    assert "fluency NLL" in text and "distinct-2" in text
+    assert "AutoModelForCausalLM.from_pretrained" in text
+    for plot in ("training.png", "score_vs_kl.png"):  # the card shows them: they travel with it
+        assert (saved_run / "policy" / plot).exists() and f"({plot})" in text
+    print("\n" + text)
+
+
+def test_push_offline_names_hf_hub_offline_and_changes_nothing(saved_run, monkeypatch, capsys):
+    before = _digest(saved_run)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["push", str(saved_run), "my-org/my-policy"]) == 1
+    err = capsys.readouterr().err
+    assert "HF_HUB_OFFLINE=1 is set" in err and "unset it" in err
+    print(err)
+    assert _digest(saved_run) == before
+
+
+def test_push_refuses_a_bad_repository_and_a_run_without_a_policy(saved_run, tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    assert main(["push", str(saved_run), "no-slash"]) == 1
+    assert "is not ORG/NAME" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["push", str(tmp_path / "empty"), "my-org/my-policy"]) == 1
+    assert "holds no saved policy" in capsys.readouterr().err
+
+
+def test_push_uploads_every_file_in_one_commit_with_the_card_naming_the_repo(saved_run, monkeypatch):
+    from huggingface_hub import HfApi
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    calls = {}
+    monkeypatch.setattr(
+        HfApi, "create_repo", lambda self, repo_id, **kw: calls.setdefault("repo", (repo_id, kw))
+    )
+
+    def create_commit(self, repo_id, operations, **kw):
+        calls["ops"] = operations
+        return type("Info", (), {"commit_url": f"https://huggingface.co/{repo_id}/commit/abc"})()
+
+    monkeypatch.setattr(HfApi, "create_commit", create_commit)
+    assert main(["push", str(saved_run), "my-org/my-policy", "--private"]) == 0
+    assert calls["repo"] == ("my-org/my-policy", {"private": True, "exist_ok": True, "repo_type": "model"})
+    names = {op.path_in_repo for op in calls["ops"]}
+    assert names == set(_digest(saved_run / "policy"))
+    card = next(op for op in calls["ops"] if op.path_in_repo == "README.md")
+    text = (
+        card.path_or_fileobj.read().decode()
+        if hasattr(card.path_or_fileobj, "read")
+        else card.path_or_fileobj.decode()
+    )
+    assert 'from_pretrained("my-org/my-policy")' in text and "PATH/TO/policy" not in text
+
+
+def test_a_lora_adapter_names_its_hub_base_and_loads_after_the_cache_moved(
+    tiny_model_dir, prompt_file, tmp_path
+):
+    pytest.importorskip("peft")
+    home = tmp_path / "hf"
+    hub_cache(home, "tiny-org/tiny-llama", tiny_model_dir)
+    out = tmp_path / "run"
+    args = tiny_run_args(
+        None, prompt_file, out, {"model.lora_r": 4, "train.save_model": "true"}, command=True
+    )
+    p = offline_cli(home, *args, "model.name=tiny-org/tiny-llama")
+    assert p.returncode == 0, p.stderr[-3000:]
+    adapter = json.loads((out / "policy" / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == "tiny-org/tiny-llama" and adapter["revision"] == SHA
+    assert "library_name: peft" in (out / "policy" / "README.md").read_text()
+    moved = tmp_path / "elsewhere" / "hf"
+    shutil.move(str(home), str(moved))  # the cache moved: no path in the adapter may point into it
+    load = (
+        "import sys, torch; from peft import AutoPeftModelForCausalLM; "
+        "m = AutoPeftModelForCausalLM.from_pretrained(sys.argv[1]); "
+        "print(sum(p.numel() for n, p in m.named_parameters() if 'lora_' in n))"
+    )
+    env = dict(os.environ, HF_HOME=str(moved), HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
+    env.pop("HF_HUB_CACHE", None)
+    r = subprocess.run(
+        [sys.executable, "-c", load, str(out / "policy")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert int(r.stdout.split()[-1]) > 0  # the adapter's LoRA weights are on the base loaded by id
