@@ -11,6 +11,12 @@ Needs TRL: pip install -e '.[bench]'. Prints numbers, never asserts (not part of
 its own subprocess (peak RSS is that child's ``ru_maxrss``); runs alternate tether, TRL, tether,
 TRL ... (``--pairs``) so that a change in the machine's load hits both. Equal work per step:
 
+* the same trainable blocks: ``--trainable-layers all`` (the default, as TRL trains every block)
+  sets tether's ``model.trainable_layers=all`` (the embedded model's own default is its last 6);
+  ``--trainable-layers N`` trains the last N blocks and the final norm in both (TRL's model is
+  loaded here and frozen the same way before GRPOTrainer gets it). Each child counts its
+  trainable parameters and the summary prints both, so unequal work shows;
+
 * the same model folder (fp32), the same training prompts in the same order (tether's prompt
   sampler; TRL gets them as an unshuffled dataset), ``--completions`` per step as
   ``--prompts-per-step`` prompts x group, temperature 1.0, no top-k/top-p, ``--max-new-tokens``;
@@ -208,6 +214,7 @@ def tether_overrides(spec: dict) -> list[str]:
             f"optim.minibatch_size={n}",
             "optim.max_grad_norm=1.0",
             "optim.weight_decay=0",
+            f"model.trainable_layers={spec['trainable_layers']}",
         ]
         if spec["tether_kl"] == "k3":
             base.append("kl.allow_biased_estimator=true")
@@ -329,7 +336,13 @@ def child_tether(spec: dict) -> dict:
     run = build_run(config)
     setup_s = time.perf_counter() - t
     trainer = GRPOTrainer(run)
-    out = {"engine": "tether", "setup_s": setup_s, "threads": torch.get_num_threads(), "steps": []}
+    out = {
+        "engine": "tether",
+        "setup_s": setup_s,
+        "threads": torch.get_num_threads(),
+        "steps": [],
+        "trainable_params": sum(p.numel() for p in run.policy.lm.parameters() if p.requires_grad),
+    }
     if spec["mode"] == "steps":
         reference[0] = run.reference
         last = time.perf_counter()
@@ -445,8 +458,17 @@ def child_trl(spec: dict) -> dict:
         use_vllm=False,
     )
     tokenizer = load_tokenizer(path)
+    model = path
+    if spec["mode"] == "steps":
+        from transformers import AutoModelForCausalLM
+
+        from tether.run.setup import freeze_lower_layers
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        if spec["trainable_layers"] != "all":  # the same blocks as tether's model.trainable_layers
+            freeze_lower_layers(model, int(spec["trainable_layers"]))
     trainer = GRPOTrainer(
-        model=path, reward_funcs=vader_reward, args=args, train_dataset=dataset, processing_class=tokenizer
+        model=model, reward_funcs=vader_reward, args=args, train_dataset=dataset, processing_class=tokenizer
     )
     setup_s = time.perf_counter() - t_setup
     from transformers.trainer_callback import PrinterCallback
@@ -457,6 +479,7 @@ def child_trl(spec: dict) -> dict:
         "setup_s": setup_s,
         "threads": torch.get_num_threads(),
         "steps": [],
+        "trainable_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
         "checks": {
             "bf16": trainer.args.bf16,
             "gradient_checkpointing": trainer.args.gradient_checkpointing,
@@ -569,6 +592,7 @@ def summarize(res: dict, warmup: int) -> dict:
         "rss": res["peak_rss_gb"],
         "setup": res["setup_s"],
         "threads": res["threads"],
+        "trainable_params": res.get("trainable_params"),
     }
     s["phases"] = {p: med(r["phases"].get(p, 0.0) for r in rows) for p in PHASES}
     s["phases"]["other"] = med(r["time"] - sum(r["phases"].values()) for r in rows)
@@ -599,6 +623,12 @@ def main_steps(args, spec: dict, tmp: Path) -> None:
         f"{args.completions // args.prompts_per_step}), {eos}, beta {args.beta} fixed, lr {args.lr}, fp32, "
         f"torch threads {sums[0]['tether']['threads']}; medians over steps "
         f"{args.warmup}..{args.warmup + args.steps - 1}"
+    )
+    counts = {e: sums[0][e]["trainable_params"] for e in ("tether", "trl")}
+    print(
+        f"trained blocks: {args.trainable_layers} (--trainable-layers); trainable parameters: "
+        f"tether {counts['tether']:,}, TRL {counts['trl']:,}"
+        + ("" if counts["tether"] == counts["trl"] else "  <-- NOT EQUAL WORK")
     )
     print()
     cols = [
@@ -743,6 +773,11 @@ def main() -> int:
     )
     ap.add_argument("--lr", type=float, default=1e-5, help="steps: learning rate of both")
     ap.add_argument(
+        "--trainable-layers",
+        default="all",
+        help="steps: blocks both train: all (default, as TRL does) or N, the last N in both",
+    )
+    ap.add_argument(
         "--tether-kl", default="k3+", choices=["k3+", "k3", "k2"], help="steps: tether's kl.loss_estimator"
     )
     ap.add_argument("--trl-gradient-checkpointing", action="store_true", help="TRL's own default (off here)")
@@ -805,6 +840,7 @@ def main() -> int:
         "stop_at_eos": args.stop_at_eos,
         "beta": args.beta,
         "lr": args.lr,
+        "trainable_layers": args.trainable_layers,
         "tether_kl": args.tether_kl,
         "trl_gradient_checkpointing": args.trl_gradient_checkpointing,
         "tether": args.tether,
