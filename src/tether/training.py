@@ -223,6 +223,7 @@ def _train(
     finally:
         for sig, h in previous_handlers.items():
             signal.signal(sig, h)
+    reporter.end_loop()
     return _finish(session, before=before, t_start=t_start, last=last)
 
 
@@ -284,6 +285,13 @@ def _loop(session: Session, *, start: int, stop: list[str]) -> int:
         # also after the last step, so that --resume with a larger train.steps extends the run
         if stopping or (every and ((step + 1) % every == 0 or step + 1 == c.train.steps or stop_early)):
             path = write_checkpoint(run, trainer, step)
+            error = session.reporter.error
+            if stopping and error is not None:  # a callback or tracker failed: trained steps kept
+                raise type(error)(
+                    f"{error}; the run stopped after step {step} with a checkpoint ({path}): fix it, "
+                    f"then continue with: tether train --resume {w.run_dir} "
+                    "(Python: train(config, resume=True))"
+                ) from error.__cause__
             if stopping:
                 say(
                     f"tether: stopped by {(stop or ['a signal to another process'])[0]} after step {step}; "

@@ -137,3 +137,13 @@ def test_a_lora_adapter_names_its_hub_base_and_loads_after_the_cache_moved(
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert int(r.stdout.split()[-1]) > 0  # the adapter's LoRA weights are on the base loaded by id
+
+
+def test_push_refuses_an_adapter_whose_base_is_a_local_path(saved_run, tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    run = tmp_path / "lora-run"
+    shutil.copytree(saved_run / "policy", run / "policy")
+    (run / "policy" / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "/data/base"}))
+    assert main(["push", str(run), "my-org/my-adapter"]) == 1
+    err = capsys.readouterr().err
+    assert "names its base model by a local path (/data/base)" in err and "model.name=ORG/NAME" in err

@@ -236,3 +236,187 @@ def test_data_eval_prompts_from_the_cli(tiny_model_dir, tmp_path, caplog):
         main(tiny_run_args(tiny_model_dir, prompts, bad, {"data.eval_prompts": prompts}, command=True)) == 1
     )
     assert not bad.exists()
+
+
+# ---- what a second look found (issue 33's review) ------------------------------------------------
+class Failing:
+    def on_step_end(self, step, metrics):
+        if step == 1:
+            raise ValueError("a bug in the callback")
+
+
+def test_a_failing_callback_stops_the_run_checkpointed_and_named(tiny_model_dir, prompt_file, tmp_path):
+    from tether import train
+    from tether.run.reporting import ReportingError
+
+    out = tmp_path / "run"
+    config = _config(tiny_model_dir, prompt_file, out, {"train.steps": 4})
+    with pytest.raises(ReportingError, match=r"callback Failing.on_step_end failed: ValueError: a bug") as e:
+        train(config, callbacks=[Failing()])
+    assert "stopped after step 1 with a checkpoint" in str(e.value) and "--resume" in str(e.value)
+    assert isinstance(e.value.__cause__, ValueError)
+    train(_config(tiny_model_dir, prompt_file, out, {"train.steps": 4}), resume=True)  # nothing lost
+    assert [r["step"] for r in metric_rows(out)] == [0, 1, 2, 3]
+
+
+def test_callbacks_of_the_wrong_shape_are_refused_before_anything_runs(tiny_model_dir, prompt_file, tmp_path):
+    from tether import train
+
+    class TwoArgs:
+        def on_step_end(self, step):  # misses metrics
+            pass
+
+    config = _config(tiny_model_dir, prompt_file, tmp_path / "run", {})
+    with pytest.raises(TypeError, match="Recorder is a class; pass an instance"):
+        train(config, callbacks=[Recorder])
+    with pytest.raises(TypeError, match=r"TwoArgs.on_step_end must take 2 argument\(s\) \(step, metrics\)"):
+        train(config, callbacks=[TwoArgs()])
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_stop_after_the_loop_is_said_and_ignored(tiny_model_dir, prompt_file, tmp_path, caplog):
+    from tether import StopTraining, train
+
+    class LateStop:
+        def on_train_end(self, run_dir):
+            raise StopTraining("too late")
+
+    out = train(_config(tiny_model_dir, prompt_file, tmp_path / "run", {}), callbacks=[LateStop()])
+    assert "asked to stop after the run had ended: nothing to stop" in caplog.text
+    assert [r["step"] for r in metric_rows(out)] == [0]
+
+
+def test_the_final_evaluation_is_logged_at_the_last_step_under_best_by(tiny_model_dir, prompt_file, tmp_path):
+    _reset_tracker()
+    out = tmp_path / "run"
+    overrides = {
+        "train.steps": 3,
+        "eval.n_prompts": 4,
+        "eval.every": 1,
+        "eval.periodic_prompts": 4,
+        "eval.best_by": "proxy",
+        "train.report_to": "tests.conftest:RecordingTracker",
+    }
+    assert main(tiny_run_args(tiny_model_dir, prompt_file, out, overrides, command=True)) == 0
+    steps = [s for s, _ in RecordingTracker.rows]
+    assert steps == sorted(steps)  # never below a step already logged (W&B would drop the row)
+    final = [s for s, v in RecordingTracker.rows if "final/gain" in v]
+    assert final == [2]
+
+
+def test_tracker_lists_are_checked(tmp_path):
+    from tether.run.config import ConfigError
+    from tether.run.reporting import build_tracker, resolve_trackers
+
+    with pytest.raises(ConfigError, match="more than once"):
+        resolve_trackers(["tests.conftest:RecordingTracker", "tests.conftest:RecordingTracker"])
+
+    from accelerate.tracking import GeneralTracker
+
+    class Keywords(GeneralTracker):
+        name = "keywords"
+        requires_logging_directory = False
+        tracker = None
+
+        def __init__(self, **kwargs):
+            super().__init__()
+            self.got = kwargs
+
+    t = build_tracker(Keywords, project="p", run_name="r", logging_dir=tmp_path)
+    assert t.got == {"project": "p", "run_name": "r", "logging_dir": str(tmp_path)}
+    import types
+
+    module = types.ModuleType("nameless_tracker")
+
+    class NoName(GeneralTracker):
+        requires_logging_directory = False
+
+        def __init__(self):
+            pass
+
+    module.NoName = NoName
+    import sys
+
+    sys.modules["nameless_tracker"] = module
+    with pytest.raises(ConfigError, match="has no `name`"):
+        resolve_trackers(["nameless_tracker:NoName"])
+
+
+def test_names_with_control_characters_are_refused():
+    from tether.run.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="train.run_name"):
+        load_config(None, ["train.run_name=odd\nname"])
+    assert load_config(None, ["train.run_name=a run / b"]).train.run_name == "a run / b"
+
+
+def _chat_model(tiny_model_dir, tmp_path):
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from tests.conftest import CHAT
+
+    folder = tmp_path / "chat-model"
+    shutil.copytree(tiny_model_dir, folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.chat_template = CHAT
+    tok.save_pretrained(folder)
+    return folder
+
+
+def test_conversations_held_out_with_the_default_fluency_judge(tiny_model_dir, tmp_path):
+    """A conversational held-out set runs the default judges (the fluency judge read the message
+    list as text and crashed); a text set beside conversations is refused, naming the field."""
+    from tether import train
+
+    convo = [[{"role": "user", "content": f"tell me about film {i}"}] for i in range(12)]
+    held = [[{"role": "user", "content": f"a held-out question {i}"}] for i in range(4)]
+    model = _chat_model(tiny_model_dir, tmp_path)
+    overrides = {"eval.n_prompts": 4, "eval.fluency_model": None, "data.prompts": None}
+    out = train(_config(model, None, tmp_path / "run", overrides), train_dataset=convo, eval_dataset=held)
+    ev = json.loads((out / "eval.json").read_text())
+    assert ev["n_prompts"] == 4 and "fluency_nll_change" in ev
+    with pytest.raises(ValueError, match="eval_dataset holds text prompts and data.prompts conversations"):
+        train(
+            _config(model, None, tmp_path / "run2", overrides), train_dataset=convo, eval_dataset=["a", "b"]
+        )
+    assert not (tmp_path / "run2").exists()
+
+
+def test_repeated_held_out_prompts_count_once_and_two_sources_are_refused(
+    tiny_model_dir, prompt_file, tmp_path, caplog
+):
+    from tether import train
+
+    out = tmp_path / "run"
+    overrides = {"eval.n_prompts": 8}
+    train(_config(tiny_model_dir, prompt_file, out, overrides), eval_dataset=["zz a", "zz a", "zz b", "zz a"])
+    assert "holds 2 repeated prompt(s); each is evaluated once (2 held-out prompts)" in caplog.text
+    assert json.loads((out / "eval.json").read_text())["n_prompts"] == 2
+    held = tmp_path / "held.txt"
+    held.write_text("zz c\n")
+    both = _config(tiny_model_dir, prompt_file, tmp_path / "run2", {"data.eval_prompts": held})
+    with pytest.raises(ValueError, match="both give a held-out set"):
+        train(both, eval_dataset=["zz d"])
+
+
+def test_dpo_pairs_with_an_eval_set_train_on_every_other_pair(tiny_model_dir, tmp_path):
+    from tether.run.setup import build_run
+    from tether.trainers.dpo import DPOTrainer
+
+    pairs = tmp_path / "pairs.jsonl"
+    rows = [{"prompt": f"the movie number {i} was", "chosen": " good", "rejected": " bad"} for i in range(20)]
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    overrides = {"train.algo": "dpo", "dpo.pairs": pairs, "data.prompts": None, "data.heldout_fraction": 0.5}
+    config = _config(tiny_model_dir, None, tmp_path / "run", overrides)
+    run = build_run(config, eval_dataset=[rows[0]["prompt"], rows[1]["prompt"], "a prompt of no pair"])
+    try:
+        trainer = DPOTrainer(run)
+        # 20 pairs, 2 of them held out by the eval set; the hash share (0.5 here) holds out none
+        assert len(trainer.pairs.prompts) == 18
+        assert rows[0]["prompt"] not in trainer.pairs.prompts
+    finally:
+        from tether.run.lock import release
+
+        release(run.writer.lock)

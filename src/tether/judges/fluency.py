@@ -19,6 +19,15 @@ DEFAULT_FLUENCY_MODEL = "gemma3-270m"
 """``eval.fluency_model``'s default: Gemma-3-270M (base), embedded from a PyPI package."""
 
 
+def prefix_text(prompt) -> str:
+    """The text the fluency judge reads a response after: a prompt as written, or a conversation's
+    messages' contents, one per line (the judge is another model, with no template of the
+    policy's; what it measures is the response's fluency, not the prompt's format)."""
+    if isinstance(prompt, str):
+        return prompt
+    return "\n".join(str(m.get("content", "")) for m in prompt)
+
+
 class FluencyJudge:
     """Per-token NLL (nats) of each response given its prompt under a frozen causal LM.
 
@@ -62,7 +71,7 @@ class FluencyJudge:
             self.pad_id = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
 
     @torch.no_grad()
-    def __call__(self, prompts: Sequence[str], responses: Sequence[str]) -> list[float | None]:
+    def __call__(self, prompts: Sequence, responses: Sequence[str]) -> list[float | None]:
         """Per-token NLL of ``responses[i]`` given ``prompts[i]``, nats per token (float32 log-softmax).
 
         Returns:
@@ -76,7 +85,7 @@ class FluencyJudge:
         return continuation_nll(
             self.model,
             self.tokenizer,
-            prefixes=prompts,
+            prefixes=[prefix_text(p) for p in prompts],
             continuations=responses,
             batch_size=self.batch_size,
             pad_id=self.pad_id,

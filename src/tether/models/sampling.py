@@ -129,7 +129,8 @@ def prompt_texts(tokenizer, prompts: Sequence) -> list[str]:
         return list(prompts)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
-            "data.prompts holds conversations (lists of {role, content} messages), and the tokenizer of "
+            "the prompts (data.prompts, data.eval_prompts) hold conversations (lists of {role, content} "
+            "messages), and the tokenizer of "
             "model.name has no chat template to render them; use a chat model or text prompts"
         )
     texts = []

@@ -68,6 +68,23 @@ def model_card_text(
     if k.get("kl_in_reward") and k.get("kl_in_loss"):
         placement = "in the reward and in the loss (allowed by kl.allow_double_kl)"
     estimator = k["estimator"] + (f"; loss surrogate {k['loss_estimator']}" if k.get("kl_in_loss") else "")
+    kl_row = f"| KL placement | {placement}; per-token estimator {estimator} |"
+    leash_row = (
+        f"| leash | `kl.controller={k['controller']}`"
+        + (f", budget {k['budget']:g} nats per sequence" if k["controller"] == "budget" else "")
+        + (f", target {k['target']:g}" if k["controller"] == "adaptive" else "")
+        + (f", beta {k['kl_coef']:g}" if k["controller"] == "fixed" else "")
+        + " |"
+    )
+    beta_row = f"| beta's path | {_beta_path(history)} |"
+    if algo == "dpo":  # no KL term: DPO's beta is the implicit KL coefficient of its loss
+        kl_row = (
+            "| KL placement | implicit, in DPO's loss (Rafailov et al. 2023, eq. 7); the KL is measured, "
+            f"not penalized: per-sequence {k['estimator']} on the policy's samples of held-out prompts |"
+        )
+        leash_row = f"| leash | `dpo.beta={config['dpo']['beta']:g}` (fixed) |"
+        beta_row = ""
+    steps_run = len(history)
     last = history[-1] if history else {}
     lines = [
         "---",
@@ -93,15 +110,11 @@ def model_card_text(
         )
         + " |",
         f"| reward | `{r['scorer']}`" + (f", weights {r['weights']}" if r.get("weights") else "") + " |",
-        f"| trainer | {algo}, {t['steps']} steps of {config['rollout']['batch_size']} samples, "
-        f"seed {t['seed']} |",
-        f"| KL placement | {placement}; per-token estimator {estimator} |",
-        f"| leash | `kl.controller={k['controller']}`"
-        + (f", budget {k['budget']:g} nats per sequence" if k["controller"] == "budget" else "")
-        + (f", target {k['target']:g}" if k["controller"] == "adaptive" else "")
-        + (f", beta {k['kl_coef']:g}" if k["controller"] == "fixed" else "")
-        + " |",
-        f"| beta's path | {_beta_path(history)} |",
+        f"| trainer | {algo}: {steps_run} steps run (train.steps={t['steps']}), "
+        f"{config['rollout']['batch_size']} samples each, seed {t['seed']} |",
+        kl_row,
+        leash_row,
+        *([beta_row] if beta_row else []),
         f"| KL at the last step | {last.get('objective/kl', float('nan')):.3f} nats per sequence "
         "(on the policy's own samples) |",
         f"| LoRA | {'yes, this folder is the adapter' if adapter else 'no, whole weights'} |",

@@ -825,18 +825,15 @@ class TrainConfig:
         self.report_to = [self.report_to] if isinstance(self.report_to, str) else self.report_to
         if self.tensorboard and "tensorboard" not in self.report_to:  # one TensorBoard path
             self.report_to = [n for n in self.report_to if n != "none"] + ["tensorboard"]
-        _check(
-            isinstance(self.project, str) and self.project.strip() != "",
-            "train.project",
-            self.project,
-            "give a non-empty name",
-        )
-        _check(
-            self.run_name is None or (isinstance(self.run_name, str) and self.run_name.strip() != ""),
-            "train.run_name",
-            self.run_name,
-            "give a non-empty name, or null for the run folder's",
-        )
+        for field_name, value in (("train.project", self.project), ("train.run_name", self.run_name)):
+            _check(
+                (value is None and field_name == "train.run_name")
+                or (isinstance(value, str) and value.isprintable() and value.strip() != ""),
+                field_name,
+                value,
+                "give a non-empty name on one line, without control characters"
+                + (", or null for the run folder's" if field_name == "train.run_name" else ""),
+            )
         for name in self.report_to:
             _check(
                 name in TRACKERS or ":" in name,

@@ -52,6 +52,17 @@ def push(run_dir: str | Path, repo_id: str, *, private: bool = False, token: str
             f"tether push: HF_HUB_OFFLINE={os.environ['HF_HUB_OFFLINE']} is set, and uploading to the Hub "
             "needs the network; unset it (or HF_HUB_OFFLINE=0) and log in (hf auth login or HF_TOKEN)"
         )
+    adapter = folder / "adapter_config.json"
+    if adapter.exists():
+        import json
+
+        base = json.loads(adapter.read_text()).get("base_model_name_or_path", "")
+        if base and (Path(base).expanduser().is_absolute() or base.startswith((".", "~"))):
+            raise ValueError(
+                f"tether push: {adapter} names its base model by a local path ({base}), so the adapter "
+                "would load on no other machine; train from a Hub id (model.name=ORG/NAME), or push the "
+                "base model too and set base_model_name_or_path to its id"
+            )
     operations = []
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         rel = path.relative_to(folder).as_posix()

@@ -15,7 +15,9 @@ It starts every tracker of ``train.report_to`` under ``train.project`` with the 
 A callback defines any of these hooks (each optional). To stop the run it raises
 :class:`StopTraining` from a hook: the run writes a checkpoint after that step and raises
 :class:`tether.run.lifecycle.Interrupted`, as after Ctrl-C, and ``tether train --resume RUN``
-continues it. Any other exception from a callback is a bug in it and propagates.
+continues it. Any other exception from a callback (or a tracker) during the loop stops the run the
+same way, checkpointed after that step, and is then raised as :class:`ReportingError` naming it,
+the original as its cause: fix it and resume. A stop request after the loop is said and ignored.
 """
 
 from __future__ import annotations
@@ -29,6 +31,13 @@ log = logging.getLogger("tether")
 
 HOOKS = ("on_step_end", "on_evaluate", "on_alarm", "on_train_end")
 """The callback hooks tether calls, each optional."""
+HOOK_SIGNATURES = {
+    "on_step_end": "step, metrics",
+    "on_evaluate": "step, row",
+    "on_alarm": "alarm",
+    "on_train_end": "run_dir",
+}
+HOOK_ARGS = {h: len(a.split(",")) for h, a in HOOK_SIGNATURES.items()}
 
 TEXT_TRACKERS = ("tensorboard", "wandb", "trackio", "comet_ml", "aim", "swanlab", "clearml")
 """Trackers whose ``log`` takes a string value (mlflow and dvclive log numbers alone): alarms reach
@@ -62,7 +71,11 @@ def resolve_trackers(report_to: list[str]) -> tuple[list[str], list[type]]:
 
     names, classes = [], []
     available = {str(t) for t in get_available_trackers()}
-    for name in (n for n in report_to if n != "none"):
+    given = [n for n in report_to if n != "none"]
+    twice = sorted({n for n in given if given.count(n) > 1})
+    if twice:
+        raise ConfigError(f"train.report_to names {twice} more than once: every row would be logged twice")
+    for name in given:
         if ":" in name:
             module, _, attr = name.partition(":")
             try:
@@ -71,6 +84,11 @@ def resolve_trackers(report_to: list[str]) -> tuple[list[str], list[type]]:
                 raise ConfigError(f"train.report_to={name!r}: cannot import ({e})") from None
             if not (isinstance(cls, type) and issubclass(cls, GeneralTracker)):
                 raise ConfigError(f"train.report_to={name!r} is not an accelerate GeneralTracker subclass")
+            if not isinstance(getattr(cls, "name", None), str) or not cls.name:
+                raise ConfigError(
+                    f"train.report_to={name!r}: the class has no `name` (a GeneralTracker needs one, "
+                    "e.g. name = 'my_tracker')"
+                )
             classes.append(cls)
         elif name != "all" and name not in available:
             raise ConfigError(
@@ -93,8 +111,9 @@ def build_tracker(cls: type, *, project: str, run_name: str, logging_dir: Path):
 
     params = inspect.signature(cls.__init__).parameters
     offered = {"project": project, "run_name": run_name, "logging_dir": str(logging_dir)}
+    takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     try:
-        return cls(**{k: v for k, v in offered.items() if k in params})
+        return cls(**{k: v for k, v in offered.items() if takes_all or k in params})
     except Exception as e:  # a user's class: name the field, never a bare traceback
         raise ConfigError(
             f"train.report_to={cls.__module__}:{cls.__qualname__}: building the tracker failed "
@@ -105,6 +124,11 @@ def build_tracker(cls: type, *, project: str, run_name: str, logging_dir: Path):
 
 class StopTraining(Exception):
     """Raised by a callback hook to stop the run after this step, checkpointed and resumable."""
+
+
+class ReportingError(RuntimeError):
+    """A callback or a tracker raised: the run stopped after the step with a checkpoint (in the
+    loop), its message names the callback or tracker, and its cause is the original exception."""
 
 
 def check_callbacks(callbacks) -> list:
@@ -121,14 +145,28 @@ def check_callbacks(callbacks) -> list:
             f"train(callbacks=...) takes a list of callback objects, got {type(callbacks).__name__}"
         )
     for cb in callbacks:
+        if isinstance(cb, type):
+            raise TypeError(
+                f"train(callbacks=...): {cb.__name__} is a class; pass an instance ({cb.__name__}())"
+            )
         hooks = [h for h in HOOKS if hasattr(cb, h)]
         if not hooks:
             raise TypeError(
                 f"train(callbacks=...): {cb!r} has none of the hooks {', '.join(HOOKS)}; define at least one"
             )
         for h in hooks:
-            if not callable(getattr(cb, h)):
+            fn = getattr(cb, h)
+            if not callable(fn):
                 raise TypeError(f"train(callbacks=...): {type(cb).__name__}.{h} is not callable")
+            try:
+                inspect.signature(fn).bind(*(None,) * HOOK_ARGS[h])
+            except TypeError:
+                raise TypeError(
+                    f"train(callbacks=...): {type(cb).__name__}.{h} must take {HOOK_ARGS[h]} argument(s) "
+                    f"({HOOK_SIGNATURES[h]})"
+                ) from None
+            except ValueError:  # a builtin without a signature: called as it is
+                pass
     return list(callbacks)
 
 
@@ -158,6 +196,11 @@ class Reporter:
         self.accelerator = accelerator if accelerator is not None and accelerator.log_with else None
         self.callbacks = callbacks
         self.stop = stop
+        self.step = -1  # the last step logged to the trackers: a later log never goes below it
+        self.error: BaseException | None = None
+        """The first exception a callback or a tracker raised in the loop: the run checkpoints after
+        that step, then raises it (:class:`ReportingError`), so nothing trained is lost."""
+        self.ended = False  # the training loop is over: a stop request has nothing to stop
 
     # ---- trackers -------------------------------------------------------------------------
     def start(
@@ -187,8 +230,27 @@ class Reporter:
         acc.init_trackers(project, config=config, init_kwargs=init_kwargs)
 
     def _log(self, values: dict, step: int) -> None:
-        if self.accelerator is not None and values:
-            self.accelerator.log(values, step=step)
+        """Log to every tracker at ``step``, or at the last step logged when that is later (W&B
+        drops a row below its current step)."""
+        if self.accelerator is None or not values:
+            return
+        self.step = max(self.step, step)
+        self._guarded("a tracker (train.report_to)", lambda: self.accelerator.log(values, step=self.step))
+
+    def _guarded(self, what: str, fn) -> None:
+        """Run ``fn``; in the loop, an exception from it stops the run after this step with a
+        checkpoint and is raised then (:attr:`error`); after the loop it is raised at once."""
+        try:
+            fn()
+        except StopTraining:
+            raise
+        except Exception as e:
+            if self.ended:
+                raise ReportingError(f"{what} failed after the run ended: {type(e).__name__}: {e}") from e
+            if self.error is None:
+                self.error = ReportingError(f"{what} failed: {type(e).__name__}: {e}")
+                self.error.__cause__ = e
+                self.stop.append(f"an error in {what}")
 
     # ---- events ---------------------------------------------------------------------------
     def _call(self, hook: str, *args) -> None:
@@ -197,9 +259,13 @@ class Reporter:
             if fn is None:
                 continue
             try:
-                fn(*args)
+                self._guarded(f"callback {type(cb).__name__}.{hook}", lambda fn=fn: fn(*args))
             except StopTraining as e:
-                self.stop.append(f"a callback ({type(cb).__name__}.{hook}: {e or 'StopTraining'})")
+                why = f"a callback ({type(cb).__name__}.{hook}: {e or 'StopTraining'})"
+                if self.ended:
+                    log.warning("tether: %s asked to stop after the run had ended: nothing to stop", why)
+                else:
+                    self.stop.append(why)
 
     def step_end(self, step: int, row: dict) -> None:
         """A step's metrics row, as metrics.jsonl holds it."""
@@ -216,21 +282,28 @@ class Reporter:
             f"Likely cause: {alarm.cause}. Fix: {alarm.fix}"
         )
         if self.accelerator is not None:
-            self.accelerator.log({f"alarm/{alarm.rule}": 1.0}, step=alarm.step)
+            self._log({f"alarm/{alarm.rule}": 1.0}, alarm.step)
             for t in self.accelerator.trackers:
                 if t.name in TEXT_TRACKERS or type(t).__module__.split(".")[0] != "accelerate":
-                    t.log({"alarms": text}, step=alarm.step)
+                    self._guarded(f"tracker {t.name}", lambda t=t: t.log({"alarms": text}, step=self.step))
         self._call("on_alarm", alarm)
 
     def final_evaluation(self, result: dict) -> None:
-        """The final held-out evaluation, as eval.json holds it (gains with their SEs)."""
+        """The final held-out evaluation, as eval.json holds it (gains with their SEs), logged at
+        the run's last step (``policy_step`` names the policy evaluated, an earlier one under
+        eval.best_by); the callbacks get it with the policy's step."""
         step = int(result.get("policy_step", 0))
         values = {f"final/{k}": v for k, v in numbers(result).items() if math.isfinite(v)}
         self._log(values, step)
         self._call("on_evaluate", step, {"final": True, **result})
 
+    def end_loop(self) -> None:
+        """The training loop is over: a later stop request is said and ignored, a later error raised."""
+        self.ended = True
+
     def train_end(self, run_dir: Path) -> None:
         """The run is over: trackers closed, then ``on_train_end(run_dir)``."""
+        self.ended = True
         if self.accelerator is not None:
-            self.accelerator.end_training()
+            self._guarded("a tracker (train.report_to)", self.accelerator.end_training)
         self._call("on_train_end", Path(run_dir))

@@ -88,7 +88,9 @@ def load_model_part(load, name: str, *args):
         ) from e
 
 
-def check_scorer_columns(scorer, columns: dict[str, list], field_name: str = "reward.scorer") -> None:
+def check_scorer_columns(
+    scorer, columns: dict[str, list], field_name: str = "reward.scorer", data_field: str = "data.prompts"
+) -> None:
     """Refuse, before the model loads, a reward function (or judge, ``field_name``) that needs a
     dataset column the prompts do not have.
 
@@ -106,8 +108,8 @@ def check_scorer_columns(scorer, columns: dict[str, list], field_name: str = "re
         ]
         if missing:
             raise ValueError(
-                f"{field_name} {name!r} needs the dataset column(s) {missing}, and data.prompts has "
-                f"{sorted(columns) or 'none'}; point data.prompts at a dataset with them (or set "
+                f"{field_name} {name!r} needs the dataset column(s) {missing}, and {data_field} has "
+                f"{sorted(columns) or 'none'}; point {data_field} at a dataset with them (or set "
                 "data.prompt_column) or give the function defaults"
             )
 
@@ -131,6 +133,7 @@ RESUME_FIXED = (
     ("data", "split"),
     ("data", "prompt_column"),
     ("data", "heldout_fraction"),
+    ("data", "eval_prompts"),
     ("data", "min_words"),
     ("data", "max_words"),
     ("data", "chat_template"),
@@ -254,9 +257,9 @@ def eval_set(config: Config, eval_dataset=None) -> PromptData | None:
     Raises:
         ValueError, FileNotFoundError: as for ``data.prompts``, naming ``data.eval_prompts``.
     """
-    if eval_dataset is not None:
-        return dataset_data(eval_dataset, config, "eval_dataset")
     spec, d = config.data.eval_prompts, config.data
+    if eval_dataset is not None:  # record_passed_objects refused a data.eval_prompts beside it
+        return unique_prompts(dataset_data(eval_dataset, config, "eval_dataset"), "eval_dataset")
     if spec is None:
         return None
     if spec == "(an eval_dataset passed to train)":
@@ -267,12 +270,52 @@ def eval_set(config: Config, eval_dataset=None) -> PromptData | None:
     try:
         if spec == DEFAULT_PROMPTS:
             train, held = movie_prompts(config.train.seed, d.min_words, d.max_words, d.heldout_fraction)
-            return PromptData(train + held)
-        if spec in TASKS:
-            return task_prompts(spec)
-        return load_prompt_data(spec, d.split, d.prompt_column)
+            data = PromptData(train + held)
+        elif spec in TASKS:
+            data = task_prompts(spec)
+        else:
+            data = load_prompt_data(spec, d.split, d.prompt_column)
     except (ValueError, FileNotFoundError) as e:
         raise type(e)(str(e).replace("data.prompts", "data.eval_prompts")) from None
+    return unique_prompts(data, "data.eval_prompts")
+
+
+def unique_prompts(data: PromptData, field_name: str) -> PromptData:
+    """A held-out set with each prompt once (the first row of each; the count left out is said):
+    a copy would count as an independent prompt in every standard error."""
+    seen: set[str] = set()
+    keep = []
+    for i, p in enumerate(data.prompts):
+        key = prompt_key(p)
+        if key not in seen:
+            seen.add(key)
+            keep.append(i)
+    if len(keep) < len(data):
+        log.warning(
+            "tether: %s holds %d repeated prompt(s); each is evaluated once (%d held-out prompts)",
+            field_name,
+            len(data) - len(keep),
+            len(keep),
+        )
+    return data.select(keep) if len(keep) < len(data) else data
+
+
+def check_same_format(train: PromptData, evaluation: PromptData, field_name: str) -> None:
+    """Refuse a held-out set of conversations for text training prompts, or the other way round:
+    its numbers would measure another prompt format than the one trained.
+
+    Raises:
+        ValueError: the formats differ (both named).
+    """
+
+    def kind(data: PromptData) -> str:
+        return "conversations" if data.prompts and not isinstance(data.prompts[0], str) else "text prompts"
+
+    if len(train) and len(evaluation) and kind(train) != kind(evaluation):
+        raise ValueError(
+            f"{field_name} holds {kind(evaluation)} and data.prompts {kind(train)}: the held-out "
+            "evaluation would measure another prompt format than the one trained; give both in one format"
+        )
 
 
 def train_on_the_rest(train: PromptData, heldout: PromptData, evaluation: PromptData) -> PromptData:
@@ -704,6 +747,12 @@ def record_passed_objects(
         if train_dataset is not None:
             config.data.prompts = "(a train_dataset passed to train)"
     if eval_dataset is not None:
+        spec = config.data.eval_prompts
+        if spec is not None and spec != "(an eval_dataset passed to train)":
+            raise ValueError(
+                f"train(eval_dataset=...) and data.eval_prompts={spec!r} both give a held-out set; "
+                "give one of them"
+            )
         config = copy.deepcopy(config)
         config.data.eval_prompts = "(an eval_dataset passed to train)"
     if scorer is not None and config.reward._given("scorer") is None:
@@ -784,18 +833,21 @@ def load_data_and_scorer(
         load_prompts(config) if train_dataset is None else dataset_prompts(train_dataset, config)
     )
     evaluation = eval_set(config, eval_dataset)
+    field = "eval_dataset" if eval_dataset is not None else "data.eval_prompts"
     if evaluation is not None:  # the user's held-out set: train on everything else
+        check_same_format(train_prompts, evaluation, field)
         train_prompts, heldout = train_on_the_rest(train_prompts, heldout, evaluation), evaluation
     scorer = make_scorer(
         config.reward.scorer if scorer is None else scorer, config.reward.weights, device=device
     )
     check_scorer_columns(scorer, train_prompts.columns)
     if evaluation is not None:
-        field = "eval_dataset" if eval_dataset is not None else "data.eval_prompts"
-        check_scorer_columns(scorer, heldout.columns, f"reward.scorer (on {field})")
+        check_scorer_columns(scorer, heldout.columns, data_field=field)
     check_integer_answers(scorer, train_prompts, heldout)
     for field_name, judge in (judges or {}).items():
         check_scorer_columns(judge, train_prompts.columns, field_name)
+        if evaluation is not None:  # a judge reads the held-out prompts alone
+            check_scorer_columns(judge, heldout.columns, field_name, data_field=field)
     return train_prompts, heldout, scorer
 
 

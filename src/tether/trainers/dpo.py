@@ -205,7 +205,8 @@ class DPOTrainer:
                 c.dpo.pairs,
                 run.tokenizer,
                 c.data.split,
-                heldout_fraction=c.data.heldout_fraction,
+                # with its own held-out set (data.eval_prompts, eval_dataset) no hash share is held out
+                heldout_fraction=None if c.data.eval_prompts else c.data.heldout_fraction,
                 heldout=held,
             )
         )
