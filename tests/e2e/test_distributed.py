@@ -25,7 +25,8 @@ from tests.conftest import make_tiny_llama, tiny_run_args
 from tether.core import distributed as D
 from tether.core.advantages import WHITEN_EPS
 from tether.core.masked import masked_mean
-from tether.models.sampling import Rollout, generate, gumbel_noise, sample_seeds
+from tether.core.noise import gumbel_noise
+from tether.models.sampling import Rollout, generate, sample_seeds
 from tether.run.config import ConfigError, check_world_size, load_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -227,7 +228,7 @@ def test_gumbel_sampler_is_the_argmax_of_tempered_logits_plus_its_noise(tiny_tok
     T, n = 0.5, 8
     seeds = sample_seeds(0, 0, range(len(PROMPTS)))
     ro = generate(lm, tiny_tokenizer, PROMPTS, n, T, seeds=seeds)
-    gens = [torch.Generator().manual_seed(int(s)) for s in seeds]
+    keys = torch.tensor(seeds, dtype=torch.int64)
     from tether.models.head import position_ids_from_mask
 
     with torch.no_grad():
@@ -240,7 +241,7 @@ def test_gumbel_sampler_is_the_argmax_of_tempered_logits_plus_its_noise(tiny_tok
     logits = logits[:, -R:].double()  # (B, R, V) predicting each response token
     checked, differs_at_t1 = 0, 0
     for t in range(R):
-        noise = gumbel_noise(gens, logits.shape[-1])  # the t-th draw of every row, as in generation
+        noise = gumbel_noise(keys, t, logits.shape[-1])  # every row's noise at step t, as in generation
         want = (logits[:, t] / T + noise).argmax(-1)
         valid = ro.response_mask[:, t]
         assert torch.equal(ro.response_ids[valid, t], want[valid]), f"position {t}"

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from tether.core.logprobs import logprobs_from_logits, response_mask_from_tokens
+from tether.core.noise import gumbel_noise
 from tether.models import (
     head,  # head.prefix_cache and head.shares_prefix looked up at call time
 )
@@ -178,8 +179,8 @@ def sample_seeds(seed: int, step: int, indices: Sequence[int]) -> list[int]:
     batch is split over processes or generate calls (``tests/e2e/test_distributed.py``).
 
     Returns:
-        ``len(indices)`` Python ints, each in [0, 2**63) (host values: each seeds a generator on
-        the model's device).
+        ``len(indices)`` Python ints, each in [0, 2**63) (host values: each is a row key of the
+        sampler's counter-based noise, :func:`tether.core.noise.gumbel_noise`).
     """
 
     def one(i: int) -> int:
@@ -189,20 +190,6 @@ def sample_seeds(seed: int, step: int, indices: Sequence[int]) -> list[int]:
     return [one(int(i)) for i in indices]
 
 
-def gumbel_noise(generators: list[torch.Generator], vocab_size: int) -> Tensor:
-    """(B, V) float64 i.i.d. Gumbel(0, 1) noise, row b drawn from ``generators[b]`` on its device.
-
-    ``g = -log(-log(u))`` with ``u ~ U[0, 1)`` in float64 (53-bit resolution: ``u == 0``, which
-    gives ``-inf``, has probability 2**-53 per draw, against 2**-24 in float32). Drawn where the
-    generators live, so on a GPU nothing crosses to the host (a float64 (64, 152k) draw per token
-    would be 78 MB).
-    """
-    u = torch.stack(
-        [torch.rand(vocab_size, dtype=torch.float64, generator=g, device=g.device) for g in generators]
-    )
-    return -torch.log(-torch.log(u))
-
-
 class GumbelMaxSampler(LogitsProcessor):
     """Turns greedy decoding into exact sampling from softmax(logits / temperature), per-row seeded.
 
@@ -210,10 +197,11 @@ class GumbelMaxSampler(LogitsProcessor):
     exactly as ``softmax(z)`` (Gumbel 1954; Maddison et al. 2014, "A* Sampling", section 2). Here
     ``z = logits / temperature``: the temperature is applied once, in this processor, and nothing
     else touches the logits (greedy decoding adds no warper). Row ``b`` draws its noise from its
-    own generator seeded with ``seeds[b]``, one vocabulary-sized draw per decoding step, so a row's
-    sample does not depend on the other rows of the batch. The generators live on the logits'
-    device (CUDA's Philox or the CPU's Mersenne Twister: the same seed draws other samples on
-    another device, with the same distribution).
+    own key ``seeds[b]``: the noise of every row at decoding step ``t`` is one vectorized,
+    counter-based computation (:func:`tether.core.noise.gumbel_noise`), a function of
+    ``(seeds[b], t, v)`` alone, so a row's sample does not depend on the other rows of the batch,
+    on its process or on the device (the integers are the same everywhere; the float64 logs may
+    round differently in the last bit).
 
     It also records, for each row and step, the log-probability of the token it chose under the
     distribution it sampled from (:func:`tether.core.logprobs.logprobs_from_logits` of these
@@ -221,13 +209,14 @@ class GumbelMaxSampler(LogitsProcessor):
     """
 
     def __init__(self, seeds: Sequence[int], temperature: float, device: torch.device | str = "cpu"):
-        self.generators = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
+        # the seeds are in [0, 2^63): each fits an int64 as it is
+        self.keys = torch.tensor([int(s) for s in seeds], dtype=torch.int64, device=device)  # (B,)
         self.temperature = temperature
         self.steps: list[Tensor] = []
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
         z = scores.to(torch.float64) / self.temperature  # (B, V)
-        noisy = z + gumbel_noise(self.generators, scores.shape[-1])  # (B, V)
+        noisy = z + gumbel_noise(self.keys, len(self.steps), scores.shape[-1])  # (B, V); t = calls so far
         chosen = noisy.argmax(-1)  # (B,) what greedy decoding of ``noisy`` picks
         self.steps.append(logprobs_from_logits(scores[:, None, :], chosen[:, None], self.temperature)[:, 0])
         return noisy
