@@ -231,8 +231,9 @@ def test_exact_kl_shaping_reaches_the_ppo_update(tiny_model_dir, prompt_file, tm
     assert corrections[2] is not None and corrections[3] is not None and corrections[3].abs().max() > 0
     sampled, exact = rows["sampled"], rows["exact"]
     assert sampled[0]["value/loss"] == exact[0]["value/loss"]
-    assert sampled[1]["objective/kl"] == exact[1]["objective/kl"] > 0
-    assert sampled[1]["objective/kl_exact"] == exact[1]["objective/kl_exact"]
+    # the sampled k1 estimate may have either sign on 5 samples; the exact KL is > 0 after an update
+    assert sampled[1]["objective/kl"] == exact[1]["objective/kl"] != 0
+    assert sampled[1]["objective/kl_exact"] == exact[1]["objective/kl_exact"] > 0
     assert sampled[1]["value/loss"] != exact[1]["value/loss"]
 
 
