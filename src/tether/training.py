@@ -45,7 +45,7 @@ from tether.run.lifecycle import (
     write_checkpoint,
 )
 from tether.run.lock import release as release_lock
-from tether.run.metrics import flat_config, log_sample_table, sample_rows, sample_table
+from tether.run.metrics import flat_config, sample_rows, sample_table
 from tether.run.monitor import HealthMonitor, health_thresholds, leash_kl
 from tether.run.plots import plot_score_vs_kl, plot_training
 from tether.run.reporting import Reporter, check_callbacks
@@ -356,7 +356,7 @@ def _log_step(session: Session, bar, *, step: int, row: dict, rows: list[dict] |
             for r, g in zip(rows, golds):
                 r["gold"] = float(g)
         w.samples(step, rows)
-        log_sample_table(run.accelerator, step, rows)
+        session.reporter.samples(step, rows)
         say(f"\nstep {step}\n" + sample_table(rows[:4]), show)
     return early
 

@@ -275,6 +275,17 @@ class Reporter:
         if evaluation:
             self._call("on_evaluate", step, evaluation)
 
+    def samples(self, step: int, rows: list[dict]) -> None:
+        """The step's sample table to every tracker that takes tables
+        (:func:`tether.run.metrics.log_sample_table`), guarded as every other tracker call."""
+        if self.accelerator is not None:
+            from tether.run.metrics import log_sample_table
+
+            self._guarded(
+                "a tracker (train.report_to)",
+                lambda: log_sample_table(self.accelerator, max(step, self.step), rows),
+            )
+
     def alarm(self, alarm) -> None:
         """A health alarm (:class:`tether.core.health.Alarm`), when it first fires."""
         text = (
