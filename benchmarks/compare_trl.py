@@ -677,7 +677,7 @@ def main_steps(args, spec: dict, tmp: Path) -> None:
 
 def main_score(args, spec: dict, tmp: Path) -> None:
     res = {}
-    for engine in ("tether", "trl"):
+    for engine in args.engines.split(","):
         s = dict(
             spec,
             total_steps=args.max_steps if engine == "trl" else args.tether_max_steps,
@@ -805,6 +805,9 @@ def main() -> int:
     ap.add_argument("--n-eval", type=int, default=64, help="score: held-out prompts")
     ap.add_argument("--eval-seed", type=int, default=1234, help="score: sampling seed of every evaluation")
     ap.add_argument("--run-all", action="store_true", help="score: keep training after the target is reached")
+    ap.add_argument(
+        "--engines", default="tether,trl", choices=["tether,trl", "tether", "trl"], help="score: which to run"
+    )
     ap.add_argument("--keep", default=None, help="directory for the runs' outputs (default: a temporary one)")
     ap.add_argument(
         "--make-tiny-model", metavar="DIR", help="write a tiny random Llama for smoke tests and exit"

@@ -3,6 +3,7 @@
 Usage: python benchmarks/generation_floor.py [--model smollm2-135m] [--rows 8] [--tokens 24] [--rounds 5]
        [--compile]
        [--profile]
+       python benchmarks/generation_floor.py --floor [--floor-rows 1 8 32 64] [--rounds 3]
 
 Prints, for the embedded default model (fp32):
 
@@ -20,6 +21,15 @@ Prints, for the embedded default model (fp32):
 3. with ``--profile``, where one ``generate`` call's time goes: torch profiler's self CPU time
    per operator (the matrix products, attention, the cache's concatenations, the sampler's noise)
    as shares of the call, the rest being Python and dispatch.
+
+``--floor`` prints instead the decode step against its memory-bandwidth floor: the machine's read
+bandwidth (``torch.sum`` over a 1 GiB fp32 tensor, far past every cache: what streaming the
+weights costs), the floor per decoded token (every weight read once per token: the bytes of all
+linear weights, the LM head included, over that bandwidth; the embedding lookup reads only B
+rows), and ``generate`` at each of ``--floor-rows`` rows, timed at two lengths so that prompt
+prefill and set-up cancel: ms per decoded token = (t(T2) - t(T1)) / (T2 - T1), tokens/s = rows
+over that, and its ratio to the floor (1.0 would be the bandwidth bound; above it, the matrix
+products are compute- or latency-bound, or time goes outside them).
 
 The variants of each table run in turn, ``--rounds`` times; medians are printed, so a drift in
 the machine's speed (large on this shared 2-core machine) hits every variant alike.
@@ -58,6 +68,9 @@ def main() -> int:
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--floor", action="store_true")
+    ap.add_argument("--floor-rows", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--floor-tokens", type=int, nargs=2, default=[8, 24])
     args = ap.parse_args()
 
     import torch
@@ -75,6 +88,8 @@ def main() -> int:
         f"{len(weights)} linear weights, {mb:.0f} MB fp32, torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads"
     )
+    if args.floor:
+        return bandwidth_floor(lm, tok, weights, args)
     print("\n| rows M | fp32 linear ms/token | GB/s of weights |\n|---|---|---|")
     for m in (1, 2, 4, 8, 16, 32, 64):
         ms = per_token_ms(weights, F.linear, m, torch.float32)
@@ -174,6 +189,58 @@ def main() -> int:
         print(f"\nfirst compiled call (compiling included): {compile_s:.0f} s")
     if args.profile:
         profile_generate(lambda: one("dynamic cache (transformers' default)"))
+    return 0
+
+
+def read_bandwidth_gbs(rounds: int) -> float:
+    """GB/s (2^30 bytes) of reading a 1 GiB fp32 tensor once (``torch.sum``), median of ``rounds``."""
+    import torch
+
+    x = torch.ones(2**28)
+    x.sum()
+    seen = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        x.sum()
+        seen.append(1.0 / (time.perf_counter() - t))
+    return statistics.median(seen)
+
+
+def bandwidth_floor(lm, tok, weights, args) -> int:
+    """The --floor table: generate's ms per decoded token at each row count against the floor."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import compare_trl
+    from tether.models.sampling import generate
+
+    compare_trl.force_min_new_tokens_in_tether()  # every row decodes exactly the tokens asked
+    gib = sum(w.numel() * w.element_size() for w in weights) / 2**30
+    bw = read_bandwidth_gbs(args.rounds * 3)
+    floor_ms = gib / bw * 1e3
+    print(
+        f"read bandwidth {bw:.1f} GB/s; weights streamed per token {gib * 1024:.0f} MB; "
+        f"floor {floor_ms:.1f} ms/token"
+    )
+    t1, t2 = args.floor_tokens
+    print(
+        f"\n| rows | ms per decoded token (median of {args.rounds}) | tokens/s | x floor | GB/s of weights |"
+        "\n|---|---|---|---|---|"
+    )
+    for rows in args.floor_rows:
+        prompts = ["The gorgeously elaborate continuation of"] * rows
+        generate(lm, tok, prompts, t1, 1.0, seeds=range(rows))  # warm-up
+        per = []
+        for _ in range(args.rounds):
+            times = []
+            for n in (t1, t2):
+                t = time.perf_counter()
+                generate(lm, tok, prompts, n, 1.0, seeds=range(rows))
+                times.append(time.perf_counter() - t)
+            per.append((times[1] - times[0]) / (t2 - t1))
+        ms = statistics.median(per) * 1e3
+        print(
+            f"| {rows} | {ms:.1f} | {rows / ms * 1e3:.0f} | {ms / floor_ms:.2f} | {gib / ms * 1e3:.1f} |",
+            flush=True,
+        )
     return 0
 
 
