@@ -55,7 +55,11 @@ scoring, exact KL (tether), policy forward + loss, backward (``Tensor.backward``
 ``--gain`` over the reference. Both children evaluate with tether's own
 ``tether.run.evaluation.evaluate`` on the same held-out prompts (tether's hash split), the same
 sampling seed and settings, every ``--eval-every`` steps; the KL printed is its k1 estimate
-(nats per sequence) of those samples against the frozen starting model.
+(nats per sequence) of those samples against the frozen starting model. Both train on responses
+of ``--max-new-tokens`` (TRL's ``max_completion_length``; tether's ``rollout.max_new_tokens``,
+whose own default is 16), the length evaluated: a leash that holds 2.5 nats over 16-token
+responses spends more over 24, so a held-out KL of longer responses than the run trained on is
+no measure of the leash. ``--engines tether`` (or ``trl``) runs one side alone.
 """
 
 from __future__ import annotations
@@ -218,6 +222,10 @@ def tether_overrides(spec: dict) -> list[str]:
         ]
         if spec["tether_kl"] == "k3":
             base.append("kl.allow_biased_estimator=true")
+    else:
+        # score: responses as long as the evaluation's (and TRL's max_completion_length), so the
+        # held-out KL per sequence is over the lengths the leash held (tether's default is 16)
+        base.append(f"rollout.max_new_tokens={spec['max_new_tokens']}")
     return base + list(spec["tether"])
 
 
@@ -371,8 +379,15 @@ def child_tether(spec: dict) -> dict:
             heldout_prompts(config, spec["n_eval"]),
             run.scorer,
         )
+        out["train"] = []
         for step in range(spec["total_steps"]):
-            trainer.step(step)
+            row = trainer.step(step)
+            kl = row.get("objective/kl_exact", row.get("objective/kl"))
+            out["train"].append({"step": step, "kl": kl, "kl_coef": row["objective/kl_coef"]})
+            print(
+                f"  tether step {step}: training KL {kl:.2f} nats/seq, beta {row['objective/kl_coef']:.3f}",
+                file=sys.stderr,
+            )
             if tracker.after_step(step + 1):
                 break
         out["points"] = tracker.points

@@ -167,3 +167,52 @@ def test_budget_checkpoint_from_before_kp_resumes_as_pure_dual_ascent(tiny_model
     c.kp, c.dual = 1.0, 0.5
     trainer.load_state_dict(trainer.state_dict())
     assert (trainer.controller.kp, trainer.controller.dual) == (1.0, 0.5)
+
+
+def test_budget_checkpoint_keeps_the_last_kl_for_the_derivative_term(tiny_model_dir, prompt_file, tmp_path):
+    # the derivative term needs the previous step's KL across a resume; a changed controller
+    # setting forgets it (a rise measured under other settings means nothing)
+    from tether.run.config import load_config
+    from tether.run.setup import build_run
+    from tether.trainers.ppo import PPOTrainer
+
+    made = []
+
+    def trainer(*extra):
+        made.append(None)
+        cfg = load_config(
+            None,
+            [
+                f"model.name={tiny_model_dir}",
+                f"data.prompts={prompt_file}",
+                "rollout.batch_size=4",
+                "optim.minibatch_size=2",
+                "reward.scorer=tests.conftest:length_judge",
+                f"train.output_dir={tmp_path / f'run{len(made)}'}",
+                "kl.controller=budget",
+                "kl.kl_coef=0",
+                "kl.budget=6.0",
+                "kl.budget_eta=0.01",
+                "kl.budget_kd=3.0",
+                "eval.n_prompts=0",
+                "eval.every=0",
+                *extra,
+            ],
+        )
+        return PPOTrainer(build_run(cfg))
+
+    assert trainer("kl.budget_kd=0").controller.kd == 0.0
+    t = trainer()
+    assert (t.controller.kp, t.controller.kd) == (3.0, 3.0)
+    # under budget: dual max(0, 0 + 0.01 * (4 - 6)) = 0, beta max(0, 3 * (-2)) = 0, last_kl 4
+    assert t.controller.update(4.0, 4) == 0.0
+    state = t.state_dict()
+    fresh = trainer()
+    fresh.load_state_dict(state)
+    c = fresh.controller
+    assert (c.last_kl, c.kd, c.kl_coef, c.dual) == (4.0, 3.0, 0.0, 0.0)
+    # rise 1.5 from the restored 4.0: dual max(0, 0.01 * (-0.5)) = 0; beta 3 * (-0.5) + 3 * 1.5 = 3.0
+    assert c.update(5.5, 4) == pytest.approx(3.0, abs=1e-12)
+    changed = trainer("kl.budget=5.0")
+    changed.load_state_dict(state)
+    assert changed.controller.last_kl is None

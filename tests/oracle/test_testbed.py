@@ -495,7 +495,15 @@ def test_budget_update_rule_by_hand():
     assert c.update(1.0, 10**6) == 0.0
     assert c.update(3.0, 1) == pytest.approx(0.2, abs=1e-15)
     assert c.update(3.0, 10**6) == pytest.approx(0.4, abs=1e-15)
-    assert c.state_dict() == {"kl_coef": c.kl_coef, "budget": 1.0, "eta": 0.1, "kp": 0.0, "dual": c.kl_coef}
+    assert c.state_dict() == {
+        "kl_coef": c.kl_coef,
+        "budget": 1.0,
+        "eta": 0.1,
+        "kp": 0.0,
+        "dual": c.kl_coef,
+        "kd": 0.0,
+        "last_kl": 3.0,
+    }
 
 
 def test_budget_proportional_term_by_hand():
@@ -514,6 +522,33 @@ def test_budget_proportional_term_by_hand():
     a, b = BudgetKLController(0.3, 1.0, 0.2), BudgetKLController(0.3, 1.0, 0.2, kp=0.0)
     for kl in (1.7, 0.2, 0.0, 2.5, 1.0):
         assert a.update(kl, 1) == b.update(kl, 1) == a.dual
+
+
+def test_budget_derivative_term_by_hand():
+    c = BudgetKLController(kl_coef=0.0, budget=1.0, eta=0.1, kp=1.0, kd=1.0)
+    # first call, no previous KL: dual max(0, 0 + 0.1 * (0.2 - 1)) = 0, beta max(0, 0 - 0.8 + 0) = 0
+    assert c.update(0.2, 1) == 0.0 and c.last_kl == 0.2
+    # rise 0.5, still under budget: dual max(0, 0 - 0.03) = 0; beta 0 + 1.0 * (-0.3) + 1.0 * 0.5 = 0.2
+    assert c.update(0.7, 1) == pytest.approx(0.2, abs=1e-15) and c.dual == 0.0
+    # over budget, rise 0.6: dual 0 + 0.1 * 0.3 = 0.03; beta 0.03 + 0.3 + 0.6 = 0.93
+    assert c.update(1.3, 1) == pytest.approx(0.93, abs=1e-15) and c.dual == pytest.approx(0.03, abs=1e-15)
+    # falling (1.3 -> 1.1): no derivative push; dual 0.03 + 0.01 = 0.04, beta 0.04 + 0.1 = 0.14
+    assert c.update(1.1, 1) == pytest.approx(0.14, abs=1e-15) and c.dual == pytest.approx(0.04, abs=1e-15)
+    # on budget and flat at the fixed point: beta = dual
+    c.update(1.0, 1)
+    assert c.update(1.0, 1) == pytest.approx(c.dual, abs=1e-15)
+    # a falling or flat KL adds nothing: kd 2 and kd 0 agree step for step on such a path
+    a = BudgetKLController(0.3, 1.0, 0.2, kp=1.0, kd=2.0)
+    b = BudgetKLController(0.3, 1.0, 0.2, kp=1.0, kd=0.0)
+    for kl in (2.5, 1.7, 1.7, 0.6, 0.1):
+        assert a.update(kl, 1) == b.update(kl, 1)
+    # then a rise of 0.3: beta max(0, dual + 1.0 * (0.4 - 1.0) + 2.0 * 0.3) = dual (a.dual, after the update)
+    assert a.update(0.4, 1) == pytest.approx(a.dual, abs=1e-15) and a.dual > 0
+    assert b.update(0.4, 1) == 0.0  # without kd: max(0, dual - 0.6), projected
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="kd"):
+            BudgetKLController(kl_coef=0.1, budget=1.0, kd=bad)
+    assert make_controller("budget", 0.2, budget=0.3, kp=1.0, kd=2.0).kd == 2.0
 
 
 def test_budget_controller_validation_and_factory():
@@ -552,14 +587,18 @@ def beta_for_budget(bed: tb.TabularBed, eps: float) -> float:
 
 
 @pytest.mark.parametrize(
-    "algo, kp", [("rloo", 0.0), ("rloo", 1.0), ("ppo", 1.0)], ids=["rloo-dual-ascent", "rloo-with-kp", "ppo"]
+    "algo, kp, kd",
+    [("rloo", 0.0, 0.0), ("rloo", 1.0, 0.0), ("rloo", 1.0, 1.0), ("ppo", 1.0, 0.0)],
+    ids=["rloo-dual-ascent", "rloo-with-kp", "rloo-with-kp-kd", "ppo"],
 )
-def test_budget_controller_holds_the_kl_on_the_bandit(algo, kp):
+def test_budget_controller_holds_the_kl_on_the_bandit(algo, kp, kd):
     # the controller reads what a default run's reads: the exact KL per sequence; PPO is the
-    # default run itself (budget leash, k1 in the reward, ppo.scale_returns on)
+    # default run itself (budget leash, k1 in the reward, ppo.scale_returns on). The derivative
+    # term (kd) reacts to the batches' noise too (a positive push on every rise), but the
+    # integral still drives the mean error to 0: the budget holds (the dual within 5% of beta*)
     bed, eps = bed_bandit(), 0.3  # nats per sequence; unconstrained KL at beta 1 is 0.5356
     beta_star = beta_for_budget(bed, eps)  # 1.36867
-    c = BudgetKLController(kl_coef=1.0, budget=eps, eta=0.2, kp=kp)
+    c = BudgetKLController(kl_coef=1.0, budget=eps, eta=0.2, kp=kp, kd=kd)
     settings = tb.TrainSettings(steps=150, batch_size=1024, group_size=G, lr_final_fraction=0.2)
     log = tb.train_on_policy(bed, algo, c, settings)
     half = settings.steps // 2
@@ -572,7 +611,7 @@ def test_budget_controller_holds_the_kl_on_the_bandit(algo, kp):
         f"budget {eps}: last half measured KL mean {float(measured.mean()):.4f} ({mean_dev:.1%} off), "
         f"exact KL in [{float(exact.min()):.4f}, {float(exact.max()):.4f}] (max {exact_dev:.1%} off), "
         f"single-batch estimates up to {batch_dev:.1%} off (sampling noise, SE ~8%); "
-        f"beta {c.kl_coef:.4f} (dual {c.dual:.4f}) vs beta*(eps) {beta_star:.4f} ({algo}, kp {kp})"
+        f"beta {c.kl_coef:.4f} (dual {c.dual:.4f}) vs beta*(eps) {beta_star:.4f} ({algo}, kp {kp}, kd {kd})"
     )
     msg += f"; exact KL mean {float(exact.mean()):.4f}"
     print(msg)

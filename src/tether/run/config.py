@@ -423,6 +423,13 @@ class KLConfig(_Defaulted):
     max(0, dual + budget_kp * (KL - budget)). 0 = pure projected dual ascent, which rings on a
     real model (beta overshoots, the KL undershoots). With the defaults the demo's exact KL spent
     its second half 8% under its 2.5-nat budget (docs/kl.md, "Controllers")."""
+    budget_kd: float = 0.0
+    """Derivative gain of the budget controller, 0 = off (Stooke et al. 2020, eq. 5): adds budget_kd *
+    max(0, KL - the previous step's KL) to beta, so beta starts while the KL still rises towards
+    the budget (budget_kd = budget_kp: the proportional term on the one-step extrapolation of the
+    KL). Off by default: measured on SmolLM2 it cut the held-out KL's peak from 30% to 22% over
+    the budget, within noise of the gain; it also turns batch noise of a rising KL into beta
+    (use it with kl.controller_signal=exact). Scale it like budget_kp for nats_per_token."""
     controller_signal: Literal["auto", "estimator", "exact"] = "auto"
     """The KL the adaptive and budget controllers read: ``estimator`` (the logged ``kl.estimator``
     values, as in Ziegler et al.), ``exact`` (the exact per-token KL summed along the samples,
@@ -477,6 +484,12 @@ class KLConfig(_Defaulted):
         _check(self.budget > 0, "kl.budget", self.budget, f"must be > 0 ({self.target_unit})")
         _check(self.budget_eta > 0, "kl.budget_eta", self.budget_eta, "must be > 0")
         _check(self.budget_kp >= 0, "kl.budget_kp", self.budget_kp, "must be >= 0 (0 = pure dual ascent)")
+        _check(
+            self.budget_kd >= 0,
+            "kl.budget_kd",
+            self.budget_kd,
+            "must be >= 0 (0 = no derivative term)",
+        )
         _check(
             self.controller_signal in ("auto", "estimator", "exact"),
             "kl.controller_signal",
@@ -1413,6 +1426,7 @@ FIELD_UNITS: dict[str, str] = {
     "kl.budget": "kl.target_unit (nats per sequence by default)",
     "kl.budget_eta": "reward units per nat, per unit of KL error",
     "kl.budget_kp": "reward units per nat, per unit of KL error",
+    "kl.budget_kd": "reward units per nat, per unit of KL rise per step",
     "kl.controller_signal": "",
     "kl.exact": "",
     "kl.exact_chunk_size": "token positions",

@@ -99,6 +99,7 @@ class OnPolicyTrainer:
             budget=c.kl.budget,
             eta=c.kl.budget_eta,
             kp=c.kl.budget_kp,
+            kd=c.kl.budget_kd,
         )
         self.leash = KLLeash(c.kl.kl_in_reward, c.kl.kl_in_loss, c.kl.loss_estimator, c.kl_reward_form)
         self.settings = step_settings(c, self.name)
@@ -315,9 +316,9 @@ class OnPolicyTrainer:
         if kind == "budget" and "dual" not in saved:
             # a budget checkpoint from before budget_kp: it ran pure dual ascent, so it goes on with it
             self.controller.kl_coef = self.controller.dual = saved["kl_coef"]
-            self.controller.kp = 0.0
+            self.controller.kp = self.controller.kd = 0.0
             return
-        state = ("dual",) if now == "fixed" else ("kl_coef", "dual")
+        state = ("dual",) if now == "fixed" else ("kl_coef", "dual", "last_kl")
         changed = [
             f"{name} {saved[name]:g} -> {getattr(self.controller, name):g}"
             for name in saved
@@ -328,6 +329,8 @@ class OnPolicyTrainer:
         for name in state:
             if name in saved:
                 setattr(self.controller, name, saved[name])
+        if changed and now == "budget":
+            self.controller.last_kl = None  # a rise measured under other settings means nothing
         if changed:
             log.warning(
                 "tether: resuming with the controller's settings changed (%s); beta for the next step: %g",
