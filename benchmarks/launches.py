@@ -1,12 +1,12 @@
 """Operators per decoded token: what a GPU pays in kernel launches, counted on a CPU.
 
-Usage: python benchmarks/launches.py [--rows 1 8 64] [--tokens 8 16] [--layers 2]
+Usage: python benchmarks/launches.py [--rows 1 8 64] [--tokens 8 16]
 
 On a GPU every torch operator of a decode step is (at least) one kernel launch, and launches,
 not arithmetic, bound a small model's decoding. A sampler that loops over the rows of the batch
 (one ``torch.rand`` per row, as tether's did before ``tether.core.noise``) adds B operators per
-token; a vectorized one adds a constant. This script counts them on a tiny random Llama (hidden
-32, 2 blocks, a 300-token vocabulary trained here; nothing downloaded) with ``torch.profiler``:
+token; a vectorized one adds a constant. This script counts them on the examples' tiny random Llama (hidden
+32, 2 blocks, ``examples/_tiny.py``; nothing downloaded) with ``torch.profiler``:
 one ``tether.models.sampling.generate`` call of T1 and one of T2 decoded tokens at each batch size
 (end tokens suppressed so every row decodes exactly T tokens), and
 
@@ -26,33 +26,15 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
 
-
-def tiny_model_and_tokenizer(layers: int):
-    from tokenizers import ByteLevelBPETokenizer
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+def tiny_model_and_tokenizer():
+    """The examples' tiny random 2-block Llama and its BPE tokenizer (``examples/_tiny.py``)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from _tiny import tiny_policy, tiny_tokenizer
 
     corpus = ["the movie was good and the acting was great", "a film about a dog and its friend"] * 20
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(corpus, vocab_size=300, min_frequency=1, special_tokens=["<eos>"])
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>", pad_token="<eos>")
-    tok.padding_side = "left"
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        eos_token_id=0,
-        pad_token_id=0,
-        bos_token_id=None,
-    )
-    return LlamaForCausalLM(cfg).eval(), tok
+    tok = tiny_tokenizer(corpus)
+    return tiny_policy(tok), tok
 
 
 def force_exact_length() -> None:
@@ -87,13 +69,12 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--tokens", type=int, nargs=2, default=[8, 16])
-    ap.add_argument("--layers", type=int, default=2)
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     force_exact_length()
-    lm, tok = tiny_model_and_tokenizer(args.layers)
+    lm, tok = tiny_model_and_tokenizer()
     t1, t2 = args.tokens
-    print(f"tiny Llama, {args.layers} blocks, vocabulary {len(tok)}; T1={t1}, T2={t2} decoded tokens")
+    print(f"tiny Llama, 2 blocks, vocabulary {len(tok)}; T1={t1}, T2={t2} decoded tokens")
     print("| rows | aten ops, T1 | aten ops, T2 | aten ops per token | top-level ops per token |")
     print("|---|---|---|---|---|")
     for rows in args.rows:

@@ -131,9 +131,8 @@ def test_resume_of_a_folder_that_is_not_a_run(tmp_path, capsys):
     assert "not a tether run directory" in capsys.readouterr().err
 
 
-def test_budget_checkpoint_from_before_kp_resumes_as_pure_dual_ascent(tiny_model_dir, prompt_file, tmp_path):
-    # a checkpoint written before kl.budget_kp existed holds only kl_coef, budget and eta; it ran
-    # pure dual ascent, so the resumed controller must go on with kp = 0, not the new default 1.0
+def _budget_trainer(tiny_model_dir, prompt_file, out, *extra):
+    """A PPO trainer on the tiny model under kl.controller=budget (budget 6, eta 0.01), no evaluation."""
     from tether.run.config import load_config
     from tether.run.setup import build_run
     from tether.trainers.ppo import PPOTrainer
@@ -146,15 +145,22 @@ def test_budget_checkpoint_from_before_kp_resumes_as_pure_dual_ascent(tiny_model
             "rollout.batch_size=4",
             "optim.minibatch_size=2",
             "reward.scorer=tests.conftest:length_judge",
-            f"train.output_dir={tmp_path / 'run'}",
+            f"train.output_dir={out}",
             "kl.controller=budget",
             "kl.budget=6.0",
             "kl.budget_eta=0.01",
             "eval.n_prompts=0",
             "eval.every=0",
+            *extra,
         ],
     )
-    trainer = PPOTrainer(build_run(cfg))
+    return PPOTrainer(build_run(cfg))
+
+
+def test_budget_checkpoint_from_before_kp_resumes_as_pure_dual_ascent(tiny_model_dir, prompt_file, tmp_path):
+    # a checkpoint written before kl.budget_kp existed holds only kl_coef, budget and eta; it ran
+    # pure dual ascent, so the resumed controller must go on with kp = 0, not the new default 1.0
+    trainer = _budget_trainer(tiny_model_dir, prompt_file, tmp_path / "run")
     assert trainer.controller.kp == 3.0  # the config default
     state = trainer.state_dict()
     state["controller"] = {"kl_coef": 0.2, "budget": 6.0, "eta": 0.01}  # what the old code saved
@@ -172,34 +178,12 @@ def test_budget_checkpoint_from_before_kp_resumes_as_pure_dual_ascent(tiny_model
 def test_budget_checkpoint_keeps_the_last_kl_for_the_derivative_term(tiny_model_dir, prompt_file, tmp_path):
     # the derivative term needs the previous step's KL across a resume; a changed controller
     # setting forgets it (a rise measured under other settings means nothing)
-    from tether.run.config import load_config
-    from tether.run.setup import build_run
-    from tether.trainers.ppo import PPOTrainer
-
     made = []
 
     def trainer(*extra):
         made.append(None)
-        cfg = load_config(
-            None,
-            [
-                f"model.name={tiny_model_dir}",
-                f"data.prompts={prompt_file}",
-                "rollout.batch_size=4",
-                "optim.minibatch_size=2",
-                "reward.scorer=tests.conftest:length_judge",
-                f"train.output_dir={tmp_path / f'run{len(made)}'}",
-                "kl.controller=budget",
-                "kl.kl_coef=0",
-                "kl.budget=6.0",
-                "kl.budget_eta=0.01",
-                "kl.budget_kd=3.0",
-                "eval.n_prompts=0",
-                "eval.every=0",
-                *extra,
-            ],
-        )
-        return PPOTrainer(build_run(cfg))
+        out = tmp_path / f"run{len(made)}"
+        return _budget_trainer(tiny_model_dir, prompt_file, out, "kl.kl_coef=0", "kl.budget_kd=3.0", *extra)
 
     assert trainer("kl.budget_kd=0").controller.kd == 0.0
     t = trainer()
