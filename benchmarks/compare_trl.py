@@ -383,7 +383,7 @@ def child_tether(spec: dict) -> dict:
         for step in range(spec["total_steps"]):
             row = trainer.step(step)
             kl = row.get("objective/kl_exact", row.get("objective/kl"))
-            out["train"].append({"step": step, "kl": kl, "kl_coef": row["objective/kl_coef"]})
+            out["train"].append({"step": step, "kl": float(kl), "kl_coef": float(row["objective/kl_coef"])})
             print(
                 f"  tether step {step}: training KL {kl:.2f} nats/seq, beta {row['objective/kl_coef']:.3f}",
                 file=sys.stderr,

@@ -3,7 +3,7 @@
 Usage: python benchmarks/generation_floor.py [--model smollm2-135m] [--rows 8] [--tokens 24] [--rounds 5]
        [--compile]
        [--profile]
-       python benchmarks/generation_floor.py --floor [--floor-rows 1 8 32 64] [--rounds 3]
+       python benchmarks/generation_floor.py --floor [--floor-rows 1 8 32 64] [--rounds 3] [--compiled]
 
 Prints, for the embedded default model (fp32):
 
@@ -29,7 +29,10 @@ linear weights, the LM head included, over that bandwidth; the embedding lookup 
 rows), and ``generate`` at each of ``--floor-rows`` rows, timed at two lengths so that prompt
 prefill and set-up cancel: ms per decoded token = (t(T2) - t(T1)) / (T2 - T1), tokens/s = rows
 over that, and its ratio to the floor (1.0 would be the bandwidth bound; above it, the matrix
-products are compute- or latency-bound, or time goes outside them).
+products are compute- or latency-bound, or time goes outside them). With ``--compiled`` each row
+count is timed a second time with ``rollout.compile``'s decoding (``generate(..., compiled=True)``:
+a static cache and the decode step under ``torch.compile``; compiled before timing, compile time
+printed apart), in turn with the eager calls, and the ratio compiled / eager printed.
 
 The variants of each table run in turn, ``--rounds`` times; medians are printed, so a drift in
 the machine's speed (large on this shared 2-core machine) hits every variant alike.
@@ -71,6 +74,7 @@ def main() -> int:
     ap.add_argument("--floor", action="store_true")
     ap.add_argument("--floor-rows", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--floor-tokens", type=int, nargs=2, default=[8, 24])
+    ap.add_argument("--compiled", action="store_true", help="--floor: also time rollout.compile's decoding")
     args = ap.parse_args()
 
     import torch
@@ -221,26 +225,37 @@ def bandwidth_floor(lm, tok, weights, args) -> int:
         f"floor {floor_ms:.1f} ms/token"
     )
     t1, t2 = args.floor_tokens
-    print(
-        f"\n| rows | ms per decoded token (median of {args.rounds}) | tokens/s | x floor | GB/s of weights |"
-        "\n|---|---|---|---|---|"
-    )
+    modes = [False, True] if args.compiled else [False]
+    head = f"| rows | ms per decoded token (median of {args.rounds}) | tokens/s | x floor | GB/s of weights |"
+    if args.compiled:
+        head += " compiled ms/token | tokens/s | x floor | compiled / eager | compile s |"
+    print("\n" + head)
+    print("|" + "---|" * (head.count("|") - 1))
     for rows in args.floor_rows:
         prompts = ["The gorgeously elaborate continuation of"] * rows
-        generate(lm, tok, prompts, t1, 1.0, seeds=range(rows))  # warm-up
-        per = []
-        for _ in range(args.rounds):
-            times = []
+
+        def timed(n: int, compiled: bool, prompts=prompts) -> float:
+            t = time.perf_counter()
+            rows = len(prompts)
+            generate(lm, tok, prompts, n, 1.0, seeds=range(rows), max_prompt_tokens=16, compiled=compiled)
+            return time.perf_counter() - t
+
+        compile_s = 0.0
+        for compiled in modes:  # warm-up: each length once (compiled: one graph per cache length)
             for n in (t1, t2):
-                t = time.perf_counter()
-                generate(lm, tok, prompts, n, 1.0, seeds=range(rows))
-                times.append(time.perf_counter() - t)
-            per.append((times[1] - times[0]) / (t2 - t1))
-        ms = statistics.median(per) * 1e3
-        print(
-            f"| {rows} | {ms:.1f} | {rows / ms * 1e3:.0f} | {ms / floor_ms:.2f} | {gib / ms * 1e3:.1f} |",
-            flush=True,
-        )
+                first = timed(n, compiled)
+                compile_s += first - timed(n, compiled) if compiled else 0.0
+        per: dict[bool, list[float]] = {m: [] for m in modes}
+        for _ in range(args.rounds):
+            for compiled in modes:
+                per[compiled].append((timed(t2, compiled) - timed(t1, compiled)) / (t2 - t1))
+        ms = {m: statistics.median(v) * 1e3 for m, v in per.items()}
+        line = f"| {rows} | {ms[False]:.1f} | {rows / ms[False] * 1e3:.0f} | {ms[False] / floor_ms:.2f} | "
+        line += f"{gib / ms[False] * 1e3:.1f} |"
+        if args.compiled:
+            line += f" {ms[True]:.1f} | {rows / ms[True] * 1e3:.0f} | {ms[True] / floor_ms:.2f} | "
+            line += f"{ms[True] / ms[False]:.2f} | {compile_s:.0f} |"
+        print(line, flush=True)
     return 0
 
 

@@ -406,6 +406,31 @@ def test_grpo_with_long_shared_prompts_end_to_end(tiny_model_dir, tmp_path, monk
     assert all(shape[1] >= tm.SHARED_PREFIX_MIN_POSITIONS for shape in prefix_rows)
 
 
+@pytest.mark.parametrize("mode", ["on", "auto"])
+def test_compiled_rollouts_end_to_end(mode, tiny_model_dir, prompt_file, tmp_path, capsys):
+    """rollout.compile=on decodes compiled from step 0 (step-0 KL exactly 0, ratio exactly 1: the
+    learner scores the compiled samples eagerly); auto on a 2-step tiny run stays eager and says why."""
+    from tether.models.sampling import can_compile
+
+    if mode == "on" and (why := can_compile("cpu")):
+        pytest.skip(why)
+    out = tmp_path / "run"
+    args = _tiny_args(tiny_model_dir, prompt_file, out) + [
+        "train.algo=grpo",
+        "rollout.group_size=2",
+        "train.steps=2",
+        f"rollout.compile={mode}",
+    ]
+    assert main(args) == 0
+    rows = metric_rows(out, timings=True)
+    assert [r["rollout/compiled"] for r in rows] == ([1.0, 1.0] if mode == "on" else [0.0, 0.0])
+    assert rows[0]["objective/kl"] == 0.0 and rows[0]["objective/kl_exact"] == 0.0
+    assert rows[0]["policy/ratio_max_dev_first"] == 0.0
+    assert rows[0]["rollout/logprob_mismatch"] < 1e-4  # sampler against learner, float32 rounding
+    if mode == "auto":  # 1 step left x t s x 0.09 (4 rows) is far under 40 s
+        assert "rollout.compile=auto: eager decoding (1 step(s) left" in capsys.readouterr().out
+
+
 def test_best_by_skips_evaluations_outside_the_fluency_margin(
     tiny_model_dir, prompt_file, tmp_path, monkeypatch, capsys
 ):
@@ -502,6 +527,29 @@ def test_resume_takes_the_new_controller_settings(tiny_model_dir, prompt_file, t
     beta = [r["objective/kl_coef"] for r in rows]
     assert all(r["objective/kl_exact"] > 1e-6 for r in rows[1:])  # step 0: policy == reference
     assert beta[3] == pytest.approx(beta[2] * 1.08, rel=1e-12)
+
+
+def test_resume_of_an_older_run_folder_counts_only_real_changes(
+    tiny_model_dir, prompt_file, tmp_path, capsys
+):
+    """A config.yaml written before a field existed (here kl.budget_kd and rollout.compile) resumes
+    with those fields at their defaults, which is no change; a changed rate is one."""
+    import yaml
+
+    out = tmp_path / "run"
+    args = _tiny_args(tiny_model_dir, prompt_file, out) + ["train.checkpoint_every=1", "train.steps=1"]
+    assert main(args) == 0
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    del saved["kl"]["budget_kd"], saved["rollout"]["compile"]
+    (out / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
+    capsys.readouterr()
+    assert main(["train", "--resume", str(out), "train.steps=2"]) == 0
+    assert main(["train", "--resume", str(out), "train.steps=3", "optim.lr=0.002"]) == 0
+    said = capsys.readouterr().out
+    assert "resumed with 1 changed setting(s), from step 1: train.steps: 1 -> 2." in said
+    assert "resumed with 2 changed setting(s), from step 2:" in said
+    assert "optim.lr: 0.0003 -> 0.002" in said and "train.steps: 2 -> 3" in said
+    assert "budget_kd" not in said and "compile:" not in said
 
 
 def test_resume_of_a_fixed_beta_takes_the_new_beta(tiny_model_dir, prompt_file, tmp_path, caplog):

@@ -94,3 +94,57 @@ def test_generation_stops_at_an_end_of_turn_id_of_the_generation_config(tiny_tok
     turn = generate(tiny_lm, tiny_tokenizer, prompts, 6, 1.0, seeds=seeds)
     assert turn.response_mask.sum(-1).tolist() == [1, 1, 1]
     assert turn.ended.tolist() == [True, True, True] and turn.responses == ["", "", ""]
+
+
+def test_compile_repays_hand_worked():
+    from tether.models.sampling import COMPILE_COST_S, compile_repays, compile_saving
+
+    assert COMPILE_COST_S == 40.0
+    assert [compile_saving(r) for r in (1, 2, 8, 9, 64)] == [0.20, 0.09, 0.09, 0.02, 0.02]
+    assert not compile_repays(2.0, 200, rows=8)  # 200 steps x 2 s x 0.09 = 36 s saved < 40 s
+    assert compile_repays(2.0, 250, rows=8)  # 250 x 2 x 0.09 = 45 s > 40 s
+    assert not compile_repays(2.0, 250, rows=32)  # 250 x 2 x 0.02 = 10 s
+    assert compile_repays(2.0, 101, rows=1)  # 101 x 2 x 0.20 = 40.4 s > 40 s
+    assert not compile_repays(1e6, 0, rows=1)  # no step left: nothing to repay
+
+
+def test_compiled_decoding_samples_what_eager_decoding_samples(tiny_tokenizer, tiny_lm):
+    """rollout.compile: the same tokens as eager decoding, the sampler's log-probs equal up to
+    float32 rounding, the trained weights read at every call, and one graph for every prompt length."""
+    import torch._dynamo.utils as dynamo_utils
+
+    from tether.models.sampling import can_compile, generate
+
+    if why := can_compile("cpu"):
+        pytest.skip(why)
+    prompts = ["the movie was", "a film with great acting and a boring script", "the", "music"]
+    seeds = range(100, 104)
+
+    def both():
+        eager = generate(tiny_lm, tiny_tokenizer, prompts, 6, 1.0, max_prompt_tokens=48, seeds=seeds)
+        fast = generate(
+            tiny_lm, tiny_tokenizer, prompts, 6, 1.0, max_prompt_tokens=48, seeds=seeds, compiled=True
+        )
+        assert torch.equal(fast.response_ids, eager.response_ids)
+        assert torch.equal(fast.response_mask, eager.response_mask)
+        # log-probs of O(1) logits summed over <= 64 terms per product, reassociated by the
+        # compiler: a few hundred float32 ulps (1.2e-7 each) at most, far under 1e-4 nats
+        assert (fast.sampler_logprobs - eager.sampler_logprobs)[eager.response_mask].abs().max() < 1e-4
+        return eager
+
+    start = dynamo_utils.counters["stats"]["unique_graphs"]
+    before = both()
+    assert dynamo_utils.counters["stats"]["unique_graphs"] > start  # compiled, not silently eager
+    with torch.no_grad():  # an optimizer step in place: the compiled graph must read the new weights
+        for p in tiny_lm.parameters():
+            p.add_(0.5 * torch.randn_like(p))
+    after = both()
+    assert not torch.equal(before.response_ids, after.response_ids)  # the weights did change the samples
+    graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+    prompts = [p + " and more words" for p in prompts]  # longer prompts, same cache length
+    fast = generate(
+        tiny_lm, tiny_tokenizer, prompts, 6, 1.0, max_prompt_tokens=48, seeds=seeds, compiled=True
+    )
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs
+    eager = generate(tiny_lm, tiny_tokenizer, prompts, 6, 1.0, max_prompt_tokens=48, seeds=seeds)
+    assert torch.equal(fast.response_ids, eager.response_ids)

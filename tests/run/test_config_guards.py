@@ -31,3 +31,34 @@ def test_non_finite_config_values_are_refused():
     for o in ("kl.kl_coef=inf", "optim.lr=nan", "rollout.temperature=.inf"):
         with pytest.raises(ConfigError, match="finite"):
             load_config(None, [o])
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (["train.algo=dpo"], "DPO samples its pairs eagerly"),
+        (["model.lora_r=4"], "a LoRA policy"),
+    ],
+)
+def test_rollout_compile_on_is_refused_where_it_is_not_built(overrides, named):
+    with pytest.raises(
+        ConfigError, match=rf"rollout.compile=True is invalid: {named}.*rollout.compile=auto or false"
+    ):
+        load_config(None, [*overrides, "rollout.compile=on"])
+    load_config(None, [*overrides, "rollout.compile=auto"])  # auto: eager there, no error
+
+
+def test_rollout_compile_takes_words_and_booleans():
+    from tether.run.config import Config, RolloutConfig
+
+    assert [
+        load_config(None, [f"rollout.compile={v}"]).rollout.compile for v in ("on", "off", "true", "auto")
+    ] == [
+        True,
+        False,
+        True,
+        "auto",
+    ]
+    assert Config(rollout=RolloutConfig(compile="on")).rollout.compile is True  # edited in Python
+    with pytest.raises(ConfigError, match="rollout.compile='sometimes' is invalid"):
+        load_config(None, ["rollout.compile=sometimes"])

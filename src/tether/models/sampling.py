@@ -7,13 +7,15 @@ whose shape is written beside it; masks follow the glossary (``response_mask`` T
 from __future__ import annotations
 
 import hashlib
+import os
+import shutil
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import CompileConfig, GenerationConfig, LogitsProcessor, LogitsProcessorList, StaticCache
 
 from tether.core.logprobs import logprobs_from_logits, response_mask_from_tokens
 from tether.core.noise import gumbel_noise
@@ -227,6 +229,68 @@ class GumbelMaxSampler(LogitsProcessor):
         return torch.stack(self.steps, dim=1)
 
 
+COMPILE_SAVINGS = ((1, 0.20), (8, 0.09), (None, 0.02))
+"""Share of ``generate``'s time that ``rollout.compile`` saves once compiled, by rows decoded per
+process: (at most this many rows, share). Measured with ``benchmarks/generation_floor.py --floor
+--compiled`` (SmolLM2-135M, fp32, 2-core Xeon with AMX, ms per decoded token compiled / eager):
+0.78 at 1 row, 0.91 at 8, 0.98 at 32, 0.93 at 64; rounded down. The compile takes the Python
+and dispatch time of a decode step, which weighs less as the rows' matrix products grow."""
+
+COMPILE_COST_S = 40.0
+"""Seconds the compile is assumed to add to a run: measured 19-40 s for SmolLM2-135M on a 2-core
+Xeon (the lower with inductor's on-disk cache warm), so that ``auto`` errs toward eager."""
+
+
+def compile_saving(rows: int) -> float:
+    """:data:`COMPILE_SAVINGS`' share for ``rows`` rows decoded together."""
+    return next(share for most, share in COMPILE_SAVINGS if most is None or rows <= most)
+
+
+def compile_repays(generate_s: float, steps_left: int, rows: int) -> bool:
+    """Whether ``rollout.compile=auto`` turns compiled decoding on: when the saving over the
+    remaining steps, ``steps_left * generate_s * compile_saving(rows)``, exceeds the compile's cost
+    :data:`COMPILE_COST_S`.
+
+    Args:
+        generate_s: seconds an eager ``generate`` of one step's rollout took (its first step).
+        steps_left: steps of the run still to sample.
+        rows: rows each process decodes together (its share of ``rollout.batch_size``).
+
+    Returns:
+        True where the compile repays itself within the run.
+    """
+    return steps_left * generate_s * compile_saving(rows) > COMPILE_COST_S
+
+
+def can_compile(device: torch.device | str) -> str | None:
+    """Why decoding cannot be compiled on ``device`` here, or None when it can: on a CPU,
+    inductor writes C++ and needs a compiler (``c++``, ``g++`` or ``$CXX``) on the PATH."""
+    if torch.device(device).type == "cpu" and not any(
+        shutil.which(c) for c in (os.environ.get("CXX", ""), "c++", "g++", "clang++") if c
+    ):
+        return "torch.compile on a CPU needs a C++ compiler (c++, g++ or $CXX), and none is on the PATH"
+    if not hasattr(CompileConfig, "_compile_all_devices"):
+        return "this transformers version has no CompileConfig._compile_all_devices (compiling on any device)"
+    return None
+
+
+def compiled_decode_kwargs(lm: nn.Module, cache_len: int) -> tuple[dict, CompileConfig]:
+    """What ``lm.generate`` takes to run its decode steps ``torch.compile``'d: a static key/value
+    cache of ``cache_len`` positions (the run's longest prompt plus ``rollout.max_new_tokens``, so
+    one graph serves every prompt length of the run) and transformers' compile settings, forced on
+    every device (transformers compiles by itself only on accelerators). transformers compiles the
+    decode step once per model and keeps it (``get_compiled_call``); prefill runs eager. A new
+    shape (rows, cache length) recompiles, up to torch's recompile limit, then runs eager.
+
+    Returns:
+        ``({cache argument: StaticCache}, CompileConfig)``.
+    """
+    config = CompileConfig(fullgraph=False, dynamic=False, mode="default")
+    config._compile_all_devices = True  # the flag transformers reads to compile off accelerators
+    cache = StaticCache(config=lm.config, max_cache_len=cache_len)
+    return {cache_argument(getattr(lm, lm.base_model_prefix)): cache}, config
+
+
 def end_token_ids(tokenizer, lm: nn.Module | None = None) -> list[int]:
     """Every id that ends a response: the tokenizer's EOS, then each id of the model's
     ``generation_config.eos_token_id`` (an int or a list: chat models such as Llama-3-Instruct and
@@ -256,6 +320,7 @@ def generate(
     seeds: Sequence[int] | Tensor | None = None,
     share_prefix: bool = False,
     synced: bool = False,
+    compiled: bool = False,
 ) -> Rollout:
     """Sample one response per prompt from ``lm`` at ``temperature`` (no top-k, no top-p).
 
@@ -278,6 +343,15 @@ def generate(
     :func:`tether.models.head.prefix_cache` first (rows of a group share one prompt: it runs once),
     and generation starts from that cache; prompts shorter than
     :data:`tether.models.head.SHARED_PREFIX_MIN_POSITIONS` + 1 tokens are generated whole.
+
+    ``compiled`` (``rollout.compile``): the decode steps run ``torch.compile``'d on a static
+    key/value cache (:func:`compiled_decode_kwargs`); ``share_prefix`` is then ignored (the prefix
+    cache is a dynamic one). The samples are the eager ones up to float32 rounding: the sampler
+    and its noise are the same, only the model's arithmetic is fused differently
+    (``tests/models/test_sampling.py`` compares them).
+
+    Raises:
+        ValueError: ``compiled`` with ``synced`` (a collective forward is not compiled here).
     """
     device = next(lm.parameters()).device
     prompts = list(prompts)  # texts or conversations (a PromptData iterates its prompts)
@@ -301,7 +375,12 @@ def generate(
     )
     cache = {}
     base = lm.lm if isinstance(lm, AdapterReference) else lm
-    if share_prefix and head.shares_prefix(base, prompt_ids.shape[1] - 1):
+    if compiled:
+        if synced or isinstance(lm, AdapterReference):
+            raise ValueError("compiled generation runs a plain model's forward: not synced, not an adapter")
+        cache_len = (max_prompt_tokens or prompt_ids.shape[1]) + max_new_tokens  # one graph per run
+        cache, gen.compile_config = compiled_decode_kwargs(base, cache_len)
+    elif share_prefix and head.shares_prefix(base, prompt_ids.shape[1] - 1):
         with lm.active() if isinstance(lm, AdapterReference) else nullcontext():
             prefix = head.prefix_cache(
                 base, prompt_ids[:, :-1], prompt_mask[:, :-1], position_ids_from_mask(prompt_mask)[:, :-1]

@@ -34,6 +34,7 @@ from tether.run.checkpoint import (
     set_rng_state,
     sharded_folder,
 )
+from tether.run.config import Config
 from tether.run.console import say
 from tether.run.files import atomic_write_text, read_json, read_jsonl, resume_hint, write_json_file
 from tether.run.monitor import HealthMonitor
@@ -124,11 +125,27 @@ def resume_run(run: Run, trainer, monitor: HealthMonitor) -> int:
     return meta["step"] + 1
 
 
+def with_defaults(saved: dict) -> dict:
+    """A config.yaml's sections with the fields it lacks at this version's defaults (unresolved).
+
+    A run folder written by an older tether has no key for a field added since; each new field's
+    default keeps the older behaviour (``kl.budget_kd`` 0: no derivative term; ``rollout.compile``
+    auto: eager decoding unless the run repays a compile, the same samples up to rounding), so the
+    missing key is not a change on resume."""
+    full = Config().to_dict(resolved=False)
+    for section, fields in saved.items():
+        if isinstance(fields, dict) and isinstance(full.get(section), dict):
+            full[section].update(fields)
+        else:
+            full[section] = fields
+    return full
+
+
 def record_resumed_config(run: Run, step: int) -> None:
     """When ``--resume`` changed settings, config.yaml becomes the config the run goes on with (so
     a later plain ``--resume`` keeps them) and the one it had is kept as config.until-step-N.yaml."""
     path = run.writer.run_dir / "config.yaml"
-    before = yaml.safe_load(path.read_text())
+    before = with_defaults(yaml.safe_load(path.read_text()))
     now = run.config.to_dict(resolved=False)
     now["train"]["output_dir"] = before["train"]["output_dir"]  # --resume names the folder; not a change
     if now == before:

@@ -37,9 +37,18 @@ from tether.core.kl import kl_k3, sequence_kl
 from tether.core.leash import KLLeash
 from tether.data.prompts import PromptSampler
 from tether.judges.contract import RewardLog, WeightedReward, checked_scores, trainer_state
-from tether.models.sampling import Rollout, generate, sample_seeds
+from tether.models.sampling import (
+    COMPILE_COST_S,
+    Rollout,
+    can_compile,
+    compile_repays,
+    compile_saving,
+    generate,
+    sample_seeds,
+)
 from tether.models.scoring import rollout_logprobs
 from tether.models.sharding import generation_weights, is_sharded, root_gathered
+from tether.run.console import say
 from tether.run.setup import Run
 from tether.trainers.common import (
     RolloutLogprobs,
@@ -147,6 +156,7 @@ class OnPolicyTrainer:
             )
         )
         self._reused_forward = None
+        self.compile_rollout = self.compile_setting()
 
     def trainer_state(self, step: int):
         """The ``trainer_state`` reward functions get at ``step`` (TRL's ``self.state``): the steps
@@ -160,6 +170,8 @@ class OnPolicyTrainer:
         t0 = time.perf_counter()
         rollout = self.sample_rollout(step)  # 1-2. prompts (each group_size times), responses
         t_gen = time.perf_counter()
+        if self.compile_rollout is None:  # rollout.compile=auto, at the first step sampled
+            self.compile_rollout = self.decide_compile(step, generate_s=t_gen - t0)
         scores, reward_metrics = self.score(rollout, step)  # 3. the reward, called as TRL calls it
         minibatches = self.minibatch_indices()
         forwards = self.rollout_forwards(rollout, minibatches)  # 4. old, reference log-probs
@@ -190,12 +202,51 @@ class OnPolicyTrainer:
                 "optim/lr": lr,
                 "time/step": t_update - t0,
                 "time/generate": t_gen - t0,
+                "rollout/compiled": float(bool(self.compile_rollout)),
                 "time/score": t_score - t_gen,
                 "time/update": t_update - t_score,
             }
         )
         self.last_experience = exp
         return row
+
+    def compile_setting(self) -> bool | None:
+        """``rollout.compile`` resolved: True, False (false, or auto where compiling is not
+        built: LoRA, FSDP, no C++ compiler; or off a CPU, where auto's saving and compile time are
+        not measured), None (auto: decided after the first step).
+
+        Raises:
+            ValueError: ``rollout.compile=true`` and decoding cannot be compiled here.
+        """
+        setting = self.cfg.rollout.compile
+        why = can_compile(self.device)
+        if setting is True and why:
+            raise ValueError(f"rollout.compile=true: {why}; install one or use rollout.compile=false")
+        if setting == "auto":
+            built = not (why or self.cfg.model.lora or self.cfg.train.sharding == "fsdp")
+            built = built and self.device.type == "cpu"  # COMPILE_SAVINGS, COMPILE_COST_S: CPU numbers
+            return None if built else False
+        return bool(setting)
+
+    def decide_compile(self, step: int, generate_s: float) -> bool:
+        """``rollout.compile=auto`` after its first sampled step: on where the steps left repay the
+        compile (:func:`tether.models.sampling.compile_repays`, on the slowest process's
+        ``generate_s``, so that every process decides alike); the decision is printed when a
+        step is left."""
+        slowest = float(D.all_reduce_max(torch.tensor(generate_s, dtype=torch.float64, device=self.device)))
+        left = self.cfg.train.steps - step - 1
+        rows = len(range(self.cfg.rollout.batch_size)[D.shard(self.cfg.rollout.batch_size)])
+        on = compile_repays(slowest, left, rows)
+        if left > 0:
+            verdict = "compiling the decode step" if on else "eager decoding"
+            say(
+                f"tether: rollout.compile=auto: {verdict} "
+                f"({left} step(s) left x {slowest:.2f} s generate x {compile_saving(rows):.0%} saved at "
+                f"{rows} rows = {left * slowest * compile_saving(rows):.0f} s, against "
+                f"~{COMPILE_COST_S:.0f} s of compiling)",
+                self.cfg.train.progress,
+            )
+        return on
 
     def sample_rollout(self, step: int) -> Rollout:
         """Steps 1-2: the step's prompts, each ``group_size`` times (consecutive rows form a
@@ -221,6 +272,7 @@ class OnPolicyTrainer:
                 seeds=sample_seeds(c.train.seed, step, range(len(rows))[mine]),
                 share_prefix=run.policy.share_prefix,
                 synced=synced,
+                compiled=bool(self.compile_rollout),
             )
         rollout.columns = prompts.columns
         return rollout
