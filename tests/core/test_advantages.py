@@ -42,6 +42,41 @@ def test_gae_hand_gamma09_lambda05_with_padding():
     torch.testing.assert_close(out.returns, _t([[2.15875, 1.575, 2.0, 0.0]]), rtol=0, atol=1e-12)
 
 
+def test_gae_hand_worked_across_a_hole():
+    # rewards [1, 7, 2], values [0.5, 9, 1.5], mask [1, 0, 1] (position 1: a tool's output),
+    # gamma 0.9, lambda 0.5 (gl = 0.45); by policy step position 1 is skipped:
+    # t=2: delta = 2 + 0.9*0 - 1.5 = 0.5;              A2 = 0.5
+    # t=0: delta = 1 + 0.9*1.5 - 0.5 = 1.85;            A0 = 1.85 + 0.45*0.5 = 2.075
+    # returns = A + V = [2.575, 0, 2.0]. (Breaking the chain at the hole, as before, gave A0 = 0.5:
+    # the final reward never reached the tokens before the tool call.)
+    mask = torch.tensor([[1, 0, 1]], dtype=torch.bool)
+    out = gae(_t([[1.0, 7.0, 2.0]]), _t([[0.5, 9.0, 1.5]]), mask, 0.9, 0.5)
+    torch.testing.assert_close(out.advantages, _t([[2.075, 0.0, 0.5]]), rtol=0, atol=1e-12)
+    torch.testing.assert_close(out.returns, _t([[2.575, 0.0, 2.0]]), rtol=0, atol=1e-12)
+
+
+def test_gae_with_holes_equals_gae_of_the_policy_tokens_alone():
+    """Discounting by policy step: GAE on a mask with holes is GAE on the valid tokens squeezed
+    together (a per-row Python loop), scattered back; the holes get 0."""
+    g = torch.Generator().manual_seed(11)
+    B, T = 8, 9
+    rewards = torch.randn(B, T, generator=g, dtype=F64)
+    values = torch.randn(B, T, generator=g, dtype=F64)
+    mask = torch.rand(B, T, generator=g) < 0.6
+    mask[0] = False  # an empty row
+    mask[1] = torch.tensor([1, 0, 0, 1, 1, 0, 1, 0, 0], dtype=torch.bool)
+    for gamma, lam in [(0.9, 0.8), (1.0, 0.95), (0.5, 1.0)]:
+        out = gae(rewards, values, mask, gamma, lam)
+        for b in range(B):
+            idx = mask[b].nonzero().flatten()
+            want_adv, want_ret = _gae_loop(
+                rewards[b : b + 1, idx], values[b : b + 1, idx], [len(idx)], gamma, lam
+            )
+            torch.testing.assert_close(out.advantages[b, idx], want_adv[0], rtol=0, atol=1e-12)
+            torch.testing.assert_close(out.returns[b, idx], want_ret[0], rtol=0, atol=1e-12)
+        assert (out.advantages[~mask] == 0).all() and (out.returns[~mask] == 0).all()
+
+
 def _gae_loop(rewards, values, lengths, gamma, lam):
     """Per-row Python loop over the valid prefix, float64 Python floats."""
     B, T = rewards.shape

@@ -173,3 +173,19 @@ def test_approx_kl_in_float32_keeps_its_digits_at_small_ratios():
     want = (torch.expm1(r32) - r32).mean().item()
     got = ppo_policy_loss(new32, old32, adv.float(), mask, clip_eps=0.2).approx_kl.item()
     assert got == pytest.approx(want, rel=4 * eps32 / 1e-3)
+
+
+def test_k1_seq_terms_across_a_hole_sum_only_the_policy_tokens_still_to_come():
+    from tether.core.losses import k1_seq_terms
+
+    # logprobs [-1, -2, -0.5], ref [-1.5, -0.1, -1.0], mask [1, 0, 1] (position 1: a tool's output)
+    # k1 on the policy's tokens: [-1 + 1.5, -, -0.5 + 1.0] = [0.5, 0, 0.5]
+    # G_t (KL still to come, policy tokens only) = [0.5 + 0.5, -, 0.5] = [1.0, 0, 0.5]
+    # values: k1 = [0.5, 0, 0.5]; gradient w.r.t. logprobs: G_t on policy tokens, 0 on the hole
+    lp = torch.tensor([[-1.0, -2.0, -0.5]], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([[-1.5, -0.1, -1.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 0, 1]], dtype=torch.bool)
+    terms = k1_seq_terms(lp, ref, mask)
+    torch.testing.assert_close(terms.detach(), torch.tensor([[0.5, 0.0, 0.5]], dtype=torch.float64))
+    terms.sum().backward()
+    torch.testing.assert_close(lp.grad, torch.tensor([[1.0, 0.0, 0.5]], dtype=torch.float64))

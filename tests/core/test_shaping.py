@@ -115,3 +115,23 @@ def test_exact_form_validation():
         shape_rewards_exact(torch.zeros(2), torch.zeros(2, 3), torch.zeros(2, 2), 0.1, mask)
     with pytest.raises(ValueError, match="kl_coef"):
         shape_rewards_exact(torch.zeros(2), torch.zeros(2, 3), torch.zeros(2, 3), -0.1, mask)
+
+
+def test_a_hole_in_the_mask_gets_no_kl_and_the_score_goes_on_the_last_policy_token():
+    # k1 [0.1, 5.0, 0.3, 0.7], mask [1, 0, 1, 0] (position 1: a tool's output, 3: padding),
+    # kl_coef 0.1, score 2.0: rewards [-0.1*0.1, 0, 2.0 - 0.1*0.3, 0] = [-0.01, 0, 1.97, 0]
+    mask = torch.tensor([[1, 0, 1, 0]], dtype=torch.bool)
+    kl = torch.tensor([[0.1, 5.0, 0.3, 0.7]], dtype=torch.float64)
+    out = shape_rewards(torch.tensor([2.0], dtype=torch.float64), kl, 0.1, mask)
+    torch.testing.assert_close(out.rewards, torch.tensor([[-0.01, 0.0, 1.97, 0.0]], dtype=torch.float64))
+    torch.testing.assert_close(
+        out.non_score_reward, torch.tensor([[-0.01, 0.0, -0.03, 0.0]], dtype=torch.float64)
+    )
+    # the exact form: exact KL [0.2, 9, 0.4, 9], k1 as above: corrections -0.1 * (k1 - KL) on the
+    # policy's tokens = [-0.1 * -0.1, 0, -0.1 * -0.1, 0] = [0.01, 0, 0.01, 0]
+    exact = torch.tensor([[0.2, 9.0, 0.4, 9.0]], dtype=torch.float64)
+    ex = shape_rewards_exact(torch.tensor([2.0], dtype=torch.float64), kl, exact, 0.1, mask)
+    torch.testing.assert_close(ex.rewards, torch.tensor([[-0.02, 0.0, 1.96, 0.0]], dtype=torch.float64))
+    torch.testing.assert_close(
+        ex.token_correction, torch.tensor([[0.01, 0.0, 0.01, 0.0]], dtype=torch.float64)
+    )

@@ -431,6 +431,22 @@ def test_compiled_rollouts_end_to_end(mode, tiny_model_dir, prompt_file, tmp_pat
         assert "rollout.compile=auto: eager decoding (1 step(s) left" in capsys.readouterr().out
 
 
+def test_compiled_rollouts_resume_bit_for_bit(tiny_model_dir, prompt_file, tmp_path):
+    """rollout.compile=true, a run stopped after step 0's checkpoint and resumed (a new process
+    compiles again) logs what the uninterrupted run logs, bit for bit."""
+    from tether.models.sampling import can_compile
+
+    if why := can_compile("cpu"):
+        pytest.skip(why)
+    common = ["train.algo=grpo", "rollout.group_size=2", "rollout.compile=true", "train.checkpoint_every=1"]
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    assert main(_tiny_args(tiny_model_dir, prompt_file, whole) + common + ["train.steps=2"]) == 0
+    assert main(_tiny_args(tiny_model_dir, prompt_file, part) + common + ["train.steps=1"]) == 0
+    assert main(["train", "--resume", str(part), "train.steps=2"]) == 0
+    assert metric_rows(part) == metric_rows(whole)
+    assert [r["rollout/compiled"] for r in metric_rows(part)] == [1.0, 1.0]
+
+
 def test_best_by_skips_evaluations_outside_the_fluency_margin(
     tiny_model_dir, prompt_file, tmp_path, monkeypatch, capsys
 ):

@@ -26,7 +26,7 @@ from tether.core import distributed as D
 from tether.core.advantages import WHITEN_EPS
 from tether.core.masked import masked_mean
 from tether.core.noise import gumbel_noise
-from tether.models.sampling import Rollout, generate, sample_seeds
+from tether.models.sampling import Rollout, can_compile, generate, sample_seeds
 from tether.run.config import ConfigError, check_world_size, load_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -336,6 +336,7 @@ _ONE_PROCESS: dict[str, Path] = {}
         "ppo, fsdp",
         "grpo, fsdp, whole-model generation",
         "dpo, fsdp",
+        "grpo, compiled rollouts",
     ],
 )
 def test_two_processes_log_the_first_step_of_one(algo, tiny_tokenizer, prompt_file, tmp_path):
@@ -360,6 +361,11 @@ def test_two_processes_log_the_first_step_of_one(algo, tiny_tokenizer, prompt_fi
     # and rank 0 evaluates the reference alone before the first step (FSDP records those forwards:
     # a DPO run whose first backward followed them hung before tether.models.sharding forgot them)
     fsdp += ["eval.n_prompts=4"] if fsdp else []
+    # "compiled rollouts": the 2 processes decode under torch.compile (rollout.compile), the 1
+    # process eagerly: the same samples, whichever process and whichever decoding drew them
+    compiled = ["rollout.compile=true"] if "compiled" in algo else []
+    if compiled and (why := can_compile("cpu")):
+        pytest.skip(why)
     algo = algo.split(",")[0]
     # the 1-process run of an algorithm is the same run in every case (the same model, prompts and
     # settings): run once per session, then read
@@ -368,11 +374,13 @@ def test_two_processes_log_the_first_step_of_one(algo, tiny_tokenizer, prompt_fi
     else:
         _launch(_args(model, prompt_file, one, algo) + extra, 1)
         _ONE_PROCESS[algo] = one
-    log = _launch(_args(model, prompt_file, two, algo) + extra + micro + fsdp, 2)
+    log = _launch(_args(model, prompt_file, two, algo) + extra + micro + fsdp + compiled, 2)
     assert "2 processes (data parallel)" in log  # not one process left alone by the launcher
     if fsdp:
         assert "sharded (FSDP)" in log
     a, b = (json.loads((d / "metrics.jsonl").read_text().splitlines()[0]) for d in (one, two))
+    if algo != "dpo":
+        assert (a.pop("rollout/compiled"), b.pop("rollout/compiled")) == (0.0, 1.0 if compiled else 0.0)
     if fsdp and algo != "dpo":  # rank 0's reference forwards also count its reference evaluation
         assert b.pop("kl/reference_forwards") > a.pop("kl/reference_forwards")
     # 8 rows x 6 response positions per reduction; the entropy also sums the vocabulary

@@ -31,22 +31,35 @@ class GAEOutput(NamedTuple):
 def gae(
     rewards: Tensor, values: Tensor, response_mask: Tensor, gamma: float = 1.0, gae_lambda: float = 0.95
 ) -> GAEOutput:
-    """Generalized advantage estimation over each response.
+    """Generalized advantage estimation over each response, stepping by policy token.
 
-    ``delta_t = r_t + gamma * V_{t+1} - V_t`` and ``A_t = delta_t + gamma * lambda * A_{t+1}``,
-    where ``V_{t+1} = 0`` and ``A_{t+1} = 0`` past the last valid token (the episode ends at the
-    first EOS or at truncation). Masked positions are skipped entirely: neither their rewards nor
-    their values reach a valid token.
+    ``delta_t = r_t + gamma * V_{n(t)} - V_t`` and ``A_t = delta_t + gamma * lambda * A_{n(t)}``,
+    where ``n(t)`` is the next valid position after ``t`` (Schulman et al. 2016, "High-Dimensional
+    Continuous Control Using Generalized Advantage Estimation", eq. 16), and ``V_{n(t)} = 0``,
+    ``A_{n(t)} = 0`` past the last valid token (the episode ends at the first EOS or at truncation).
+
+    **One rule for masks with holes: discounting by policy step.** A position where
+    ``response_mask`` is False is not a step of the policy: post-EOS padding, or inside a response,
+    tokens an environment wrote (a tool's output in a multi-turn rollout). They belong to the
+    transition from one policy token to the next, so the next valid token is the successor state
+    (its value is the bootstrap) and ``gamma`` applies once per policy token, not once per position
+    (docs/kl.md, "Masks with holes"). Their rewards and values never reach a valid token; for a
+    mask that is a prefix of each row (every single-turn rollout) this is the usual recursion. With
+    ``gamma = 1`` (the default) the two rules, by policy step and by position, coincide.
 
     Args:
         rewards: (B, R) per-token rewards (see :func:`tether.core.shaping.shape_rewards`).
         values: (B, R) value estimates V(x, y_<t) at each response position.
-        response_mask: (B, R) bool, True where the token counts (a prefix of each row).
-        gamma: discount in [0, 1].
+        response_mask: (B, R) bool, True where the policy sampled the token (any pattern).
+        gamma: discount in [0, 1], per policy token.
         gae_lambda: GAE lambda in [0, 1].
 
     Returns:
-        :class:`GAEOutput`.
+        :class:`GAEOutput`, zero where masked.
+
+    Example:
+        rewards [1, 7, 2], values [0.5, 9, 1.5], mask [1, 0, 1], gamma 0.9, lambda 0.5: A_2 = 2 -
+        1.5 = 0.5; position 1 is skipped; A_0 = 1 + 0.9 * 1.5 - 0.5 + 0.45 * 0.5 = 2.075.
     """
     mask = response_mask.bool()
     r = torch.where(mask, at_least_fp32(rewards), 0.0)
@@ -60,9 +73,10 @@ def gae(
         adv_t = delta + gamma * gae_lambda * next_adv
         valid = mask[:, t]
         advantages[:, t] = torch.where(valid, adv_t, 0.0)
-        # an invalid slot hands nothing back to the slot before it
-        next_value = torch.where(valid, v[:, t], 0.0)
-        next_adv = advantages[:, t]
+        # a masked slot is no policy step: the next valid token's value and advantage pass through
+        # it unchanged to the valid token before it (0 past the last valid token)
+        next_value = torch.where(valid, v[:, t], next_value)
+        next_adv = torch.where(valid, adv_t, next_adv)
     returns = torch.where(mask, advantages + v, 0.0)
     return GAEOutput(advantages=advantages, returns=returns)
 
