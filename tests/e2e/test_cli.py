@@ -408,8 +408,10 @@ def test_grpo_with_long_shared_prompts_end_to_end(tiny_model_dir, tmp_path, monk
 
 @pytest.mark.parametrize("mode", ["on", "auto"])
 def test_compiled_rollouts_end_to_end(mode, tiny_model_dir, prompt_file, tmp_path, capsys):
-    """rollout.compile=on decodes compiled from step 0 (step-0 KL exactly 0, ratio exactly 1: the
-    learner scores the compiled samples eagerly); auto on a 2-step tiny run stays eager and says why."""
+    """rollout.compile=true: step 0 decodes eagerly, is decoded again compiled and compared, and
+    the later steps decode compiled (step-0 KL exactly 0, ratio exactly 1); where the compiled
+    decode does not reproduce the eager one the run stops, naming why. auto on a 3-step tiny run
+    stays eager and says why."""
     from tether.models.sampling import can_compile
 
     if mode == "on" and (why := can_compile("cpu")):
@@ -418,33 +420,96 @@ def test_compiled_rollouts_end_to_end(mode, tiny_model_dir, prompt_file, tmp_pat
     args = _tiny_args(tiny_model_dir, prompt_file, out) + [
         "train.algo=grpo",
         "rollout.group_size=2",
-        "train.steps=2",
+        "train.steps=3",
         f"rollout.compile={mode}",
     ]
-    assert main(args) == 0
+    code = main(args)
+    said = capsys.readouterr()
+    if code != 0 and "does not reproduce the eager one" in said.err:
+        pytest.xfail(
+            f"torch.compile decodes another distribution here, refused as designed: {said.err[-300:]}"
+        )
+    assert code == 0, said.err[-2000:]
     rows = metric_rows(out, timings=True)
-    assert [r["rollout/compiled"] for r in rows] == ([1.0, 1.0] if mode == "on" else [0.0, 0.0])
+    assert [r["rollout/compiled"] for r in rows] == ([0.0, 1.0, 1.0] if mode == "on" else [0.0, 0.0, 0.0])
     assert rows[0]["objective/kl"] == 0.0 and rows[0]["objective/kl_exact"] == 0.0
     assert rows[0]["policy/ratio_max_dev_first"] == 0.0
-    assert rows[0]["rollout/logprob_mismatch"] < 1e-4  # sampler against learner, float32 rounding
-    if mode == "auto":  # 1 step left x t s x 0.09 (4 rows) is far under 40 s
-        assert "rollout.compile=auto: eager decoding (1 step(s) left" in capsys.readouterr().out
+    # the learner scores the compiled samples eagerly: sampler against learner, float32 rounding
+    assert all(r["rollout/logprob_mismatch"] < 1e-4 for r in rows)
+    if mode == "auto":  # 2 steps left x t s x 0.09 (4 rows) is far under 40 s
+        assert "rollout.compile=auto: eager decoding (2 step(s) left" in said.out
 
 
-def test_compiled_rollouts_resume_bit_for_bit(tiny_model_dir, prompt_file, tmp_path):
-    """rollout.compile=true, a run stopped after step 0's checkpoint and resumed (a new process
-    compiles again) logs what the uninterrupted run logs, bit for bit."""
+@pytest.mark.parametrize("setting", ["true", "auto"])
+def test_a_compiled_decode_that_differs_from_eager_is_never_trained_on(
+    setting, tiny_model_dir, prompt_file, tmp_path, capsys, monkeypatch
+):
+    """The check after the first step: a compiled decode whose log-probs are off (here made NaN,
+    as inductor's attention gave under forced AVX2 kernels at some cache lengths) stops a
+    rollout.compile=true run with the reason, and leaves an auto run eager."""
+    import tether.trainers.base as base
+
+    real = base.generate
+
+    def broken(*a, compiled=False, **kw):
+        rollout = real(*a, compiled=False, **kw)  # eager underneath: no compile needed
+        if compiled:
+            rollout.sampler_logprobs = torch.full_like(rollout.sampler_logprobs, float("nan"))
+        return rollout
+
+    monkeypatch.setattr(base, "generate", broken)
+    monkeypatch.setattr(base, "can_compile", lambda device: None)
+    monkeypatch.setattr(base, "compile_repays", lambda *a: True)  # auto wants it
+    out = tmp_path / "run"
+    args = _tiny_args(tiny_model_dir, prompt_file, out) + ["train.steps=3", f"rollout.compile={setting}"]
+    code = main(args)
+    said = capsys.readouterr()
+    if setting == "true":
+        assert code == 1
+        assert "the compiled decode of step 0's rollout does not reproduce the eager one" in said.err
+        assert "its sampler log-probs are not finite" in said.err and "use rollout.compile=false" in said.err
+    else:
+        assert code == 0
+        assert "eager decoding after all" in said.out
+        assert [r["rollout/compiled"] for r in metric_rows(out)] == [0.0, 0.0, 0.0]
+
+
+def test_compiled_rollouts_resume_with_the_same_samples(tiny_model_dir, prompt_file, tmp_path, capsys):
+    """rollout.compile=true, a run stopped after step 1's checkpoint and resumed (a new process
+    decodes its first step eagerly, checks the compiled decode, then compiles): every metric the
+    uninterrupted run logs, bit for bit, but how the rollout was decoded, the sampler's float32
+    rounding against the learner's, and the count of reference forwards."""
     from tether.models.sampling import can_compile
 
     if why := can_compile("cpu"):
         pytest.skip(why)
-    common = ["train.algo=grpo", "rollout.group_size=2", "rollout.compile=true", "train.checkpoint_every=1"]
+    common = [
+        "train.algo=grpo",
+        "rollout.group_size=2",
+        "rollout.compile=true",
+        "train.checkpoint_every=1",
+        "eval.every=0",
+    ]
     whole, part = tmp_path / "whole", tmp_path / "part"
-    assert main(_tiny_args(tiny_model_dir, prompt_file, whole) + common + ["train.steps=2"]) == 0
-    assert main(_tiny_args(tiny_model_dir, prompt_file, part) + common + ["train.steps=1"]) == 0
-    assert main(["train", "--resume", str(part), "train.steps=2"]) == 0
-    assert metric_rows(part) == metric_rows(whole)
-    assert [r["rollout/compiled"] for r in metric_rows(part)] == [1.0, 1.0]
+    if main(_tiny_args(tiny_model_dir, prompt_file, whole) + common + ["train.steps=4"]) != 0:
+        said = capsys.readouterr().err
+        assert "does not reproduce the eager one" in said, said[-2000:]
+        pytest.xfail("torch.compile decodes another distribution here, refused as designed")
+    assert main(_tiny_args(tiny_model_dir, prompt_file, part) + common + ["train.steps=2"]) == 0
+    assert main(["train", "--resume", str(part), "train.steps=4"]) == 0
+    a, b = metric_rows(whole), metric_rows(part)
+    assert [r["rollout/compiled"] for r in a] == [0.0, 1.0, 1.0, 1.0]
+    assert [r["rollout/compiled"] for r in b] == [0.0, 1.0, 0.0, 1.0]  # the resumed process checks again
+
+    # apart: the sampler's log-probs against the learner's (float32 rounding), and the reference
+    # forwards, which count the resume's own check of the reference (one more, compiled or not)
+    skip = ("rollout/compiled", "rollout/logprob_", "kl/reference_forwards")
+
+    def kept(rows):
+        return [{k: v for k, v in r.items() if not k.startswith(skip)} for r in rows]
+
+    assert kept(a) == kept(b)
+    assert all(r["rollout/logprob_mismatch"] < 1e-4 for r in a + b)
 
 
 def test_best_by_skips_evaluations_outside_the_fluency_margin(

@@ -336,7 +336,6 @@ _ONE_PROCESS: dict[str, Path] = {}
         "ppo, fsdp",
         "grpo, fsdp, whole-model generation",
         "dpo, fsdp",
-        "grpo, compiled rollouts",
     ],
 )
 def test_two_processes_log_the_first_step_of_one(algo, tiny_tokenizer, prompt_file, tmp_path):
@@ -361,11 +360,6 @@ def test_two_processes_log_the_first_step_of_one(algo, tiny_tokenizer, prompt_fi
     # and rank 0 evaluates the reference alone before the first step (FSDP records those forwards:
     # a DPO run whose first backward followed them hung before tether.models.sharding forgot them)
     fsdp += ["eval.n_prompts=4"] if fsdp else []
-    # "compiled rollouts": the 2 processes decode under torch.compile (rollout.compile), the 1
-    # process eagerly: the same samples, whichever process and whichever decoding drew them
-    compiled = ["rollout.compile=true"] if "compiled" in algo else []
-    if compiled and (why := can_compile("cpu")):
-        pytest.skip(why)
     algo = algo.split(",")[0]
     # the 1-process run of an algorithm is the same run in every case (the same model, prompts and
     # settings): run once per session, then read
@@ -374,13 +368,13 @@ def test_two_processes_log_the_first_step_of_one(algo, tiny_tokenizer, prompt_fi
     else:
         _launch(_args(model, prompt_file, one, algo) + extra, 1)
         _ONE_PROCESS[algo] = one
-    log = _launch(_args(model, prompt_file, two, algo) + extra + micro + fsdp + compiled, 2)
+    log = _launch(_args(model, prompt_file, two, algo) + extra + micro + fsdp, 2)
     assert "2 processes (data parallel)" in log  # not one process left alone by the launcher
     if fsdp:
         assert "sharded (FSDP)" in log
     a, b = (json.loads((d / "metrics.jsonl").read_text().splitlines()[0]) for d in (one, two))
-    if algo != "dpo":
-        assert (a.pop("rollout/compiled"), b.pop("rollout/compiled")) == (0.0, 1.0 if compiled else 0.0)
+    if algo != "dpo":  # a 1-step run decodes eagerly under rollout.compile=auto
+        assert a.pop("rollout/compiled") == b.pop("rollout/compiled") == 0.0
     if fsdp and algo != "dpo":  # rank 0's reference forwards also count its reference evaluation
         assert b.pop("kl/reference_forwards") > a.pop("kl/reference_forwards")
     # 8 rows x 6 response positions per reduction; the entropy also sums the vocabulary
@@ -405,6 +399,42 @@ def test_two_processes_log_the_first_step_of_one(algo, tiny_tokenizer, prompt_fi
         f"{algo}: largest difference 1 vs 2 processes {margins[worst]:.2g} of its tolerance "
         f"({worst}: {a[worst]!r} vs {b[worst]!r})"
     )
+
+
+def test_two_processes_decode_compiled_what_they_decode_eagerly(tiny_tokenizer, prompt_file, tmp_path):
+    """rollout.compile=true with 2 processes (each compiles its own decode step, and both check
+    step 0's compiled decode against the eager one): every metric of 3 GRPO steps equals the eager
+    2-process run's, bit for bit, but how the rollouts were decoded and the sampler's float32
+    rounding against the learner's."""
+    if why := can_compile("cpu"):
+        pytest.skip(why)
+    model = _eos_model_dir(tiny_tokenizer, tmp_path / "model")
+    runs = {}
+    for setting in ("false", "true"):
+        out = tmp_path / setting
+        try:
+            log = _launch(
+                _args(model, prompt_file, out, "grpo") + ["train.steps=3", f"rollout.compile={setting}"], 2
+            )
+        except AssertionError as e:  # the run's own check refused the compiled decode
+            if "does not reproduce the eager one" in str(e):
+                pytest.xfail("torch.compile decodes another distribution here, refused as designed")
+            raise
+        assert "2 processes (data parallel)" in log
+        runs[setting] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["rollout/compiled"] for r in runs["true"]] == [0.0, 1.0, 1.0]
+    kept = [  # the sampler's log-probs against the learner's: float32 rounding apart
+        [
+            {
+                k: v
+                for k, v in r.items()
+                if not k.startswith(("time/", "rollout/logprob_", "rollout/compiled"))
+            }
+            for r in rows
+        ]
+        for rows in runs.values()
+    ]
+    assert kept[0] == kept[1]
 
 
 def test_two_processes_train_in_bf16_with_float32_masters(tiny_tokenizer, prompt_file, tmp_path):

@@ -60,5 +60,12 @@ def test_rollout_compile_takes_words_and_booleans():
         "auto",
     ]
     assert Config(rollout=RolloutConfig(compile="on")).rollout.compile is True  # edited in Python
-    with pytest.raises(ConfigError, match="rollout.compile='sometimes' is invalid"):
-        load_config(None, ["rollout.compile=sometimes"])
+    with pytest.raises(
+        ConfigError,
+        match=r"rollout.compile='Auto' is invalid: expected true or false; or choose one of \['auto'\]",
+    ):
+        load_config(None, ["rollout.compile=Auto"])  # every alternative named
+    assert RolloutConfig(compile="yes").compile is True and RolloutConfig(compile="0").compile is False
+    c = load_config(None, [])
+    c.rollout.compile = "off"  # edited after loading, as a word
+    assert c.for_run().rollout.compile is False

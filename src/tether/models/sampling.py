@@ -15,7 +15,15 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from transformers import CompileConfig, GenerationConfig, LogitsProcessor, LogitsProcessorList, StaticCache
+from transformers import (
+    CompileConfig,
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    StaticCache,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 
 from tether.core.logprobs import logprobs_from_logits, response_mask_from_tokens
 from tether.core.noise import gumbel_noise
@@ -59,6 +67,10 @@ class Rollout:
     sampler_logprobs: Tensor | None = None
     columns: dict[str, list] | None = None
     """The prompts' rows' other dataset columns, one value per row (``data.prompts``), or None."""
+    env_mask: Tensor | None = None
+    """(B, R) bool, True on the response tokens an environment wrote (a multi-turn rollout,
+    :func:`tether.models.turns.generate_turns`; ``response_mask`` is False there), or None (every
+    response token is the policy's or padding)."""
 
     @property
     def completion_ids(self) -> list[list[int]]:
@@ -93,6 +105,7 @@ class Rollout:
             ended=self.ended[idx] if self.ended is not None else None,
             sampler_logprobs=self.sampler_logprobs[idx] if self.sampler_logprobs is not None else None,
             columns={k: [v[i] for i in rows] for k, v in self.columns.items()} if self.columns else None,
+            env_mask=self.env_mask[idx] if self.env_mask is not None else None,
         )
 
 
@@ -274,6 +287,38 @@ def can_compile(device: torch.device | str) -> str | None:
     return None
 
 
+COMPILE_CHECK_TOL = 1e-3
+"""Nats: how far a compiled decode's sampler log-probs may be from the eager ones in
+:func:`compiled_mismatch`. Float32 reassociation of O(10) logits moves a log-prob by ~1e-6 to 1e-5
+(1.5e-5 measured on SmolLM2); 1e-3 is far above that and far below a real error (a wrong kernel gave
+NaN, or tokens of another distribution)."""
+
+
+def compiled_mismatch(eager: Rollout, compiled: Rollout) -> str | None:
+    """Why a compiled decode of the same prompts and seeds does not reproduce the eager one, or
+    None when it does: the same tokens and masks, and the sampler's log-probs finite and within
+    :data:`COMPILE_CHECK_TOL` of the eager ones on every valid token.
+
+    Found needed: under forced AVX2 kernels, inductor's compiled attention gave NaN logits at some
+    static-cache lengths (16 and 18 positions on a tiny Llama), so the compiled samples were
+    another distribution's; eager decoding with the same static cache was exact.
+    """
+    if not torch.equal(eager.response_ids, compiled.response_ids) or not torch.equal(
+        eager.response_mask, compiled.response_mask
+    ):
+        return "it sampled other tokens than eager decoding with the same seeds"
+    mask = eager.response_mask
+    a, b = eager.sampler_logprobs[mask], compiled.sampler_logprobs[mask]
+    if not torch.isfinite(b).all():
+        return "its sampler log-probs are not finite"
+    worst = float((a - b).abs().max()) if a.numel() else 0.0
+    if worst > COMPILE_CHECK_TOL:
+        return (
+            f"its sampler log-probs differ from eager ones by up to {worst:.3g} nats (> {COMPILE_CHECK_TOL})"
+        )
+    return None
+
+
 def compiled_decode_kwargs(lm: nn.Module, cache_len: int) -> tuple[dict, CompileConfig]:
     """What ``lm.generate`` takes to run its decode steps ``torch.compile``'d: a static key/value
     cache of ``cache_len`` positions (the run's longest prompt plus ``rollout.max_new_tokens``, so
@@ -288,7 +333,7 @@ def compiled_decode_kwargs(lm: nn.Module, cache_len: int) -> tuple[dict, Compile
     config = CompileConfig(fullgraph=False, dynamic=False, mode="default")
     config._compile_all_devices = True  # the flag transformers reads to compile off accelerators
     cache = StaticCache(config=lm.config, max_cache_len=cache_len)
-    return {cache_argument(getattr(lm, lm.base_model_prefix)): cache}, config
+    return {cache_argument(lm): cache}, config  # the causal LM's own forward names it
 
 
 def end_token_ids(tokenizer, lm: nn.Module | None = None) -> list[int]:
@@ -306,6 +351,91 @@ def end_token_ids(tokenizer, lm: nn.Module | None = None) -> list[int]:
         if int(i) not in ids:
             ids.append(int(i))
     return ids
+
+
+class _StopAfterText(StoppingCriteria):
+    """Stops a row once the text of its new tokens (not its context's) contains a stop string."""
+
+    def __init__(self, tokenizer, stop_strings: Sequence[str], context_len: int):
+        self.tokenizer, self.stop_strings, self.context_len = tokenizer, list(stop_strings), context_len
+
+    def __call__(self, input_ids: Tensor, scores: Tensor, **kwargs) -> Tensor:
+        texts = self.tokenizer.batch_decode(input_ids[:, self.context_len :], skip_special_tokens=False)
+        done = [any(s in t for s in self.stop_strings) for t in texts]
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+
+@torch.no_grad()
+def sample_tokens(
+    lm: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    seeds: Sequence[int],
+    ends: Sequence[int],
+    pad_token_id: int | None,
+    synced: bool = False,
+    compile_config: CompileConfig | None = None,
+    cache: dict | None = None,
+    stop_strings: Sequence[str] = (),
+    tokenizer=None,
+) -> tuple[Tensor, Tensor]:
+    """Sample continuations of left-padded token ids with :class:`GumbelMaxSampler` under greedy
+    decoding (the core of :func:`generate`, and of each policy turn of
+    :func:`tether.models.turns.generate_turns`).
+
+    Args:
+        input_ids: (B, L) long, left-padded context; attention_mask: (B, L), 0 on padding.
+        max_new_tokens: tokens to decode at most.
+        temperature: the sampling temperature (> 0).
+        seeds: B row keys (:func:`sample_seeds`).
+        ends: the ids that end a row (:func:`end_token_ids`); a row stops after its first.
+        pad_token_id: what transformers writes after a finished row.
+        synced, compile_config, cache: as :func:`generate` sets them.
+        stop_strings: texts that also stop a row once its new tokens' text contains one
+            (``tokenizer`` decodes them); the context's text is never searched.
+
+    Returns:
+        ``(new_ids, sampler_logprobs)``: (B, R) long, R <= ``max_new_tokens``, a finished row's
+        later slots holding what transformers wrote there; (B, R) float32 nats, the log-prob of
+        each new token under the distribution it was drawn from (meaningless after a row ended).
+    """
+    # A fresh GenerationConfig, not the model folder's: a saved generation_config.json may carry
+    # suppress_tokens, repetition penalties, top-k ... that would make the samples differ from
+    # softmax(logits / temperature), the distribution every log-probability is computed under.
+    # transformers fills unset fields of a passed config from the model's own, so the model's is
+    # swapped out for the call. Greedy decoding: the sampler below draws the sample.
+    gen = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=list(ends) or None,
+        pad_token_id=pad_token_id,
+    )
+    if compile_config is not None:
+        gen.compile_config = compile_config
+    stopping = None
+    if stop_strings:
+        stopping = StoppingCriteriaList([_StopAfterText(tokenizer, stop_strings, input_ids.shape[1])])
+    sampler = GumbelMaxSampler(seeds, temperature, input_ids.device)
+    saved, lm.generation_config = lm.generation_config, gen
+    try:
+        out = lm.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            generation_config=gen,
+            logits_processor=LogitsProcessorList([sampler]),
+            stopping_criteria=stopping,
+            # transformers turns this on by itself for any FSDP-sharded model; tether decides: off
+            # on gathered weights (rank 0 evaluates alone), on for per-block gathering
+            synced_gpus=synced,
+            **(cache or {}),
+        )
+    finally:
+        lm.generation_config = saved
+    new_ids = out[:, input_ids.shape[1] :]  # (B, R<=max_new_tokens)
+    return new_ids, sampler.logprobs[:, : new_ids.shape[1]]
 
 
 @torch.no_grad()
@@ -362,46 +492,32 @@ def generate(
     if len(seeds) != len(prompts):
         raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
     ends = end_token_ids(tokenizer, lm)
-    # A fresh GenerationConfig, not the model folder's: a saved generation_config.json may carry
-    # suppress_tokens, repetition penalties, top-k ... that would make the samples differ from
-    # softmax(logits / temperature), the distribution every log-probability is computed under.
-    # transformers fills unset fields of a passed config from the model's own, so the model's is
-    # swapped out for the call. Greedy decoding: the sampler below draws the sample.
-    gen = GenerationConfig(
-        do_sample=False,
-        max_new_tokens=max_new_tokens,
-        eos_token_id=ends or None,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    cache = {}
+    cache, compile_config = {}, None
     base = lm.lm if isinstance(lm, AdapterReference) else lm
     if compiled:
         if synced or isinstance(lm, AdapterReference):
             raise ValueError("compiled generation runs a plain model's forward: not synced, not an adapter")
         cache_len = (max_prompt_tokens or prompt_ids.shape[1]) + max_new_tokens  # one graph per run
-        cache, gen.compile_config = compiled_decode_kwargs(base, cache_len)
+        cache, compile_config = compiled_decode_kwargs(base, cache_len)
     elif share_prefix and head.shares_prefix(base, prompt_ids.shape[1] - 1):
         with lm.active() if isinstance(lm, AdapterReference) else nullcontext():
             prefix = head.prefix_cache(
                 base, prompt_ids[:, :-1], prompt_mask[:, :-1], position_ids_from_mask(prompt_mask)[:, :-1]
             )
         cache = {cache_argument(getattr(base, base.base_model_prefix)): prefix}
-    sampler = GumbelMaxSampler(seeds, temperature, device)
-    saved, lm.generation_config = lm.generation_config, gen
-    try:
-        out = lm.generate(
-            input_ids=prompt_ids,
-            attention_mask=prompt_mask,
-            generation_config=gen,
-            logits_processor=LogitsProcessorList([sampler]),
-            # transformers turns this on by itself for any FSDP-sharded model; tether decides: off
-            # on gathered weights (rank 0 evaluates alone), on for per-block gathering
-            synced_gpus=synced,
-            **cache,
-        )
-    finally:
-        lm.generation_config = saved
-    response_ids = out[:, prompt_ids.shape[1] :]  # (B, R<=max_new_tokens)
+    response_ids, sampler_logprobs = sample_tokens(
+        lm,
+        prompt_ids,
+        prompt_mask,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        seeds=seeds,
+        ends=ends,
+        pad_token_id=tokenizer.pad_token_id,
+        synced=synced,
+        compile_config=compile_config,
+        cache=cache,
+    )
     response_mask = response_mask_from_tokens(response_ids, ends)  # (B, R)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else ends[0]
     response_ids = torch.where(response_mask, response_ids, torch.full_like(response_ids, pad))
@@ -411,8 +527,6 @@ def generate(
         for ids, m, e in zip(response_ids, response_mask, is_end)
     ]
     ended = is_end.any(-1)  # (B,)
-    # (B, R): a finished row's later columns hold the log-prob of a token the pad replaced; masked
-    sampler_logprobs = sampler.logprobs[:, : response_ids.shape[1]]
     return Rollout(
         prompts,
         prompt_ids,

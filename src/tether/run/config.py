@@ -358,19 +358,22 @@ class RolloutConfig(_Defaulted):
     (PPO 1, GRPO and RLOO 4). Must divide batch_size."""
     compile: bool | Literal["auto"] = "auto"
     """Training rollouts' decode steps under ``torch.compile`` on a static key/value cache (PPO,
-    GRPO, RLOO; held-out evaluation and DPO's pair sampling stay eager). true (or on): from the
-    first step; false (or off): eager; auto: after the first (eager) step, compiled if the steps
-    left repay the compile (steps left x that step's generate seconds x the share saved, 0.20 at
-    1 row, 0.09 up to 8, 0.02 above, > 40 s of compiling, both measured on a 2-core CPU,
-    docs/performance.md), else eager; auto compiles only on a CPU, where those numbers were
-    measured. The samples equal the eager ones up to float32 rounding (the same tokens in every
-    comparison run; log-probs within 2e-5 nats). Not with LoRA or FSDP (true is an error there,
-    auto stays eager); on a CPU it needs a C++ compiler. Compiled generation does not share prompt
-    prefixes (model.share_prompt_prefix still applies to scoring and the update)."""
+    GRPO, RLOO; held-out evaluation and DPO's pair sampling stay eager). The first step sampled
+    (by each process, resumes included) always decodes eagerly; where compiling is wanted, its
+    rollout is then decoded again compiled with the same seeds and must come out the same (the
+    same tokens, finite log-probs within 1e-3 nats), or a true run stops with the reason and an
+    auto run stays eager: under forced AVX2 kernels inductor's compiled attention gave NaN at some
+    cache lengths. true (or on): compiled from the second step; false (or off): eager; auto:
+    compiled if the steps left repay the compile (steps left x the first step's generate seconds
+    x the share saved, 0.20 at 1 row, 0.09 up to 8, 0.02 above, > 40 s of compiling, both measured
+    on a 2-core CPU, docs/performance.md), only on a CPU, where those numbers were measured. Not
+    with LoRA or FSDP (true is an error there, auto stays eager); on a CPU it needs a C++ compiler.
+    Compiled generation does not share prompt prefixes (model.share_prompt_prefix still applies
+    to scoring and the update)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.compile, str) and self.compile.lower() in ("on", "off", "true", "false"):
-            self.compile = self.compile.lower() in ("on", "true")  # set from Python as a word
+        if isinstance(self.compile, str) and self.compile.lower() in _BOOL_WORDS:
+            self.compile = _BOOL_WORDS[self.compile.lower()]  # set from Python as a word
         _check(
             isinstance(self.compile, bool) or self.compile == "auto",
             "rollout.compile",
@@ -1040,7 +1043,7 @@ class Config:
         if self.train.algo == "dpo":
             why = "DPO samples its pairs eagerly (rollout.compile applies to PPO, GRPO and RLOO rollouts)"
         elif self.model.lora:
-            why = "a LoRA policy (model.lora) generates through peft, which tether does not compile"
+            why = "a LoRA policy (model.lora_r or model.adapter) generates through peft, not compiled here"
         elif self.train.sharding == "fsdp":
             why = "an FSDP-sharded policy's forward is a collective (train.sharding=fsdp)"
         _check(why is None, "rollout.compile", True, f"{why}; use rollout.compile=auto or false")
@@ -1203,6 +1206,19 @@ DEFAULTED_FIELDS = (
 data (the gold judge; the longest prompt, filled when the tokenizer has read the prompts)."""
 
 
+_BOOL_WORDS = {
+    "true": True,
+    "false": False,
+    "1": True,
+    "0": False,
+    "yes": True,
+    "no": False,
+    "on": True,
+    "off": False,
+}
+"""The words a boolean field takes as text (YAML 1.1's, as the command line's parser reads them)."""
+
+
 class _Raw(str):
     """An override's text as typed: a str field takes it verbatim, other fields parse it as YAML."""
 
@@ -1231,6 +1247,9 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
                 return _coerce(value, a, name)
             except ConfigError as e:
                 errors.append(str(e))
+        if len(errors) > 1:  # every alternative refused it: name them all (true or false; or auto)
+            rules = [e.split(" is invalid: ", 1)[-1] for e in errors]
+            raise ConfigError(f"{name}={value!r} is invalid: " + "; or ".join(rules))
         raise ConfigError(errors[0] if errors else f"{name}={value!r}: wrong type")
     if origin is Literal:
         if value not in get_args(tp):
@@ -1239,8 +1258,8 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
     if tp is bool:
         if isinstance(value, bool):
             return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-            return value.lower() in ("true", "1", "yes")
+        if isinstance(value, str) and value.lower() in _BOOL_WORDS:
+            return _BOOL_WORDS[value.lower()]
         raise ConfigError(f"{name}={value!r} is invalid: expected true or false")
     if tp in (int, float):
         if isinstance(value, bool):

@@ -43,6 +43,7 @@ from tether.models.sampling import (
     can_compile,
     compile_repays,
     compile_saving,
+    compiled_mismatch,
     generate,
     sample_seeds,
 )
@@ -170,8 +171,9 @@ class OnPolicyTrainer:
         t0 = time.perf_counter()
         rollout = self.sample_rollout(step)  # 1-2. prompts (each group_size times), responses
         t_gen = time.perf_counter()
-        if self.compile_rollout is None:  # rollout.compile=auto, at the first step sampled
-            self.compile_rollout = self.decide_compile(step, generate_s=t_gen - t0)
+        compiled = bool(self.compile_rollout)  # how this step's rollout was decoded
+        if self.compile_rollout is None:  # rollout.compile true or auto, at the first step sampled
+            self.compile_rollout = self.decide_compile(step, rollout=rollout, generate_s=t_gen - t0)
         scores, reward_metrics = self.score(rollout, step)  # 3. the reward, called as TRL calls it
         minibatches = self.minibatch_indices()
         forwards = self.rollout_forwards(rollout, minibatches)  # 4. old, reference log-probs
@@ -202,7 +204,7 @@ class OnPolicyTrainer:
                 "optim/lr": lr,
                 "time/step": t_update - t0,
                 "time/generate": t_gen - t0,
-                "rollout/compiled": float(bool(self.compile_rollout)),
+                "rollout/compiled": float(compiled),
                 "time/score": t_score - t_gen,
                 "time/update": t_update - t_score,
             }
@@ -211,9 +213,9 @@ class OnPolicyTrainer:
         return row
 
     def compile_setting(self) -> bool | None:
-        """``rollout.compile`` resolved: True, False (false, or auto where compiling is not
-        built: LoRA, FSDP, no C++ compiler; or off a CPU, where auto's saving and compile time are
-        not measured), None (auto: decided after the first step).
+        """``rollout.compile`` resolved: False (false, or auto where compiling is not built: LoRA,
+        FSDP, no C++ compiler; or off a CPU, where auto's saving and compile time are not
+        measured), None (true, or auto: decided after the first step, :meth:`decide_compile`).
 
         Raises:
             ValueError: ``rollout.compile=true`` and decoding cannot be compiled here.
@@ -226,27 +228,57 @@ class OnPolicyTrainer:
             built = not (why or self.cfg.model.lora or self.cfg.train.sharding == "fsdp")
             built = built and self.device.type == "cpu"  # COMPILE_SAVINGS, COMPILE_COST_S: CPU numbers
             return None if built else False
-        return bool(setting)
+        return None if setting else False
 
-    def decide_compile(self, step: int, generate_s: float) -> bool:
-        """``rollout.compile=auto`` after its first sampled step: on where the steps left repay the
-        compile (:func:`tether.models.sampling.compile_repays`, on the slowest process's
-        ``generate_s``, so that every process decides alike); the decision is printed when a
-        step is left."""
-        slowest = float(D.all_reduce_max(torch.tensor(generate_s, dtype=torch.float64, device=self.device)))
+    def decide_compile(self, step: int, rollout: Rollout, generate_s: float) -> bool:
+        """After the first sampled step (decoded eagerly): whether the later steps decode compiled.
+
+        ``auto`` wants it where the steps left repay the compile
+        (:func:`tether.models.sampling.compile_repays`, on the slowest process's ``generate_s``, so
+        that every process decides alike; printed); ``true`` always. Either way the step's rollout
+        is then sampled again compiled, with the same seeds, and must reproduce the eager one
+        (:func:`tether.models.sampling.compiled_mismatch`) on every process, or ``auto`` stays
+        eager and ``true`` stops: a kernel that computes another distribution is caught here, not
+        trained on.
+
+        Raises:
+            RuntimeError: ``rollout.compile=true`` and the compiled decode does not reproduce the
+                eager one (the reason is named).
+        """
         left = self.cfg.train.steps - step - 1
-        rows = len(range(self.cfg.rollout.batch_size)[D.shard(self.cfg.rollout.batch_size)])
-        on = compile_repays(slowest, left, rows)
-        if left > 0:
-            verdict = "compiling the decode step" if on else "eager decoding"
+        rows = len(rollout.prompts)
+        wanted = self.cfg.rollout.compile is True
+        if not wanted:
+            slowest = float(
+                D.all_reduce_max(torch.tensor(generate_s, dtype=torch.float64, device=self.device))
+            )
+            wanted = compile_repays(slowest, left, rows)
+            if left > 0:
+                verdict = "compiling the decode step" if wanted else "eager decoding"
+                say(
+                    f"tether: rollout.compile=auto: {verdict} "
+                    f"({left} step(s) left x {slowest:.2f} s generate x {compile_saving(rows):.0%} saved at "
+                    f"{rows} rows = {left * slowest * compile_saving(rows):.0f} s, against "
+                    f"~{COMPILE_COST_S:.0f} s of compiling)",
+                    self.cfg.train.progress,
+                )
+        if not wanted or left == 0:
+            return False
+        why = compiled_mismatch(rollout, self.respond(rollout.prompts, self._seeds, compiled=True))
+        failed = float(D.all_reduce_max(torch.tensor(float(why is not None), device=self.device)))
+        if failed and self.cfg.rollout.compile is True:
+            raise RuntimeError(
+                f"rollout.compile=true: the compiled decode of step {step}'s rollout does not reproduce "
+                f"the eager one ({why or 'on another process'}); torch.compile computes another "
+                "distribution on this machine: use rollout.compile=false"
+            )
+        if failed:
             say(
-                f"tether: rollout.compile=auto: {verdict} "
-                f"({left} step(s) left x {slowest:.2f} s generate x {compile_saving(rows):.0%} saved at "
-                f"{rows} rows = {left * slowest * compile_saving(rows):.0f} s, against "
-                f"~{COMPILE_COST_S:.0f} s of compiling)",
+                f"tether: rollout.compile=auto: eager decoding after all: the compiled decode of step "
+                f"{step}'s rollout does not reproduce the eager one ({why or 'on another process'})",
                 self.cfg.train.progress,
             )
-        return on
+        return not failed
 
     def sample_rollout(self, step: int) -> Rollout:
         """Steps 1-2: the step's prompts, each ``group_size`` times (consecutive rows form a
@@ -261,21 +293,28 @@ class OnPolicyTrainer:
         ]
         mine = D.shard(len(rows))
         prompts = run.train_prompts.select(rows[mine])  # this process's rows, with their columns
+        seeds = sample_seeds(c.train.seed, step, range(len(rows))[mine])
+        rollout = self.respond(prompts.prompts, seeds, compiled=bool(self.compile_rollout))
+        rollout.columns = prompts.columns
+        self._seeds = seeds  # the compile check (decide_compile) samples these rows again
+        return rollout
+
+    def respond(self, prompts: list, seeds: list[int], compiled: bool) -> Rollout:
+        """The current policy's responses to ``prompts``, row b seeded by ``seeds[b]``."""
+        c, run = self.cfg, self.run
         with generation_weights(run.policy, c.train.sharded_generation) as synced:  # FSDP
-            rollout = generate(
+            return generate(
                 run.policy.lm,
                 run.tokenizer,
-                prompts=prompts.prompts,
+                prompts=prompts,
                 max_new_tokens=c.rollout.max_new_tokens,
                 temperature=c.rollout.temperature,
                 max_prompt_tokens=c.rollout.max_prompt_tokens,
-                seeds=sample_seeds(c.train.seed, step, range(len(rows))[mine]),
+                seeds=seeds,
                 share_prefix=run.policy.share_prefix,
                 synced=synced,
-                compiled=bool(self.compile_rollout),
+                compiled=compiled,
             )
-        rollout.columns = prompts.columns
-        return rollout
 
     def score(self, rollout: Rollout, step: int) -> tuple[Tensor, dict]:
         """Step 3: the responses' scores, (B,), from the reward (a reward list: their weighted
