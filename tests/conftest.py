@@ -336,3 +336,9 @@ class RecordingTracker(GeneralTracker):
 
     def finish(self) -> None:
         RecordingTracker.finished = True
+
+
+def tool_env(prompt, completion, turn, **columns) -> str | None:
+    """A tool for multi-turn tests (``rollout.env=tests.conftest:tool_env``): answers the policy's
+    first turn with a fixed text, ends the episode after the second."""
+    return " [tool: 42]" if turn == 0 else None

@@ -71,13 +71,17 @@ class Rollout:
     """(B, R) bool, True on the response tokens an environment wrote (a multi-turn rollout,
     :func:`tether.models.turns.generate_turns`; ``response_mask`` is False there), or None (every
     response token is the policy's or padding)."""
+    env_texts: list[list[str]] | None = None
+    """Per row, the texts the environment appended, in order (what samples.jsonl shows), or None."""
 
     @property
     def completion_ids(self) -> list[list[int]]:
         """B lists of token ids: each response's tokens where ``response_mask`` is True (up to and
-        including the first end token, no padding), on the host. What TRL 1.16 passes reward
+        including the first end token, no padding), and in a multi-turn rollout the environment's
+        tokens between them (the whole transcript), on the host. What TRL 1.16 passes reward
         functions as ``completion_ids`` (its ``completion_ids_list``)."""
-        ids, mask = self.response_ids.cpu(), self.response_mask.cpu()  # (B, R) each
+        mask = self.response_mask if self.env_mask is None else self.response_mask | self.env_mask
+        ids, mask = self.response_ids.cpu(), mask.cpu()  # (B, R) each
         return [row[m].tolist() for row, m in zip(ids, mask)]
 
     @property
@@ -106,6 +110,7 @@ class Rollout:
             sampler_logprobs=self.sampler_logprobs[idx] if self.sampler_logprobs is not None else None,
             columns={k: [v[i] for i in rows] for k, v in self.columns.items()} if self.columns else None,
             env_mask=self.env_mask[idx] if self.env_mask is not None else None,
+            env_texts=[self.env_texts[i] for i in rows] if self.env_texts is not None else None,
         )
 
 

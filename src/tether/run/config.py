@@ -370,6 +370,21 @@ class RolloutConfig(_Defaulted):
     with LoRA or FSDP (true is an error there, auto stays eager); on a CPU it needs a C++ compiler.
     Compiled generation does not share prompt prefixes (model.share_prompt_prefix still applies
     to scoring and the update)."""
+    env: str | None = None
+    """A multi-turn rollout's environment, ``module:function`` (None: one policy turn). After each
+    policy turn that ends at one of ``rollout.stop_strings`` (a tool call's closing tag, say), it
+    is called as ``env(prompt=..., completion=..., turn=..., **columns)`` with the prompt and the
+    response so far as text and the row's other dataset columns, and returns the text to append
+    (a tool's output) or None to end the episode. Its tokens are context: ``response_mask`` is
+    False on them (no KL, entropy, policy or value loss), policy and reference score them alike,
+    GAE steps across them by policy token (docs/kl.md), the reward reads the whole transcript
+    and samples.jsonl lists them under ``env``. PPO, GRPO, RLOO; decoded eagerly."""
+    max_turns: int = 1
+    """Policy turns per response at most, with ``rollout.env`` (>= 2 there); the response's
+    tokens, the policy's and the environment's together, are at most ``rollout.max_new_tokens``."""
+    stop_strings: list[str] = field(default_factory=list)
+    """Texts that end a policy turn (the token completing one is the turn's last); with
+    ``rollout.env``, the environment answers it."""
 
     def __post_init__(self) -> None:
         if isinstance(self.compile, str) and self.compile.lower() in _BOOL_WORDS:
@@ -381,6 +396,40 @@ class RolloutConfig(_Defaulted):
             "choose true (on), false (off) or auto",
         )
         _check(self.batch_size >= 1, "rollout.batch_size", self.batch_size, "must be >= 1")
+        if isinstance(self.stop_strings, str):  # on the CLI: [a, b] as YAML, else one stop string
+            text = self.stop_strings
+            loaded = _as_list(text) if text.strip().startswith("[") else None  # commas are text here
+            self.stop_strings = loaded if isinstance(loaded, list) else [text]
+        _check(
+            all(isinstance(t, str) and t for t in self.stop_strings),
+            "rollout.stop_strings",
+            self.stop_strings,
+            "must be non-empty texts",
+        )
+        _check(self.max_turns >= 1, "rollout.max_turns", self.max_turns, "must be >= 1")
+        if self.env is not None:
+            _check(
+                ":" in self.env, "rollout.env", self.env, "must be module:function (an importable callable)"
+            )
+            _check(
+                self.max_turns >= 2,
+                "rollout.max_turns",
+                self.max_turns,
+                "must be >= 2 with rollout.env (one policy turn, the environment, the next)",
+            )
+            _check(
+                bool(self.stop_strings),
+                "rollout.stop_strings",
+                self.stop_strings,
+                "must name the text that ends a policy turn for rollout.env to answer (e.g. ['</call>'])",
+            )
+        else:
+            _check(
+                self.max_turns == 1,
+                "rollout.max_turns",
+                self.max_turns,
+                "needs rollout.env (the environment that answers between turns)",
+            )
         _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", self.max_new_tokens, "must be >= 1")
         _check(
             self.temperature >= MIN_TEMPERATURE,
@@ -995,6 +1044,15 @@ class Config:
             self._check_sharding()
         if self.rollout.compile is True:
             self._check_compile()
+        if self.rollout.env is not None:
+            why = None
+            if self.train.algo == "dpo":
+                why = "DPO samples pairs in one turn"
+            elif self.train.sharding == "fsdp":
+                why = "multi-turn rollouts are not built for train.sharding=fsdp"
+            elif self.rollout.compile is True:
+                why = "multi-turn rollouts decode eagerly; leave rollout.compile at auto or false"
+            _check(why is None, "rollout.env", self.rollout.env, f"{why}")
         if self.train.algo in ("grpo", "rloo"):
             _check(
                 self.rollout.group_size >= 2,
@@ -1468,6 +1526,9 @@ FIELD_UNITS: dict[str, str] = {
     "rollout.forward_batch_size": "rows",
     "rollout.group_size": "samples per prompt",
     "rollout.compile": "",
+    "rollout.env": "",
+    "rollout.max_turns": "policy turns",
+    "rollout.stop_strings": "",
     # kl
     "kl.estimator": "",
     "kl.kl_coef": "reward units per nat",

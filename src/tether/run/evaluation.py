@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,6 +21,7 @@ from tether.data.prompts import PromptData
 from tether.judges.contract import Scorer, checked_scores, trainer_state
 from tether.models.sampling import generate, sample_seeds
 from tether.models.scoring import rollout_logprobs
+from tether.models.turns import generate_turns, load_env
 from tether.run.announce import leash_line, z_text
 from tether.run.console import say
 from tether.run.files import read_json, write_json_file
@@ -189,6 +190,9 @@ def evaluate(
     fluency: Callable[[list[str], list[str]], list[float | None]] | None = None,
     fluency_samples: int | None = None,
     state=None,
+    env=None,
+    max_turns: int = 1,
+    stop_strings: Sequence[str] = (),
 ) -> EvalResult:
     """Sample ``samples_per_prompt`` responses per held-out prompt with fixed seeds; score each
     with every scorer and the fluency judge.
@@ -205,6 +209,10 @@ def evaluate(
     samples' ``completion_ids`` and ``state`` as ``trainer_state`` (a run passes
     :func:`evaluation_state`, so that the reference's and each policy's scores compare; None
     passes ``global_step=0``, ``max_steps=0``).
+
+    With ``env`` (``rollout.env``) the samples are multi-turn, as in training
+    (:func:`tether.models.turns.generate_turns`, ``max_turns`` and ``stop_strings``): the KL
+    counts the policy's tokens only, the scorers read the whole transcript.
     """
     k = samples_per_prompt
     if k > 1:  # each prompt k times in a row, with its columns
@@ -215,15 +223,31 @@ def evaluate(
         torch.manual_seed(seed)
         for i in range(0, len(prompts), batch_size):
             batch = prompts[i : i + batch_size]
-            ro = generate(
-                lm,
-                tokenizer,
-                prompts=batch,
-                max_new_tokens=max_new_tokens,
-                temperature=temperature,
-                max_prompt_tokens=max_prompt_tokens,
-                seeds=sample_seeds(seed, 0, range(i, i + len(batch))),
-            )
+            seeds = sample_seeds(seed, 0, range(i, i + len(batch)))
+            if env is not None:
+                ro = generate_turns(
+                    lm,
+                    tokenizer,
+                    list(batch),
+                    env,
+                    max_turns=max_turns,
+                    max_new_tokens=max_new_tokens,
+                    temperature=temperature,
+                    seeds=seeds,
+                    stop_strings=stop_strings,
+                    max_prompt_tokens=max_prompt_tokens,
+                    columns=batch.columns if isinstance(batch, PromptData) else None,
+                )
+            else:
+                ro = generate(
+                    lm,
+                    tokenizer,
+                    prompts=batch,
+                    max_new_tokens=max_new_tokens,
+                    temperature=temperature,
+                    max_prompt_tokens=max_prompt_tokens,
+                    seeds=seeds,
+                )
             if reference is not None:
                 lp = rollout_logprobs(lm, ro, temperature).logprobs
                 ref_lp = lp if reference is lm else rollout_logprobs(reference, ro, temperature).logprobs
@@ -448,6 +472,9 @@ class Evaluator:
             fluency=self.fluency,
             fluency_samples=c.eval.fluency_samples,
             state=self.state,
+            env=load_env(c.rollout.env) if c.rollout.env else None,
+            max_turns=c.rollout.max_turns,
+            stop_strings=c.rollout.stop_strings,
         )
 
     def set_reference(self, before: EvalResult | None) -> None:

@@ -170,6 +170,10 @@ def sample_rows(exp) -> list[dict]:
     for i, row in enumerate(rows):  # the row's other dataset columns travel with it
         if exp.rollout.columns:
             row["columns"] = {k: v[i] for k, v in exp.rollout.columns.items()}
+        if exp.rollout.env_texts is not None:  # a multi-turn rollout: what the environment wrote
+            row["env"] = exp.rollout.env_texts[i]
+            row["policy_tokens"] = int(mask[i].sum())
+            row["env_tokens"] = int(exp.rollout.env_mask[i].sum())
     for row, ids in zip(rows, exp.rollout.completion_ids):  # the gold judge's; not written
         row["completion_ids"] = ids
     return rows

@@ -49,6 +49,7 @@ from tether.models.sampling import (
 )
 from tether.models.scoring import rollout_logprobs
 from tether.models.sharding import generation_weights, is_sharded, root_gathered
+from tether.models.turns import generate_turns, load_env
 from tether.run.console import say
 from tether.run.setup import Run
 from tether.trainers.common import (
@@ -157,7 +158,8 @@ class OnPolicyTrainer:
             )
         )
         self._reused_forward = None
-        self.compile_rollout = self.compile_setting()
+        self.env = load_env(c.rollout.env) if c.rollout.env else None
+        self.compile_rollout = self.compile_setting() if self.env is None else False
 
     def trainer_state(self, step: int):
         """The ``trainer_state`` reward functions get at ``step`` (TRL's ``self.state``): the steps
@@ -294,6 +296,22 @@ class OnPolicyTrainer:
         mine = D.shard(len(rows))
         prompts = run.train_prompts.select(rows[mine])  # this process's rows, with their columns
         seeds = sample_seeds(c.train.seed, step, range(len(rows))[mine])
+        if self.env is not None:  # rollout.env: policy turns and the environment's answers
+            rollout = generate_turns(
+                run.policy.lm,
+                run.tokenizer,
+                prompts.prompts,
+                self.env,
+                max_turns=c.rollout.max_turns,
+                max_new_tokens=c.rollout.max_new_tokens,
+                temperature=c.rollout.temperature,
+                seeds=seeds,
+                stop_strings=c.rollout.stop_strings,
+                max_prompt_tokens=c.rollout.max_prompt_tokens,
+                columns=prompts.columns,
+            )
+            rollout.columns = prompts.columns
+            return rollout
         rollout = self.respond(prompts.prompts, seeds, compiled=bool(self.compile_rollout))
         rollout.columns = prompts.columns
         self._seeds = seeds  # the compile check (decide_compile) samples these rows again
@@ -565,6 +583,8 @@ def sample_metrics(
         "objective/entropy": D.token_mean(entropy, mask),
         "response/length": D.sequence_mean(mask.sum(-1).float()),
     }
+    if rollout.env_mask is not None:  # a multi-turn rollout: the environment's tokens per response
+        row["rollout/env_tokens"] = D.sequence_mean(rollout.env_mask.sum(-1).float())
     # diversity of the batch's responses (words, tether.core.diversity), over all processes
     texts = [t for part in D.gather_objects(list(rollout.responses)) for t in part]
     row["response/distinct_2"] = distinct_n(texts, 2)

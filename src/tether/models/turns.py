@@ -1,0 +1,205 @@
+"""Multi-turn rollouts: the policy writes, an environment answers, the policy goes on.
+
+A policy turn ends at an end id (the episode ends) or at a stop string (``rollout.stop_strings``,
+e.g. a tool call's closing tag); the environment function then gets the transcript so far and
+returns the text to append (a tool's output), or None to end the episode. Its tokens are
+appended as context: policy and reference score them alike, and ``response_mask`` is False on
+them, so no KL, entropy, policy or value loss counts them (a mask with holes: discounting across
+them is by policy step, :func:`tether.core.advantages.gae`). The record keeps which tokens the
+environment wrote (:attr:`tether.models.sampling.Rollout.env_mask`).
+
+Each turn is one :func:`tether.models.sampling.sample_tokens` call from the token ids so far (the
+policy's own tokens are never re-tokenized), with the row's seed hashed with the turn's number, so
+a row's sample still depends only on (run seed, step, sample index).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from tether.models.sampling import Rollout, end_token_ids, sample_tokens, tokenize_prompts
+
+EnvFn = Callable[..., "str | None"]
+"""``env(prompt=..., completion=..., turn=..., **columns) -> str | None``: the environment's text
+after the policy's ``turn``-th turn (0-based), given the prompt and the response so far as text."""
+
+
+def load_env(spec: str) -> EnvFn:
+    """The environment ``rollout.env`` names, ``module:function``.
+
+    Raises:
+        ValueError: it cannot be imported or is not callable (the spec and the reason named).
+    """
+    import importlib
+
+    module, _, attr = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"rollout.env={spec!r}: cannot import it ({e}); give module:function") from None
+    if not callable(fn):
+        raise ValueError(f"rollout.env={spec!r} is a {type(fn).__name__}, not a callable")
+    return fn
+
+
+def turn_seed(seed: int, turn: int) -> int:
+    """The seed of a row's ``turn``-th policy turn: its sample seed itself at turn 0 (a one-turn
+    rollout samples what :func:`tether.models.sampling.generate` samples), then a hash of both."""
+    if turn == 0:
+        return int(seed)
+    digest = hashlib.blake2b(f"tether-turn:{seed}:{turn}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def _stop_at(tokenizer, tokens: list[int], stop_strings: Sequence[str]) -> int | None:
+    """The fewest of ``tokens`` whose text contains a stop string, or None."""
+    if not stop_strings:
+        return None
+    for k in range(1, len(tokens) + 1):
+        text = tokenizer.decode(tokens[:k], skip_special_tokens=False)
+        if any(s in text for s in stop_strings):
+            return k
+    return None
+
+
+@torch.no_grad()
+def generate_turns(
+    lm: nn.Module,
+    tokenizer,
+    prompts: list,
+    env: EnvFn,
+    *,
+    max_turns: int,
+    max_new_tokens: int,
+    temperature: float,
+    seeds: Sequence[int],
+    stop_strings: Sequence[str] = (),
+    max_prompt_tokens: int | None = None,
+    columns: dict[str, list] | None = None,
+) -> Rollout:
+    """Sample multi-turn responses: up to ``max_turns`` policy turns, ``max_new_tokens`` response
+    tokens in all (the policy's and the environment's).
+
+    Args:
+        lm: the policy (a causal LM).
+        prompts: B prompt texts or conversations.
+        env: the environment (:data:`EnvFn`); called after each policy turn that ended at a stop
+            string, while turns and tokens are left.
+        max_turns: policy turns at most (>= 1).
+        max_new_tokens: response tokens at most, policy and environment together.
+        temperature: sampling temperature of every policy turn.
+        seeds: B sample seeds (:func:`tether.models.sampling.sample_seeds`).
+        stop_strings: texts that end a policy turn (the token completing one is the turn's last).
+        max_prompt_tokens: as in :func:`tether.models.sampling.generate`.
+        columns: the rows' other dataset columns, passed to ``env`` by name, one value per row.
+
+    Returns:
+        A :class:`tether.models.sampling.Rollout` whose ``response_mask`` is True on the policy's
+        tokens only (up to and including an end id), ``env_mask`` True on the environment's,
+        ``sampler_logprobs`` 0 off the policy's tokens, and ``responses`` the whole transcript
+        (the environment's text included, end ids dropped): what the reward reads.
+
+    Raises:
+        ValueError: ``max_turns < 1``, a seed count that is not B, or ``env`` returning
+            something other than a string or None (the row and the type are named).
+    """
+    if max_turns < 1:
+        raise ValueError(f"rollout.max_turns={max_turns} must be >= 1")
+    device = next(lm.parameters()).device
+    prompts = list(prompts)
+    B = len(prompts)
+    if len(seeds) != B:
+        raise ValueError(f"{len(seeds)} seeds for {B} prompts")
+    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, max_prompt_tokens, device)
+    ends = end_token_ids(tokenizer, lm)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else ends[0]
+    own = [prompt_ids[b][prompt_mask[b].bool()].tolist() for b in range(B)]  # unpadded prompts
+    resp: list[list[int]] = [[] for _ in range(B)]
+    policy: list[list[bool]] = [[] for _ in range(B)]
+    logps: list[list[float]] = [[] for _ in range(B)]
+    ended = [False] * B
+    done = [False] * B
+    replies: list[list[str]] = [[] for _ in range(B)]
+    for turn in range(max_turns):
+        active = [b for b in range(B) if not done[b] and len(resp[b]) < max_new_tokens]
+        if not active:
+            break
+        budget = max_new_tokens - min(len(resp[b]) for b in active)
+        contexts = [own[b] + resp[b] for b in active]
+        width = max(len(c) for c in contexts)
+        ids = torch.tensor([[pad] * (width - len(c)) + c for c in contexts], device=device)
+        mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts], device=device)
+        new_ids, new_logps = sample_tokens(
+            lm,
+            ids,
+            mask,
+            max_new_tokens=budget,
+            temperature=temperature,
+            seeds=[turn_seed(seeds[b], turn) for b in active],
+            ends=ends,
+            pad_token_id=pad,
+            stop_strings=list(stop_strings),
+            tokenizer=tokenizer,
+        )
+        for i, b in enumerate(active):
+            left = max_new_tokens - len(resp[b])
+            tokens = new_ids[i, :left].tolist()
+            cut = next((k + 1 for k, t in enumerate(tokens) if t in ends), None)
+            stop = _stop_at(tokenizer, tokens[: cut or len(tokens)], stop_strings)
+            if cut is not None and (stop is None or cut <= stop):
+                tokens, ended[b], done[b] = tokens[:cut], True, True
+            elif stop is not None:
+                tokens = tokens[:stop]
+            else:
+                done[b] = True  # cut at the token budget
+            resp[b] += tokens
+            policy[b] += [True] * len(tokens)
+            logps[b] += new_logps[i, : len(tokens)].tolist()
+            if done[b] or turn == max_turns - 1 or len(resp[b]) >= max_new_tokens:
+                done[b] = True
+                continue
+            so_far = tokenizer.decode(resp[b], skip_special_tokens=True)
+            row_columns = {k: v[b] for k, v in (columns or {}).items()}
+            reply = env(prompt=prompts[b], completion=so_far, turn=turn, **row_columns)
+            if reply is None:
+                done[b] = True
+                continue
+            if not isinstance(reply, str):
+                raise ValueError(
+                    f"rollout.env returned {type(reply).__name__} for row {b} after turn {turn}; "
+                    "it must return the text to append (a str) or None to end the episode"
+                )
+            env_ids = tokenizer(reply, add_special_tokens=False)["input_ids"][: max_new_tokens - len(resp[b])]
+            replies[b].append(tokenizer.decode(env_ids, skip_special_tokens=True))  # as appended
+            resp[b] += env_ids
+            policy[b] += [False] * len(env_ids)
+            logps[b] += [0.0] * len(env_ids)
+            done[b] = len(resp[b]) >= max_new_tokens
+    R = max(1, max(len(r) for r in resp))
+    response_ids = torch.full((B, R), pad, dtype=torch.long, device=device)
+    response_mask = torch.zeros((B, R), dtype=torch.bool, device=device)
+    env_mask = torch.zeros((B, R), dtype=torch.bool, device=device)
+    sampler_logprobs = torch.zeros((B, R), dtype=torch.float32, device=device)
+    for b in range(B):
+        n = len(resp[b])
+        response_ids[b, :n] = torch.tensor(resp[b], dtype=torch.long)
+        response_mask[b, :n] = torch.tensor(policy[b], dtype=torch.bool)
+        env_mask[b, :n] = ~torch.tensor(policy[b], dtype=torch.bool)
+        sampler_logprobs[b, :n] = torch.tensor(logps[b], dtype=torch.float32)
+    texts = [tokenizer.decode([t for t in r if t not in ends], skip_special_tokens=True) for r in resp]
+    return Rollout(
+        prompts,
+        prompt_ids,
+        prompt_mask=prompt_mask,
+        response_ids=response_ids,
+        response_mask=response_mask,
+        responses=texts,
+        ended=torch.tensor(ended, dtype=torch.bool, device=device),
+        sampler_logprobs=sampler_logprobs,
+        env_mask=env_mask,
+        env_texts=replies,
+    )

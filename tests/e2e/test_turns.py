@@ -1,0 +1,73 @@
+"""Multi-turn rollouts end to end: a tool answers between policy turns (rollout.env)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import metric_rows
+from tests.conftest import tiny_cli_args as _tiny_args
+from tether.cli import main
+
+
+@pytest.mark.parametrize("algo", ["ppo", "grpo", "rloo"])
+def test_tool_turns_end_to_end(algo, tiny_model_dir, prompt_file, tmp_path):
+    """Step 0 with tool turns: KL exactly 0, the first ratio exactly 1, the environment's tokens
+    counted apart from the policy's, and samples.jsonl showing what the tool wrote."""
+    out = tmp_path / "run"
+    args = _tiny_args(tiny_model_dir, prompt_file, out) + [
+        f"train.algo={algo}",
+        "train.steps=2",
+        "rollout.max_new_tokens=16",
+        "rollout.env=tests.conftest:tool_env",
+        "rollout.max_turns=2",
+        "rollout.stop_strings=e",  # in most of the tiny vocabulary's words
+        "reward.scorer=tests.conftest:length_judge",  # the transcript's length: groups that differ
+    ]
+    if algo != "ppo":
+        args.append("rollout.group_size=2")
+    assert main(args) == 0
+    rows = metric_rows(out)
+    assert rows[0]["objective/kl"] == 0.0 and rows[0]["objective/kl_exact"] == 0.0
+    assert rows[0]["policy/ratio_max_dev_first"] == 0.0
+    assert rows[0]["rollout/logprob_mismatch"] < 1e-4  # the sampler's log-probs are the learner's
+    assert all(r["rollout/env_tokens"] > 0 for r in rows), "the test needs rows that called the tool"
+    assert rows[1]["objective/kl_exact"] > 0.0  # the update moved the policy
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    called = [s for s in samples if s["env"]]
+    # one tool answer per called row, whole or cut at the token budget
+    assert called and all(len(s["env"]) == 1 and " [tool: 42]".startswith(s["env"][0]) for s in called)
+    assert any(s["env"] == [" [tool: 42]"] for s in called)
+    assert all(s["env"][0] in s["response"] for s in called)  # the reward read the transcript
+    assert all(s["policy_tokens"] + s["env_tokens"] <= 16 for s in samples)
+    print(
+        f"{algo}: per step, policy tokens per response {[r['response/length'] for r in rows]}, "
+        f"environment tokens {[r['rollout/env_tokens'] for r in rows]}"
+    )
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (["rollout.env=tests.conftest:tool_env", "rollout.stop_strings=e"], "rollout.max_turns"),
+        (["rollout.env=tests.conftest:tool_env", "rollout.max_turns=2"], "rollout.stop_strings"),
+        (["rollout.max_turns=3"], "rollout.max_turns"),
+        (
+            [
+                "rollout.env=tests.conftest:tool_env",
+                "rollout.max_turns=2",
+                "rollout.stop_strings=e",
+                "train.algo=dpo",
+            ],
+            "rollout.env",
+        ),
+        (
+            ["rollout.env=tests.conftest:no_such_tool", "rollout.max_turns=2", "rollout.stop_strings=e"],
+            "rollout.env",
+        ),
+    ],
+)
+def test_tool_turn_settings_are_checked(overrides, field, tiny_model_dir, prompt_file, tmp_path, capsys):
+    assert main(_tiny_args(tiny_model_dir, prompt_file, tmp_path / "run") + overrides) != 0
+    assert field in capsys.readouterr().err

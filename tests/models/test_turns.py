@@ -1,0 +1,106 @@
+"""Multi-turn rollouts (tether.models.turns): the environment's tokens are context, not samples."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tether.core.logprobs import logprobs_from_logits
+from tether.models.sampling import generate
+from tether.models.scoring import response_forward
+from tether.models.turns import generate_turns, turn_seed
+
+PROMPTS = ["the movie was", "a film with great acting", "the music", "it was"]
+TOOL = " [tool: 42]"
+
+
+def tool(prompt, completion, turn, **columns):
+    """Answers the policy's first turn; ends the episode after the second."""
+    return TOOL if turn == 0 else None
+
+
+def test_one_turn_without_stop_strings_is_generate(tiny_tokenizer, tiny_lm):
+    kw = dict(max_new_tokens=6, temperature=1.0, seeds=list(range(4)))
+    one = generate_turns(tiny_lm, tiny_tokenizer, PROMPTS, tool, max_turns=1, **kw)
+    ref = generate(tiny_lm, tiny_tokenizer, PROMPTS, 6, 1.0, seeds=range(4))
+    assert torch.equal(one.response_mask, ref.response_mask)
+    assert torch.equal(one.response_ids[ref.response_mask], ref.response_ids[ref.response_mask])
+    assert torch.equal(one.sampler_logprobs[ref.response_mask], ref.sampler_logprobs[ref.response_mask])
+    assert not one.env_mask.any() and one.responses == ref.responses
+
+
+def test_tool_turns_mask_the_environment_and_score_it_as_context(tiny_tokenizer, tiny_lm):
+    """A stop string ends a policy turn, the tool's text is appended unmasked-as-context, the
+    policy goes on: the tool's tokens are exactly env_mask, the sampler's log-probs equal the
+    learner's on the policy's tokens, and the first turn is what plain generation samples."""
+    stop = ["e"]  # in most of the tiny vocabulary's words: every row stops within a few tokens
+    ro = generate_turns(
+        tiny_lm,
+        tiny_tokenizer,
+        PROMPTS,
+        tool,
+        max_turns=2,
+        max_new_tokens=24,
+        temperature=1.0,
+        seeds=list(range(4)),
+        stop_strings=stop,
+    )
+    assert not (ro.response_mask & ro.env_mask).any()
+    tool_ids = tiny_tokenizer(TOOL, add_special_tokens=False)["input_ids"]
+    with_tool = 0
+    for b in range(4):
+        env = ro.response_ids[b][ro.env_mask[b]].tolist()
+        if env:
+            with_tool += 1
+            assert env == tool_ids[: len(env)]
+            first = ro.env_mask[b].nonzero()[0, 0]
+            assert ro.response_mask[b, :first].all()  # the first policy turn, then the tool
+            assert "e" in tiny_tokenizer.decode(ro.response_ids[b, :first])
+            assert TOOL in ro.responses[b] or len(env) < len(tool_ids)
+    assert with_tool >= 3, "the test needs rows that called the tool"
+    # the learner (one full forward over prompt, policy and tool tokens) against the sampler
+    logits, _ = response_forward(tiny_lm, ro)
+    learner = logprobs_from_logits(logits, ro.response_ids, 1.0)
+    m = ro.response_mask
+    assert (learner[m] - ro.sampler_logprobs[m]).abs().max() < 1e-4  # float32, cached vs full forward
+    # turn 0 uses the row's own seed: its tokens are plain generation's, up to the stop
+    plain = generate(tiny_lm, tiny_tokenizer, PROMPTS, 24, 1.0, seeds=range(4))
+    for b in range(4):
+        n = int(ro.env_mask[b].nonzero()[0, 0]) if ro.env_mask[b].any() else int(m[b].sum())
+        assert torch.equal(ro.response_ids[b, :n], plain.response_ids[b, :n])
+
+
+def test_the_token_budget_covers_policy_and_environment(tiny_tokenizer, tiny_lm):
+    ro = generate_turns(
+        tiny_lm,
+        tiny_tokenizer,
+        PROMPTS,
+        lambda **kw: " [tool output that is long]" * 3,
+        max_turns=5,
+        max_new_tokens=10,
+        temperature=1.0,
+        seeds=list(range(4)),
+        stop_strings=["e"],
+    )
+    assert ro.response_ids.shape[1] <= 10
+    assert ((ro.response_mask | ro.env_mask).sum(-1) <= 10).all()
+
+
+def test_an_environment_must_return_text_or_none(tiny_tokenizer, tiny_lm):
+    with pytest.raises(ValueError, match=r"rollout.env returned int for row \d after turn 0"):
+        generate_turns(
+            tiny_lm,
+            tiny_tokenizer,
+            PROMPTS,
+            lambda **kw: 7,
+            max_turns=2,
+            max_new_tokens=24,
+            temperature=1.0,
+            seeds=list(range(4)),
+            stop_strings=["e"],
+        )
+
+
+def test_turn_seeds():
+    assert turn_seed(123, 0) == 123  # a one-turn rollout samples what generate samples
+    assert len({turn_seed(123, t) for t in range(5)}) == 5 and 0 <= turn_seed(123, 3) < 2**63
