@@ -34,6 +34,8 @@ EXACT = {
     "kl/applied_in_loss",
     "kl/reference_forwards",
     "optim/lr",
+    "rollout/compiled",  # how the rollout was decoded: a flag
+    "rollout/env_tokens",  # the environment's tokens of the same samples, counted
 }
 """Same samples or same counts: compared with ==."""
 

@@ -20,6 +20,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
         ("grpo_think_format.py", ["reward/think_format_reward", "reward/accuracy_reward"]),
         ("rloo_reward_model.py", ["objective/scores"]),
         ("dpo_preferences.py", ["dpo/loss", "objective/scores"]),
+        ("grpo_calculator_tool.py", ["objective/scores", "rollout/env_tokens"]),
     ],
 )
 def test_an_example_runs_with_tiny_models(script, reward_keys, tmp_path):

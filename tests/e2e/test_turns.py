@@ -71,3 +71,25 @@ def test_tool_turns_end_to_end(algo, tiny_model_dir, prompt_file, tmp_path):
 def test_tool_turn_settings_are_checked(overrides, field, tiny_model_dir, prompt_file, tmp_path, capsys):
     assert main(_tiny_args(tiny_model_dir, prompt_file, tmp_path / "run") + overrides) != 0
     assert field in capsys.readouterr().err
+
+
+def test_the_calculator_example_tool_and_reward():
+    """examples/grpo_calculator_tool.py's tool and 0/1 reward, hand-worked."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    from grpo_calculator_tool import answer_reward, calculator, final_answer
+
+    assert calculator("", " calc(58 + 17)", 0) == " -> 75\n"  # 58 + 17 = 75
+    assert (
+        calculator("", " calc(9 * 12)", 0) == " -> 108\n" and calculator("", " calc(5 - 7)", 0) == " -> -2\n"
+    )
+    assert calculator("", " 75 (done)", 0) is None  # the turn did not end with a call: the episode ends
+    assert final_answer(" calc(58 + 17) -> 75\n80 + 1") == "75"  # the tool's answer, not what follows
+    assert final_answer(" 75\n") == "75" and final_answer(" no") is None  # no call: the leading integer
+    assert answer_reward([" calc(58 + 17) -> 75\n", " calc(58 + 18) -> 76\n", " 75"], ["75"] * 3) == [
+        1.0,
+        0.0,
+        1.0,
+    ]
