@@ -93,3 +93,19 @@ def test_the_calculator_example_tool_and_reward():
         0.0,
         1.0,
     ]
+
+
+def test_the_report_marks_what_the_environment_wrote(tmp_path):
+    from tether.analysis.report import marked_response, write_report
+
+    row = {"response": " calc(1 + 2) -> 3\n<b> calc(", "env": [" -> 3\n"]}
+    assert marked_response(row) == " calc(1 + 2)<mark title='environment'> -&gt; 3\n</mark>&lt;b&gt; calc("
+    assert marked_response({"response": "a<b"}) == "a&lt;b"  # a one-turn row: escaped as it is
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "objective/scores": 1.0}\n')
+    (tmp_path / "samples.jsonl").write_text(
+        '{"step": 0, "prompt": "p", "response": " calc(1 + 2) -> 3\\n", "env": [" -> 3\\n"], '
+        '"policy_tokens": 6, "env_tokens": 3, "score": 1.0, "kl": 0.0, "reward": 1.0}\n'
+    )
+    (tmp_path / "config.yaml").write_text("train:\n  algo: grpo\n")
+    page = write_report(tmp_path).read_text()
+    assert "<mark title='environment'> -&gt; 3\n</mark>" in page and "<th>env_tokens</th>" in page

@@ -21,8 +21,27 @@ def _rows(path: Path) -> list[dict]:
     return read_jsonl(path)  # a torn last line is dropped (and said so); a bad line names FILE:LINE
 
 
+class _Html(str):
+    """A table cell already escaped (:func:`marked_response`)."""
+
+
+def marked_response(row: dict) -> str:
+    """A samples.jsonl row's response as HTML, each text the environment wrote (its ``env`` list, a
+    multi-turn rollout's) inside ``<mark>``; a row without ``env`` escaped as it is."""
+    text, out, at = str(row.get("response", "")), [], 0
+    for piece in row.get("env") or []:
+        i = text.find(piece, at) if piece else -1
+        if i < 0:
+            continue
+        out += [html.escape(text[at:i]), f"<mark title='environment'>{html.escape(piece)}</mark>"]
+        at = i + len(piece)
+    return _Html("".join(out) + html.escape(text[at:]))
+
+
 def _table(rows: list[dict], cols: list[str]) -> str:
     def cell(v):
+        if isinstance(v, _Html):
+            return str(v)
         if isinstance(v, float):
             return f"{v:.4g}"
         return html.escape(str(v))
@@ -117,10 +136,11 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
         picks = dict.fromkeys([steps[0], steps[len(steps) // 2], steps[-1]])
         parts.append("<h2>Samples (start, middle, end)</h2>")
         for st in picks:
-            rows = [s for s in samples if s["step"] == st][:8]
-            parts.append(
-                f"<h3>step {st}</h3>" + _table(rows, ["prompt", "response", "score", "gold", "kl", "reward"])
-            )
+            rows = [{**s, "response": marked_response(s)} for s in samples if s["step"] == st][:8]
+            cols = ["prompt", "response", "score", "gold", "kl", "reward"]
+            if any("env" in r for r in rows):  # a multi-turn run: the environment's text is marked
+                cols += ["policy_tokens", "env_tokens"]
+            parts.append(f"<h3>step {st}</h3>" + _table(rows, cols))
     parts.append(f"<h2>Config</h2><pre>{html.escape(config)}</pre>")
     style = (
         "body{font-family:sans-serif;max-width:1200px;margin:auto}table{border-collapse:collapse;"
