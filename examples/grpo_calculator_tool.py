@@ -10,12 +10,15 @@ that call a calculator::
 A policy turn ends at ``)`` (``rollout.stop_strings``); the tool (:func:`calculator`, named by
 ``rollout.env``) reads the last ``calc(a + b)`` of the transcript and answers `` -> 75`` and a
 newline, which the policy reads as context (no KL, no loss on it) before its next turn
-(``rollout.max_turns=2``). The reward is 1 when the transcript's final answer (after the last
-``->``, or the response's leading integer when the policy did not call the tool) is the
+(``rollout.max_turns=2``). The reward is 1 when the transcript's answer (after its first
+``->``, the tool's, or the response's leading integer when the policy did not call the tool) is the
 problem's ``answer``: a 0/1 reward. samples.jsonl lists what the tool wrote under ``env``.
 
     python examples/grpo_calculator_tool.py            # the embedded SmolLM2-135M, under a minute
     python examples/grpo_calculator_tool.py --tiny     # a tiny random model, seconds (checks the script)
+
+(A tiny random model never writes ``calc(...)``, so ``--tiny`` checks the script's wiring only;
+the tool turns themselves are tested on tiny models in ``tests/e2e/test_turns.py``.)
 
 On the embedded SmolLM2-135M (4 steps of 8 samples, 48 s on a 2-core CPU) the model follows the
 worked examples and calls the tool in most samples: scores 0.875, 1.000, 0.750, 0.875 in steps

@@ -53,6 +53,15 @@ def test_tool_turns_end_to_end(algo, tiny_model_dir, prompt_file, tmp_path):
         (["rollout.env=tests.conftest:tool_env", "rollout.stop_strings=e"], "rollout.max_turns"),
         (["rollout.env=tests.conftest:tool_env", "rollout.max_turns=2"], "rollout.stop_strings"),
         (["rollout.max_turns=3"], "rollout.max_turns"),
+        (["rollout.stop_strings=e"], "rollout.stop_strings"),  # no env: it would be ignored
+        (
+            [
+                "rollout.env=tests.conftest:tool_env",
+                "rollout.max_turns=2",
+                "rollout.stop_strings=[Answer: x]",
+            ],
+            "rollout.stop_strings",
+        ),
         (
             [
                 "rollout.env=tests.conftest:tool_env",

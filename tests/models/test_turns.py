@@ -104,3 +104,63 @@ def test_an_environment_must_return_text_or_none(tiny_tokenizer, tiny_lm):
 def test_turn_seeds():
     assert turn_seed(123, 0) == 123  # a one-turn rollout samples what generate samples
     assert len({turn_seed(123, t) for t in range(5)}) == 5 and 0 <= turn_seed(123, 3) < 2**63
+
+
+def test_an_environment_that_raises_or_exits_is_named(tiny_tokenizer, tiny_lm):
+    import sys
+
+    def boom(**kw):
+        raise KeyError("missing")
+
+    def quits(**kw):
+        sys.exit(0)  # would end the run with status 0 and nothing written
+
+    for env, kind in ((boom, "KeyError"), (quits, "SystemExit")):
+        with pytest.raises(RuntimeError, match=rf"rollout.env raised {kind} on row \d after turn 0"):
+            generate_turns(
+                tiny_lm,
+                tiny_tokenizer,
+                PROMPTS,
+                env,
+                max_turns=2,
+                max_new_tokens=24,
+                temperature=1.0,
+                seeds=list(range(4)),
+                stop_strings=["e"],
+            )
+
+
+def test_special_tokens_in_a_tools_text_are_refused(tiny_tokenizer, tiny_lm):
+    # '<eos>' in the text would tokenize to the real end id inside the context
+    with pytest.raises(ValueError, match=r"special tokens \['<eos>'\].*strip or escape them"):
+        generate_turns(
+            tiny_lm,
+            tiny_tokenizer,
+            PROMPTS,
+            lambda **kw: " movie<eos> was",
+            max_turns=2,
+            max_new_tokens=24,
+            temperature=1.0,
+            seeds=list(range(4)),
+            stop_strings=["e"],
+        )
+
+
+def test_the_policys_own_text_leaves_the_tools_out(tiny_tokenizer, tiny_lm):
+    ro = generate_turns(
+        tiny_lm,
+        tiny_tokenizer,
+        PROMPTS,
+        tool,
+        max_turns=2,
+        max_new_tokens=24,
+        temperature=1.0,
+        seeds=list(range(4)),
+        stop_strings=["e"],
+    )
+    for b in range(4):
+        ids = ro.response_ids[b][ro.response_mask[b]].tolist()
+        own = tiny_tokenizer.decode(
+            [t for t in ids if t != tiny_tokenizer.eos_token_id], skip_special_tokens=True
+        )
+        assert ro.own_texts[b] == own and "[tool" not in own

@@ -73,6 +73,15 @@ class Rollout:
     response token is the policy's or padding)."""
     env_texts: list[list[str]] | None = None
     """Per row, the texts the environment appended, in order (what samples.jsonl shows), or None."""
+    policy_texts: list[str] | None = None
+    """Per row, the policy's own text (its turns without the environment's), or None (one turn:
+    ``responses`` is the policy's). What the diversity and fluency metrics read
+    (:attr:`own_texts`)."""
+
+    @property
+    def own_texts(self) -> list[str]:
+        """B texts the policy wrote: ``policy_texts`` in a multi-turn rollout, else ``responses``."""
+        return self.policy_texts if self.policy_texts is not None else self.responses
 
     @property
     def completion_ids(self) -> list[list[int]]:
@@ -111,6 +120,7 @@ class Rollout:
             columns={k: [v[i] for i in rows] for k, v in self.columns.items()} if self.columns else None,
             env_mask=self.env_mask[idx] if self.env_mask is not None else None,
             env_texts=[self.env_texts[i] for i in rows] if self.env_texts is not None else None,
+            policy_texts=[self.policy_texts[i] for i in rows] if self.policy_texts is not None else None,
         )
 
 

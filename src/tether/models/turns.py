@@ -164,7 +164,13 @@ def generate_turns(
                 continue
             so_far = tokenizer.decode(resp[b], skip_special_tokens=True)
             row_columns = {k: v[b] for k, v in (columns or {}).items()}
-            reply = env(prompt=prompts[b], completion=so_far, turn=turn, **row_columns)
+            try:
+                reply = env(prompt=prompts[b], completion=so_far, turn=turn, **row_columns)
+            except (Exception, SystemExit) as e:  # SystemExit: a tool's exit() would end the run silently
+                raise RuntimeError(
+                    f"rollout.env raised {type(e).__name__} on row {b} after turn {turn} "
+                    f"(completion so far {so_far[-80:]!r}): {e}"
+                ) from e
             if reply is None:
                 done[b] = True
                 continue
@@ -173,7 +179,16 @@ def generate_turns(
                     f"rollout.env returned {type(reply).__name__} for row {b} after turn {turn}; "
                     "it must return the text to append (a str) or None to end the episode"
                 )
-            env_ids = tokenizer(reply, add_special_tokens=False)["input_ids"][: max_new_tokens - len(resp[b])]
+            env_ids = tokenizer(reply, add_special_tokens=False)["input_ids"]
+            special = sorted(set(env_ids) & set(tokenizer.all_special_ids))
+            if special:  # '<eos>' or '<|im_end|>' in a tool's text would end or restructure the turn
+                names = tokenizer.convert_ids_to_tokens(special)
+                raise ValueError(
+                    f"rollout.env returned text holding special tokens {names} "
+                    f"for row {b} after turn {turn} ({reply[:80]!r}); tether appends a tool's output as "
+                    "plain text: strip or escape them in the environment"
+                )
+            env_ids = env_ids[: max_new_tokens - len(resp[b])]
             replies[b].append(tokenizer.decode(env_ids, skip_special_tokens=True))  # as appended
             resp[b] += env_ids
             policy[b] += [False] * len(env_ids)
@@ -191,6 +206,12 @@ def generate_turns(
         env_mask[b, :n] = ~torch.tensor(policy[b], dtype=torch.bool)
         sampler_logprobs[b, :n] = torch.tensor(logps[b], dtype=torch.float32)
     texts = [tokenizer.decode([t for t in r if t not in ends], skip_special_tokens=True) for r in resp]
+    # the policy's own text (its turns, the environment's text left out): what the diversity and
+    # fluency metrics read
+    own_texts = [
+        tokenizer.decode([t for t, p in zip(r, f) if p and t not in ends], skip_special_tokens=True)
+        for r, f in zip(resp, policy)
+    ]
     return Rollout(
         prompts,
         prompt_ids,
@@ -202,4 +223,5 @@ def generate_turns(
         sampler_logprobs=sampler_logprobs,
         env_mask=env_mask,
         env_texts=replies,
+        policy_texts=own_texts,
     )

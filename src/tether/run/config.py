@@ -398,13 +398,18 @@ class RolloutConfig(_Defaulted):
         _check(self.batch_size >= 1, "rollout.batch_size", self.batch_size, "must be >= 1")
         if isinstance(self.stop_strings, str):  # on the CLI: [a, b] as YAML, else one stop string
             text = self.stop_strings
-            loaded = _as_list(text) if text.strip().startswith("[") else None  # commas are text here
+            loaded = None
+            if text.strip().startswith("["):  # commas are text here: only a YAML list makes several
+                try:
+                    loaded = yaml.safe_load(text)
+                except yaml.YAMLError:
+                    loaded = None
             self.stop_strings = loaded if isinstance(loaded, list) else [text]
         _check(
             all(isinstance(t, str) and t for t in self.stop_strings),
             "rollout.stop_strings",
             self.stop_strings,
-            "must be non-empty texts",
+            "must be non-empty texts (quote one that YAML would read otherwise: ['Answer: x'], [' e'])",
         )
         _check(self.max_turns >= 1, "rollout.max_turns", self.max_turns, "must be >= 1")
         if self.env is not None:
@@ -429,6 +434,13 @@ class RolloutConfig(_Defaulted):
                 "rollout.max_turns",
                 self.max_turns,
                 "needs rollout.env (the environment that answers between turns)",
+            )
+            _check(
+                not self.stop_strings,
+                "rollout.stop_strings",
+                self.stop_strings,
+                "end a policy turn for rollout.env to answer; without rollout.env a response ends at an "
+                "end id only (leave rollout.stop_strings empty)",
             )
         _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", self.max_new_tokens, "must be >= 1")
         _check(
@@ -1338,6 +1350,8 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
                 f"{name}={value!r} is invalid: expected {'an integer' if tp is int else 'a number'}"
             ) from None
     if tp is str:
+        if isinstance(value, (dict, list)):  # YAML read a mapping or list where text was meant
+            raise ConfigError(f"{name}={value!r} is invalid: expected text (quote it: '...')")
         return str(value)
     if origin is list:
         if isinstance(value, str):

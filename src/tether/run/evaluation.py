@@ -212,7 +212,8 @@ def evaluate(
 
     With ``env`` (``rollout.env``) the samples are multi-turn, as in training
     (:func:`tether.models.turns.generate_turns`, ``max_turns`` and ``stop_strings``): the KL
-    counts the policy's tokens only, the scorers read the whole transcript.
+    counts the policy's tokens only, the scorers read the whole transcript, and the fluency judge,
+    the diversity measures and the stored responses the policy's own text.
     """
     k = samples_per_prompt
     if k > 1:  # each prompt k times in a row, with its columns
@@ -267,12 +268,12 @@ def evaluate(
                 )
             if fluency is not None:
                 judged = [n for n in range(len(batch)) if (i + n) % k < (fluency_samples or k)]
-                nll = fluency([ro.prompts[n] for n in judged], [ro.responses[n] for n in judged])
+                nll = fluency([ro.prompts[n] for n in judged], [ro.own_texts[n] for n in judged])
                 row: list[float | None] = [None] * len(batch)
                 for n, v in zip(judged, nll):
                     row[n] = v
                 result.fluency_nll += row
-            result.responses += ro.responses
+            result.responses += ro.own_texts  # the policy's own text: what diversity reads
     return result
 
 

@@ -586,7 +586,7 @@ def sample_metrics(
     if rollout.env_mask is not None:  # a multi-turn rollout: the environment's tokens per response
         row["rollout/env_tokens"] = D.sequence_mean(rollout.env_mask.sum(-1).float())
     # diversity of the batch's responses (words, tether.core.diversity), over all processes
-    texts = [t for part in D.gather_objects(list(rollout.responses)) for t in part]
+    texts = [t for part in D.gather_objects(list(rollout.own_texts)) for t in part]  # the policy's
     row["response/distinct_2"] = distinct_n(texts, 2)
     reps = [v for v in map(repetition, texts) if v is not None]
     if reps:
