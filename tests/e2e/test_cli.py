@@ -436,7 +436,7 @@ def test_compiled_rollouts_end_to_end(mode, tiny_model_dir, prompt_file, tmp_pat
     assert rows[0]["policy/ratio_max_dev_first"] == 0.0
     # the learner scores the compiled samples eagerly: sampler against learner, float32 rounding
     assert all(r["rollout/logprob_mismatch"] < 1e-4 for r in rows)
-    if mode == "auto":  # 2 steps left x t s x 0.09 (4 rows) is far under 40 s
+    if mode == "auto" and can_compile("cpu") is None:  # 2 steps left x t s x 0.09 (4 rows) << 40 s
         assert "rollout.compile=auto: eager decoding (2 step(s) left" in said.out
 
 

@@ -150,3 +150,18 @@ def test_compiled_decoding_samples_what_eager_decoding_samples(tiny_tokenizer, t
     assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs
     eager = generate(tiny_lm, tiny_tokenizer, prompts, 6, 1.0, max_prompt_tokens=48, seeds=seeds)
     assert torch.equal(fast.response_ids, eager.response_ids)
+
+
+def test_compiled_decoding_is_refused_off_avx512(monkeypatch):
+    """Under forced AVX2 kernels inductor's compiled decode gave NaN logits and SIGSEGV: a CPU
+    whose inductor ISA is not AVX-512 gets a reason (rollout.compile=true stops, auto stays eager)."""
+    import shutil
+
+    import tether.models.sampling as sampling
+
+    if not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
+        pytest.skip("no C++ compiler: refused for that reason first")
+    for isa, refused in (("avx2", True), ("", True), ("avx512 avx512_vnni amx_tile", False)):
+        monkeypatch.setattr(sampling, "compile_vector_isa", lambda isa=isa: isa)
+        why = sampling.can_compile("cpu")
+        assert (why is not None) == refused and (not refused or "AVX-512 CPUs only" in why)

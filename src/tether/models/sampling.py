@@ -290,13 +290,30 @@ def compile_repays(generate_s: float, steps_left: int, rows: int) -> bool:
     return steps_left * generate_s * compile_saving(rows) > COMPILE_COST_S
 
 
+def compile_vector_isa() -> str:
+    """The vector instruction set inductor compiles CPU kernels for here (``avx512 ...``, ``avx2``,
+    or '' for none): the CPU's own, or what ``ATEN_CPU_CAPABILITY`` forces."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    return str(pick_vec_isa() or "")
+
+
 def can_compile(device: torch.device | str) -> str | None:
-    """Why decoding cannot be compiled on ``device`` here, or None when it can: on a CPU,
-    inductor writes C++ and needs a compiler (``c++``, ``g++`` or ``$CXX``) on the PATH."""
-    if torch.device(device).type == "cpu" and not any(
-        shutil.which(c) for c in (os.environ.get("CXX", ""), "c++", "g++", "clang++") if c
-    ):
-        return "torch.compile on a CPU needs a C++ compiler (c++, g++ or $CXX), and none is on the PATH"
+    """Why decoding cannot be compiled on ``device`` here, or None when it can. On a CPU,
+    inductor writes C++ and needs a compiler (``c++``, ``g++`` or ``$CXX``) on the PATH, and
+    only its AVX-512 kernels are used: under forced AVX2 kernels (``ATEN_CPU_CAPABILITY=avx2``)
+    the compiled decode step of a tiny Llama gave NaN logits at static-cache lengths 16 and 18
+    and crashed with SIGSEGV in two processes, inside inductor's generated code."""
+    if torch.device(device).type == "cpu":
+        if not any(shutil.which(c) for c in (os.environ.get("CXX", ""), "c++", "g++", "clang++") if c):
+            return "torch.compile on a CPU needs a C++ compiler (c++, g++ or $CXX), and none is on the PATH"
+        isa = compile_vector_isa()
+        if not isa.startswith("avx512"):
+            return (
+                f"inductor would vectorize the decode step for {isa or 'no vector ISA'} here, and its AVX2 "
+                "kernels decoded NaN logits and crashed (SIGSEGV) in tether's tests under forced AVX2 "
+                "kernels; compiled decoding is built for AVX-512 CPUs only"
+            )
     if not hasattr(CompileConfig, "_compile_all_devices"):
         return "this transformers version has no CompileConfig._compile_all_devices (compiling on any device)"
     return None

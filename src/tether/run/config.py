@@ -362,14 +362,14 @@ class RolloutConfig(_Defaulted):
     (by each process, resumes included) always decodes eagerly; where compiling is wanted, its
     rollout is then decoded again compiled with the same seeds and must come out the same (the
     same tokens, finite log-probs within 1e-3 nats), or a true run stops with the reason and an
-    auto run stays eager: under forced AVX2 kernels inductor's compiled attention gave NaN at some
-    cache lengths. true (or on): compiled from the second step; false (or off): eager; auto:
-    compiled if the steps left repay the compile (steps left x the first step's generate seconds
-    x the share saved, 0.20 at 1 row, 0.09 up to 8, 0.02 above, > 40 s of compiling, both measured
-    on a 2-core CPU, docs/performance.md), only on a CPU, where those numbers were measured. Not
-    with LoRA or FSDP (true is an error there, auto stays eager); on a CPU it needs a C++ compiler.
-    Compiled generation does not share prompt prefixes (model.share_prompt_prefix still applies
-    to scoring and the update)."""
+    auto run stays eager. true (or on): compiled from the second step; false (or off): eager;
+    auto: compiled if the steps left repay the compile (steps left x the first step's generate
+    seconds x the share saved, 0.20 at 1 row, 0.09 up to 8, 0.02 above, > 40 s of compiling, both
+    measured on a 2-core CPU, docs/performance.md), only on a CPU, where those numbers were
+    measured. On a CPU only with AVX-512 and a C++ compiler (inductor's AVX2 kernels gave NaN
+    logits and crashed with SIGSEGV under forced AVX2 kernels); not with LoRA or FSDP. Where it is
+    not built, true is an error naming why and auto stays eager. Compiled generation does not
+    share prompt prefixes (model.share_prompt_prefix still applies to scoring and the update)."""
     env: str | None = None
     """A multi-turn rollout's environment, ``module:function`` (None: one policy turn). After each
     policy turn that ends at one of ``rollout.stop_strings`` (a tool call's closing tag, say), it
