@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> Path:
     last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
     keys = ("objective/scores", "response/length", "rollout/env_tokens", "objective/kl")
     print("last step: " + ", ".join(f"{k} {last[k]:.3f}" for k in keys if k in last))
-    for sample in [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()][:4]:
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    for sample in [s for s in samples if s["step"] == samples[-1]["step"]][:4]:  # the last step's
         print(f"  {sample['prompt'][len(SHOTS) :]!r} -> {sample['response']!r}  tool wrote {sample['env']}")
     return run_dir
 

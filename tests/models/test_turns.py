@@ -164,3 +164,17 @@ def test_the_policys_own_text_leaves_the_tools_out(tiny_tokenizer, tiny_lm):
             [t for t in ids if t != tiny_tokenizer.eos_token_id], skip_special_tokens=True
         )
         assert ro.own_texts[b] == own and "[tool" not in own
+
+
+def test_an_environment_beside_the_data_imports_under_the_tether_script(tmp_path, monkeypatch):
+    """The `tether` script does not put the working directory on sys.path (python -m does)."""
+    import sys
+
+    from tether.models.turns import load_env
+
+    (tmp_path / "my_tools_mod.py").write_text("def tool(**kw):\n    return ' ok'\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert load_env("my_tools_mod:tool")() == " ok"
+    with pytest.raises(ValueError, match=r"rollout.env='my_tools_mod:nope': cannot import it .*PYTHONPATH"):
+        load_env("my_tools_mod:nope")

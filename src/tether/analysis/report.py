@@ -144,7 +144,8 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     parts.append(f"<h2>Config</h2><pre>{html.escape(config)}</pre>")
     style = (
         "body{font-family:sans-serif;max-width:1200px;margin:auto}table{border-collapse:collapse;"
-        "margin:8px 0}td,th{border:1px solid #ccc;padding:3px 6px;font-size:13px;text-align:left}"
+        "margin:8px 0}td,th{border:1px solid #ccc;padding:3px 6px;font-size:13px;text-align:left;"
+        "white-space:pre-wrap}mark{background:#ffe08a}"
     )
     out.write_text(
         f"<!doctype html><html><head><meta charset='utf-8'><title>tether {html.escape(run.name)}"

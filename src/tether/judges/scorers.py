@@ -21,9 +21,6 @@ its ``reward_processing_classes`` entry.
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
 from collections.abc import Sequence
 
 from tether.judges.contract import Scorer, WeightedReward, completion_texts, is_conversational
@@ -279,18 +276,9 @@ def make_scorer(spec, weights: Sequence[float] | None = None, device=None) -> Sc
     if spec.startswith("hf:"):
         return hf_classifier_scorer(spec[3:], device=device)
     if ":" in spec:
-        module, _, attr = spec.partition(":")
-        if "" not in sys.path and os.getcwd() not in sys.path:
-            # the `tether` script, unlike `python -m tether`, does not put the working directory
-            # on the import path; a scorer module beside the user's prompts must import either way
-            sys.path.append(os.getcwd())
-        try:
-            fn = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"scorer {spec!r}: cannot import ({e})") from None
-        if not callable(fn):
-            raise ValueError(f"scorer {spec!r} is not callable")
-        return fn
+        from tether.models.callables import import_callable
+
+        return import_callable(spec, "scorer")
     raise ValueError(
         f"scorer {spec!r} is unknown; use 'vader', 'integer-answer', 'minilm-rm', 'rm:FOLDER', "
         "'hf:FOLDER[#LABEL]' or 'module:function'"

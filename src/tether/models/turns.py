@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from tether.models.callables import import_callable
 from tether.models.sampling import Rollout, end_token_ids, sample_tokens, tokenize_prompts
 
 EnvFn = Callable[..., "str | None"]
@@ -29,21 +30,13 @@ after the policy's ``turn``-th turn (0-based), given the prompt and the response
 
 
 def load_env(spec: str) -> EnvFn:
-    """The environment ``rollout.env`` names, ``module:function``.
+    """The environment ``rollout.env`` names, ``module:function``
+    (:func:`tether.models.callables.import_callable`: the working directory is on the path).
 
     Raises:
-        ValueError: it cannot be imported or is not callable (the spec and the reason named).
+        ValueError: it cannot be imported or is not callable (the spec and the fix named).
     """
-    import importlib
-
-    module, _, attr = spec.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"rollout.env={spec!r}: cannot import it ({e}); give module:function") from None
-    if not callable(fn):
-        raise ValueError(f"rollout.env={spec!r} is a {type(fn).__name__}, not a callable")
-    return fn
+    return import_callable(spec, "rollout.env")
 
 
 def turn_seed(seed: int, turn: int) -> int:

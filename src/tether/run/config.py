@@ -341,7 +341,8 @@ class RolloutConfig(_Defaulted):
     group_size times (PPO: as many prompts as samples; GRPO, RLOO: groups of rollout.group_size,
     TRL's per-step generations)."""
     max_new_tokens: int = 16
-    """Response length cap, tokens; a response stops earlier at EOS."""
+    """Response length cap, tokens; a response stops earlier at EOS. With rollout.env it caps the
+    policy's and the environment's tokens together (a reply that does not fit is cut)."""
     temperature: float = 1.0
     """Sampling temperature; every log-probability (policy, old, reference) uses the same one."""
     max_prompt_tokens: int | None = None
