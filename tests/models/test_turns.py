@@ -19,6 +19,14 @@ def tool(prompt, completion, turn, **columns):
     return TOOL if turn == 0 else None
 
 
+def turns(lm, tok, env, **settings):
+    """generate_turns on :data:`PROMPTS`, seeds 0-3, with this file's usual settings (2 turns, 24
+    tokens, temperature 1, stop string "e": in most of the tiny vocabulary's words, so every row
+    stops within a few tokens) unless ``settings`` change them."""
+    kw = dict(max_turns=2, max_new_tokens=24, temperature=1.0, seeds=list(range(4)), stop_strings=["e"])
+    return generate_turns(lm, tok, PROMPTS, env, **{**kw, **settings})
+
+
 def test_one_turn_without_stop_strings_is_generate(tiny_tokenizer, tiny_lm):
     kw = dict(max_new_tokens=6, temperature=1.0, seeds=list(range(4)))
     one = generate_turns(tiny_lm, tiny_tokenizer, PROMPTS, tool, max_turns=1, **kw)
@@ -33,18 +41,7 @@ def test_tool_turns_mask_the_environment_and_score_it_as_context(tiny_tokenizer,
     """A stop string ends a policy turn, the tool's text is appended unmasked-as-context, the
     policy goes on: the tool's tokens are exactly env_mask, the sampler's log-probs equal the
     learner's on the policy's tokens, and the first turn is what plain generation samples."""
-    stop = ["e"]  # in most of the tiny vocabulary's words: every row stops within a few tokens
-    ro = generate_turns(
-        tiny_lm,
-        tiny_tokenizer,
-        PROMPTS,
-        tool,
-        max_turns=2,
-        max_new_tokens=24,
-        temperature=1.0,
-        seeds=list(range(4)),
-        stop_strings=stop,
-    )
+    ro = turns(tiny_lm, tiny_tokenizer, tool)  # stop string "e"
     assert not (ro.response_mask & ro.env_mask).any()
     tool_ids = tiny_tokenizer(TOOL, add_special_tokens=False)["input_ids"]
     with_tool = 0
@@ -71,16 +68,12 @@ def test_tool_turns_mask_the_environment_and_score_it_as_context(tiny_tokenizer,
 
 
 def test_the_token_budget_covers_policy_and_environment(tiny_tokenizer, tiny_lm):
-    ro = generate_turns(
+    ro = turns(
         tiny_lm,
         tiny_tokenizer,
-        PROMPTS,
         lambda **kw: " [tool output that is long]" * 3,
         max_turns=5,
         max_new_tokens=10,
-        temperature=1.0,
-        seeds=list(range(4)),
-        stop_strings=["e"],
     )
     assert ro.response_ids.shape[1] <= 10
     assert ((ro.response_mask | ro.env_mask).sum(-1) <= 10).all()
@@ -88,17 +81,7 @@ def test_the_token_budget_covers_policy_and_environment(tiny_tokenizer, tiny_lm)
 
 def test_an_environment_must_return_text_or_none(tiny_tokenizer, tiny_lm):
     with pytest.raises(ValueError, match=r"rollout.env returned int for row \d after turn 0"):
-        generate_turns(
-            tiny_lm,
-            tiny_tokenizer,
-            PROMPTS,
-            lambda **kw: 7,
-            max_turns=2,
-            max_new_tokens=24,
-            temperature=1.0,
-            seeds=list(range(4)),
-            stop_strings=["e"],
-        )
+        turns(tiny_lm, tiny_tokenizer, lambda **kw: 7)
 
 
 def test_turn_seeds():
@@ -117,47 +100,17 @@ def test_an_environment_that_raises_or_exits_is_named(tiny_tokenizer, tiny_lm):
 
     for env, kind in ((boom, "KeyError"), (quits, "SystemExit")):
         with pytest.raises(RuntimeError, match=rf"rollout.env raised {kind} on row \d after turn 0"):
-            generate_turns(
-                tiny_lm,
-                tiny_tokenizer,
-                PROMPTS,
-                env,
-                max_turns=2,
-                max_new_tokens=24,
-                temperature=1.0,
-                seeds=list(range(4)),
-                stop_strings=["e"],
-            )
+            turns(tiny_lm, tiny_tokenizer, env)
 
 
 def test_special_tokens_in_a_tools_text_are_refused(tiny_tokenizer, tiny_lm):
     # '<eos>' in the text would tokenize to the real end id inside the context
     with pytest.raises(ValueError, match=r"special tokens \['<eos>'\].*strip or escape them"):
-        generate_turns(
-            tiny_lm,
-            tiny_tokenizer,
-            PROMPTS,
-            lambda **kw: " movie<eos> was",
-            max_turns=2,
-            max_new_tokens=24,
-            temperature=1.0,
-            seeds=list(range(4)),
-            stop_strings=["e"],
-        )
+        turns(tiny_lm, tiny_tokenizer, lambda **kw: " movie<eos> was")
 
 
 def test_the_policys_own_text_leaves_the_tools_out(tiny_tokenizer, tiny_lm):
-    ro = generate_turns(
-        tiny_lm,
-        tiny_tokenizer,
-        PROMPTS,
-        tool,
-        max_turns=2,
-        max_new_tokens=24,
-        temperature=1.0,
-        seeds=list(range(4)),
-        stop_strings=["e"],
-    )
+    ro = turns(tiny_lm, tiny_tokenizer, tool)
     for b in range(4):
         ids = ro.response_ids[b][ro.response_mask[b]].tolist()
         own = tiny_tokenizer.decode(

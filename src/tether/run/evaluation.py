@@ -391,6 +391,7 @@ class Evaluator:
         if judge is not None:
             self.scorers["gold"] = judge
         self.fluency = fluency
+        self.env = load_env(c.rollout.env) if c.rollout.env else None  # rollout.env: multi-turn samples
         # every judging call's trainer_state: the end of training (reference and policies alike)
         self.state = evaluation_state(
             c.train.steps, c.rollout.batch_size / (c.rollout.group_size or 1), len(run.train_prompts)
@@ -473,7 +474,7 @@ class Evaluator:
             fluency=self.fluency,
             fluency_samples=c.eval.fluency_samples,
             state=self.state,
-            env=load_env(c.rollout.env) if c.rollout.env else None,
+            env=self.env,
             max_turns=c.rollout.max_turns,
             stop_strings=c.rollout.stop_strings,
         )
