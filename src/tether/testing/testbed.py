@@ -9,6 +9,13 @@ no models). Two beds share one representation, an autoregressive *table policy*:
   ``1 + 5 + 25 = 31`` for V = 5, T = 3), the reference a table of the same shape, and the reward
   a table over all ``V^T`` whole sequences (125).
 
+Either bed may hold **environment positions** (``TabularBed.env_positions``): there a fixed table
+(``env_logits``; one-hot rows are forced tokens) writes the token, as a tool writes its reply
+inside a multi-turn response; ``response_mask`` is False there, so the trainers' masks have holes,
+and the optimum treats those positions as chance nodes (:func:`optimal_table`). Rollout
+probabilities include the environment's factors (:func:`rollout_logprobs`); they cancel in
+every KL.
+
 Everything the continuous-model trainers only estimate is computed here by enumeration over all
 sequences, in float64: the sequence-level KL(pi || pi_ref), the objective J, the optimum
 
@@ -99,12 +106,24 @@ class TabularBed:
         ref_logits: (P, V) float64 reference logits, one row per prefix, P = ``num_prefixes``;
             row ``offset_t + code(y_<t)`` holds the logits of position t after prefix y_<t.
         rewards: (V^T,) float64 reward of each whole sequence, indexed by :func:`sequence_index`.
+        env_positions: the positions an environment writes (a tool's output inside a multi-turn
+            response), sorted, in [0, T), not all of them; empty for a bed without one. There the
+            token is drawn from ``env_logits``, not from the policy: ``response_mask`` is False on
+            it, and policy and reference score it as context only (their table rows at those
+            positions are never used for sampling, and a trainer that masks correctly never
+            changes the policy's).
+        env_logits: (P, V) float64 log-probs of the environment's token after each prefix, read at
+            the rows of ``env_positions`` only, each such row normalized (logsumexp 0); ``-inf``
+            where the environment never writes a token, so a one-hot row is a *forced* token.
+            None when ``env_positions`` is empty.
     """
 
     vocab: int
     length: int
     ref_logits: Tensor
     rewards: Tensor
+    env_positions: tuple[int, ...] = ()
+    env_logits: Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.vocab < 2 or self.length < 1:
@@ -116,10 +135,42 @@ class TabularBed:
             raise ValueError(f"rewards {tuple(self.rewards.shape)} must be ({N},)")
         if not (torch.isfinite(self.ref_logits).all() and torch.isfinite(self.rewards).all()):
             raise ValueError("ref_logits and rewards must be finite")
+        pos = tuple(self.env_positions)
+        if list(pos) != sorted(set(pos)) or any(not 0 <= t < self.length for t in pos):
+            raise ValueError(f"env_positions {pos} must be sorted, distinct and in [0, {self.length})")
+        if len(pos) == self.length:
+            raise ValueError(f"env_positions {pos} leave the policy no position to write")
+        if (self.env_logits is None) != (not pos):
+            raise ValueError("env_logits is needed exactly when env_positions is not empty")
+        if self.env_logits is not None:
+            if tuple(self.env_logits.shape) != (P, self.vocab):
+                raise ValueError(f"env_logits {tuple(self.env_logits.shape)} must be ({P}, {self.vocab})")
+            rows = torch.cat([torch.arange(P)[_level_rows(self, t)] for t in pos])
+            env = self.env_logits[rows].to(F64)
+            if torch.isnan(env).any() or (env == math.inf).any():
+                raise ValueError("env_logits must be finite or -inf (a token the environment never writes)")
+            # normalized to rounding: 1e-12 nats is ~5000 ulp of float64 at 1, far above the
+            # rounding of a log_softmax row and far below any real mistake
+            if (env.logsumexp(-1).abs() > 1e-12).any():
+                raise ValueError("env_logits rows at env_positions must be normalized log-probs")
 
     @property
     def num_prefixes(self) -> int:
         return num_prefixes(self.vocab, self.length)
+
+    @property
+    def env_mask(self) -> Tensor:
+        """(T,) bool, True at the positions the environment writes."""
+        mask = torch.zeros(self.length, dtype=torch.bool)
+        mask[list(self.env_positions)] = True
+        return mask
+
+    def env_rows(self) -> Tensor:
+        """(n,) long: the table rows of every prefix at an environment position."""
+        P = self.num_prefixes
+        return torch.cat(
+            [torch.arange(P)[_level_rows(self, t)] for t in self.env_positions] or [torch.arange(0)]
+        )
 
 
 def bandit(ref_probs: list[float] | Tensor, rewards: list[float] | Tensor) -> TabularBed:
@@ -137,18 +188,38 @@ def bandit(ref_probs: list[float] | Tensor, rewards: list[float] | Tensor) -> Ta
 
 
 def random_sequence_bed(
-    seed: int = 0, vocab: int = 5, length: int = 3, ref_scale: float = 1.0, reward_scale: float = 1.0
+    seed: int = 0,
+    vocab: int = 5,
+    length: int = 3,
+    ref_scale: float = 1.0,
+    reward_scale: float = 1.0,
+    *,
+    env_positions: tuple[int, ...] = (),
+    env: Literal["forced", "random"] = "forced",
 ) -> TabularBed:
     """A sequence bed with a random reference table and a random reward table (fixed seed).
 
     ``ref_logits ~ ref_scale * N(0, 1)`` per entry and ``rewards ~ reward_scale * U(0, 1)`` per
-    sequence, drawn from ``torch.Generator(device="cpu").manual_seed(seed)`` in float64.
+    sequence, drawn from ``torch.Generator(device="cpu").manual_seed(seed)`` in float64; with
+    ``env_positions``, then the environment's table from the same generator (so the reference and
+    the rewards are those of the bed without it): ``forced``, one token per prefix drawn uniformly
+    (a one-hot row: a tool whose reply the prefix determines), or ``random``, a row of
+    ``log_softmax(N(0, 1))`` (a tool that answers at random).
     """
     g = torch.Generator(device="cpu").manual_seed(seed)
     P = num_prefixes(vocab, length)
     ref = ref_scale * torch.randn(P, vocab, generator=g, dtype=F64)
     rewards = reward_scale * torch.rand(vocab**length, generator=g, dtype=F64)
-    return TabularBed(vocab, length, ref, rewards)
+    env_logits = None
+    if env_positions:
+        if env == "forced":
+            env_logits = torch.full((P, vocab), -math.inf, dtype=F64)
+            env_logits[torch.arange(P), torch.randint(vocab, (P,), generator=g)] = 0.0
+        elif env == "random":
+            env_logits = torch.log_softmax(torch.randn(P, vocab, generator=g, dtype=F64), -1)
+        else:
+            raise ValueError(f"env must be 'forced' or 'random', got {env!r}")
+    return TabularBed(vocab, length, ref, rewards, tuple(env_positions), env_logits)
 
 
 # ---- indexing and enumeration -------------------------------------------------------------------
@@ -225,6 +296,24 @@ def sequence_logprobs(table: Tensor, vocab: int, length: int) -> Tensor:
     return token_logprobs(table, all_sequences(vocab, length).to(table.device), vocab).sum(-1)
 
 
+def rollout_logprobs(bed: TabularBed, table: Tensor) -> Tensor:
+    """log P(y) of every whole rollout when ``table`` writes the policy's positions and the bed's
+    environment the others: ``sum_{t policy} log pi(y_t | y_<t) + sum_{t env} log env(y_t | y_<t)``.
+
+    (V^T,) float64 nats in ``all_sequences`` order; ``-inf`` for a sequence a forced environment
+    never writes. Without an environment it is :func:`sequence_logprobs`. The environment's
+    factors are the same for every policy, so they cancel in KL(pi || pi_ref) and in
+    KL(pi || pi*): only the policy's positions carry KL, as in a multi-turn rollout.
+    """
+    seqs = all_sequences(bed.vocab, bed.length).to(table.device)
+    logp = token_logprobs(table.to(F64), seqs, bed.vocab)  # (V^T, T)
+    if bed.env_logits is not None:
+        rows = prefix_indices(seqs, bed.vocab)
+        env = bed.env_logits.to(F64)[rows].gather(-1, seqs[..., None])[..., 0]  # (V^T, T)
+        logp = torch.where(bed.env_mask.to(table.device), env, logp)
+    return logp.sum(-1)
+
+
 def exact_kl(logp: Tensor, logq: Tensor) -> Tensor:
     """KL(p || q) = sum_y p(y) (log p(y) - log q(y)) over an enumerated support, nats (scalar).
 
@@ -280,6 +369,14 @@ def optimal_table(bed: TabularBed, beta: float) -> Tensor:
     ``pi_ref(y) exp(r(y) / beta) / exp(W(empty))`` = pi*(y) with Z = exp(W(empty)): the optimum
     over whole sequences is exactly a table policy (tested against :func:`optimal_logprobs`).
 
+    With an environment (``bed.env_positions``) the prefixes before an environment token are
+    chance nodes: ``W(p) = sum_e env(e | p) W(p e)``, an expectation, since the policy cannot
+    choose e (the soft Bellman equation of an MDP with stochastic transitions; Levine 2018,
+    arXiv 1805.00909, sec. 2.3-2.4, with the variational posterior's dynamics held to the true
+    ones); the policy's rows there stay pi_ref's (a masked trainer never moves them). For a
+    forced environment the expectation is the one token, so pi* is again ``pi_ref(y) exp(r(y) /
+    beta) / Z`` over the sequences it can write; for a random one it is not (tested).
+
     Returns:
         (P, V) float64 logits (rows are normalized log-probs).
     """
@@ -290,10 +387,25 @@ def optimal_table(bed: TabularBed, beta: float) -> Tensor:
     W = bed.rewards.to(F64) / beta  # (V^T,) soft value of each whole sequence, indexed by code
     for t in reversed(range(bed.length)):
         rows = _level_rows(bed, t)
-        logits = torch.log_softmax(bed.ref_logits[rows].to(F64), -1) + W.view(V**t, V)  # (V^t, V)
+        ref = torch.log_softmax(bed.ref_logits[rows].to(F64), -1)  # (V^t, V)
+        if t in bed.env_positions:
+            table[rows] = ref
+            W = _chance_mean(bed, rows, W.view(V**t, V))
+            continue
+        logits = ref + W.view(V**t, V)  # (V^t, V)
         table[rows] = torch.log_softmax(logits, -1)
         W = logits.logsumexp(-1)  # (V^t,) soft value of each prefix of length t
     return table
+
+
+def _chance_mean(bed: TabularBed, rows: slice, values: Tensor) -> Tensor:
+    """``sum_e env(e | p) values[p, e]`` at each prefix p of ``rows``: (V^t, V) -> (V^t,).
+
+    A token the environment never writes (probability 0) contributes 0, whatever its value.
+    """
+    assert bed.env_logits is not None
+    probs = bed.env_logits[rows].to(F64).exp()
+    return torch.where(probs > 0, probs * values, torch.zeros_like(values)).sum(-1)
 
 
 def per_token_kl_in_loss_fixed_point(bed: TabularBed, beta: float, reward_scale: float = 1.0) -> Tensor:
@@ -307,7 +419,8 @@ def per_token_kl_in_loss_fixed_point(bed: TabularBed, beta: float, reward_scale:
     plain expected score (no future KL), which is solved by backward recursion. It differs from
     :func:`optimal_table` for T > 1: the true gradient of the sequence KL also charges a token for
     the KL it causes at later positions (``E[grad log pi(y_s) sum_{t > s} kl_t]``), which the
-    per-token surrogate omits. For T = 1 it is ``optimal_table(bed, beta / c)``.
+    per-token surrogate omits. For T = 1 it is ``optimal_table(bed, beta / c)``. An environment's
+    positions are chance nodes, as in :func:`optimal_table` (Q is averaged over its token).
 
     Args:
         bed: the bed.
@@ -325,6 +438,10 @@ def per_token_kl_in_loss_fixed_point(bed: TabularBed, beta: float, reward_scale:
     Q = bed.rewards.to(F64)  # (V^T,) expected score after each whole sequence
     for t in reversed(range(bed.length)):
         rows = _level_rows(bed, t)
+        if t in bed.env_positions:  # a chance node: the expected score over the environment's token
+            table[rows] = torch.log_softmax(bed.ref_logits[rows].to(F64), -1)
+            Q = _chance_mean(bed, rows, Q.view(V**t, V))
+            continue
         logp = torch.log_softmax(
             torch.log_softmax(bed.ref_logits[rows].to(F64), -1) + reward_scale * Q.view(V**t, V) / beta, -1
         )  # (V^t, V)
@@ -333,22 +450,35 @@ def per_token_kl_in_loss_fixed_point(bed: TabularBed, beta: float, reward_scale:
     return table
 
 
-def sample(table: Tensor, vocab: int, length: int, n: int, generator: torch.Generator) -> Tensor:
+def sample(
+    table: Tensor,
+    vocab: int,
+    length: int,
+    n: int,
+    generator: torch.Generator,
+    *,
+    env_positions: tuple[int, ...] = (),
+    env_logits: Tensor | None = None,
+) -> Tensor:
     """Draw n sequences from a table policy, position by position, with ``torch.multinomial``.
 
     Args:
         table: (P, V) logits (no grad needed). vocab, length: V and T. n: number of sequences.
         generator: the seeded generator every draw uses (reproducible).
+        env_positions, env_logits: a bed's environment (:class:`TabularBed`): at those positions
+            the token is drawn from ``env_logits`` instead of the policy.
 
     Returns:
         (n, T) long tokens.
     """
     offsets = prefix_offsets(vocab, length)
     probs_table = torch.softmax(table.detach().to(F64), -1)  # (P, V)
+    env_probs = torch.softmax(env_logits.to(F64), -1) if env_logits is not None else None
     tokens = torch.empty(n, length, dtype=torch.long)
     code = torch.zeros(n, dtype=torch.long)
     for t in range(length):
-        probs = probs_table[offsets[t] + code]  # (n, V)
+        source = env_probs if t in env_positions else probs_table
+        probs = source[offsets[t] + code]  # (n, V)
         tokens[:, t] = torch.multinomial(probs, 1, replacement=True, generator=generator)[:, 0]
         code = code * vocab + tokens[:, t]
     return tokens
@@ -498,8 +628,9 @@ class _Averager:
 
 
 def kl_to(table: Tensor, bed: TabularBed, target_logp: Tensor) -> float:
-    """KL(pi_table || target) over whole sequences, nats; ``target_logp`` is (V^T,) log-probs."""
-    return float(exact_kl(sequence_logprobs(table.detach().to(F64), bed.vocab, bed.length), target_logp))
+    """KL(pi_table || target) over whole rollouts (the bed's environment writing its positions,
+    :func:`rollout_logprobs`), nats; ``target_logp`` is (V^T,) log-probs."""
+    return float(exact_kl(rollout_logprobs(bed, table.detach().to(F64)), target_logp))
 
 
 def _check_settings(s: TrainSettings, group: bool) -> None:
@@ -520,7 +651,8 @@ class TableSamples(NamedTuple):
     rows: Tensor
     """(B, T) long table row of each position (:func:`prefix_indices`)."""
     response_mask: Tensor
-    """(B, T) bool, all True (fixed length)."""
+    """(B, T) bool: True at the policy's positions, False at the environment's (a fixed pattern:
+    no EOS, no padding)."""
 
     def select(self, idx: Tensor) -> TableSamples:
         """Rows ``idx`` ((n,) long)."""
@@ -587,6 +719,7 @@ def train_on_policy(
     kl_in_loss: bool = False,
     loss_estimator: KLLossEstimator = "k3+",
     kl_shaping: Literal["sampled", "exact"] = "sampled",
+    mask_env_tokens: bool = True,
     **step: Any,
 ) -> RunLog:
     """PPO, GRPO or RLOO on the bed, step for step as :class:`tether.trainers.base.OnPolicyTrainer`.
@@ -614,6 +747,10 @@ def train_on_policy(
         kl_shaping: PPO's reward form (``ppo.kl_shaping``): ``exact`` shapes with the exact
             per-position KL of the table (:func:`position_kl`) and adds each token's own
             correction to its advantage (:func:`tether.core.shaping.shape_rewards_exact`).
+        mask_env_tokens: False reproduces the bug the mask prevents: the environment's tokens
+            counted as the policy's (``response_mask`` all True: in the KL, the losses, the values
+            and the advantages), to show that the bed catches it. True (the trainers' way):
+            ``response_mask`` is False at ``bed.env_positions``.
         **step: fields of :class:`tether.trainers.steps.StepSettings` other than ``algo``,
             ``group_size``, ``gamma`` and ``gae_lambda`` (which ``algo`` and ``settings`` give):
             ``estimator`` (logged, shaped and controlled on; default k1), ``scale_by_std``
@@ -645,15 +782,18 @@ def train_on_policy(
         params.append({"params": [values], "lr": s.value_lr})
     opt = torch.optim.Adam(params)
     leash = KLLeash(kl_in_reward, kl_in_loss, loss_estimator, kl_shaping)
-    ref_seq_logp = sequence_logprobs(bed.ref_logits.to(F64), V, T)
+    ref_seq_logp = rollout_logprobs(bed, bed.ref_logits)
     avg = _Averager()
     log = RunLog(table=table)
-    mask = torch.ones(B, T, dtype=torch.bool)  # fixed length: every token counts
+    # fixed length: every token the policy writes counts, none the environment writes
+    counts = ~bed.env_mask if mask_env_tokens else torch.ones(T, dtype=torch.bool)
+    mask = counts.expand(B, T).clone()
     for step in range(s.steps):
         for group, base in zip(opt.param_groups, (s.lr, s.value_lr)):
             group["lr"] = s.lr_at(step, base)
-        # 1-3. sample from the current policy and score whole sequences
-        tokens = sample(table, V, T, B, gen)  # (B, T)
+        # 1-3. sample from the current policy (the environment writing its positions) and score
+        #      whole sequences
+        tokens = sample(table, V, T, B, gen, env_positions=bed.env_positions, env_logits=bed.env_logits)
         scores = bed.rewards[sequence_index(tokens, V)]  # (B,)
         rows = prefix_indices(tokens, V)  # (B, T)
         # 4. old and reference log-probs (and values), no grad
@@ -661,7 +801,7 @@ def train_on_policy(
             old_logprobs = token_logprobs(table, tokens, V)  # (B, T)
             ref_logprobs = token_logprobs(bed.ref_logits.to(F64), tokens, V)
             old_values = values[rows] if values is not None else None
-            log.exact_kls.append(float(exact_kl(sequence_logprobs(table, V, T), ref_seq_logp)))
+            log.exact_kls.append(float(exact_kl(rollout_logprobs(bed, table), ref_seq_logp)))
         # 5-6. per-token KL, leashed rewards and advantages: the trainers' own call, with the run's
         #      settings; ``estimate_kl`` is this module's name for the estimator, so a test can
         #      flip its sign
@@ -810,6 +950,8 @@ def train_dpo(bed: TabularBed, beta: float, settings: TrainSettings = TrainSetti
     """
     s = settings
     _check_settings(s, group=False)
+    if bed.env_positions:  # as tether's DPO trainer refuses rollout.env
+        raise ValueError("train_dpo: a bed with an environment has no preference pairs to learn from")
     V, T, B = bed.vocab, bed.length, s.batch_size
     gen = torch.Generator(device="cpu").manual_seed(s.seed)
     table = bed.ref_logits.clone().to(F64).requires_grad_(True)
