@@ -342,3 +342,63 @@ def tool_env(prompt, completion, turn, **columns) -> str | None:
     """A tool for multi-turn tests (``rollout.env=tests.conftest:tool_env``): answers the policy's
     first turn with a fixed text, ends the episode after the second."""
     return " [tool: 42]" if turn == 0 else None
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""ChatML (SmolLM2-Instruct's and Qwen's framing) without a default system prompt."""
+
+
+def make_chat_tokenizer():
+    """The tiny tokenizer with ChatML's two special tokens and :data:`CHATML` as its template
+    (302 ids: ``<|im_start|>`` 300, ``<|im_end|>`` 301)."""
+    tok = make_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = CHATML
+    return tok
+
+
+@pytest.fixture(scope="session")
+def chat_model_dir(tmp_path_factory) -> Path:
+    """A saved tiny Llama with the ChatML tokenizer, ``<|im_end|>`` an end id beside ``<eos>``."""
+    out = tmp_path_factory.mktemp("tiny-chat-llama")
+    tok = make_chat_tokenizer()
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    model = make_tiny_llama(len(tok), eos_token_id=[tok.eos_token_id, end], pad_token_id=tok.pad_token_id)
+    model.generation_config.eos_token_id = [tok.eos_token_id, end]
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture()
+def chat_prompt_file(tmp_path) -> Path:
+    """80 conversational prompts (one user message each), as jsonl rows ``{"prompt": [...]}``."""
+    import json
+
+    lines = [f"the movie number {i} was" for i in range(40)] + [f"a film {i} that" for i in range(40)]
+    p = tmp_path / "chat.jsonl"
+    p.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": t}]}) + "\n" for t in lines))
+    return p
+
+
+def chat_tool_env(prompt, completion, turn, **columns) -> str | None:
+    """A tool for chat-format tests: it gets the conversation's messages (TRL's form) and answers
+    the first assistant turn with ``42``, ending the episode after the second."""
+    assert isinstance(prompt, list) and prompt[0]["role"] == "user", prompt
+    assert isinstance(completion, list) and completion[-1]["role"] == "assistant", completion
+    assert [m["role"] for m in completion] == ["assistant", "tool"] * turn + ["assistant"], completion
+    return "42" if turn == 0 else None
+
+
+def messages_judge(prompts, completions, **kwargs) -> list[float]:
+    """A TRL-style reward for chat-format tests: the characters of the last assistant message,
+    divided by 10, after checking that each completion is messages (assistant, tool, ...)."""
+    out = []
+    for c in completions:
+        assert isinstance(c, list) and c[0]["role"] == "assistant", c
+        assert all(m["role"] == ("assistant", "tool")[i % 2] for i, m in enumerate(c)), c
+        out.append(len(c[-1]["content"]) / 10)
+    return out

@@ -352,6 +352,7 @@ def _log_step(session: Session, bar, *, step: int, row: dict, rows: list[dict] |
                 {k: [r["columns"][k] for r in rows] for k in names},
                 completion_ids=ids,
                 state=evaluator.state,
+                completions=[r["messages"] for r in rows] if "messages" in rows[0] else None,
             )
             for r, g in zip(rows, golds):
                 r["gold"] = float(g)

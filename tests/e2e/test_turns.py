@@ -47,11 +47,71 @@ def test_tool_turns_end_to_end(algo, tiny_model_dir, prompt_file, tmp_path):
     )
 
 
+@pytest.mark.parametrize("algo", ["ppo", "grpo", "rloo"])
+def test_chat_tool_turns_end_to_end(algo, chat_model_dir, chat_prompt_file, tmp_path):
+    """Conversational prompts: the tool's reply goes through the chat template as a tool message
+    (rollout.env_format=auto), the environment and a TRL-style reward get messages, and step 0
+    is exact (KL 0, first ratio 1, the sampler's log-probs the learner's)."""
+    out = tmp_path / "run"
+    args = _tiny_args(chat_model_dir, chat_prompt_file, out) + [
+        f"train.algo={algo}",
+        "train.steps=2",
+        "rollout.max_new_tokens=40",
+        "rollout.env=tests.conftest:chat_tool_env",  # asserts it gets messages
+        "rollout.max_turns=2",
+        "rollout.stop_strings=e",
+        "reward.scorer=tests.conftest:messages_judge",  # asserts it gets messages
+        "eval.judge=tests.conftest:messages_judge",
+    ]
+    if algo != "ppo":
+        args.append("rollout.group_size=2")
+    assert main(args) == 0
+    rows = metric_rows(out)
+    assert rows[0]["objective/kl"] == 0.0 and rows[0]["objective/kl_exact"] == 0.0
+    assert rows[0]["policy/ratio_max_dev_first"] == 0.0
+    assert rows[0]["rollout/logprob_mismatch"] < 1e-4
+    assert all(r["rollout/env_tokens"] > 0 for r in rows), "the test needs rows that called the tool"
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    called = [s for s in samples if s["env"]]
+    assert called and all(s["env"] == ["42"] and "42" in s["response"] for s in called)
+    # the template's framing is the environment's: the turn ended at a stop string, so the
+    # assistant's closing too, "<|im_end|>\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n",
+    # 20 tokens of the tiny tokenizer (closing 2, the tool header 6, "42" 2, closing 2, the
+    # assistant header 8)
+    assert all(s["env_tokens"] == 20 for s in called), [s["env_tokens"] for s in called]
+    assert all("<|im_start|>" not in s["response"] for s in samples)  # the reward's text: contents only
+    # samples.jsonl keeps the messages, and the gold judge got them as the reward did: a called
+    # row's last assistant message is its second turn, shorter than the joined text
+    for s in called:
+        assert [m["role"] for m in s["messages"]] == ["assistant", "tool", "assistant"]
+        assert s["score"] == pytest.approx(len(s["messages"][-1]["content"]) / 10)
+        assert s["gold"] == pytest.approx(s["score"]) and len(s["response"]) / 10 > s["score"]
+    print(
+        f"{algo} (chat): per step, policy tokens per response {[r['response/length'] for r in rows]}, "
+        f"environment tokens {[r['rollout/env_tokens'] for r in rows]}"
+    )
+
+
 @pytest.mark.parametrize(
     "overrides, field",
     [
         (["rollout.env=tests.conftest:tool_env", "rollout.stop_strings=e"], "rollout.max_turns"),
         (["rollout.env=tests.conftest:tool_env", "rollout.max_turns=2"], "rollout.stop_strings"),
+        (  # text prompts the chat template does not render
+            ["rollout.env=tests.conftest:tool_env", "rollout.max_turns=2", "rollout.env_format=chat"],
+            "rollout.env_format",
+        ),
+        (
+            [
+                "rollout.env=tests.conftest:tool_env",
+                "rollout.max_turns=2",
+                "rollout.stop_strings=e",
+                "rollout.env_format=raw",
+                "rollout.env_format=json",
+            ],
+            "rollout.env_format",
+        ),
+        (["rollout.env_format=raw"], "rollout.env_format"),  # no env: it would be ignored
         (["rollout.max_turns=3"], "rollout.max_turns"),
         (["rollout.stop_strings=e"], "rollout.stop_strings"),  # no env: it would be ignored
         (

@@ -131,3 +131,171 @@ def test_an_environment_beside_the_data_imports_under_the_tether_script(tmp_path
     assert load_env("my_tools_mod:tool")() == " ok"
     with pytest.raises(ValueError, match=r"rollout.env='my_tools_mod:nope': cannot import it .*PYTHONPATH"):
         load_env("my_tools_mod:nope")
+
+
+# ---- the chat format: the tool's reply through the chat template -----------------------------
+CONVERSATIONS = [[{"role": "user", "content": p}] for p in PROMPTS]
+
+
+def chat_lm(tok, end_boost: float):
+    """A tiny Llama on the ChatML tokenizer whose ``<|im_end|>`` (an end id) is favoured: every
+    token's embedding gets +3 on one coordinate, ``<|im_end|>``'s ``end_boost`` more, so through
+    the tied output layer its logit leads by about that much times the normed state's positive
+    coordinate (1.0: turns of 0-2 tokens on these prompts)."""
+    from tests.conftest import make_tiny_llama
+
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    lm = make_tiny_llama(len(tok), eos_token_id=[tok.eos_token_id, end], pad_token_id=tok.pad_token_id)
+    lm.generation_config.eos_token_id = [tok.eos_token_id, end]
+    with torch.no_grad():
+        emb = lm.model.embed_tokens.weight
+        emb[:, 5] += 3.0
+        emb[end, 5] += end_boost
+    return lm
+
+
+def recording_env(calls: list):
+    def env(prompt, completion, turn, **columns):
+        calls.append((prompt, [dict(m) for m in completion], turn))
+        return "42" if turn == 0 else None
+
+    return env
+
+
+def context_text(tok, ro, b: int) -> str:
+    """Prompt and response of row b as the model saw them: the token ids decoded, specials kept."""
+    prompt = ro.prompt_ids[b][ro.prompt_mask[b].bool()].tolist()
+    n = int((ro.response_mask[b] | ro.env_mask[b]).nonzero().max()) + 1
+    return tok.decode(prompt + ro.response_ids[b, :n].tolist(), skip_special_tokens=False)
+
+
+def test_chat_turns_put_the_tools_reply_in_the_template():
+    """Turns that end at the end-of-turn id: the tool's reply becomes a tool message, its tokens
+    the template's framing (the policy's own <|im_end|> not repeated), the environment and the
+    reward see messages, and the whole context is the template's rendering of them."""
+    from tests.conftest import make_chat_tokenizer
+    from tether.models.turns import chat_reply_text
+
+    tok = make_chat_tokenizer()
+    lm = chat_lm(tok, end_boost=1.0)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    calls: list = []
+    ro = generate_turns(
+        lm, tok, CONVERSATIONS, recording_env(calls), max_turns=3, max_new_tokens=40, temperature=1.0,
+        seeds=list(range(4)),
+    )  # fmt: skip
+    assert ro.messages is not None
+    for b in range(4):
+        msgs = ro.messages[b]
+        assert [m["role"] for m in msgs] == ["assistant", "tool", "assistant"], msgs
+        assert msgs[1]["content"] == "42" and ro.env_texts[b] == ["42"]
+        assert ro.responses[b] == "".join(m["content"] for m in msgs)
+        # the context is the template's rendering: prompt, first turn, tool message, next turn
+        rendered = tok.apply_chat_template(
+            CONVERSATIONS[b] + msgs[:2], tokenize=False, add_generation_prompt=True
+        )
+        assert context_text(tok, ro, b) == rendered + msgs[2]["content"] + "<|im_end|>" * bool(ro.ended[b])
+        # the environment's tokens: the framing after the policy's own end of turn
+        policy_first = ro.response_ids[b][: int((~ro.response_mask[b]).nonzero()[0, 0])].tolist()
+        assert policy_first[-1] == end  # the policy ended its turn itself
+        framing = chat_reply_text(tok, CONVERSATIONS[b], msgs[0]["content"], "42")
+        assert framing.startswith("<|im_end|>\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n")
+        env_ids = ro.response_ids[b][ro.env_mask[b]].tolist()
+        assert env_ids == tok(framing, add_special_tokens=False)["input_ids"][1:]  # <|im_end|> once
+        assert env_ids.count(end) == 1  # the tool message's own closing
+    # the environment got the messages so far, TRL's form
+    assert [(t, [m["role"] for m in c]) for _, c, t in calls[:4]] == [(0, ["assistant"])] * 4
+    assert all(c[-2:] and c[1]["content"] == "42" for _, c, t in calls if t == 1)
+    # the learner's log-probs equal the sampler's on the policy's tokens
+    logits, _ = response_forward(lm, ro)
+    learner = logprobs_from_logits(logits, ro.response_ids, 1.0)
+    m = ro.response_mask
+    assert (learner[m] - ro.sampler_logprobs[m]).abs().max() < 1e-4  # float32, cached vs full forward
+
+
+def test_chat_turns_that_end_at_a_stop_string_get_the_assistants_closing_from_the_template():
+    from tests.conftest import make_chat_tokenizer, make_tiny_llama
+    from tether.models.turns import chat_reply_text
+
+    tok = make_chat_tokenizer()
+    lm = make_tiny_llama(len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    ro = generate_turns(
+        lm, tok, CONVERSATIONS * 2, recording_env([]), max_turns=2, max_new_tokens=40, temperature=1.0,
+        seeds=list(range(8)), stop_strings=["e"],
+    )  # fmt: skip
+    called = 0
+    for b in range(8):
+        msgs = ro.messages[b]
+        if len(msgs) < 2:
+            continue
+        called += 1
+        framing = chat_reply_text(tok, CONVERSATIONS[b % 4], msgs[0]["content"], "42")
+        # not sampled by the policy, so the closing <|im_end|> is the environment's token
+        assert (
+            ro.response_ids[b][ro.env_mask[b]].tolist() == tok(framing, add_special_tokens=False)["input_ids"]
+        )
+        assert framing.startswith("<|im_end|>")
+        rendered = tok.apply_chat_template(
+            CONVERSATIONS[b % 4] + msgs[:2], tokenize=False, add_generation_prompt=True
+        )
+        assert context_text(tok, ro, b).startswith(rendered + msgs[2]["content"])
+    assert called >= 4, f"the test needs rows that called the tool ({called} of 8)"
+
+
+def test_a_chat_reply_that_does_not_fit_is_dropped_whole():
+    from tests.conftest import make_chat_tokenizer
+
+    tok = make_chat_tokenizer()
+    lm = chat_lm(tok, end_boost=1.5)  # every first turn is one <|im_end|>; the framing is 19 tokens
+    ro = generate_turns(
+        lm, tok, CONVERSATIONS, recording_env([]), max_turns=2, max_new_tokens=12, temperature=1.0,
+        seeds=list(range(4)),
+    )  # fmt: skip
+    assert not ro.env_mask.any() and ro.env_texts == [[]] * 4
+    assert ro.messages == [[{"role": "assistant", "content": ""}]] * 4 and ro.ended.all()
+
+
+def test_chat_formats_that_cannot_be_exact_are_refused(tiny_tokenizer, tiny_lm):
+    import copy
+
+    from tests.conftest import make_chat_tokenizer
+    from tether.models.turns import chat_reply_text
+
+    tok = make_chat_tokenizer()
+    trims = copy.deepcopy(tok)
+    trims.chat_template = tok.chat_template.replace("m['content'] }}", "m['content'] | trim }}")
+    with pytest.raises(ValueError, match="verbatim before a tool message.*rollout.env_format=raw"):
+        chat_reply_text(trims, CONVERSATIONS[0], " it was ", "42")
+    no_tools = copy.deepcopy(tok)
+    no_tools.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tool role') }}{% endif %}"
+        + tok.chat_template[len("{% for m in messages %}") :]
+    )
+    with pytest.raises(ValueError, match="cannot render a 'tool' message.*no tool role"):
+        chat_reply_text(no_tools, CONVERSATIONS[0], "it was", "42")
+    with pytest.raises(ValueError, match="env_format=chat needs prompts rendered by the chat template"):
+        turns(tiny_lm, tiny_tokenizer, tool, env_format="chat")
+    with pytest.raises(ValueError, match="mix conversations and texts"):
+        generate_turns(
+            tiny_lm, tok, [CONVERSATIONS[0], "plain"], tool, max_turns=2, max_new_tokens=8, temperature=1.0,
+            seeds=[0, 1], stop_strings=["e"],
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="rollout.stop_strings is empty, and these turns are raw"):
+        turns(tiny_lm, tiny_tokenizer, tool, stop_strings=[])
+    with pytest.raises(ValueError, match="choose auto, chat or raw"):
+        turns(tiny_lm, tiny_tokenizer, tool, env_format="json")
+
+
+def test_raw_format_on_conversations_appends_the_text_as_before(tiny_tokenizer):
+    """rollout.env_format=raw keeps a conversation's tool text inside the assistant's turn."""
+    from tests.conftest import make_chat_tokenizer, make_tiny_llama
+
+    tok = make_chat_tokenizer()
+    lm = make_tiny_llama(len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    ro = generate_turns(
+        lm, tok, CONVERSATIONS, tool, max_turns=2, max_new_tokens=24, temperature=1.0,
+        seeds=list(range(4)), stop_strings=["e"], env_format="raw",
+    )  # fmt: skip
+    assert ro.messages is None
+    tool_ids = tok(TOOL, add_special_tokens=False)["input_ids"]
+    assert any(ro.response_ids[b][ro.env_mask[b]].tolist() == tool_ids for b in range(4))

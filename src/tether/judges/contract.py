@@ -11,7 +11,8 @@ call one (``_calculate_rewards``)::
   of ``{"role", "content"}`` messages).
 * ``completions``: the decoded responses (special tokens skipped), strings for string prompts;
   for conversations each is ``[{"role": "assistant", "content": text}]``, the one-message list TRL
-  builds (:func:`trl_completions`).
+  builds (:func:`trl_completions`); a multi-turn rollout through the chat template passes its
+  messages, assistant and ``tool`` in turn, as TRL's tool loop does.
 * ``completion_ids``: the sampled token ids of each response, a ``list[list[int]]`` up to and
   including the first end token (EOS or another of the model's end ids), no padding: TRL's
   ``completion_ids_list``, i.e. ``response_ids[response_mask]`` row by row.
@@ -208,15 +209,17 @@ def _keywords(
     *,
     state=None,
     reward_log: RewardLog | None = None,
+    completions: list | None = None,
 ) -> dict:
     """The keyword arguments of a TRL-style call (module docstring): TRL's own arguments, then
-    every dataset column the function names (all of them when it takes ``**kwargs``)."""
+    every dataset column the function names (all of them when it takes ``**kwargs``).
+    ``completions`` given (a multi-turn rollout's messages) replaces :func:`trl_completions`."""
     params = inspect.signature(scorer).parameters
     takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     reward_log = reward_log if reward_log is not None else RewardLog()
     kw = {
         "prompts": list(prompts) if prompts is not None else None,
-        "completions": trl_completions(prompts, texts),
+        "completions": trl_completions(prompts, texts) if completions is None else list(completions),
         "trainer_state": state,
         "log_extra": reward_log.log_extra,
         "log_metric": reward_log.log_metric,
@@ -257,6 +260,7 @@ def checked_scores(
     completion_ids: Sequence[Sequence[int]] | None = None,
     state=None,
     reward_log: RewardLog | None = None,
+    completions: list | None = None,
 ) -> list[float]:
     """Call ``scorer`` as TRL calls a reward function (module docstring), and validate its
     output: one finite float per text.
@@ -277,6 +281,10 @@ def checked_scores(
         state: the ``trainer_state`` (:func:`trainer_state`); None passes
             ``trainer_state(global_step=step)`` (step 0 for a phrase), ``max_steps=0``.
         reward_log: collects ``log_metric`` and ``log_extra`` calls; None drops them.
+        completions: what a TRL-style function gets as ``completions`` when it is not
+            :func:`trl_completions` of ``texts``: B message lists of a multi-turn rollout through
+            the chat template (:attr:`tether.models.sampling.Rollout.messages`; ``texts`` are then
+            their contents joined), or None.
 
     Returns:
         B Python floats (NaN where a score was None and ``allow_none``).
@@ -293,6 +301,8 @@ def checked_scores(
                 raise ValueError(f"{len(prompts)} prompts came with the {len(texts)} texts")
             if completion_ids is not None and len(completion_ids) != len(texts):
                 raise ValueError(f"{len(completion_ids)} completion_ids came with the {len(texts)} texts")
+            if completions is not None and len(completions) != len(texts):
+                raise ValueError(f"{len(completions)} completions came with the {len(texts)} texts")
             if state is None:
                 state = trainer_state(step if isinstance(step, int) else 0)
             raw = scorer(
@@ -304,6 +314,7 @@ def checked_scores(
                     completion_ids=completion_ids,
                     state=state,
                     reward_log=reward_log,
+                    completions=completions,
                 )
             )
         else:
@@ -407,6 +418,7 @@ class WeightedReward:
                 completion_ids=completion_ids,
                 state=trainer_state,
                 reward_log=logged,
+                completions=completions,
             )
             for name, scorer in self.scorers.items()
         }

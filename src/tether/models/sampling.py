@@ -77,6 +77,10 @@ class Rollout:
     """Per row, the policy's own text (its turns without the environment's), or None (one turn:
     ``responses`` is the policy's). What the diversity and fluency metrics read
     (:attr:`own_texts`)."""
+    messages: list[list[dict]] | None = None
+    """Per row, a multi-turn response through the chat template as messages, TRL's
+    ``completions`` of a tool-calling run: ``[{"role": "assistant", "content": ...}, {"role":
+    "tool", "content": ...}, ...]``, or None (the reward then gets ``responses``)."""
 
     @property
     def own_texts(self) -> list[str]:
@@ -121,6 +125,7 @@ class Rollout:
             env_mask=self.env_mask[idx] if self.env_mask is not None else None,
             env_texts=[self.env_texts[i] for i in rows] if self.env_texts is not None else None,
             policy_texts=[self.policy_texts[i] for i in rows] if self.policy_texts is not None else None,
+            messages=[self.messages[i] for i in rows] if self.messages is not None else None,
         )
 
 

@@ -11,22 +11,46 @@ environment wrote (:attr:`tether.models.sampling.Rollout.env_mask`).
 Each turn is one :func:`tether.models.sampling.sample_tokens` call from the token ids so far (the
 policy's own tokens are never re-tokenized), with the row's seed hashed with the turn's number, so
 a row's sample still depends only on (run seed, step, sample index).
+
+Two formats (``rollout.env_format``). **raw**: the environment's text is appended as it is, and an
+end id ends the episode. **chat** (a prompt rendered by the chat template: a conversation, or
+``data.chat_template``): a policy turn is an assistant message, ended by an end id or a stop
+string; the environment gets the messages so far and its text becomes a ``tool`` message, whose
+tokens are what the template renders between the assistant's text and the next assistant turn
+(:func:`chat_reply_text`: the closing of the assistant's message, the tool message, the opening
+of the next assistant turn), as TRL's tool loop builds them; the reward gets the messages, TRL's
+``completions`` of a tool-calling run.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
+from typing import Literal
 
 import torch
 from torch import nn
 
 from tether.models.callables import import_callable
-from tether.models.sampling import Rollout, end_token_ids, sample_tokens, tokenize_prompts
+from tether.models.sampling import (
+    CHAT_TEMPLATE_FLAG,
+    Rollout,
+    end_token_ids,
+    sample_tokens,
+    tokenize_prompts,
+)
 
 EnvFn = Callable[..., "str | None"]
 """``env(prompt=..., completion=..., turn=..., **columns) -> str | None``: the environment's text
-after the policy's ``turn``-th turn (0-based), given the prompt and the response so far as text."""
+after the policy's ``turn``-th turn (0-based), given the prompt and the response so far: as text
+(raw format), or as messages (chat format: ``[{"role": "assistant", "content": ...}, {"role":
+"tool", ...}, ...]``, the last the turn just written)."""
+
+EnvFormat = Literal["auto", "chat", "raw"]
+
+TOOL_ROLE = "tool"
+"""The role of the environment's messages in the chat format (TRL's and transformers' role for a
+tool's output)."""
 
 
 def load_env(spec: str) -> EnvFn:
@@ -59,6 +83,93 @@ def _stop_at(tokenizer, tokens: list[int], stop_strings: Sequence[str]) -> int |
     return None
 
 
+def chat_turns(tokenizer, prompt, env_format: EnvFormat) -> bool:
+    """Whether a row's turns go through the chat template: ``chat``, or ``auto`` and the prompt
+    was rendered by it (a conversation, or any prompt with ``data.chat_template``).
+
+    Raises:
+        ValueError: ``chat`` for a text prompt the chat template did not render (the fix named).
+    """
+    if env_format not in ("auto", "chat", "raw"):
+        raise ValueError(f"rollout.env_format={env_format!r}: choose auto, chat or raw")
+    rendered = isinstance(prompt, list) or bool(getattr(tokenizer, CHAT_TEMPLATE_FLAG, False))
+    if env_format == "chat" and not rendered:
+        raise ValueError(
+            f"rollout.env_format=chat needs prompts rendered by the chat template, and {str(prompt)[:60]!r} "
+            "is a text prompt: use conversational prompts, data.chat_template=true, or rollout.env_format=raw"
+        )
+    return env_format != "raw" and rendered
+
+
+def turn_formats(
+    tokenizer, prompts: Sequence, env_format: EnvFormat, stop_strings: Sequence[str], max_turns: int
+) -> list[bool]:
+    """Whether each row's turns go through the chat template (:func:`chat_turns`), checked to be
+    a format that can be exact.
+
+    Raises:
+        ValueError: the rows mix formats (the reward would get messages for some, text for
+            others); raw rows without stop strings and ``max_turns > 1`` (an end id ends a raw
+            episode, so the environment would never answer); each naming the fix.
+    """
+    chat = [chat_turns(tokenizer, p, env_format) for p in prompts]
+    if any(chat) and not all(chat):
+        raise ValueError(
+            "the prompts mix conversations and texts, so rollout.env_format=auto would run some rows' turns "
+            "through the chat template and others raw; make them all one kind, or set rollout.env_format=raw"
+        )
+    if chat and not chat[0] and not stop_strings and max_turns > 1:
+        raise ValueError(
+            "rollout.stop_strings is empty, and these turns are raw (text prompts the chat template does not "
+            "render, or rollout.env_format=raw): a raw turn ends only at an end id, which ends the episode, "
+            "so rollout.env would never answer. Name the text that ends a policy turn (e.g. "
+            "rollout.stop_strings=['</call>']), or use conversational prompts or data.chat_template=true"
+        )
+    return chat
+
+
+def prompt_messages(prompt) -> list[dict]:
+    """A prompt as messages: a conversation is itself, a text one user message (as
+    :func:`tether.models.sampling.prompt_texts` renders it with ``data.chat_template``)."""
+    return list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+
+
+def chat_reply_text(tokenizer, history: list[dict], content: str, reply: str) -> str:
+    """The text the chat template puts after an assistant's ``content`` for a tool's ``reply``:
+    ``render(history + [assistant, tool], generation prompt) - render(history, generation
+    prompt) - content``, e.g. ``"<|im_end|>\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"``
+    for ChatML.
+
+    Args:
+        history: the messages before the assistant's turn (the prompt's, earlier turns').
+        content: the assistant's turn as the policy wrote it (its text, special tokens skipped).
+        reply: the tool's text.
+
+    Raises:
+        ValueError: the template does not render the conversation so far followed by the
+            assistant's text verbatim (it trims, reorders or drops some of it): appending the
+            reply's tokens would not continue what the policy saw. The fix: rollout.env_format=raw.
+    """
+    before = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True) + content
+    turn = [{"role": "assistant", "content": content}, {"role": TOOL_ROLE, "content": reply}]
+    try:
+        after = tokenizer.apply_chat_template(history + turn, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # a template that knows no tool role raises its own error
+        raise ValueError(
+            f"rollout.env_format=chat: the chat template of model.name cannot render a {TOOL_ROLE!r} "
+            f"message ({type(e).__name__}: {e}); use rollout.env_format=raw"
+        ) from e
+    if not after.startswith(before):
+        at = next((i for i, (x, y) in enumerate(zip(before, after)) if x != y), min(len(before), len(after)))
+        raise ValueError(
+            "rollout.env_format=chat: the chat template of model.name does not render the conversation "
+            "so far and the assistant's text verbatim before a tool message (they first differ at "
+            f"{before[max(0, at - 30) : at + 10]!r} against {after[max(0, at - 30) : at + 10]!r}), so "
+            "the tool's tokens would not continue what the policy saw; use rollout.env_format=raw"
+        )
+    return after[len(before) :]
+
+
 @torch.no_grad()
 def generate_turns(
     lm: nn.Module,
@@ -73,6 +184,7 @@ def generate_turns(
     stop_strings: Sequence[str] = (),
     max_prompt_tokens: int | None = None,
     columns: dict[str, list] | None = None,
+    env_format: EnvFormat = "auto",
 ) -> Rollout:
     """Sample multi-turn responses: up to ``max_turns`` policy turns, ``max_new_tokens`` response
     tokens in all (the policy's and the environment's).
@@ -81,24 +193,32 @@ def generate_turns(
         lm: the policy (a causal LM).
         prompts: B prompt texts or conversations.
         env: the environment (:data:`EnvFn`); called after each policy turn that ended at a stop
-            string, while turns and tokens are left.
+            string (chat format: or at an end id), while turns and tokens are left.
         max_turns: policy turns at most (>= 1).
-        max_new_tokens: response tokens at most, policy and environment together.
+        max_new_tokens: response tokens at most, policy and environment together. A raw reply is
+            cut to the tokens left; a chat one that does not fit whole is dropped and the episode
+            ends (TRL's rule: a tool message is never cut).
         temperature: sampling temperature of every policy turn.
         seeds: B sample seeds (:func:`tether.models.sampling.sample_seeds`).
         stop_strings: texts that end a policy turn (the token completing one is the turn's last).
         max_prompt_tokens: as in :func:`tether.models.sampling.generate`.
         columns: the rows' other dataset columns, passed to ``env`` by name, one value per row.
+        env_format: ``raw``, ``chat`` or ``auto`` (chat for the rows whose prompt the chat
+            template rendered), module docstring.
 
     Returns:
         A :class:`tether.models.sampling.Rollout` whose ``response_mask`` is True on the policy's
         tokens only (up to and including an end id), ``env_mask`` True on the environment's,
-        ``sampler_logprobs`` 0 off the policy's tokens, and ``responses`` the whole transcript
-        (the environment's text included, end ids dropped): what the reward reads.
+        ``sampler_logprobs`` 0 off the policy's tokens, and ``responses`` the policy's and the
+        environment's texts in order (end ids and the chat template's framing left out): what
+        the reward reads; in the chat format ``messages`` holds the same as messages.
 
     Raises:
-        ValueError: ``max_turns < 1``, a seed count that is not B, or ``env`` returning
-            something other than a string or None (the row and the type are named).
+        ValueError: ``max_turns < 1``, a seed count that is not B, ``env`` returning something
+            other than a string or None, or special tokens in its text (the row named); a raw row
+            without stop strings (its environment would never be called); the chat format where
+            the template cannot carry it (:func:`chat_turns`, :func:`chat_reply_text`).
+        RuntimeError: ``env`` raised (or called ``sys.exit``); the row and the turn are named.
     """
     if max_turns < 1:
         raise ValueError(f"rollout.max_turns={max_turns} must be >= 1")
@@ -107,6 +227,7 @@ def generate_turns(
     B = len(prompts)
     if len(seeds) != B:
         raise ValueError(f"{len(seeds)} seeds for {B} prompts")
+    chat = turn_formats(tokenizer, prompts, env_format, stop_strings, max_turns)
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, max_prompt_tokens, device)
     ends = end_token_ids(tokenizer, lm)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else ends[0]
@@ -117,6 +238,7 @@ def generate_turns(
     ended = [False] * B
     done = [False] * B
     replies: list[list[str]] = [[] for _ in range(B)]
+    messages: list[list[dict]] = [[] for _ in range(B)]  # chat rows: the completion as messages
     for turn in range(max_turns):
         active = [b for b in range(B) if not done[b] and len(resp[b]) < max_new_tokens]
         if not active:
@@ -143,8 +265,10 @@ def generate_turns(
             tokens = new_ids[i, :left].tolist()
             cut = next((k + 1 for k, t in enumerate(tokens) if t in ends), None)
             stop = _stop_at(tokenizer, tokens[: cut or len(tokens)], stop_strings)
-            if cut is not None and (stop is None or cut <= stop):
-                tokens, ended[b], done[b] = tokens[:cut], True, True
+            at_end = cut is not None and (stop is None or cut <= stop)
+            if at_end:
+                tokens, ended[b] = tokens[:cut], True
+                done[b] = not chat[b]  # raw: an end id ends the episode; chat: the assistant's turn
             elif stop is not None:
                 tokens = tokens[:stop]
             else:
@@ -152,17 +276,23 @@ def generate_turns(
             resp[b] += tokens
             policy[b] += [True] * len(tokens)
             logps[b] += new_logps[i, : len(tokens)].tolist()
+            content = tokenizer.decode([t for t in tokens if t not in ends], skip_special_tokens=True)
+            if chat[b]:
+                messages[b].append({"role": "assistant", "content": content})
             if done[b] or turn == max_turns - 1 or len(resp[b]) >= max_new_tokens:
                 done[b] = True
                 continue
-            so_far = tokenizer.decode(resp[b], skip_special_tokens=True)
+            if chat[b]:
+                so_far: str | list[dict] = [dict(m) for m in messages[b]]
+            else:
+                so_far = tokenizer.decode(resp[b], skip_special_tokens=True)
             row_columns = {k: v[b] for k, v in (columns or {}).items()}
             try:
                 reply = env(prompt=prompts[b], completion=so_far, turn=turn, **row_columns)
             except (Exception, SystemExit) as e:  # SystemExit: a tool's exit() would end the run silently
                 raise RuntimeError(
                     f"rollout.env raised {type(e).__name__} on row {b} after turn {turn} "
-                    f"(completion so far {so_far[-80:]!r}): {e}"
+                    f"(completion so far {str(so_far)[-80:]!r}): {e}"
                 ) from e
             if reply is None:
                 done[b] = True
@@ -181,8 +311,22 @@ def generate_turns(
                     f"for row {b} after turn {turn} ({reply[:80]!r}); tether appends a tool's output as "
                     "plain text: strip or escape them in the environment"
                 )
-            env_ids = env_ids[: max_new_tokens - len(resp[b])]
-            replies[b].append(tokenizer.decode(env_ids, skip_special_tokens=True))  # as appended
+            if chat[b]:  # the template's framing around the reply: closing, tool message, next turn
+                history = prompt_messages(prompts[b]) + messages[b][:-1]
+                env_ids = tokenizer(
+                    chat_reply_text(tokenizer, history, content, reply), add_special_tokens=False
+                )["input_ids"]
+                if at_end and env_ids[:1] == tokens[-1:]:
+                    env_ids = env_ids[1:]  # the policy wrote the end of its turn itself
+                if len(env_ids) > max_new_tokens - len(resp[b]):
+                    done[b] = True  # a tool message is never cut: the episode ends without it
+                    continue
+                messages[b].append({"role": TOOL_ROLE, "content": reply})
+                ended[b] = False
+                replies[b].append(reply)
+            else:
+                env_ids = env_ids[: max_new_tokens - len(resp[b])]
+                replies[b].append(tokenizer.decode(env_ids, skip_special_tokens=True))  # as appended
             resp[b] += env_ids
             policy[b] += [False] * len(env_ids)
             logps[b] += [0.0] * len(env_ids)
@@ -198,7 +342,12 @@ def generate_turns(
         response_mask[b, :n] = torch.tensor(policy[b], dtype=torch.bool)
         env_mask[b, :n] = ~torch.tensor(policy[b], dtype=torch.bool)
         sampler_logprobs[b, :n] = torch.tensor(logps[b], dtype=torch.float32)
-    texts = [tokenizer.decode([t for t in r if t not in ends], skip_special_tokens=True) for r in resp]
+    texts = [
+        "".join(m["content"] for m in messages[b])
+        if chat[b]
+        else tokenizer.decode([t for t in resp[b] if t not in ends], skip_special_tokens=True)
+        for b in range(B)
+    ]
     # the policy's own text (its turns, the environment's text left out): what the diversity and
     # fluency metrics read
     own_texts = [
@@ -217,4 +366,5 @@ def generate_turns(
         env_mask=env_mask,
         env_texts=replies,
         policy_texts=own_texts,
+        messages=messages if any(chat) else None,
     )

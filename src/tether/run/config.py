@@ -342,7 +342,8 @@ class RolloutConfig(_Defaulted):
     TRL's per-step generations)."""
     max_new_tokens: int = 16
     """Response length cap, tokens; a response stops earlier at EOS. With rollout.env it caps the
-    policy's and the environment's tokens together (a reply that does not fit is cut)."""
+    policy's and the environment's tokens together (a raw reply that does not fit is cut, a chat
+    one dropped whole: rollout.env_format)."""
     temperature: float = 1.0
     """Sampling temperature; every log-probability (policy, old, reference) uses the same one."""
     max_prompt_tokens: int | None = None
@@ -373,13 +374,21 @@ class RolloutConfig(_Defaulted):
     share prompt prefixes (model.share_prompt_prefix still applies to scoring and the update)."""
     env: str | None = None
     """A multi-turn rollout's environment, ``module:function`` (None: one policy turn). After each
-    policy turn that ends at one of ``rollout.stop_strings`` (a tool call's closing tag, say), it
-    is called as ``env(prompt=..., completion=..., turn=..., **columns)`` with the prompt and the
-    response so far as text and the row's other dataset columns, and returns the text to append
-    (a tool's output) or None to end the episode. Its tokens are context: ``response_mask`` is
-    False on them (no KL, entropy, policy or value loss), policy and reference score them alike,
-    GAE steps across them by policy token (docs/kl.md), the reward reads the whole transcript
-    and samples.jsonl lists them under ``env``. PPO, GRPO, RLOO; decoded eagerly."""
+    policy turn that ends at one of ``rollout.stop_strings`` (a tool call's closing tag, say; in
+    the chat format also at an end id), it is called as ``env(prompt=..., completion=...,
+    turn=..., **columns)`` with the prompt, the response so far (text; in the chat format the
+    messages) and the row's other dataset columns, and returns the text to append (a tool's
+    output) or None to end the episode. Its tokens are context: ``response_mask`` is False on them
+    (no KL, entropy, policy or value loss), policy and reference score them alike, GAE steps
+    across them by policy token (docs/kl.md), the reward reads the whole transcript and
+    samples.jsonl lists them under ``env``. PPO, GRPO, RLOO; decoded eagerly."""
+    env_format: Literal["auto", "chat", "raw"] = "auto"
+    """How ``rollout.env``'s text joins the response. raw: appended as it is, and an end id ends
+    the episode. chat: through the chat template, as TRL's tool loop does: each policy turn is an
+    assistant message (ended by an end id or a stop string), the environment's text a ``tool``
+    message, its tokens the template's closing of the assistant turn, the tool message and the
+    next assistant turn's opening; the reward gets ``completions`` as those messages. auto: chat
+    where the chat template rendered the prompts (conversations, or data.chat_template), else raw."""
     max_turns: int = 1
     """Policy turns per response at most, with ``rollout.env`` (>= 2 there); the response's
     tokens, the policy's and the environment's together, are at most ``rollout.max_new_tokens``."""
@@ -424,10 +433,11 @@ class RolloutConfig(_Defaulted):
                 "must be >= 2 with rollout.env (one policy turn, the environment, the next)",
             )
             _check(
-                bool(self.stop_strings),
+                bool(self.stop_strings) or self.env_format != "raw",
                 "rollout.stop_strings",
                 self.stop_strings,
-                "must name the text that ends a policy turn for rollout.env to answer (e.g. ['</call>'])",
+                "must name the text that ends a policy turn for rollout.env to answer (e.g. ['</call>']): "
+                "with rollout.env_format=raw an end id ends the episode",
             )
         else:
             _check(
@@ -442,6 +452,13 @@ class RolloutConfig(_Defaulted):
                 self.stop_strings,
                 "end a policy turn for rollout.env to answer; without rollout.env a response ends at an "
                 "end id only (leave rollout.stop_strings empty)",
+            )
+            _check(
+                self.env_format == "auto",
+                "rollout.env_format",
+                self.env_format,
+                "says how rollout.env's text joins the response; without rollout.env there is none "
+                "(leave rollout.env_format at auto)",
             )
         _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", self.max_new_tokens, "must be >= 1")
         _check(
@@ -1542,6 +1559,7 @@ FIELD_UNITS: dict[str, str] = {
     "rollout.group_size": "samples per prompt",
     "rollout.compile": "",
     "rollout.env": "",
+    "rollout.env_format": "",
     "rollout.max_turns": "policy turns",
     "rollout.stop_strings": "",
     # kl

@@ -193,6 +193,7 @@ def evaluate(
     env=None,
     max_turns: int = 1,
     stop_strings: Sequence[str] = (),
+    env_format: str = "auto",
 ) -> EvalResult:
     """Sample ``samples_per_prompt`` responses per held-out prompt with fixed seeds; score each
     with every scorer and the fluency judge.
@@ -211,7 +212,7 @@ def evaluate(
     passes ``global_step=0``, ``max_steps=0``).
 
     With ``env`` (``rollout.env``) the samples are multi-turn, as in training
-    (:func:`tether.models.turns.generate_turns`, ``max_turns`` and ``stop_strings``): the KL
+    (:func:`tether.models.turns.generate_turns`, ``max_turns``, ``stop_strings``, ``env_format``): the KL
     counts the policy's tokens only, the scorers read the whole transcript, and the fluency judge,
     the diversity measures and the stored responses the policy's own text.
     """
@@ -238,6 +239,7 @@ def evaluate(
                     stop_strings=stop_strings,
                     max_prompt_tokens=max_prompt_tokens,
                     columns=batch.columns if isinstance(batch, PromptData) else None,
+                    env_format=env_format,
                 )
             else:
                 ro = generate(
@@ -264,6 +266,7 @@ def evaluate(
                     ro.prompts,
                     columns,
                     completion_ids=ro.completion_ids,
+                    completions=ro.messages,
                     state=state,
                 )
             if fluency is not None:
@@ -477,6 +480,7 @@ class Evaluator:
             env=self.env,
             max_turns=c.rollout.max_turns,
             stop_strings=c.rollout.stop_strings,
+            env_format=c.rollout.env_format,
         )
 
     def set_reference(self, before: EvalResult | None) -> None:

@@ -174,6 +174,8 @@ def sample_rows(exp) -> list[dict]:
             row["env"] = exp.rollout.env_texts[i]
             row["policy_tokens"] = int(mask[i].sum())
             row["env_tokens"] = int(exp.rollout.env_mask[i].sum())
+        if exp.rollout.messages is not None:  # through the chat template: the reward's completions
+            row["messages"] = exp.rollout.messages[i]
     for row, ids in zip(rows, exp.rollout.completion_ids):  # the gold judge's; not written
         row["completion_ids"] = ids
     return rows

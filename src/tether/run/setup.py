@@ -50,6 +50,7 @@ from tether.models.reference import (
 )
 from tether.models.sampling import prompt_texts, use_chat_template
 from tether.models.sharding import shard_model
+from tether.models.turns import chat_reply_text, prompt_messages, turn_formats
 from tether.run.config import Config, ConfigError, check_world_size, dump_config
 from tether.run.lock import RunLocked
 from tether.run.lock import acquire as acquire_lock
@@ -698,6 +699,7 @@ def build_run(
         # 3. the tokenizer and the prompts' lengths; 4. the policy and its frozen reference
         tokenizer = load_run_tokenizer(config, path, tokenizer)
         config = check_prompts_fit(config, tokenizer, model=model, path=path, parts=(train_prompts, heldout))
+        check_env_format(config, tokenizer, parts=(train_prompts, heldout))
         policy, reference, forwards = load_policy_and_reference(
             config, model=model, path=path, dtype=dtype, device=accelerator.device, sharded=sharded
         )
@@ -921,6 +923,24 @@ def check_prompts_fit(config: Config, tokenizer, *, model, path: Path | None, pa
         room=(context, config.rollout.max_new_tokens) if context else None,
     )
     return fill_max_prompt_tokens(config, longest, context)
+
+
+def check_env_format(config: Config, tokenizer, *, parts) -> None:
+    """With rollout.env, the format every prompt's turns take (rollout.env_format) is one that can
+    be exact, before any weights load: all chat or all raw, raw turns with stop strings, and a chat
+    template that renders an assistant's text verbatim before a tool message.
+
+    Raises:
+        ValueError: the first of these that fails, naming the field and the fix
+            (:func:`tether.models.turns.generate_turns` raises the same at sampling time).
+    """
+    r = config.rollout
+    if r.env is None:
+        return
+    prompts = [p for part in parts for p in part.prompts]
+    chat = turn_formats(tokenizer, prompts, r.env_format, r.stop_strings, r.max_turns)
+    if chat and chat[0]:  # the template must carry a tool message after the assistant's text
+        chat_reply_text(tokenizer, prompt_messages(prompts[0]), "2 + 3 =", "5")
 
 
 def load_run_lm(config: Config, *, path: Path | None, dtype: torch.dtype, device) -> nn.Module:

@@ -309,6 +309,7 @@ class OnPolicyTrainer:
                 stop_strings=c.rollout.stop_strings,
                 max_prompt_tokens=c.rollout.max_prompt_tokens,
                 columns=prompts.columns,
+                env_format=c.rollout.env_format,
             )
             rollout.columns = prompts.columns
             return rollout
@@ -349,6 +350,7 @@ class OnPolicyTrainer:
                 rollout.prompts,
                 rollout.columns,
                 completion_ids=rollout.completion_ids,
+                completions=rollout.messages,
                 state=self.trainer_state(step),
                 reward_log=reward_log,
             ),
