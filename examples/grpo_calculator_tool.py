@@ -16,6 +16,7 @@ problem's ``answer``: a 0/1 reward. samples.jsonl lists what the tool wrote unde
 
     python examples/grpo_calculator_tool.py            # the embedded SmolLM2-135M, under a minute
     python examples/grpo_calculator_tool.py --tiny     # a tiny random model, seconds (checks the script)
+    python examples/grpo_calculator_tool.py --chat     # conversations: the reply a tool message
 
 (A tiny random model never writes ``calc(...)``, so ``--tiny`` checks the script's wiring only;
 the tool turns themselves are tested on tiny models in ``tests/e2e/test_turns.py``.)
@@ -30,6 +31,19 @@ first ratio exactly 1, sampler against learner 6.5e-12 nats per token. A samples
 
 (the policy goes on past its answer with the next problem of the pattern, cut by the token budget
 and the turn limit). The task is easy with the tool, so this shows the wiring, not a gain.
+
+``--chat`` runs the same task as conversations (:func:`chat_rows`: the worked examples as user,
+assistant, tool and assistant messages), so the tool's reply is a ``tool`` message through the
+chat template (``rollout.env_format=auto``), the tool (:func:`chat_calculator`) and the reward
+(:func:`chat_answer_reward`) get TRL's messages. On the embedded SmolLM2-135M-Instruct (36 s):
+scores 0.75, 1.0, 1.0, 1.0, step-0 KL 0.0 and first ratio 1, 9.75-10.5 policy and 9.75-14 tool
+tokens per response; a samples.jsonl row's ``messages``::
+
+    [{"role": "assistant", "content": "calc(64 + 14)"}, {"role": "tool", "content": "78"},
+     {"role": "assistant", "content": "78"}]
+
+with 11 policy and 13 tool tokens: ``<|im_end|>\n<|im_start|>tool\n78<|im_end|>\n<|im_start|>assistant\n``
+(the policy's turn ended at ``)``, so the closing of its message is the template's too).
 """
 
 from __future__ import annotations
@@ -70,6 +84,47 @@ def answer_reward(completions: list[str], answer: list[str], **kwargs) -> list[f
     return [1.0 if final_answer(c) == a else 0.0 for c, a in zip(completions, answer)]
 
 
+def chat_calculator(prompt: list, completion: list[dict], turn: int, **columns) -> str | None:
+    """The tool in the chat format (``--chat``): the value of the ``calc(a op b)`` the last
+    assistant message ended with, as a tool message's text; None when it did not end with one."""
+    reply = calculator("", completion[-1]["content"], turn)
+    return reply.removeprefix(" -> ").strip() if reply is not None else None
+
+
+def chat_answer_reward(completions: list[list[dict]], answer: list[str], **kwargs) -> list[float]:
+    """``--chat``'s reward on TRL's messages: 1.0 where the first tool message's text, or else the
+    first assistant message's leading integer, is the row's ``answer``."""
+    out = []
+    for messages, a in zip(completions, answer):
+        tools = [m["content"] for m in messages if m["role"] == "tool"]
+        got = tools[0].strip() if tools else final_answer(messages[0]["content"])
+        out.append(1.0 if got == a else 0.0)
+    return out
+
+
+def chat_rows(n: int) -> list[dict]:
+    """:func:`tool_rows` as conversations: the worked examples as user, assistant (the call),
+    tool and assistant (the answer) messages, then the problem as the last user message."""
+    shots = []
+    for line in SHOTS.splitlines():
+        question, call = line.split(" = ", 1)
+        call, value = call.split(" -> ")
+        shots += [
+            {"role": "user", "content": question + " ="},
+            {"role": "assistant", "content": call},
+            {"role": "tool", "content": value},
+            {"role": "assistant", "content": value},
+        ]
+    rows = tool_rows(n)
+    return [
+        {
+            "prompt": shots + [{"role": "user", "content": r["prompt"][len(SHOTS) :].strip()}],
+            "answer": r["answer"],
+        }
+        for r in rows
+    ]
+
+
 def tool_rows(n: int) -> list[dict]:
     """The first ``n`` of tether's arithmetic problems (its fixed order), with :data:`SHOTS`."""
     from tether.data.tasks import SHOTS as PLAIN_SHOTS
@@ -87,20 +142,26 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument(
         "--tiny", action="store_true", help="a tiny random model: checks the script in seconds"
     )
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="conversational prompts: the tool's reply a tool message through the chat template",
+    )
     parser.add_argument("--steps", type=int, default=None, help="GRPO steps (default 4, or 2 with --tiny)")
     parser.add_argument("--out", default=None, help="run directory (default runs/grpo-<date-time>)")
     args = parser.parse_args(argv)
 
     from tether import load_config, train
 
-    rows = tool_rows(200)
+    rows = chat_rows(200) if args.chat else tool_rows(200)
     steps = args.steps or (2 if args.tiny else 4)
     overrides = [
         "train.algo=grpo",
         "rollout.group_size=4",
         "rollout.batch_size=8",
         "rollout.max_new_tokens=24",  # the call, the tool's answer and a little more
-        "rollout.env=grpo_calculator_tool:calculator",  # this file, importable from examples/
+        # this file, importable from examples/
+        f"rollout.env=grpo_calculator_tool:{'chat_calculator' if args.chat else 'calculator'}",
         "rollout.max_turns=2",
         "rollout.stop_strings=)",
         "optim.lr=5e-5",
@@ -116,15 +177,20 @@ def main(argv: list[str] | None = None) -> Path:
     if args.tiny:
         from _tiny import tiny_policy, tiny_tokenizer
 
-        tok = tiny_tokenizer([r["prompt"] for r in rows] + [" -> 75\n"])
+        texts = (
+            [m["content"] for r in rows for m in r["prompt"]] if args.chat else [r["prompt"] for r in rows]
+        )
+        tok = tiny_tokenizer(texts + [" -> 75\n"])
         objects = {"model": tiny_policy(tok), "tokenizer": tok}
-    run_dir = train(config, scorer=answer_reward, train_dataset=rows, **objects)
+    reward = chat_answer_reward if args.chat else answer_reward
+    run_dir = train(config, scorer=reward, train_dataset=rows, **objects)
     last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
     keys = ("objective/scores", "response/length", "rollout/env_tokens", "objective/kl")
     print("last step: " + ", ".join(f"{k} {last[k]:.3f}" for k in keys if k in last))
     samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     for sample in [s for s in samples if s["step"] == samples[-1]["step"]][:4]:  # the last step's
-        print(f"  {sample['prompt'][len(SHOTS) :]!r} -> {sample['response']!r}  tool wrote {sample['env']}")
+        prompt = sample["prompt"][-1]["content"] if args.chat else sample["prompt"][len(SHOTS) :]
+        print(f"  {prompt!r} -> {sample.get('messages', sample['response'])!r}  tool wrote {sample['env']}")
     return run_dir
 
 

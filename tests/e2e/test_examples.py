@@ -21,13 +21,15 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
         ("rloo_reward_model.py", ["objective/scores"]),
         ("dpo_preferences.py", ["dpo/loss", "objective/scores"]),
         ("grpo_calculator_tool.py", ["objective/scores", "rollout/env_tokens"]),
+        ("grpo_calculator_tool.py --chat", ["objective/scores", "rollout/env_tokens"]),
     ],
 )
 def test_an_example_runs_with_tiny_models(script, reward_keys, tmp_path):
     pytest.importorskip("trl")  # grpo_think_format uses trl.rewards.think_format_reward
     out = tmp_path / "run"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    args = [sys.executable, str(EXAMPLES / script), "--tiny", "--out", str(out)]
+    script, *flags = script.split()
+    args = [sys.executable, str(EXAMPLES / script), *flags, "--tiny", "--out", str(out)]
     if script == "dpo_preferences.py":
         args += ["--pairs", str(tmp_path / "pairs")]
     p = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)

@@ -164,6 +164,29 @@ def test_the_calculator_example_tool_and_reward():
     ]
 
 
+def test_the_calculator_examples_chat_tool_and_reward():
+    """examples/grpo_calculator_tool.py --chat: the tool reads the last assistant message, the
+    reward the first tool message (else the first assistant message's leading integer)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    from grpo_calculator_tool import chat_answer_reward, chat_calculator, chat_rows
+
+    said = lambda text: [{"role": "assistant", "content": text}]  # noqa: E731
+    assert chat_calculator([], said("calc(58 + 17)"), 0) == "75"  # 58 + 17 = 75
+    assert chat_calculator([], said("75"), 0) is None  # no call: the episode ends
+    called = said("calc(58 + 17)") + [{"role": "tool", "content": "75"}] + said("80")
+    assert chat_answer_reward([called, said("75"), said("76")], ["75"] * 3) == [1.0, 1.0, 0.0]
+    row = chat_rows(1)[0]
+    # two worked examples of four messages each (user, assistant's call, tool, assistant), then
+    # the problem, whose answer is the row's
+    assert [m["role"] for m in row["prompt"]] == ["user", "assistant", "tool", "assistant"] * 2 + ["user"]
+    assert row["prompt"][1]["content"] == "calc(12 + 35)" and row["prompt"][2]["content"] == "47"
+    a, b = row["prompt"][-1]["content"].removesuffix(" =").split(" + ")
+    assert str(int(a) + int(b)) == row["answer"]
+
+
 def test_the_report_marks_what_the_environment_wrote(tmp_path):
     from tether.analysis.report import marked_response, write_report
 
