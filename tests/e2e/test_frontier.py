@@ -73,3 +73,31 @@ def test_sweep_keeps_the_placement_and_group_size_the_user_gave(tmp_path):
             load_config(None, ["kl.kl_in_reward=true"]), [("ppo", 0.1), ("dpo", 0.1)], tmp_path / "f"
         )
     assert not (tmp_path / "f").exists()
+
+
+def test_best_of_n_samples_take_tool_turns_as_the_runs_do(tiny_model_dir, prompt_file):
+    """With rollout.env the reference's best-of-N samples are multi-turn, as the runs they are
+    compared with: the scorers read the tool's text in the transcripts."""
+    from tests.conftest import TINY_RUN
+    from tether.analysis.frontier import best_of_n_points
+    from tether.run.config import load_config
+
+    seen: list[str] = []
+
+    def proxy(texts):
+        seen.extend(texts)
+        return [len(t) / 10 for t in texts]
+
+    settings = {
+        **TINY_RUN,
+        "model.name": tiny_model_dir,
+        "data.prompts": prompt_file,
+        "rollout.max_new_tokens": 16,
+        "rollout.env": "tests.conftest:tool_env",
+        "rollout.max_turns": 2,
+        "rollout.stop_strings": "e",
+    }
+    config = load_config(None, [f"{k}={v}" for k, v in settings.items()])
+    points = best_of_n_points(config, proxy, lambda texts: [0.0] * len(texts), [1, 2], n_prompts=4)
+    assert [p["N"] for p in points] == [1, 2] and len(seen) == 8  # 4 prompts x 2 samples, scored once
+    assert sum(" [tool:" in t for t in seen) >= 3, seen  # the tool answered (some cut by the budget)

@@ -60,7 +60,8 @@ def best_of_n_points(
 ) -> list[dict]:
     """Sample max(ns) reference completions per held-out prompt; best-of-N points for every N."""
     from tether.models.loading import resolve_model_path
-    from tether.models.sampling import generate
+    from tether.models.sampling import generate, sample_seeds
+    from tether.models.turns import generate_turns, load_env
     from tether.run.evaluation import evaluation_state
     from tether.run.setup import load_prompts, load_run_lm, load_run_tokenizer, resolve_device, resolve_dtype
 
@@ -77,6 +78,7 @@ def best_of_n_points(
     tok = load_run_tokenizer(c, path)
     lm = load_run_lm(c, path=path, dtype=resolve_dtype(c.model.dtype, device), device=device)
     m = max(ns)
+    env = load_env(c.rollout.env) if c.rollout.env else None
     P, G, texts = [], [], []
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(c.eval.seed)
@@ -84,14 +86,30 @@ def best_of_n_points(
         for i in range(0, len(prompts), per):
             batch = prompts.select([j for j in range(i, min(i + per, len(prompts))) for _ in range(m)])
             with torch.no_grad():
-                ro = generate(
-                    lm,
-                    tok,
-                    prompts=batch.prompts,
-                    max_new_tokens=c.rollout.max_new_tokens,
-                    temperature=c.rollout.temperature,
-                    max_prompt_tokens=c.rollout.max_prompt_tokens,
-                )
+                if env is not None:  # rollout.env: the reference's samples take turns, as the runs'
+                    ro = generate_turns(
+                        lm,
+                        tok,
+                        batch.prompts,
+                        env,
+                        max_turns=c.rollout.max_turns,
+                        max_new_tokens=c.rollout.max_new_tokens,
+                        temperature=c.rollout.temperature,
+                        seeds=sample_seeds(c.eval.seed, 0, range(i * m, i * m + len(batch))),
+                        stop_strings=c.rollout.stop_strings,
+                        max_prompt_tokens=c.rollout.max_prompt_tokens,
+                        columns=batch.columns,
+                        env_format=c.rollout.env_format,
+                    )
+                else:
+                    ro = generate(
+                        lm,
+                        tok,
+                        prompts=batch.prompts,
+                        max_new_tokens=c.rollout.max_new_tokens,
+                        temperature=c.rollout.temperature,
+                        max_prompt_tokens=c.rollout.max_prompt_tokens,
+                    )
             P.append(
                 torch.tensor(
                     checked_scores(
@@ -102,11 +120,12 @@ def best_of_n_points(
                         batch.columns,
                         completion_ids=ro.completion_ids,
                         state=state,
+                        completions=ro.messages,
                     ),
                     device="cpu",
                 ).view(-1, m)
             )
-            texts += ro.responses
+            texts += ro.own_texts  # the policy's own text: what fluency and repetition read
             G.append(
                 torch.tensor(
                     checked_scores(
@@ -117,6 +136,7 @@ def best_of_n_points(
                         batch.columns,
                         completion_ids=ro.completion_ids,
                         state=state,
+                        completions=ro.messages,
                     ),
                     device="cpu",
                 ).view(-1, m)
