@@ -97,6 +97,54 @@ def test_ppo_experience_returns_its_scale_and_needs_values():
         ADVANTAGES["ppo"](None, None, None, StepSettings(algo="ppo"))
 
 
+def hole_experience(algo: str, leash: KLLeash, kl_coef: float, **settings):
+    # One group of 2 responses of 4 tokens whose masks have a hole: [policy, tool, policy, tool].
+    # k1 = old - ref = [0.1, 5, 0.3, 0.7] and [0.2, 9, 0.2, 9]: the tool's positions hold values
+    # that would dominate everything if anything counted them. Scores 2 and 1.
+    old = torch.tensor([[-1.0, -1.0, -1.0, -1.0], [-1.0, -1.0, -1.0, -1.0]], dtype=F64)
+    k1 = torch.tensor([[0.1, 5.0, 0.3, 0.7], [0.2, 9.0, 0.2, 9.0]], dtype=F64)
+    return make_experience(
+        rollout=samples([[True, False, True, False]] * 2),
+        scores=torch.tensor([2.0, 1.0], dtype=F64),
+        old_logprobs=old,
+        ref_logprobs=old - k1,
+        values=None,
+        exact_kl=k1.abs(),
+        minibatches=[torch.arange(2)],
+        kl_coef=kl_coef,
+        leash=leash,
+        settings=StepSettings(algo=algo, group_size=2, **settings),
+    )
+
+
+def test_group_trainers_with_a_hole_in_the_mask_by_hand():
+    # RLOO, k1 in the reward at beta 0.1: the sequence reward sums the policy's tokens only,
+    #   2 - 0.1 * (0.1 + 0.3) = 1.96 and 1 - 0.1 * (0.2 + 0.2) = 0.96 (counting the tool's
+    #   positions: 2 - 0.61 = 1.39 and 1 - 1.84 = -0.84); leave-one-out advantages
+    #   1.96 - 0.96 = 1 and -1, on the policy's tokens only
+    exp = hole_experience("rloo", KLLeash(True, False), 0.1)
+    assert exp.rewards.sum(-1).tolist() == pytest.approx([1.96, 0.96], abs=1e-12)
+    want = torch.tensor([[1.0, 0.0, 1.0, 0.0], [-1.0, 0.0, -1.0, 0.0]], dtype=F64)
+    torch.testing.assert_close(exp.advantages.to(F64), want, atol=1e-12, rtol=0)
+    # GRPO, k2 in the loss at beta 0.1: advantages of the scores, mean 1.5, std sqrt(0.5):
+    #   +-0.5 / (0.70711 + 1e-4) = +-0.70701 on the policy's tokens. At ratio 1 the policy term
+    #   is -mean A over the 4 policy tokens = 0, and the KL term beta * mean 0.5 k1^2 over them:
+    #   0.1 * (0.005 + 0.045 + 0.02 + 0.02) / 4 = 0.00225 (with the tool's: 0.1 * 27.7 = 2.77)
+    leash = KLLeash(False, True, "k2")
+    exp = hole_experience("grpo", leash, 0.1)
+    a = 0.5 / (0.5**0.5 + 1e-4)
+    want = torch.tensor([[a, 0, a, 0], [-a, 0, -a, 0]], dtype=F64)
+    torch.testing.assert_close(exp.advantages.to(F64), want, atol=1e-6, rtol=0)  # float32 statistics
+    logprobs = exp.old_logprobs.clone().requires_grad_(True)
+    out = clipped_policy_loss(exp, logprobs, 0.2, leash, 0.1)
+    assert out.stats["policy/kl_loss"].item() == pytest.approx(0.00225, rel=1e-12)
+    assert out.loss.item() == pytest.approx(0.00225, abs=1e-9)  # float32 advantages: 1e-9 of +-0.7
+    out.loss.backward()
+    assert (logprobs.grad[:, [1, 3]] == 0).all()  # the tool's tokens get no gradient
+    # GRPO with k1_seq in the loss: token 0's KL still to come sums the later policy tokens only
+    #   (row 0: 0.3, not 0.3 + 0.7 + 5); covered by tests/core/test_losses.py's hole test
+
+
 def test_controller_input_reads_the_signal_and_unit_asked_for():
     # two sequences, the second one token long: kl [[0.1, 0.2], [0.3, -]], exact [[0.5, 0.5], [1.0, -]]
     exp = make_experience(
