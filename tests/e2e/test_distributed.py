@@ -321,6 +321,33 @@ def _launch(args, processes: int) -> str:
     return p.stdout + p.stderr
 
 
+def _kill_tree(pid: int) -> list[int]:
+    """SIGKILL a launcher and every process under it, and wait until none runs; returns their pids.
+
+    torchrun starts each worker in a session of its own (``start_new_session``), so a signal to
+    the launcher's process group leaves the workers training on and writing the run folder. The
+    launcher is stopped first so it starts no process after the list is taken."""
+    import psutil
+
+    root = psutil.Process(pid)
+    root.send_signal(signal.SIGSTOP)
+    procs = [root, *root.children(recursive=True)]
+    for q in procs:
+        q.send_signal(signal.SIGKILL)
+
+    def running(q: psutil.Process) -> bool:
+        try:  # an orphan the container's init does not reap stays a zombie: dead all the same
+            return q.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.time() + 60
+    while any(running(q) for q in procs[1:]):
+        assert time.time() < deadline, "a worker survived SIGKILL"
+        time.sleep(0.05)
+    return [q.pid for q in procs]
+
+
 _ONE_PROCESS: dict[str, Path] = {}
 """algo -> the folder of its 1-process run in this session (the baseline of every 2-process case)."""
 
@@ -514,8 +541,9 @@ def test_fsdp_sigkill_then_resume_matches_uninterrupted(tiny_tokenizer, prompt_f
         if m.exists() and len(m.read_text().splitlines()) >= 3:
             break
         time.sleep(0.05)
-    os.killpg(p.pid, signal.SIGKILL)
+    killed_pids = _kill_tree(p.pid)
     p.wait(timeout=60)
+    assert len(killed_pids) >= 3  # the launcher and its 2 workers
     assert latest_checkpoint(killed).name == "step-000001"
     other = tmp_path / "one-process"
     shutil.copytree(killed, other)
