@@ -201,3 +201,69 @@ def test_the_report_marks_what_the_environment_wrote(tmp_path):
     (tmp_path / "config.yaml").write_text("train:\n  algo: grpo\n")
     page = write_report(tmp_path).read_text()
     assert "<mark title='environment'> -&gt; 3\n</mark>" in page and "<th>env_tokens</th>" in page
+
+
+def tool_that_needs_an_answer(prompt, completion, turn, answer):
+    """An environment that names a column (``answer``) and takes no other."""
+    return f" {answer}" if turn == 0 else None
+
+
+def test_the_preflight_refuses_what_sampling_would_refuse_later():
+    """Before any weights load: an environment whose parameter no column fills, and a template
+    that trims an assistant's text (it passed when only '2 + 3 =' was probed, then failed mid-run
+    at the first turn ending in a space)."""
+    import copy
+
+    from tests.conftest import make_chat_tokenizer
+    from tether.data.prompts import PromptData
+    from tether.run.config import load_config
+    from tether.run.setup import check_env_format
+
+    def check(tok, prompts, columns, *env):
+        cfg = load_config(None, ["rollout.max_turns=2", "rollout.stop_strings=e", *env])
+        check_env_format(cfg, tok, parts=(PromptData(prompts, columns),))
+
+    tok = make_chat_tokenizer()
+    texts, chats = ["a", "b"], [[{"role": "user", "content": "a"}]] * 2
+    here = "rollout.env=tests.e2e.test_turns:tool_that_needs_an_answer"
+    check(tok, texts, {"answer": [1, 2]}, here)  # the column is there
+    with pytest.raises(ValueError, match=r"rollout.env: .*cannot be called.*answer"):
+        check(tok, texts, {"other": [1, 2]}, here)
+    check(tok, chats, {}, "rollout.env=tests.conftest:chat_tool_env")
+    trims = copy.deepcopy(tok)
+    trims.chat_template = tok.chat_template.replace("m['content'] }}", "m['content'] | trim }}")
+    with pytest.raises(ValueError, match="verbatim before a tool message"):
+        check(trims, chats, {}, "rollout.env=tests.conftest:chat_tool_env")
+
+
+def test_a_resume_that_changes_the_environment_evaluates_the_reference_again(
+    tiny_model_dir, prompt_file, tmp_path, caplog
+):
+    """The reference's held-out evaluation is kept for the final comparison; it was sampled with
+    the tool, and a resume without it compared the policy against those numbers. Now the kept
+    evaluation records its settings, and a resume that changes one evaluates the frozen reference
+    again: its samples are then those of a run that never had the tool."""
+    out, fresh = tmp_path / "run", tmp_path / "fresh"
+    tool = ["rollout.env=tests.conftest:tool_env", "rollout.max_turns=2", "rollout.stop_strings=e"]
+    args = _tiny_args(tiny_model_dir, prompt_file, out) + ["rollout.max_new_tokens=12", "train.steps=1"]
+    assert main(args + tool + ["train.checkpoint_every=1"]) == 0
+    with_tool = json.loads((out / "eval_reference.json").read_text())
+    assert with_tool["settings"]["rollout.env"] == "tests.conftest:tool_env"
+    untouched = ["rollout.env=null", "rollout.max_turns=1", "rollout.stop_strings=[]"]
+    with caplog.at_level("WARNING"):
+        assert main(["train", "--resume", str(out), "train.steps=2", *untouched]) == 0
+    assert "evaluating the frozen reference again" in caplog.text and "rollout.env:" in caplog.text
+    again = json.loads((out / "eval_reference.json").read_text())
+    assert again["settings"]["rollout.env"] is None
+    no_tool_args = _tiny_args(tiny_model_dir, prompt_file, fresh) + [
+        "rollout.max_new_tokens=12",
+        "train.steps=1",
+    ]
+    assert main(no_tool_args) == 0
+    never = json.loads((fresh / "eval_reference.json").read_text())
+    assert again["responses"] == never["responses"] != with_tool["responses"]
+    assert again["scores"] == never["scores"]
+    ev = json.loads((out / "eval.json").read_text())
+    assert ev["reference"]["proxy_mean"] == pytest.approx(
+        sum(never["scores"]["proxy"]) / len(never["scores"]["proxy"])
+    )

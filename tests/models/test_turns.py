@@ -299,3 +299,157 @@ def test_raw_format_on_conversations_appends_the_text_as_before(tiny_tokenizer):
     assert ro.messages is None
     tool_ids = tok(TOOL, add_special_tokens=False)["input_ids"]
     assert any(ro.response_ids[b][ro.env_mask[b]].tolist() == tool_ids for b in range(4))
+
+
+# ---- found by an adversarial review: each a path that was silently wrong ---------------------
+def test_end_ids_and_added_special_tokens_in_a_tools_text_are_refused():
+    """Llama 3's <|eom_id|> ends generation through generation_config only, and an added token
+    marked special is not in all_special_ids: both were appended as context, hidden in the text."""
+    from tokenizers import AddedToken
+
+    from tests.conftest import make_tiny_llama, make_tokenizer
+
+    tok = make_tokenizer()
+    tok.add_tokens([AddedToken("<|eot|>", special=True), AddedToken("<|hdr|>", special=True)])
+    eot = tok.convert_tokens_to_ids("<|eot|>")
+    assert eot not in tok.all_special_ids  # the gap the check closes
+    lm = make_tiny_llama(len(tok), eos_token_id=[tok.eos_token_id, eot], pad_token_id=tok.pad_token_id)
+    lm.generation_config.eos_token_id = [tok.eos_token_id, eot]
+    for text, name in ((" tool<|eot|>says", "<|eot|>"), (" a<|hdr|>b", "<|hdr|>")):
+        with pytest.raises(ValueError, match=rf"special tokens \['{re_escape(name)}'\]"):
+            turns(lm, tok, lambda text=text, **kw: text)
+
+
+def re_escape(s: str) -> str:
+    import re
+
+    return re.escape(s)
+
+
+def test_an_environment_that_edits_its_arguments_edits_nothing_else():
+    """A group's rows shared one prompt object with the data: an environment appending to it
+    changed the data, the other rows and what the reward read."""
+    from tests.conftest import make_chat_tokenizer, make_tiny_llama
+    from tether.data.prompts import PromptData
+
+    tok = make_chat_tokenizer()
+    lm = make_tiny_llama(len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+
+    data = PromptData([[{"role": "user", "content": p}] for p in PROMPTS], {"notes": [[1]] * 4})
+    batch = data.select([0, 0, 1, 1])  # a group of 2: rows 0 and 1 share their prompt's object
+    kept = [[dict(m) for m in p] for p in data.prompts]
+
+    def meddles(prompt, completion, turn, notes):
+        prompt.append({"role": "tool", "content": "NOTE"})
+        prompt[0]["content"] = prompt[0]["content"].upper()
+        notes.append(2)
+        return " 42" if turn == 0 else None
+
+    ro = generate_turns(
+        lm, tok, list(batch), meddles, max_turns=3, max_new_tokens=24, temperature=1.0,
+        seeds=list(range(4)), stop_strings=["e"], columns=batch.columns, env_format="raw",
+    )  # fmt: skip
+    assert ro.env_texts != [[]] * 4, "the test needs rows that called the tool"
+    assert data.prompts == kept and data.columns["notes"] == [[1]] * 4
+    assert [list(p) for p in ro.prompts] == [kept[0], kept[0], kept[1], kept[1]]
+
+
+def test_columns_named_like_the_environments_arguments_are_not_passed(tiny_tokenizer, tiny_lm):
+    """A prompt-completion dataset's ``completion`` column clashed with the keyword (TypeError,
+    blamed on the environment); an environment without **columns got columns it does not name."""
+    from tether.models.turns import env_column_names
+
+    seen: list = []
+
+    def env(prompt, completion, turn, answer):
+        seen.append((completion, answer))
+        return " 42" if turn == 0 else None
+
+    columns = {"completion": ["ref"] * 4, "turn": [9] * 4, "answer": [1, 2, 3, 4], "extra": [0] * 4}
+    assert env_column_names(env, list(columns)) == ["answer"]
+    assert env_column_names(lambda **kw: None, list(columns)) == ["answer", "extra"]
+    turns(tiny_lm, tiny_tokenizer, env, columns=columns)
+    assert seen and all(c != "ref" and a in (1, 2, 3, 4) for c, a in seen)
+    with pytest.raises(ValueError, match=r"rollout.env: .*cannot be called as env\(prompt=.*'answer'"):
+        env_column_names(env, ["extra"])  # answer: no column fills it
+    with pytest.raises(ValueError, match=r"rollout.env: .*cannot be called"):
+        env_column_names(lambda prompt: " 42", [])  # takes no completion or turn
+
+
+def metaspace_tokenizer():
+    """A SentencePiece-style (Metaspace: Llama 2, Mistral, Gemma) tokenizer: a text tokenized alone
+    gets a word-start marker, ``"5"`` -> ``"▁5"``, that decoding hides at a sequence's start."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.conftest import CORPUS
+
+    t = Tokenizer(models.BPE(unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    t.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<eos>", "<unk>"], initial_alphabet=list("0123456789=+ \n")
+    )
+    t.train_from_iterator([*CORPUS, "2 + 3 = 5", "1 + 1 = 2"], trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<eos>", pad_token="<eos>", unk_token="<unk>")
+    tok.padding_side = "left"
+    return tok
+
+
+def test_a_metaspace_tokenizer_appends_the_tools_text_without_a_space():
+    """The reply tokenized alone was '▁5': the context read '... 5' while env_texts said '5'.
+    Now the appended tokens continue the context with exactly the text, and the reward's text,
+    the record and the context agree."""
+    from tests.conftest import make_tiny_llama
+    from tether.models.turns import continuation_ids
+
+    tok = metaspace_tokenizer()
+    assert tok.convert_ids_to_tokens(tok("5", add_special_tokens=False)["input_ids"]) == ["▁5"]
+    context = tok("the movie was", add_special_tokens=False)["input_ids"]
+    for text in ("5", " 5", "\n5 = 2 + 3"):
+        ids = continuation_ids(tok, context, text, "text")
+        assert tok.decode(context + ids) == tok.decode(context) + text, text
+    lm = make_tiny_llama(len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    ro = generate_turns(
+        lm, tok, ["the movie was", "a film that"] * 2, lambda turn, **kw: "5" if turn == 0 else None,
+        max_turns=2, max_new_tokens=20, temperature=1.0, seeds=list(range(4)), stop_strings=["e"],
+    )  # fmt: skip
+    called = 0
+    for b in range(4):
+        if not ro.env_texts[b]:
+            continue
+        called += 1
+        n = int((ro.response_mask[b] | ro.env_mask[b]).nonzero().max()) + 1
+        ids = ro.response_ids[b, :n].tolist()
+        first = int(ro.env_mask[b].nonzero()[0, 0])
+        assert ro.env_texts[b] == ["5"]
+        assert tok.decode(ids[: first + 1]) == tok.decode(ids[:first]) + "5"  # no space before it
+        assert ro.responses[b] == tok.decode(
+            [t for t in ids if t != tok.eos_token_id], skip_special_tokens=True
+        )
+    assert called >= 2, "the test needs rows that called the tool"
+
+
+def test_a_chat_turn_ended_by_another_end_id_ends_the_episode():
+    """The policy ending its turn with <eos> where the template closes an assistant's message with
+    <|im_end|>: the framing appended after it read '...<eos><|im_end|>\\n<|im_start|>tool', which
+    no template renders. Such a turn now ends the episode (as an end id does in the raw format),
+    and the environment is not called."""
+    from tests.conftest import make_chat_tokenizer, make_tiny_llama
+
+    tok = make_chat_tokenizer()
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    lm = make_tiny_llama(len(tok), eos_token_id=[tok.eos_token_id, end], pad_token_id=tok.pad_token_id)
+    lm.generation_config.eos_token_id = [tok.eos_token_id, end]
+    with torch.no_grad():  # <eos> favoured, as chat_lm favours <|im_end|>
+        lm.model.embed_tokens.weight[:, 5] += 3.0
+        lm.model.embed_tokens.weight[tok.eos_token_id, 5] += 1.0
+    calls: list = []
+    ro = generate_turns(
+        lm, tok, CONVERSATIONS, recording_env(calls), max_turns=2, max_new_tokens=40, temperature=1.0,
+        seeds=list(range(4)),
+    )  # fmt: skip
+    last = [ro.response_ids[b][ro.response_mask[b]].tolist()[-1] for b in range(4)]
+    assert last == [tok.eos_token_id] * 4, "the test needs turns ended by <eos>"
+    assert not calls and not ro.env_mask.any() and ro.ended.all()
+    assert [[m["role"] for m in msgs] for msgs in ro.messages] == [["assistant"]] * 4

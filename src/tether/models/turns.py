@@ -24,7 +24,9 @@ of the next assistant turn), as TRL's tool loop builds them; the reward gets the
 
 from __future__ import annotations
 
+import copy
 import hashlib
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Literal
 
@@ -48,6 +50,11 @@ after the policy's ``turn``-th turn (0-based), given the prompt and the response
 
 EnvFormat = Literal["auto", "chat", "raw"]
 
+ENV_ARGUMENTS = ("prompt", "completion", "turn")
+"""The keywords every environment call passes. A dataset column of one of these names is not
+passed (a prompt-completion dataset's ``completion`` column, as TRL leaves its ``prompt`` and
+``completion`` columns out of a reward function's keywords)."""
+
 TOOL_ROLE = "tool"
 """The role of the environment's messages in the chat format (TRL's and transformers' role for a
 tool's output)."""
@@ -61,6 +68,91 @@ def load_env(spec: str) -> EnvFn:
         ValueError: it cannot be imported or is not callable (the spec and the fix named).
     """
     return import_callable(spec, "rollout.env")
+
+
+def env_column_names(env: EnvFn, columns: Sequence[str]) -> list[str]:
+    """The dataset columns an environment call passes: all of ``columns`` but
+    :data:`ENV_ARGUMENTS` when ``env`` takes ``**kwargs``, else those it names.
+
+    Raises:
+        ValueError: ``env`` cannot take ``prompt``, ``completion`` and ``turn`` by keyword, or
+            names a parameter without a default that no column fills (its signature and the fix
+            named), so that a run refuses it before any weights load rather than at the first call.
+    """
+    names = [c for c in columns if c not in ENV_ARGUMENTS]
+    try:
+        params = inspect.signature(env).parameters
+    except (TypeError, ValueError):  # a builtin or C callable without a signature: passed all
+        return names
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        names = [c for c in names if c in params]
+    try:
+        inspect.signature(env).bind(prompt=None, completion=None, turn=0, **dict.fromkeys(names))
+    except TypeError as e:
+        raise ValueError(
+            f"rollout.env: {getattr(env, '__name__', env)!r}{inspect.signature(env)} cannot be "
+            "called as env(prompt=..., completion=..., turn=..., **columns) with the dataset's "
+            f"columns {sorted(names)} ({e}); give it those parameters (and **columns for the rest), "
+            "or defaults for the ones no column fills"
+        ) from None
+    return names
+
+
+def special_ids(tokenizer, ends: Sequence[int]) -> set[int]:
+    """Ids a tool's text must not hold: the tokenizer's special tokens, every added token marked
+    special (Llama 3's ``<|eom_id|>``, ``<|start_header_id|>`` are neither in
+    ``all_special_ids``), and the end ids of generation (``generation_config.eos_token_id``)."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    return (
+        set(tokenizer.all_special_ids)
+        | {int(i) for i, t in added.items() if getattr(t, "special", False)}
+        | {int(t) for t in ends}
+    )
+
+
+def continuation_ids(tokenizer, context: list[int], text: str, what: str) -> list[int]:
+    """Token ids that continue ``context`` with exactly ``text``:
+    ``decode(context + ids) == decode(context) + text``.
+
+    ``text`` tokenized alone is tried first (exact for byte-level BPE). A SentencePiece
+    (Metaspace) tokenizer adds a space to the start of a text tokenized alone (``"5"`` becomes
+    ``"▁5"``) that :meth:`decode` hides at the start of a sequence but not after ``context``; then
+    ``"\n" + text`` is tokenized and the ids of ``"\n"`` alone are cut from its start.
+
+    Raises:
+        ValueError: neither continues ``context`` with ``text`` (``what`` names the text): the
+            appended tokens would not read as what the environment wrote.
+    """
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def encode(t: str) -> list[int]:
+        return tokenizer(t, add_special_tokens=False)["input_ids"]
+
+    head = decode(context)
+    ids = encode(text)
+    if decode(context + ids) == head + text:
+        return ids
+    sentinel = encode("\n")
+    framed = encode("\n" + text)
+    if framed[: len(sentinel)] == sentinel:
+        ids = framed[len(sentinel) :]
+        if decode(context + ids) == head + text:
+            return ids
+    raise ValueError(
+        f"{what} {text[:80]!r}: the tokenizer of model.name does not append it to the context exactly "
+        f"(the context then reads {decode(context + encode(text))[len(head) - 20 :][:120]!r}); "
+        "change the text's first characters, or use rollout.env_format=raw"
+    )
+
+
+def appended_text(tokenizer, context: list[int], ids: list[int]) -> str:
+    """The text ``ids`` add after ``context`` (a leading space a SentencePiece token holds is
+    kept, which decoding ``ids`` alone would drop)."""
+    kw = {"skip_special_tokens": True, "clean_up_tokenization_spaces": False}
+    head = tokenizer.decode(context, **kw)
+    return tokenizer.decode(context + ids, **kw)[len(head) :]
 
 
 def turn_seed(seed: int, turn: int) -> int:
@@ -170,6 +262,14 @@ def chat_reply_text(tokenizer, history: list[dict], content: str, reply: str) ->
     return after[len(before) :]
 
 
+def chat_closing_id(tokenizer, history: list[dict], content: str) -> int | None:
+    """The first token the chat template writes after an assistant's ``content`` when a tool
+    message follows (ChatML's ``<|im_end|>``): the end id that closes an assistant's turn. None
+    when the template writes nothing there."""
+    ids = tokenizer(chat_reply_text(tokenizer, history, content, ""), add_special_tokens=False)["input_ids"]
+    return ids[0] if ids else None
+
+
 @torch.no_grad()
 def generate_turns(
     lm: nn.Module,
@@ -228,8 +328,11 @@ def generate_turns(
     if len(seeds) != B:
         raise ValueError(f"{len(seeds)} seeds for {B} prompts")
     chat = turn_formats(tokenizer, prompts, env_format, stop_strings, max_turns)
+    columns = columns or {}
+    passed = env_column_names(env, list(columns))
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, max_prompt_tokens, device)
     ends = end_token_ids(tokenizer, lm)
+    forbidden = special_ids(tokenizer, ends)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else ends[0]
     own = [prompt_ids[b][prompt_mask[b].bool()].tolist() for b in range(B)]  # unpadded prompts
     resp: list[list[int]] = [[] for _ in range(B)]
@@ -283,12 +386,21 @@ def generate_turns(
                 done[b] = True
                 continue
             if chat[b]:
+                history = prompt_messages(prompts[b]) + messages[b][:-1]
+                if at_end and tokens[-1:] != [chat_closing_id(tokenizer, history, content)]:
+                    # the policy ended its turn with an end id that is not the template's close of
+                    # an assistant message (<|endoftext|> where the template writes <|im_end|>):
+                    # the episode ends there, as in the raw format
+                    done[b] = True
+                    continue
                 so_far: str | list[dict] = [dict(m) for m in messages[b]]
             else:
                 so_far = tokenizer.decode(resp[b], skip_special_tokens=True)
-            row_columns = {k: v[b] for k, v in (columns or {}).items()}
+            # copies: an environment that edits what it gets must not edit the data, the group's
+            # other rows or the transcript the reward reads
+            row_columns = {k: copy.deepcopy(columns[k][b]) for k in passed}
             try:
-                reply = env(prompt=prompts[b], completion=so_far, turn=turn, **row_columns)
+                reply = env(prompt=copy.deepcopy(prompts[b]), completion=so_far, turn=turn, **row_columns)
             except (Exception, SystemExit) as e:  # SystemExit: a tool's exit() would end the run silently
                 raise RuntimeError(
                     f"rollout.env raised {type(e).__name__} on row {b} after turn {turn} "
@@ -303,7 +415,7 @@ def generate_turns(
                     "it must return the text to append (a str) or None to end the episode"
                 )
             env_ids = tokenizer(reply, add_special_tokens=False)["input_ids"]
-            special = sorted(set(env_ids) & set(tokenizer.all_special_ids))
+            special = sorted(set(env_ids) & forbidden)
             if special:  # '<eos>' or '<|im_end|>' in a tool's text would end or restructure the turn
                 names = tokenizer.convert_ids_to_tokens(special)
                 raise ValueError(
@@ -312,12 +424,19 @@ def generate_turns(
                     "plain text: strip or escape them in the environment"
                 )
             if chat[b]:  # the template's framing around the reply: closing, tool message, next turn
-                history = prompt_messages(prompts[b]) + messages[b][:-1]
-                env_ids = tokenizer(
-                    chat_reply_text(tokenizer, history, content, reply), add_special_tokens=False
-                )["input_ids"]
-                if at_end and env_ids[:1] == tokens[-1:]:
-                    env_ids = env_ids[1:]  # the policy wrote the end of its turn itself
+                framing = chat_reply_text(tokenizer, history, content, reply)
+                # the policy wrote the close of its turn itself (at_end): the framing continues the
+                # context before it, and its first token, that close, is the policy's
+                context = own[b] + resp[b][:-1] if at_end else own[b] + resp[b]
+                env_ids = continuation_ids(tokenizer, context, framing, "the chat template's tool message")
+                if at_end:
+                    if env_ids[:1] != tokens[-1:]:
+                        raise ValueError(
+                            "rollout.env_format=chat: the chat template's tool message does not start with "
+                            f"the end id {tokens[-1]} that closed the assistant's turn, once tokenized after "
+                            "it; use rollout.env_format=raw"
+                        )
+                    env_ids = env_ids[1:]
                 if len(env_ids) > max_new_tokens - len(resp[b]):
                     done[b] = True  # a tool message is never cut: the episode ends without it
                     continue
@@ -325,8 +444,10 @@ def generate_turns(
                 ended[b] = False
                 replies[b].append(reply)
             else:
+                context = own[b] + resp[b]
+                env_ids = continuation_ids(tokenizer, context, reply, "rollout.env's text")
                 env_ids = env_ids[: max_new_tokens - len(resp[b])]
-                replies[b].append(tokenizer.decode(env_ids, skip_special_tokens=True))  # as appended
+                replies[b].append(appended_text(tokenizer, context, env_ids))  # as appended: maybe cut
             resp[b] += env_ids
             policy[b] += [False] * len(env_ids)
             logps[b] += [0.0] * len(env_ids)

@@ -459,11 +459,38 @@ class Evaluator:
         self.start = start
         self.heldout = self.run.heldout_prompts[start : start + self.run.config.eval.n_prompts]
 
-    def __call__(self, name: str, prompts: list[str]):
+    def settings(self) -> dict:
+        """The settings a held-out evaluation's numbers depend on besides its prompts and model:
+        how samples are drawn (rollout.*, multi-turn included), how many, and who scores them
+        (reward, eval.judge, the fluency judge). Kept with the reference's evaluation, so that a
+        resume that changes one does not compare the policy with a reference sampled or scored
+        another way (:func:`reference_eval`)."""
+        c = self.run.config
+        r, e = c.rollout, c.eval
+        return {
+            "rollout.max_new_tokens": r.max_new_tokens,
+            "rollout.temperature": r.temperature,
+            "rollout.max_prompt_tokens": r.max_prompt_tokens,
+            "rollout.env": r.env,
+            "rollout.max_turns": r.max_turns,
+            "rollout.stop_strings": list(r.stop_strings),
+            "rollout.env_format": r.env_format,
+            "eval.seed": e.seed,
+            "eval.n_prompts": e.n_prompts,
+            "eval.samples_per_prompt": e.samples_per_prompt,
+            "eval.judge": e.judge,
+            "eval.fluency_model": e.fluency_model,
+            "eval.fluency_samples": e.fluency_samples,
+            "reward": c.to_dict(resolved=False)["reward"],
+        }
+
+    def __call__(self, name: str, prompts: list[str], lm: nn.Module | None = None):
+        """:func:`evaluate` of ``lm`` (the policy's LM by default) on ``prompts`` with the run's
+        settings."""
         c, run = self.run.config, self.run
         return evaluate(
             name,
-            run.policy.lm,
+            lm if lm is not None else run.policy.lm,
             reference=run.reference,
             tokenizer=run.tokenizer,
             prompts=prompts,
@@ -483,16 +510,17 @@ class Evaluator:
             env_format=c.rollout.env_format,
         )
 
-    def set_reference(self, before: EvalResult | None) -> None:
+    def set_reference(self, before: EvalResult | None, lm: nn.Module | None = None) -> None:
         """The reference's summary on the periodic prompts: the first of its full held-out
         evaluation's (the same seeds give the same samples), or evaluated now when the periodic
-        set is the larger. Call before training moves the policy."""
+        set is the larger: of ``lm``, the policy's LM by default (call before training moves the
+        policy), or the frozen reference."""
         if not self.run.config.eval.every or not self.periodic:
             return
         if self.covers_periodic(before):
             self.reference_periodic = before.head(len(self.periodic)).summary()
         else:
-            self.reference_periodic = self("reference", self.periodic).summary()
+            self.reference_periodic = self("reference", self.periodic, lm=lm).summary()
 
     def covers_periodic(self, before: EvalResult | None) -> bool:
         """Whether the reference's full evaluation holds every sample of the periodic prompts (it
@@ -540,12 +568,52 @@ def eval_row(policy: dict, reference: dict | None) -> dict:
     return {k: v for k, v in row.items() if v == v}
 
 
+def changed_settings(saved: dict, evaluator: Evaluator) -> list[str]:
+    """``"field: old -> new"`` for each of :meth:`Evaluator.settings` a kept reference evaluation
+    (``saved``, with its ``settings``) was made with and this config changed ([] for a file from
+    before the settings were kept: nothing to compare)."""
+    old, now = saved.get("settings"), evaluator.settings()
+    if old is None:
+        return []
+    return [f"{k}: {old.get(k)!r} -> {v!r}" for k, v in now.items() if old.get(k) != v]
+
+
+def stale_reference(saved: dict, evaluator: Evaluator, what: str) -> bool:
+    """Whether a resume's kept reference evaluation (``what``, its file) was made with other
+    sampling or scoring settings (:func:`changed_settings`) and is to be made again. With the
+    frozen reference at hand it is (said); without one (a run with no reference) the kept one
+    stays, with a warning that the comparison mixes settings."""
+    changed = changed_settings(saved, evaluator)
+    if not changed:
+        return False
+    if evaluator.run.reference is not None:
+        log.warning(
+            "tether: warning: %s was made with other settings (%s); evaluating the frozen reference "
+            "again with this config's, so that the policy is compared with it on the same terms",
+            what,
+            "; ".join(changed),
+        )
+        return True
+    log.warning(
+        "tether: warning: %s was made with other settings (%s), and this run has no frozen reference "
+        "to evaluate again: the reference-vs-policy comparison mixes the two settings",
+        what,
+        "; ".join(changed),
+    )
+    return False
+
+
 def reference_eval(evaluator: Evaluator, run_dir: Path, show: bool):
-    """The reference's held-out evaluation, computed once and kept in eval_reference.json."""
+    """The reference's held-out evaluation, computed once and kept in eval_reference.json with
+    :meth:`Evaluator.settings`; evaluated again (from the frozen reference) when a resume changed
+    one (:func:`stale_reference`)."""
     if not evaluator.heldout:
         return None
     path = run_dir / "eval_reference.json"
-    if path.exists():
+    lm = None  # the policy's LM: the reference before the first step
+    if path.exists() and stale_reference(read_json(path), evaluator, "the reference's held-out evaluation"):
+        lm = evaluator.run.reference
+    elif path.exists():
         saved = read_json(path)
         offset = saved.get("prompt_offset", 0)  # files from before eval.best_by moved it: 0
         if offset != evaluator.start:
@@ -561,8 +629,10 @@ def reference_eval(evaluator: Evaluator, run_dir: Path, show: bool):
             )
             evaluator.use_window(offset)
         return EvalResult.from_json(saved)
-    before = evaluator("reference", evaluator.heldout)  # evaluate() forks the RNG
-    write_json_file(path, before.to_json() | {"prompt_offset": evaluator.start})
+    before = evaluator("reference", evaluator.heldout, lm=lm)  # evaluate() forks the RNG
+    write_json_file(
+        path, before.to_json() | {"prompt_offset": evaluator.start, "settings": evaluator.settings()}
+    )
     s = before.summary()
     say(
         f"tether: reference held-out proxy score {s['proxy_mean']:.3f} ± {s['proxy_se']:.3f}"
@@ -590,14 +660,18 @@ def reference_periodic(evaluator: Evaluator, before, run_dir: Path, resume: bool
     """The reference's numbers on the periodic prompts, computed before the first step and kept
     in eval_reference_periodic.json (a resumed run's policy is no longer the reference)."""
     path = run_dir / "eval_reference_periodic.json"
+    lm = None  # the policy's LM: the reference before the first step
     if path.exists():
-        evaluator.reference_periodic = read_json(path)
-        return
-    if resume and not evaluator.covers_periodic(before):
+        saved = read_json(path)
+        if not stale_reference(saved, evaluator, "the reference's periodic evaluation"):
+            evaluator.reference_periodic = {k: v for k, v in saved.items() if k != "settings"}
+            return
+        lm = evaluator.run.reference
+    elif resume and not evaluator.covers_periodic(before):
         return  # an older run without it, whose policy has moved: no reference numbers
-    evaluator.set_reference(before)
+    evaluator.set_reference(before, lm=lm)
     if evaluator.reference_periodic is not None:
-        write_json_file(path, evaluator.reference_periodic)
+        write_json_file(path, evaluator.reference_periodic | {"settings": evaluator.settings()})
 
 
 def final_evaluation(

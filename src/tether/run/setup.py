@@ -50,7 +50,7 @@ from tether.models.reference import (
 )
 from tether.models.sampling import prompt_texts, use_chat_template
 from tether.models.sharding import shard_model
-from tether.models.turns import chat_reply_text, prompt_messages, turn_formats
+from tether.models.turns import chat_reply_text, env_column_names, load_env, prompt_messages, turn_formats
 from tether.run.config import Config, ConfigError, check_world_size, dump_config
 from tether.run.lock import RunLocked
 from tether.run.lock import acquire as acquire_lock
@@ -927,8 +927,10 @@ def check_prompts_fit(config: Config, tokenizer, *, model, path: Path | None, pa
 
 def check_env_format(config: Config, tokenizer, *, parts) -> None:
     """With rollout.env, the format every prompt's turns take (rollout.env_format) is one that can
-    be exact, before any weights load: all chat or all raw, raw turns with stop strings, and a chat
-    template that renders an assistant's text verbatim before a tool message.
+    be exact, before any weights load: all chat or all raw, raw turns with stop strings, an
+    environment that takes its keywords and the dataset columns it names
+    (:func:`tether.models.turns.env_column_names`), and a chat template that renders an
+    assistant's text verbatim before a tool message (with spaces and newlines at its ends).
 
     Raises:
         ValueError: the first of these that fails, naming the field and the fix
@@ -939,8 +941,13 @@ def check_env_format(config: Config, tokenizer, *, parts) -> None:
         return
     prompts = [p for part in parts for p in part.prompts]
     chat = turn_formats(tokenizer, prompts, r.env_format, r.stop_strings, r.max_turns)
+    for part in parts:  # the environment takes its keywords and the columns it names
+        env_column_names(load_env(r.env), list(getattr(part, "columns", None) or {}))
     if chat and chat[0]:  # the template must carry a tool message after the assistant's text
-        chat_reply_text(tokenizer, prompt_messages(prompts[0]), "2 + 3 =", "5")
+        # an assistant's text as a policy writes it: spaces and newlines at its ends (a template
+        # that trims them cannot carry a turn verbatim)
+        for content in ("2 + 3 =", " 2 + 3 = ", "\n2 + 3 =\n"):
+            chat_reply_text(tokenizer, prompt_messages(prompts[0]), content, "5")
 
 
 def load_run_lm(config: Config, *, path: Path | None, dtype: torch.dtype, device) -> nn.Module:
