@@ -79,6 +79,25 @@ def test_the_token_budget_covers_policy_and_environment(tiny_tokenizer, tiny_lm)
     assert ((ro.response_mask | ro.env_mask).sum(-1) <= 10).all()
 
 
+def test_an_episode_the_environment_ends_is_ended_and_one_cut_at_max_turns_is_not(tiny_tokenizer, tiny_lm):
+    """``ended`` feeds response/eos_fraction (TRL's 1 - clipped_ratio): an environment's None ends
+    the episode on its own, while the last allowed turn stopping to call the tool is a cut. The
+    old code counted both as cut. Stop string "e" with a 24-token budget: most rows' first turn
+    stops at it before the budget (asserted); a row cut at the budget stays not ended."""
+    kw = dict(max_turns=1, max_new_tokens=24, temperature=1.0, seeds=list(range(4)), stop_strings=["e"])
+    cut = generate_turns(tiny_lm, tiny_tokenizer, PROMPTS, lambda **k: None, **kw)
+    end_id = tiny_tokenizer.eos_token_id
+    lengths = cut.response_mask.sum(-1).tolist()
+    own = [cut.response_ids[b][cut.response_mask[b]].tolist() for b in range(4)]
+    stopped = [b for b in range(4) if lengths[b] < 24 and end_id not in own[b]]
+    budget = [b for b in range(4) if lengths[b] == 24 and end_id not in own[b]]
+    assert len(stopped) >= 2, "the test needs turns ended by the stop string"
+    assert not cut.ended[stopped + budget].any()  # max_turns=1: stopped to call the tool, cut
+    over = generate_turns(tiny_lm, tiny_tokenizer, PROMPTS, lambda **k: None, **{**kw, "max_turns": 2})
+    assert torch.equal(over.response_ids, cut.response_ids)  # the same turn; then the env's None
+    assert over.ended[stopped].all() and not over.ended[budget].any()
+
+
 def test_an_environment_must_return_text_or_none(tiny_tokenizer, tiny_lm):
     with pytest.raises(ValueError, match=r"rollout.env returned int for row \d after turn 0"):
         turns(tiny_lm, tiny_tokenizer, lambda **kw: 7)

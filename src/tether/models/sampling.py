@@ -48,7 +48,9 @@ class Rollout:
         response_ids: (B, R) long; slots after the first EOS hold the pad token.
         response_mask: (B, R) bool, True up to and including the first EOS.
         responses: B decoded responses (up to, not including, EOS).
-        ended: (B,) bool, True where the response ended with EOS (not cut at the length cap).
+        ended: (B,) bool, True where the response ended with EOS (not cut at the length cap);
+            multi-turn, where the episode ended on its own (an end id, or the environment's
+            None), not at a limit (:func:`tether.models.turns.generate_turns`).
         sampler_logprobs: (B, R) float32, the log-probability (nats) of each response token under
             the distribution the sampler drew it from (the decoding pass's logits, key/value
             cached), or None when the responses were not sampled here. Compared with the

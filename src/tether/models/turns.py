@@ -311,7 +311,10 @@ def generate_turns(
         tokens only (up to and including an end id), ``env_mask`` True on the environment's,
         ``sampler_logprobs`` 0 off the policy's tokens, and ``responses`` the policy's and the
         environment's texts in order (end ids and the chat template's framing left out): what
-        the reward reads; in the chat format ``messages`` holds the same as messages.
+        the reward reads; in the chat format ``messages`` holds the same as messages. ``ended``
+        is True where the episode ended on its own (the policy's end id, or the environment's
+        None) and False where a limit cut it (the token budget, or ``max_turns`` after a turn
+        that stopped to call the environment).
 
     Raises:
         ValueError: ``max_turns < 1``, a seed count that is not B, ``env`` returning something
@@ -406,8 +409,8 @@ def generate_turns(
                     f"rollout.env raised {type(e).__name__} on row {b} after turn {turn} "
                     f"(completion so far {str(so_far)[-80:]!r}): {e}"
                 ) from e
-            if reply is None:
-                done[b] = True
+            if reply is None:  # the environment ended the episode: it ended, not cut at a limit
+                done[b] = ended[b] = True
                 continue
             if not isinstance(reply, str):
                 raise ValueError(
