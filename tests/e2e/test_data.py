@@ -277,6 +277,27 @@ def test_dpo_reads_trls_preference_formats(tiny_tokenizer, tmp_path):
         read_pair_file(str(tmp_path / "e"), tiny_tokenizer)
 
 
+def test_dpo_refuses_a_response_holding_a_tools_message(tiny_tokenizer, tmp_path):
+    """A tool's message in "chosen" is not the policy's text: joined into the response, its tokens
+    would get DPO's gradient as the policy's. Refused, the row, the field and the role named."""
+    import json
+
+    from tether.trainers.dpo import read_pair_file
+
+    row = {
+        "prompt": [{"role": "user", "content": "the movie"}],
+        "chosen": [
+            {"role": "assistant", "content": "was"},
+            {"role": "tool", "content": " great acting"},
+            {"role": "assistant", "content": " fun"},
+        ],
+        "rejected": [{"role": "assistant", "content": "was bad"}],
+    }
+    (tmp_path / "p.jsonl").write_text(json.dumps(row) + "\n")
+    with pytest.raises(ValueError, match=r"p.jsonl:1 \"chosen\" holds \['tool'\] messages"):
+        read_pair_file(str(tmp_path / "p.jsonl"), tiny_tokenizer)
+
+
 def test_a_reward_model_reads_prompt_and_completion_together(tiny_tokenizer, tmp_path):
     """hf:FOLDER scores prompt + completion (a conversation through the classifier's chat
     template), not the completion alone: its scores equal the classifier's logits of those texts."""

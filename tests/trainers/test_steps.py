@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch import Tensor
 
 from tether.core.leash import KLLeash
 from tether.testing.testbed import TableSamples
@@ -360,3 +361,114 @@ def test_dpo_pair_loss_by_hand():
     assert out.stats["dpo/chosen_reward"].item() == pytest.approx(0.25, rel=1e-14)
     assert out.stats["dpo/rejected_reward"].item() == pytest.approx(0.0, abs=1e-15)
     assert out.ratio_dev is None
+
+
+# ---- a mask with holes reads as the policy's tokens squeezed together ---------------------------
+# A multi-turn rollout's response_mask is False on the environment's tokens between the policy's.
+# Every step (5-8) must then compute what it computes on the same policy tokens put side by side
+# (the environment's positions taken out): the KL, the shaped rewards, GAE by policy step, every
+# advantage, the controller's input, each loss, its statistics and its gradient. The holes hold
+# values 30x the valid ones, so a step that read them would move every number it touched.
+
+HOLE_CASES = {
+    # PPO with everything a hole could disturb: gamma < 1 (discounting by policy step), the exact
+    # reward form (its per-token correction), the return scale and whitening (batch statistics)
+    "ppo exact gamma 0.9": (KLLeash(True, False, reward_form="exact"), dict(gamma=0.9, gae_lambda=0.8)),
+    "ppo k1 k3": (KLLeash(True, False), dict(estimator="k3", gamma=1.0, whiten=False, scale_returns=False)),
+    "grpo k3+": (KLLeash(False, True, "k3+"), dict(group_size=2)),
+    "grpo k3_is by std": (KLLeash(False, True, "k3_is"), dict(group_size=2, scale_kl_by_std=True)),
+    "grpo k1_seq": (KLLeash(False, True, "k1_seq"), dict(group_size=2, scale_by_std=False)),
+    "rloo k2": (KLLeash(True, False), dict(group_size=2, estimator="k2")),
+}
+
+
+def _holes_and_squeezed(seed: int = 0):
+    """A (B, R) = (4, 9) mask with holes and the same policy tokens as a prefix of each row."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.rand(4, 9, generator=g) < 0.6
+    mask[:, 0] = True  # every response starts with a policy token
+    mask[1, -1] = True  # one row ends on a policy token, the others may end on a tool's
+    n = mask.sum(-1)
+    squeezed_mask = torch.arange(9)[None] < n[:, None]
+
+    def draw(scale: float = 1.0, shift: float = 0.0) -> Tensor:
+        valid = scale * torch.randn(4, 9, generator=g, dtype=F64) + shift
+        junk = 30.0 * torch.randn(4, 9, generator=g, dtype=F64)  # what a hole might hold
+        return torch.where(mask, valid, junk)
+
+    def squeeze(x: Tensor) -> Tensor:
+        out = torch.zeros_like(x)
+        for b in range(4):
+            out[b, : n[b]] = x[b][mask[b]]
+        return out
+
+    return mask, squeezed_mask, draw, squeeze
+
+
+@pytest.mark.parametrize("case", list(HOLE_CASES))
+def test_a_mask_with_holes_reads_as_the_policys_tokens_squeezed_together(case):
+    leash_of, settings = HOLE_CASES[case]
+    algo = case.split()[0]
+    mask, squeezed_mask, draw, squeeze = _holes_and_squeezed()
+    old = draw(0.5, -2.0)
+    ref = torch.where(mask, old + draw(0.3), draw())  # the holes' reference log-probs: junk too
+    now = torch.where(mask, old + 0.05, draw())  # the current policy, off-policy by 0.05 nats
+    values = draw() if algo == "ppo" else None
+    exact = draw().abs()
+    scores = torch.tensor([2.0, -1.0, 0.5, 0.5], dtype=F64)
+
+    def run(m: Tensor, f):
+        leash = KLLeash(
+            leash_of.kl_in_reward, leash_of.kl_in_loss, leash_of.loss_estimator, leash_of.reward_form
+        )
+        exp = make_experience(
+            rollout=samples(m.tolist()),
+            scores=scores,
+            old_logprobs=f(old),
+            ref_logprobs=f(ref),
+            values=f(values) if values is not None else None,
+            exact_kl=f(exact),
+            minibatches=[torch.arange(4)],
+            kl_coef=0.2,
+            leash=leash,
+            settings=StepSettings(algo=algo, **settings),
+        )
+        logprobs = f(now).clone().requires_grad_(True)
+        v = f(values + 0.1).clone().requires_grad_(True) if values is not None else None
+        mb = exp.select(torch.tensor([3, 0, 2]))  # a minibatch in another order
+        out = clipped_policy_loss(
+            mb, logprobs[[3, 0, 2]], 0.2, leash, 0.2, values=v[[3, 0, 2]] if v is not None else None
+        )
+        out.loss.backward()
+        controls = [
+            controller_input(exp, StepSettings(algo=algo, controller_signal=s, target_unit=u, **settings))
+            for s in ("exact", "estimator")
+            for u in ("nats_per_sequence", "nats_per_token")
+        ]
+        return exp, out, logprobs.grad, v.grad if v is not None else None, controls
+
+    holed, squeezed = run(mask, lambda x: x), run(squeezed_mask, squeeze)
+    exp_h, out_h, grad_h, vgrad_h, ctl_h = holed
+    exp_s, out_s, grad_s, vgrad_s, ctl_s = squeezed
+    # float64 throughout; the two orders of summation differ by a few ulps of values of order 10
+    tol = dict(rtol=1e-12, atol=1e-12)
+    for name in ("kl", "rewards", "non_score_reward", "advantages", "returns"):
+        a, b = getattr(exp_h, name), getattr(exp_s, name)
+        if a is None:
+            assert b is None, name
+            continue
+        torch.testing.assert_close(squeeze(torch.where(mask, a, 0.0)), b.to(a.dtype), **tol, msg=name)
+        if name != "kl":  # the estimate is unmasked; what reaches a step is zero at the holes
+            assert (a[~mask] == 0).all(), f"{name} is not 0 on the environment's tokens"
+    assert ctl_h == pytest.approx(ctl_s, rel=1e-12)
+    torch.testing.assert_close(out_h.loss, out_s.loss, **tol)
+    assert out_h.stats.keys() == out_s.stats.keys()
+    for k in out_h.stats:
+        torch.testing.assert_close(out_h.stats[k], out_s.stats[k], **tol, msg=k)
+    torch.testing.assert_close(out_h.ratio_dev, out_s.ratio_dev, **tol)
+    # the gradient: the policy's tokens get the squeezed run's, the environment's exactly 0
+    torch.testing.assert_close(squeeze(grad_h), grad_s, **tol)
+    assert (grad_h[~mask] == 0).all()
+    if vgrad_h is not None:
+        torch.testing.assert_close(squeeze(vgrad_h), vgrad_s, **tol)
+        assert (vgrad_h[~mask] == 0).all()

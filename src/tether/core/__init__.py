@@ -15,8 +15,11 @@ V     vocabulary size
 G     rows per group sharing one prompt (GRPO, RLOO: ``rollout.group_size``)
 ====  ========================================================================
 
-Masks follow the glossary: ``response_mask`` (B, R) is True where a token counts (up to and
-including the first EOS), everywhere. Sign convention, written once: with ``kl`` the per-token
-KL estimate, the non-score reward is ``-kl_coef * kl``. Units: log-probabilities and KL in
-nats; a sequence KL is the masked sum over R, a per-token KL the masked mean.
+Masks follow the glossary: ``response_mask`` (B, R) is True where a token counts, everywhere: a
+token the policy sampled, up to and including the first EOS. In a single-turn rollout that is a
+prefix of each row; in a multi-turn one it has holes where an environment wrote (False there), and
+every function here takes any pattern (docs/kl.md, "Masks with holes"). Sign convention, written
+once: with ``kl`` the per-token KL estimate, the non-score reward is ``-kl_coef * kl``. Units:
+log-probabilities and KL in nats; a sequence KL is the masked sum over R, a per-token KL the
+masked mean.
 """

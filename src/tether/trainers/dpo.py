@@ -136,6 +136,17 @@ def read_pair_file(
         key = prompt_key(prompt)
         if key in heldout or (heldout_fraction is not None and is_heldout(key, heldout_fraction)):
             continue  # a held-out prompt: evaluated on, never trained on
+        for k in ("chosen", "rejected"):
+            roles = {m.get("role", "assistant") for m in obj[k]} if isinstance(obj[k], list) else set()
+            if roles - {"assistant"}:
+                # a tool's (or user's) message inside a response was not sampled from the policy:
+                # joined into its text, its tokens would carry DPO's gradient and implicit reward as
+                # the policy's, and DPO has no mask for them (multi-turn turns: rollout.env, PPO/GRPO/RLOO)
+                raise ValueError(
+                    f'dpo.pairs: {at} "{k}" holds {sorted(roles - {"assistant"})} messages; DPO scores '
+                    "a response as the policy's own tokens, so its messages must all be the assistant's. "
+                    "Drop the other turns from the pairs (or move the conversation so far into the prompt)"
+                )
         prompts.append(prompt)
         for text, out in zip(texts, (chosen, rejected)):
             out.append(
