@@ -10,9 +10,11 @@ that call a calculator::
 A policy turn ends at ``)`` (``rollout.stop_strings``); the tool (:func:`calculator`, named by
 ``rollout.env``) reads the last ``calc(a + b)`` of the transcript and answers `` -> 75`` and a
 newline, which the policy reads as context (no KL, no loss on it) before its next turn
-(``rollout.max_turns=2``). The reward is 1 when the transcript's answer (after its first
-``->``, the tool's, or the response's leading integer when the policy did not call the tool) is the
-problem's ``answer``: a 0/1 reward. samples.jsonl lists what the tool wrote under ``env``.
+(``rollout.max_turns=2``). The reward is 1 when the answer is the problem's ``answer``: a 0/1
+reward. The answer is what the tool returned (the reward's ``env_replies``: a transcript is one
+string, and a policy that writes `` -> 90`` itself, without calling the tool, must not pass for
+the tool), or the response's leading integer when the policy answered without calling it.
+samples.jsonl lists what the tool wrote under ``env``.
 
     python examples/grpo_calculator_tool.py            # the embedded SmolLM2-135M, under a minute
     python examples/grpo_calculator_tool.py --tiny     # a tiny random model, seconds (checks the script)
@@ -21,29 +23,37 @@ problem's ``answer``: a 0/1 reward. samples.jsonl lists what the tool wrote unde
 (A tiny random model never writes ``calc(...)``, so ``--tiny`` checks the script's wiring only;
 the tool turns themselves are tested on tiny models in ``tests/e2e/test_turns.py``.)
 
-On the embedded SmolLM2-135M (4 steps of 8 samples, 48 s on a 2-core CPU) the model follows the
-worked examples and calls the tool in most samples: scores 0.875, 1.000, 0.750, 0.875 in steps
-0-3, 17.4-18.9 policy tokens and 4.4-5.4 tool tokens per response, step-0 KL exactly 0.0 and
-first ratio exactly 1, sampler against learner 6.5e-12 nats per token. A samples.jsonl row::
+On the embedded SmolLM2-135M (4 steps of 8 samples, 42 s on a 2-core AMD EPYC) the model follows
+the worked examples and calls the tool in most samples: scores 0.875, 0.875, 0.750, 0.875 in
+steps 0-3, 17.4-18.9 policy tokens and 4.4-5.4 tool tokens per response, step-0 KL exactly 0.0
+and first ratio exactly 1, sampler against learner 3.9e-12 to 6.5e-12 nats per token. A
+samples.jsonl row::
 
     "response": " calc(64 + 14) -> 78\n78 + 19 = calc(7", "score": 1.0, "columns": {"answer": "78"},
-    "env": [" -> 78\n"], "policy_tokens": 19, "env_tokens": 5
+    "env": [" -> 78\n"], "policy_tokens": 19, "env_tokens": 5, "ended": false
 
 (the policy goes on past its answer with the next problem of the pattern, cut by the token budget
-and the turn limit). The task is easy with the tool, so this shows the wiring, not a gain.
+and the turn limit: not ended). A sample of the last step, ``" calc(30 + 78 ≈ 99\n35 + 104 =
+calc("``, never closed its call: the tool wrote nothing and it scores 0, as would a `` -> 108``
+the policy wrote itself (before the reward read ``env_replies``, such a transcript scored 1:
+step 1 read 1.000). The task is easy with the tool, so this shows the wiring, not a gain.
 
 ``--chat`` runs the same task as conversations (:func:`chat_rows`: the worked examples as user,
 assistant, tool and assistant messages), so the tool's reply is a ``tool`` message through the
 chat template (``rollout.env_format=auto``), the tool (:func:`chat_calculator`) and the reward
-(:func:`chat_answer_reward`) get TRL's messages. On the embedded SmolLM2-135M-Instruct (36 s):
-scores 0.75, 1.0, 1.0, 1.0, step-0 KL 0.0 and first ratio 1, 9.75-10.5 policy and 9.75-14 tool
-tokens per response; a samples.jsonl row's ``messages``::
+(:func:`chat_answer_reward`) get TRL's messages, and the budget is 40 tokens (the template frames
+the tool's message in 13 more). On the embedded SmolLM2-135M-Instruct (51 s): scores 0.75, 1.0,
+1.0, 1.0, step-0 KL 0.0 and first ratio 1, 10.5-15.4 policy and 9.75-14 tool tokens per response,
+75-100% of the episodes ended by the policy (``response/eos_fraction``); a samples.jsonl row's
+``messages``::
 
     [{"role": "assistant", "content": "calc(64 + 14)"}, {"role": "tool", "content": "78"},
      {"role": "assistant", "content": "78"}]
 
-with 11 policy and 13 tool tokens: ``<|im_end|>\n<|im_start|>tool\n78<|im_end|>\n<|im_start|>assistant\n``
-(the policy's turn ended at ``)``, so the closing of its message is the template's too).
+with 12 policy and 13 tool tokens: ``<|im_end|>\n<|im_start|>tool\n78<|im_end|>\n<|im_start|>assistant\n``
+(the policy's turn ended at ``)``, so the closing of its message is the template's too), and the
+policy's ``78<|im_end|>`` after it. The policy settles on this pattern at once: the run warns of
+an entropy collapse at step 1 (0.37 -> 0.12 nats per token), which on this task is the point.
 """
 
 from __future__ import annotations
@@ -72,16 +82,19 @@ def calculator(prompt: str, completion: str, turn: int, **columns) -> str | None
     return f" -> {a + b if op == '+' else a - b if op == '-' else a * b}\n"
 
 
-def final_answer(text: str) -> str | None:
-    """The answer a transcript gives: the number after its first ``->`` (the tool's), else its
-    leading integer (the policy answered alone), else None."""
-    m = _ANSWER.search(text) or _LEADING.match(text)
+def final_answer(text: str, replies: list[str]) -> str | None:
+    """The answer of a transcript: the number the tool's first reply holds (``replies``, what
+    the environment wrote), else the transcript's leading integer (the policy answered without
+    the tool), else None. A ``-> 90`` the policy wrote itself is neither."""
+    m = _ANSWER.search(replies[0]) if replies else _LEADING.match(text)
     return m[1] if m else None
 
 
-def answer_reward(completions: list[str], answer: list[str], **kwargs) -> list[float]:
+def answer_reward(
+    completions: list[str], answer: list[str], env_replies: list[list[str]], **kwargs
+) -> list[float]:
     """1.0 where the transcript's :func:`final_answer` is the row's ``answer``, else 0.0."""
-    return [1.0 if final_answer(c) == a else 0.0 for c, a in zip(completions, answer)]
+    return [1.0 if final_answer(c, r) == a else 0.0 for c, r, a in zip(completions, env_replies, answer)]
 
 
 def chat_calculator(prompt: list, completion: list[dict], turn: int, **columns) -> str | None:
@@ -97,7 +110,7 @@ def chat_answer_reward(completions: list[list[dict]], answer: list[str], **kwarg
     out = []
     for messages, a in zip(completions, answer):
         tools = [m["content"] for m in messages if m["role"] == "tool"]
-        got = tools[0].strip() if tools else final_answer(messages[0]["content"])
+        got = tools[0].strip() if tools else final_answer(messages[0]["content"], [])
         out.append(1.0 if got == a else 0.0)
     return out
 
@@ -159,7 +172,9 @@ def main(argv: list[str] | None = None) -> Path:
         "train.algo=grpo",
         "rollout.group_size=4",
         "rollout.batch_size=8",
-        "rollout.max_new_tokens=24",  # the call, the tool's answer and a little more
+        # the call, the tool's answer and a little more (in chat the tool's message is framed by
+        # 13 tokens of the template, so the answer after it needs more room)
+        f"rollout.max_new_tokens={40 if args.chat else 24}",
         # this file, importable from examples/
         f"rollout.env=grpo_calculator_tool:{'chat_calculator' if args.chat else 'calculator'}",
         "rollout.max_turns=2",

@@ -344,6 +344,27 @@ def tool_env(prompt, completion, turn, **columns) -> str | None:
     return " [tool: 42]" if turn == 0 else None
 
 
+def replies_judge(completions, env_replies, **kwargs) -> list[float]:
+    """:func:`length_judge` as a TRL-style reward that takes ``env_replies``: it checks that each
+    reply is in its transcript, in order, before scoring the transcript's length."""
+    assert len(env_replies) == len(completions)
+    for text, replies in zip(completions, env_replies):
+        at = 0
+        for r in replies:
+            at = text.index(r, at) + len(r)  # ValueError if the reply is not there
+    return length_judge(completions)
+
+
+def random_tool_env(prompt, completion, turn, **columns) -> str | None:
+    """A tool that draws from Python's and NumPy's global generators (a simulator, a sampled
+    test case): its reply is the draws, so a run's samples show which numbers it got."""
+    import random
+
+    import numpy as np
+
+    return f" r{random.randrange(1000)} n{np.random.randint(1000)}" if turn == 0 else None
+
+
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 from tether.core import distributed as D
 from tether.judges.contract import Scorer, ScorerStopped, checked_scores
 from tether.judges.scorers import builds_a_model, check_scorer_spec, make_scorer
+from tether.models.callables import PASSED_FROM_PYTHON, python_object_spec
 from tether.models.loading import is_hub_id
 from tether.models.sharding import full_state_dict, gathered, is_sharded
 from tether.run.announce import announce_start
@@ -87,6 +88,7 @@ def train(
     train_dataset=None,
     eval_dataset=None,
     callbacks=None,
+    env=None,
 ) -> Path:
     """Run ``config`` end to end (or continue it from its last checkpoint); returns the run directory.
 
@@ -102,7 +104,10 @@ def train(
     ``(model, tokenizer)`` pair, or a list of them, weighted by ``reward.weights``: TRL's
     ``reward_funcs``), ``model`` and ``tokenizer`` (instead of ``model.name``),
     ``train_dataset`` (a ``datasets.Dataset``, row dicts or prompts, instead of ``data.prompts``);
-    see :func:`tether.run.setup.build_run`. ``eval_dataset`` (the same kinds as ``train_dataset``,
+    see :func:`tether.run.setup.build_run`. ``env``: the multi-turn rollout's environment as a
+    callable (``rollout.env``'s signature; TRL passes its tools as objects too), or set
+    ``config.rollout.env`` to one; config.yaml records its name, and a resume asks for it again.
+    ``eval_dataset`` (the same kinds as ``train_dataset``,
     or ``data.eval_prompts``) is the held-out set, instead of the hash share of the training
     prompts; a training prompt that is also in it is left out of training (said). ``callbacks``:
     objects with any of ``on_step_end(step, metrics)``, ``on_evaluate(step, row)``,
@@ -122,6 +127,17 @@ def train(
         # names them (python_scorer_spec)
         scorer, config = spec, copy.deepcopy(config)
         config.reward.scorer = None
+    given = config.rollout.env
+    if callable(given) or env is not None:
+        if env is not None and given is not None and not str(given).startswith(PASSED_FROM_PYTHON):
+            raise ValueError(
+                f"train(env=...) and rollout.env={given!r} both give the environment; give one of them"
+            )
+        env = given if callable(given) else env
+        if not callable(env):
+            raise ValueError(f"train(env=...) takes a callable, got a {type(env).__name__}")
+        config = copy.deepcopy(config)  # config.yaml names the object, so a resume asks for it
+        config.rollout.env = python_object_spec(env)
     # the config as the run starts it: rebuilt and checked whole, its defaults filled for this
     # train.algo and this data (a Python edit after load_config counts, config.yaml records it)
     config = config.for_run(
@@ -149,6 +165,7 @@ def train(
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
         judges=judges,
+        env=env,
     )
     try:
         if wants_judge and judge is None:  # after every check and the model load: no fit for a run
@@ -353,6 +370,7 @@ def _log_step(session: Session, bar, *, step: int, row: dict, rows: list[dict] |
                 completion_ids=ids,
                 state=evaluator.state,
                 completions=[r["messages"] for r in rows] if "messages" in rows[0] else None,
+                env_replies=[r["env"] for r in rows] if "env" in rows[0] else None,
             )
             for r, g in zip(rows, golds):
                 r["gold"] = float(g)

@@ -27,6 +27,7 @@ def healthy(n: int = 20) -> list[dict]:
                 "objective/entropy": 3.5 - 0.02 * s,
                 "response/length": 24.0 - 0.1 * (s % 3),
                 "rollout/logprob_mismatch": 2e-6,  # rounding only
+                "rollout/env_tokens": 0.0 if s == 0 else 4.0,  # a tool called from step 1 on
             }
         )
         if s % 2 == 0:  # eval points: proxy and gold rise together
@@ -65,6 +66,8 @@ def with_pattern(rule: str) -> list[dict]:
             r["response/length"] = 40.0  # > 1.5 * 24
         if rule == "k1_negative" and s >= 12:
             r["objective/kl_per_token"] = -0.02
+        if rule == "env_never_answered":
+            r["rollout/env_tokens"] = 0.0  # no turn ever stopped for the tool
         if rule == "logprob_mismatch" and s == 19:
             r["rollout/logprob_mismatch"] = 0.028  # bf16 sampling scored in float32
         if rule == "sample_quality" and "eval/fluency_nll" in r and s >= 12:
@@ -188,3 +191,14 @@ def test_the_leash_of_the_run_sets_kl_leash():
     assert health_thresholds(adaptive).kl_leash == 4.0
     assert health_thresholds(load_config(None, ["kl.controller=fixed"])).kl_leash is None
     assert health_thresholds(load_config(None, ["health.kl_leash=1"])).kl_leash == 1.0
+
+
+def test_an_environment_that_never_answers_is_named_from_the_second_step():
+    # step 0 alone without a tool call is no alarm; steps 0 and 1 without one are; a single-turn
+    # run (no rollout/env_tokens logged) never
+    silent = [{"step": s, "rollout/env_tokens": 0.0} for s in range(3)]
+    assert RULES["env_never_answered"](silent[:1], T) is None
+    alarm = RULES["env_never_answered"](silent[:2], T)
+    assert alarm is not None and alarm.step == 1 and "rollout.stop_strings" in alarm.fix
+    assert RULES["env_never_answered"](silent[:2] + [{"step": 2, "rollout/env_tokens": 0.25}], T) is None
+    assert RULES["env_never_answered"]([{"step": s} for s in range(3)], T) is None

@@ -23,7 +23,9 @@ def test_tool_turns_end_to_end(algo, tiny_model_dir, prompt_file, tmp_path):
         "rollout.env=tests.conftest:tool_env",
         "rollout.max_turns=2",
         "rollout.stop_strings=e",  # in most of the tiny vocabulary's words
-        "reward.scorer=tests.conftest:length_judge",  # the transcript's length: groups that differ
+        # the transcript's length (groups that differ), from a reward that reads env_replies
+        "reward.scorer=tests.conftest:replies_judge",
+        "eval.judge=tests.conftest:replies_judge",
     ]
     if algo != "ppo":
         args.append("rollout.group_size=2")
@@ -122,6 +124,10 @@ def test_chat_tool_turns_end_to_end(algo, chat_model_dir, chat_prompt_file, tmp_
             ],
             "rollout.stop_strings",
         ),
+        (  # YAML cannot read '[=]' ('=' is one of its tags): it was the literal stop string '[=]'
+            ["rollout.env=tests.conftest:tool_env", "rollout.max_turns=2", "rollout.stop_strings=[=]"],
+            "rollout.stop_strings",
+        ),
         (
             [
                 "rollout.env=tests.conftest:tool_env",
@@ -155,13 +161,16 @@ def test_the_calculator_example_tool_and_reward():
         calculator("", " calc(9 * 12)", 0) == " -> 108\n" and calculator("", " calc(5 - 7)", 0) == " -> -2\n"
     )
     assert calculator("", " 75 (done)", 0) is None  # the turn did not end with a call: the episode ends
-    assert final_answer(" calc(58 + 17) -> 75\n80 + 1") == "75"  # the tool's answer, not what follows
-    assert final_answer(" 75\n") == "75" and final_answer(" no") is None  # no call: the leading integer
-    assert answer_reward([" calc(58 + 17) -> 75\n", " calc(58 + 18) -> 76\n", " 75"], ["75"] * 3) == [
-        1.0,
-        0.0,
-        1.0,
-    ]
+    # the tool's answer, not what follows it
+    assert final_answer(" calc(58 + 17) -> 75\n80 + 1", [" -> 75\n"]) == "75"
+    assert (
+        final_answer(" 75\n", []) == "75" and final_answer(" no", []) is None
+    )  # no call: the leading integer
+    # a policy that writes the tool's "-> 75" itself, the tool never called: not the tool's answer
+    assert final_answer(" calc(58 + 17 -> 75", []) is None
+    completions = [" calc(58 + 17) -> 75\n", " calc(58 + 18) -> 76\n", " 75", " calc(58 + 17 -> 75"]
+    replies = [[" -> 75\n"], [" -> 76\n"], [], []]
+    assert answer_reward(completions, ["75"] * 4, env_replies=replies) == [1.0, 0.0, 1.0, 0.0]
 
 
 def test_the_calculator_examples_chat_tool_and_reward():
@@ -201,6 +210,33 @@ def test_the_report_marks_what_the_environment_wrote(tmp_path):
     (tmp_path / "config.yaml").write_text("train:\n  algo: grpo\n")
     page = write_report(tmp_path).read_text()
     assert "<mark title='environment'> -&gt; 3\n</mark>" in page and "<th>env_tokens</th>" in page
+
+
+def test_chat_rows_are_read_by_their_messages():
+    """A chat row's tool message is marked by its role, not by searching its text in the
+    transcript (a tool's "8" would match the "8" of "calc(8 + 0)"); the contents read one per
+    line, so the tool's 78 and the answer 78 do not run together as 7878; the console's sample
+    table marks the environment's text in ⟦ ⟧ too, and the report shows a conversation's
+    messages, not their Python repr."""
+    from tether.analysis.report import marked_response as html_marked
+    from tether.analysis.report import shown_prompt
+    from tether.judges.contract import completion_texts
+    from tether.run.metrics import marked_response, sample_table
+
+    messages = [
+        {"role": "assistant", "content": "calc(8 + 0)"},
+        {"role": "tool", "content": "8"},
+        {"role": "assistant", "content": "8"},
+    ]
+    row = {"response": completion_texts([messages])[0], "messages": messages, "env": ["8"]}
+    assert row["response"] == "calc(8 + 0)\n8\n8"
+    assert marked_response(row) == "calc(8 + 0)\n⟦8⟧\n8"
+    assert html_marked(row) == "calc(8 + 0)\n<mark title='environment'>8</mark>\n8"
+    raw = {"response": " calc(1 + 2) -> 3\n3", "env": [" -> 3\n"]}
+    assert marked_response(raw) == " calc(1 + 2)⟦ -> 3\n⟧3"
+    table = sample_table([{**raw, "prompt": "1 + 2 =", "score": 1.0, "kl": 0.0, "reward": 1.0}])
+    assert "calc(1 + 2)⟦ -> 3 ⟧3" in table  # newlines shown as spaces in the table
+    assert shown_prompt([{"role": "user", "content": "1 + 2 ="}]) == "user: 1 + 2 ="
 
 
 def tool_that_needs_an_answer(prompt, completion, turn, answer):
@@ -267,3 +303,91 @@ def test_a_resume_that_changes_the_environment_evaluates_the_reference_again(
     assert ev["reference"]["proxy_mean"] == pytest.approx(
         sum(never["scores"]["proxy"]) / len(never["scores"]["proxy"])
     )
+
+
+def test_an_environments_random_draws_are_seeded_kept_from_evaluation_and_resumed(
+    tiny_model_dir, prompt_file, tmp_path
+):
+    """An environment drawing from Python's and NumPy's global generators gets the numbers an
+    uninterrupted run without evaluations gets: periodic evaluations (which call it too) draw from
+    forked generators, and a checkpoint keeps NumPy's state beside Python's and torch's."""
+    tool = ["rollout.env=tests.conftest:random_tool_env", "rollout.max_turns=2", "rollout.stop_strings=e"]
+    small = ["rollout.max_new_tokens=32", "train.sample_every=1", "eval.periodic_prompts=4"]
+
+    def run(out, *extra):
+        assert main(_tiny_args(tiny_model_dir, prompt_file, out) + tool + small + list(extra)) == 0
+
+    def tool_texts(out) -> list[list[str]]:
+        rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+        return [r["env"] for r in rows]
+
+    evaluated, resumed = tmp_path / "evaluated", tmp_path / "resumed"
+    run(evaluated, "train.steps=2", "eval.every=1")  # evaluations before and between the steps
+    run(resumed, "train.steps=1", "eval.every=0", "train.checkpoint_every=1")
+    assert main(["train", "--resume", str(resumed), "train.steps=2"]) == 0
+    want = tool_texts(evaluated)
+    assert sum(bool(e) for e in want) >= 4, "the test needs rows that called the tool"
+    assert tool_texts(resumed) == want
+
+
+def test_a_reward_taking_env_replies_needs_an_environment():
+    """Checked before any model loads: a reward naming env_replies in a run without rollout.env
+    would fail at its first call; a dataset column of that name would be shadowed by them."""
+    from tests.conftest import make_tokenizer
+    from tether.data.prompts import PromptData
+    from tether.run.config import load_config
+    from tether.run.setup import check_env_format, check_scorer_columns
+
+    def reward(completions, env_replies, **kwargs):
+        return [0.0] * len(completions)
+
+    with pytest.raises(ValueError, match="takes env_replies.*has no rollout.env"):
+        check_scorer_columns(reward, {})
+    check_scorer_columns(reward, {}, multi_turn=True)
+    config = load_config(
+        None, ["rollout.env=tests.conftest:tool_env", "rollout.max_turns=2", "rollout.stop_strings=e"]
+    )
+    rows = PromptData(["the movie"], {"env_replies": ["x"]})
+    with pytest.raises(ValueError, match="a column is named 'env_replies'"):
+        check_env_format(config, make_tokenizer(), parts=(rows,))
+
+
+def test_an_environment_passed_from_python(tiny_model_dir, prompt_file, tmp_path, capsys):
+    """TRL takes its tools as objects; tether.train takes the environment as one too, as
+    train(config, env=f) or config.rollout.env = f (a TRL habit that was refused as "must be
+    module:function"). config.yaml names it, so a resume from the command line asks for it by
+    name and writes nothing; from Python with env= it goes on."""
+    from tests.conftest import tool_env
+    from tether import load_config, train
+
+    out = tmp_path / "run"
+    args = _tiny_args(tiny_model_dir, prompt_file, out)[1:] + [
+        "train.steps=1",
+        "train.checkpoint_every=1",
+        "rollout.max_new_tokens=12",
+    ]
+    config = load_config(None, args)
+    # Python edits, checked whole when the run starts (a loaded max_turns=2 needs an environment)
+    config.rollout.env = lambda prompt, completion, turn, **columns: tool_env(prompt, completion, turn)
+    config.rollout.max_turns, config.rollout.stop_strings = 2, ["e"]
+    with pytest.raises(ValueError, match="both give the environment"):
+        train(config, env=tool_env)
+    assert not out.exists()
+    run_dir = train(config)
+    recorded = (run_dir / "config.yaml").read_text()
+    assert (
+        "env: (from Python) tests.e2e.test_turns:test_an_environment_passed_from_python.<locals>.<lambda>"
+        in recorded
+    )
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert any(s["env"] == [" [tool: 42]"] for s in samples), "the test needs rows that called the tool"
+    before = sorted(p.name for p in run_dir.rglob("*"))
+    assert main(["train", "--resume", str(run_dir), "train.steps=2"]) == 1
+    err = capsys.readouterr().err
+    assert "rollout.env: this run's environment was passed from Python" in err and "env=..." in err
+    assert sorted(p.name for p in run_dir.rglob("*")) == before  # nothing written, nothing lost
+    resumed = load_config(str(run_dir / "config.yaml"), ["train.steps=2", f"train.output_dir={run_dir}"])
+    assert train(resumed, env=tool_env, resume=True) == run_dir
+    rows = metric_rows(run_dir)
+    assert [r["step"] for r in rows] == [0, 1] and rows[1]["rollout/env_tokens"] >= 0
+    assert "env: (from Python) tests.conftest:tool_env" in (run_dir / "config.yaml").read_text()

@@ -202,6 +202,36 @@ def test_plain_scorers_and_kwargs_only_functions_keep_working():
     assert checked_scores(ids_only, ["ab", "abcd"], 0, completion_ids=[[1], [1, 2, 0]]) == [1.0, 3.0]
 
 
+def test_a_reward_gets_the_environments_replies_when_it_asks_for_them():
+    """env_replies (tether's, multi-turn only): a function naming it gets the B lists, one taking
+    **kwargs gets them too, through a reward list as well; one naming it in a single-turn call is
+    an error that says where they come from; a plain scorer never sees them."""
+    from tether.judges.scorers import make_scorer
+
+    replies = [[" -> 75\n"], []]
+
+    def tool_answer(completions, env_replies, **kwargs):
+        # 1.0 where the tool answered: the reward reads what the environment wrote, not the text
+        return [1.0 if r else 0.0 for r in env_replies]
+
+    def kwargs_only(completions, **kwargs):
+        return [float(len(r)) for r in kwargs["env_replies"]]
+
+    def plain(texts):
+        return [0.5] * len(texts)
+
+    texts = [" calc(58 + 17) -> 75\n", " calc(58 + 17 -> 75"]  # the second wrote the arrow itself
+    assert checked_scores(tool_answer, texts, 0, ["p", "q"], env_replies=replies) == [1.0, 0.0]
+    assert checked_scores(kwargs_only, texts, 0, ["p", "q"], env_replies=replies) == [1.0, 0.0]
+    assert checked_scores(plain, texts, 0, env_replies=replies) == [0.5, 0.5]
+    both = make_scorer([tool_answer, plain], [1.0, 2.0])  # 1 * tool + 2 * 0.5
+    assert checked_scores(both, texts, 0, ["p", "q"], env_replies=replies) == [2.0, 1.0]
+    with pytest.raises(ValueError, match=r"takes \['env_replies'\].*multi-turn rollout only: rollout.env"):
+        checked_scores(tool_answer, texts, 0, ["p", "q"])
+    with pytest.raises(ValueError, match="2 env_replies came with the 1 texts"):
+        checked_scores(tool_answer, texts[:1], 0, ["p"], env_replies=replies)
+
+
 def test_weights_for_a_python_reward_list():
     """``reward.weights`` with reward.scorer unset is counted against the scorers passed from
     Python (they are built with it), not against the config's default scorer; a count that does

@@ -208,7 +208,7 @@ def test_chat_turns_put_the_tools_reply_in_the_template():
         msgs = ro.messages[b]
         assert [m["role"] for m in msgs] == ["assistant", "tool", "assistant"], msgs
         assert msgs[1]["content"] == "42" and ro.env_texts[b] == ["42"]
-        assert ro.responses[b] == "".join(m["content"] for m in msgs)
+        assert ro.responses[b] == "\n".join(m["content"] for m in msgs)  # one per line
         # the context is the template's rendering: prompt, first turn, tool message, next turn
         rendered = tok.apply_chat_template(
             CONVERSATIONS[b] + msgs[:2], tokenize=False, add_generation_prompt=True
@@ -271,7 +271,10 @@ def test_a_chat_reply_that_does_not_fit_is_dropped_whole():
         seeds=list(range(4)),
     )  # fmt: skip
     assert not ro.env_mask.any() and ro.env_texts == [[]] * 4
-    assert ro.messages == [[{"role": "assistant", "content": ""}]] * 4 and ro.ended.all()
+    assert ro.messages == [[{"role": "assistant", "content": ""}]] * 4
+    # the environment answered and the budget dropped its reply: cut, not ended (the old code
+    # counted these in response/eos_fraction as ended)
+    assert not ro.ended.any()
 
 
 def test_chat_formats_that_cannot_be_exact_are_refused(tiny_tokenizer, tiny_lm):
@@ -449,6 +452,39 @@ def test_a_metaspace_tokenizer_appends_the_tools_text_without_a_space():
     assert called >= 2, "the test needs rows that called the tool"
 
 
+def test_a_stop_string_with_a_leading_space_stops_a_turns_first_token():
+    """A SentencePiece tokenizer decodes a sequence's first token without its word-start space, so
+    a turn's new tokens decoded alone read "movie was" where the context reads "the movie was":
+    the stop string " movie" was missed when the turn began with it, the environment never
+    called. The turn's text is now read after its context, in the sampler and in the rollout."""
+    from tests.conftest import make_tiny_llama
+    from tether.models.sampling import _StopAfterText
+    from tether.models.turns import _stop_at
+
+    tok = metaspace_tokenizer()
+    context = tok("the", add_special_tokens=False)["input_ids"]
+    new = tok(" movie was", add_special_tokens=False)["input_ids"]
+    assert tok.convert_ids_to_tokens(new) == ["▁movie", "▁was"] and tok.decode(new[:1]) == "movie"
+    assert _stop_at(tok, context, new, [" movie"]) == 1 and _stop_at(tok, context, new, [" was"]) == 2
+    row = torch.tensor([context + new[:1]])
+    assert _StopAfterText(tok, [" movie"], len(context))(row, None).tolist() == [True]
+    # every turn's first token that starts a word holds a space: with stop string " ", every such
+    # turn stops at its first token and the environment answers it
+    lm = make_tiny_llama(len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    ro = generate_turns(
+        lm, tok, PROMPTS * 2, lambda turn, **kw: "5" if turn == 0 else None,
+        max_turns=2, max_new_tokens=12, temperature=1.0, seeds=list(range(8)), stop_strings=[" "],
+    )  # fmt: skip
+    first_word = 0
+    for b in range(8):
+        own = ro.response_ids[b][ro.response_mask[b]].tolist()
+        pieces = tok.convert_ids_to_tokens(own)
+        if pieces[0].startswith("▁"):
+            first_word += 1
+            assert ro.env_texts[b] == ["5"] and not ro.response_mask[b, 1], (b, pieces)
+    assert first_word >= 2, "the test needs turns whose first token starts a word"
+
+
 def test_a_chat_turn_ended_by_another_end_id_ends_the_episode():
     """The policy ending its turn with <eos> where the template closes an assistant's message with
     <|im_end|>: the framing appended after it read '...<eos><|im_end|>\\n<|im_start|>tool', which
@@ -472,3 +508,20 @@ def test_a_chat_turn_ended_by_another_end_id_ends_the_episode():
     assert last == [tok.eos_token_id] * 4, "the test needs turns ended by <eos>"
     assert not calls and not ro.env_mask.any() and ro.ended.all()
     assert [[m["role"] for m in msgs] for msgs in ro.messages] == [["assistant"]] * 4
+
+
+def test_chat_turns_whose_close_is_not_an_end_id_need_stop_strings():
+    """A Qwen base model lists only <|endoftext|> as its end id, while its template closes an
+    assistant's message with <|im_end|>: without stop strings a turn ran past <|im_end|>, ended at
+    <|endoftext|>, which ends the episode, and the run trained with an environment that never
+    answered (rollout/env_tokens 0). Refused by name; a stop string makes it callable."""
+    from tests.conftest import make_chat_tokenizer, make_tiny_llama
+
+    tok = make_chat_tokenizer()
+    lm = make_tiny_llama(len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    lm.generation_config.eos_token_id = tok.eos_token_id  # <|im_end|> is no end id here
+    kw = dict(max_turns=2, max_new_tokens=12, temperature=1.0, seeds=list(range(4)))
+    with pytest.raises(ValueError, match=r"rollout.stop_strings is empty.*'<\|im_end\|>' \(id 301\)"):
+        generate_turns(lm, tok, CONVERSATIONS, recording_env([]), **kw)
+    generate_turns(lm, tok, CONVERSATIONS, recording_env([]), stop_strings=["e"], **kw)
+    generate_turns(lm, tok, CONVERSATIONS, recording_env([]), **{**kw, "max_turns": 1})  # no env call

@@ -27,6 +27,7 @@ from tether.core.bestofn import bon_kl_bound, bon_kl_empirical, bon_scores
 from tether.judges.contract import Scorer, checked_scores
 from tether.run.config import Config
 from tether.run.files import read_jsonl
+from tether.run.rngs import forked_rngs
 
 FIT_MIN_POINTS = 6
 """Below this many points with KL > 0, a fit's legend says it is illustrative only."""
@@ -80,8 +81,7 @@ def best_of_n_points(
     m = max(ns)
     env = load_env(c.rollout.env) if c.rollout.env else None
     P, G, texts = [], [], []
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(c.eval.seed)
+    with forked_rngs(c.eval.seed):
         per = max(1, c.eval.batch_size // m)
         for i in range(0, len(prompts), per):
             batch = prompts.select([j for j in range(i, min(i + per, len(prompts))) for _ in range(m)])
@@ -121,6 +121,7 @@ def best_of_n_points(
                         completion_ids=ro.completion_ids,
                         state=state,
                         completions=ro.messages,
+                        env_replies=ro.env_texts,
                     ),
                     device="cpu",
                 ).view(-1, m)
@@ -137,6 +138,7 @@ def best_of_n_points(
                         completion_ids=ro.completion_ids,
                         state=state,
                         completions=ro.messages,
+                        env_replies=ro.env_texts,
                     ),
                     device="cpu",
                 ).view(-1, m)

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from tether.run.files import read_jsonl
+from tether.run.metrics import response_pieces
 
 
 def _img(path: Path) -> str:
@@ -26,16 +27,25 @@ class _Html(str):
 
 
 def marked_response(row: dict) -> str:
-    """A samples.jsonl row's response as HTML, each text the environment wrote (its ``env`` list, a
-    multi-turn rollout's) inside ``<mark>``; a row without ``env`` escaped as it is."""
-    text, out, at = str(row.get("response", "")), [], 0
-    for piece in row.get("env") or []:
-        i = text.find(piece, at) if piece else -1
-        if i < 0:
-            continue
-        out += [html.escape(text[at:i]), f"<mark title='environment'>{html.escape(piece)}</mark>"]
-        at = i + len(piece)
-    return _Html("".join(out) + html.escape(text[at:]))
+    """A samples.jsonl row's response as HTML, each text the environment wrote inside ``<mark>``
+    (:func:`tether.run.metrics.response_pieces`: a chat row's tool messages, a raw row's ``env``
+    texts); a single-turn row escaped as it is."""
+    return _Html(
+        "".join(
+            f"<mark title='environment'>{html.escape(t)}</mark>" if env else html.escape(t)
+            for t, env in response_pieces(row)
+        )
+    )
+
+
+def shown_prompt(prompt) -> str:
+    """A prompt as a reader sees it: a text as it is, a conversation one ``role: content`` line per
+    message (not the Python repr of its dicts)."""
+    if isinstance(prompt, list):
+        return "\n".join(
+            f"{m.get('role', '?')}: {m.get('content', '')}" for m in prompt if isinstance(m, dict)
+        )
+    return str(prompt)
 
 
 def _table(rows: list[dict], cols: list[str]) -> str:
@@ -136,10 +146,14 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
         picks = dict.fromkeys([steps[0], steps[len(steps) // 2], steps[-1]])
         parts.append("<h2>Samples (start, middle, end)</h2>")
         for st in picks:
-            rows = [{**s, "response": marked_response(s)} for s in samples if s["step"] == st][:8]
+            rows = [
+                {**s, "prompt": shown_prompt(s["prompt"]), "response": marked_response(s)}
+                for s in samples
+                if s["step"] == st
+            ][:8]
             cols = ["prompt", "response", "score", "gold", "kl", "reward"]
             if any("env" in r for r in rows):  # a multi-turn run: the environment's text is marked
-                cols += ["policy_tokens", "env_tokens"]
+                cols += ["policy_tokens", "env_tokens", "ended"]
             parts.append(f"<h3>step {st}</h3>" + _table(rows, cols))
     parts.append(f"<h2>Config</h2><pre>{html.escape(config)}</pre>")
     style = (

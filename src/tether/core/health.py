@@ -334,7 +334,32 @@ def logprob_mismatch(history: list[dict], t: HealthThresholds) -> Alarm | None:
     )
 
 
+ENV_SILENT_STEPS = 2
+"""Steps with no environment token at all before :func:`env_never_answered` fires: the first
+step's samples alone may not call a tool by chance; two in a row without one usually mean a stop
+string no turn writes."""
+
+
+def env_never_answered(history: list[dict], t: HealthThresholds) -> Alarm | None:
+    """A multi-turn run (``rollout/env_tokens`` logged) whose environment has not written a
+    token in any step so far, after :data:`ENV_SILENT_STEPS` steps: it trains single-turn while
+    set up for tools. Silent once any step had an environment token."""
+    s = _series(history, "rollout/env_tokens")
+    if len(s) < ENV_SILENT_STEPS or any(v > 0 for _, v in s):
+        return None
+    return Alarm(
+        "env_never_answered",
+        s[-1][0],
+        f"rollout.env wrote no token in the {len(s)} steps so far (rollout/env_tokens 0)",
+        "no policy turn ended at one of rollout.stop_strings (a stop string the policy never writes, "
+        "or one the CLI read otherwise), or the environment returned None to every turn",
+        "compare rollout.stop_strings with the policy's turns in samples.jsonl; show the policy a call "
+        "in the prompts (worked examples), or check what the environment returns",
+    )
+
+
 RULES: dict[str, Callable[[list[dict], HealthThresholds], Alarm | None]] = {
+    "env_never_answered": env_never_answered,
     "kl_exploding": kl_exploding,
     "kl_stuck": kl_stuck,
     "entropy_collapse": entropy_collapse,

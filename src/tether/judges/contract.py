@@ -13,10 +13,16 @@ call one (``_calculate_rewards``)::
   for conversations each is ``[{"role": "assistant", "content": text}]``, the one-message list TRL
   builds (:func:`trl_completions`); a multi-turn rollout through the chat template passes its
   messages, assistant and ``tool`` in turn, as TRL's tool loop does.
-* ``completion_ids``: the sampled token ids of each response, a ``list[list[int]]`` up to and
+* ``completion_ids``: the token ids of each response, a ``list[list[int]]`` up to and
   including the first end token (EOS or another of the model's end ids), no padding: TRL's
-  ``completion_ids_list``, i.e. ``response_ids[response_mask]`` row by row.
+  ``completion_ids_list``, i.e. ``response_ids[response_mask]`` row by row; in a multi-turn
+  rollout the whole transcript, the environment's tokens between the policy's included
+  (``response_mask | env_mask``), as TRL's tool loop passes them.
 * every dataset column of the prompts' rows (one value per sample), by name;
+* ``env_replies`` (tether's, in a multi-turn rollout only, :data:`ENV_REPLIES`): B lists of the
+  texts the environment wrote after the policy's turns, in order, as appended (a raw reply cut at
+  the token budget is cut here too). A raw transcript is one string, so this is how a reward tells
+  a tool's answer from text the policy wrote to look like one;
 * ``trainer_state``: a ``transformers.TrainerState`` (:func:`trainer_state`; ``global_step``,
   ``max_steps``, ``epoch``), ``log_extra(column, values)`` and ``log_metric(name, value)``
   (:class:`RewardLog`).
@@ -45,6 +51,12 @@ FLOAT32_MAX = 3.4028234663852886e38
 TRL_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
 """The keywords TRL 1.16 passes every reward function besides the dataset columns
 (``GRPOTrainer._calculate_rewards``; RLOO's is the same): a dataset column never replaces one."""
+
+
+ENV_REPLIES = "env_replies"
+"""The keyword a multi-turn rollout's environment texts reach a reward under (module docstring);
+not TRL's (its tool runs pass messages, whose roles tell the tool's text apart). A dataset column
+of this name is refused (:func:`tether.models.turns.env_column_names`' caller)."""
 
 
 class ScorerStopped(RuntimeError):
@@ -135,8 +147,10 @@ def trl_completions(prompts: Sequence | None, texts: list[str]) -> list:
 
 def completion_texts(completions: Sequence) -> list[str]:
     """The texts of :func:`trl_completions`' ``completions``: a string is itself, a message list
-    the contents of its messages joined (one assistant message: its content)."""
-    return [c if isinstance(c, str) else "".join(str(m.get("content", "")) for m in c) for c in completions]
+    the contents of its messages, one per line (one assistant message: its content; a tool run's
+    ``[assistant, tool, assistant]``: three lines, so that a tool's ``78`` and the answer ``78``
+    after it do not read ``7878``)."""
+    return [c if isinstance(c, str) else "\n".join(str(m.get("content", "")) for m in c) for c in completions]
 
 
 def trainer_state(global_step: int = 0, max_steps: int = 0, epoch: float = 0.0, **fields):
@@ -210,10 +224,12 @@ def _keywords(
     state=None,
     reward_log: RewardLog | None = None,
     completions: list | None = None,
+    env_replies: Sequence[Sequence[str]] | None = None,
 ) -> dict:
     """The keyword arguments of a TRL-style call (module docstring): TRL's own arguments, then
-    every dataset column the function names (all of them when it takes ``**kwargs``).
-    ``completions`` given (a multi-turn rollout's messages) replaces :func:`trl_completions`."""
+    every dataset column the function names (all of them when it takes ``**kwargs``), and
+    :data:`ENV_REPLIES` the same way when given. ``completions`` given (a multi-turn rollout's
+    messages) replaces :func:`trl_completions`."""
     params = inspect.signature(scorer).parameters
     takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     reward_log = reward_log if reward_log is not None else RewardLog()
@@ -229,6 +245,8 @@ def _keywords(
     for name, values in (columns or {}).items():
         if name not in TRL_ARGUMENTS and (takes_all or name in params):
             kw[name] = list(values)
+    if env_replies is not None and (takes_all or ENV_REPLIES in params):
+        kw[ENV_REPLIES] = [list(r) for r in env_replies]
     if not takes_all:
         kw = {k: v for k, v in kw.items() if k in params}
     needed = [
@@ -240,11 +258,14 @@ def _keywords(
     if missing:
         have = [k for k in ("prompts", "completions", "completion_ids") if k in kw and kw[k] is not None]
         have += ["trainer_state", "log_extra", "log_metric", *sorted(columns or {})]
+        have += [ENV_REPLIES] if env_replies is not None else []
         hint = ""
         if "prompts" in missing:
             hint = f" (it takes prompts, and none came with the {len(texts)} texts)"
         elif "completion_ids" in missing:
             hint = f" (it takes completion_ids, and no token ids came with the {len(texts)} texts)"
+        elif ENV_REPLIES in missing:
+            hint = " (env_replies come with a multi-turn rollout only: rollout.env)"
         raise ArgumentError(f"it takes {missing}, and the call has {have}{hint}")
     return kw
 
@@ -261,6 +282,7 @@ def checked_scores(
     state=None,
     reward_log: RewardLog | None = None,
     completions: list | None = None,
+    env_replies: Sequence[Sequence[str]] | None = None,
 ) -> list[float]:
     """Call ``scorer`` as TRL calls a reward function (module docstring), and validate its
     output: one finite float per text.
@@ -276,15 +298,17 @@ def checked_scores(
         allow_none: a score may be None (a reward that does not apply to that sample, as in TRL);
             it comes back as NaN.
         completion_ids: B lists of token ids (the sampled response up to and including its first
-            end token, no padding), or None when the call has only texts (a function that needs
-            them is then an error).
+            end token, no padding; multi-turn, the environment's tokens included), or None when
+            the call has only texts (a function that needs them is then an error).
         state: the ``trainer_state`` (:func:`trainer_state`); None passes
             ``trainer_state(global_step=step)`` (step 0 for a phrase), ``max_steps=0``.
         reward_log: collects ``log_metric`` and ``log_extra`` calls; None drops them.
         completions: what a TRL-style function gets as ``completions`` when it is not
             :func:`trl_completions` of ``texts``: B message lists of a multi-turn rollout through
             the chat template (:attr:`tether.models.sampling.Rollout.messages`; ``texts`` are then
-            their contents joined), or None.
+            their contents one per line), or None.
+        env_replies: a multi-turn rollout's environment texts, B lists (:data:`ENV_REPLIES`),
+            or None (a single-turn rollout: a function that needs them is then an error).
 
     Returns:
         B Python floats (NaN where a score was None and ``allow_none``).
@@ -303,6 +327,8 @@ def checked_scores(
                 raise ValueError(f"{len(completion_ids)} completion_ids came with the {len(texts)} texts")
             if completions is not None and len(completions) != len(texts):
                 raise ValueError(f"{len(completions)} completions came with the {len(texts)} texts")
+            if env_replies is not None and len(env_replies) != len(texts):
+                raise ValueError(f"{len(env_replies)} env_replies came with the {len(texts)} texts")
             if state is None:
                 state = trainer_state(step if isinstance(step, int) else 0)
             raw = scorer(
@@ -315,6 +341,7 @@ def checked_scores(
                     state=state,
                     reward_log=reward_log,
                     completions=completions,
+                    env_replies=env_replies,
                 )
             )
         else:

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 from tether.judges.contract import Scorer, WeightedReward, completion_texts, is_conversational
 from tether.judges.vader import vader_scorer
+from tether.models.callables import PASSED_FROM_PYTHON
 
 
 class RewardModelScorer:
@@ -285,7 +286,7 @@ def make_scorer(spec, weights: Sequence[float] | None = None, device=None) -> Sc
     )
 
 
-PYTHON_SCORER = "(from Python)"
+PYTHON_SCORER = PASSED_FROM_PYTHON
 """The prefix config.yaml records for a reward passed as an object (``train(config, scorer=f)``)."""
 
 

@@ -7,6 +7,17 @@ import os
 import sys
 from collections.abc import Callable
 
+PASSED_FROM_PYTHON = "(from Python)"
+"""The prefix config.yaml records for a callable passed as an object (``train(config, env=f)``,
+``scorer=f``): no spec builds it, so a resume without the object asks for it."""
+
+
+def python_object_spec(obj) -> str:
+    """What config.yaml records for a callable passed from Python: :data:`PASSED_FROM_PYTHON`
+    and ``module:qualname`` (an instance's class), e.g. ``(from Python) mytools:adder``."""
+    named = obj if hasattr(obj, "__qualname__") else type(obj)
+    return f"{PASSED_FROM_PYTHON} {getattr(named, '__module__', '?')}:{named.__qualname__}"
+
 
 def import_callable(spec: str, field_name: str) -> Callable:
     """The callable ``spec`` names, ``module:function``, imported as ``python -m tether`` would:

@@ -45,9 +45,13 @@ class Rollout:
         prompts: B prompt strings.
         prompt_ids: (B, P) long, left-padded.
         prompt_mask: (B, P) long, 0 on padding.
-        response_ids: (B, R) long; slots after the first EOS hold the pad token.
-        response_mask: (B, R) bool, True up to and including the first EOS.
-        responses: B decoded responses (up to, not including, EOS).
+        response_ids: (B, R) long; slots after the response (its first EOS, or a multi-turn
+            episode's end) hold the pad token.
+        response_mask: (B, R) bool, True on the tokens the policy sampled: up to and including
+            the first EOS (a prefix of the row); multi-turn, False also on the environment's
+            tokens between the policy's turns (``env_mask``), a mask with holes.
+        responses: B decoded responses (up to, not including, EOS); multi-turn, the whole
+            transcript, the environment's text included.
         ended: (B,) bool, True where the response ended with EOS (not cut at the length cap);
             multi-turn, where the episode ended on its own (an end id, or the environment's
             None), not at a limit (:func:`tether.models.turns.generate_turns`).
@@ -392,14 +396,45 @@ def end_token_ids(tokenizer, lm: nn.Module | None = None) -> list[int]:
     return ids
 
 
+STOP_ANCHOR_TOKENS = 16
+"""Context tokens decoded before a turn's new tokens when a stop string is searched in them
+(:func:`new_text`): a tokenizer's decoding is local past a sequence's first token, so these stand
+for the whole context at a cost that does not grow with it."""
+
+
+def new_text(
+    tokenizer, context: Sequence[int], ids: Sequence[int], *, skip_special_tokens: bool = False
+) -> str:
+    """The text ``ids`` add after ``context``: ``decode(context + ids)`` less ``decode(context)``.
+
+    Decoding ``ids`` alone is not that text for a SentencePiece (Metaspace) tokenizer: it drops the
+    word-start space of a sequence's first token, so ``"▁Answer"`` reads ``"Answer"`` at a turn's
+    start and a stop string ``" Answer"`` would be missed there. Falls back to ``decode(ids)`` only
+    where ``decode(context)`` is not a prefix of ``decode(context + ids)`` (a character whose
+    bytes straddle the boundary).
+    """
+    kw = {"skip_special_tokens": skip_special_tokens, "clean_up_tokenization_spaces": False}
+    head = tokenizer.decode(list(context), **kw)
+    whole = tokenizer.decode([*context, *ids], **kw)
+    return whole[len(head) :] if whole.startswith(head) else tokenizer.decode(list(ids), **kw)
+
+
+def stop_text(tokenizer, context: Sequence[int], ids: Sequence[int]) -> str:
+    """The text a stop string is searched in: ``ids`` as they read after the last
+    :data:`STOP_ANCHOR_TOKENS` tokens of ``context`` (special tokens kept)."""
+    return new_text(tokenizer, list(context)[-STOP_ANCHOR_TOKENS:], ids)
+
+
 class _StopAfterText(StoppingCriteria):
-    """Stops a row once the text of its new tokens (not its context's) contains a stop string."""
+    """Stops a row once the text of its new tokens (not its context's) contains a stop string,
+    read as they follow the context (:func:`stop_text`)."""
 
     def __init__(self, tokenizer, stop_strings: Sequence[str], context_len: int):
         self.tokenizer, self.stop_strings, self.context_len = tokenizer, list(stop_strings), context_len
 
     def __call__(self, input_ids: Tensor, scores: Tensor, **kwargs) -> Tensor:
-        texts = self.tokenizer.batch_decode(input_ids[:, self.context_len :], skip_special_tokens=False)
+        rows = input_ids.tolist()
+        texts = [stop_text(self.tokenizer, r[: self.context_len], r[self.context_len :]) for r in rows]
         done = [any(s in t for s in self.stop_strings) for t in texts]
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 

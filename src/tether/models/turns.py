@@ -33,12 +33,14 @@ from typing import Literal
 import torch
 from torch import nn
 
-from tether.models.callables import import_callable
+from tether.models.callables import PASSED_FROM_PYTHON, import_callable
 from tether.models.sampling import (
     CHAT_TEMPLATE_FLAG,
     Rollout,
     end_token_ids,
+    new_text,
     sample_tokens,
+    stop_text,
     tokenize_prompts,
 )
 
@@ -55,18 +57,32 @@ ENV_ARGUMENTS = ("prompt", "completion", "turn")
 passed (a prompt-completion dataset's ``completion`` column, as TRL leaves its ``prompt`` and
 ``completion`` columns out of a reward function's keywords)."""
 
+ENV_TEXT = "rollout.env's text"
+"""How an error names a raw reply (:func:`continuation_ids`)."""
+
 TOOL_ROLE = "tool"
 """The role of the environment's messages in the chat format (TRL's and transformers' role for a
 tool's output)."""
 
 
-def load_env(spec: str) -> EnvFn:
+def load_env(spec: str | EnvFn) -> EnvFn:
     """The environment ``rollout.env`` names, ``module:function``
-    (:func:`tether.models.callables.import_callable`: the working directory is on the path).
+    (:func:`tether.models.callables.import_callable`: the working directory is on the path), or
+    the callable itself when given one.
 
     Raises:
-        ValueError: it cannot be imported or is not callable (the spec and the fix named).
+        ValueError: it cannot be imported or is not callable (the spec and the fix named); a run's
+            environment that was passed from Python (``(from Python) ...``, which no spec rebuilds).
     """
+    if callable(spec):
+        return spec
+    if spec.startswith(PASSED_FROM_PYTHON):
+        raise ValueError(
+            f"rollout.env: this run's environment was passed from Python "
+            f"({spec.removeprefix(PASSED_FROM_PYTHON).strip()}), so config.yaml cannot rebuild it; "
+            "resume from Python with tether.train(config, env=..., resume=True), or name one: "
+            "--resume RUN rollout.env=module:function"
+        )
     return import_callable(spec, "rollout.env")
 
 
@@ -143,16 +159,12 @@ def continuation_ids(tokenizer, context: list[int], text: str, what: str) -> lis
     raise ValueError(
         f"{what} {text[:80]!r}: the tokenizer of model.name does not append it to the context exactly "
         f"(the context then reads {decode(context + encode(text))[len(head) - 20 :][:120]!r}); "
-        "change the text's first characters, or use rollout.env_format=raw"
+        + (
+            "change the first characters of the environment's text"
+            if what == ENV_TEXT
+            else "change the first characters of the tool's reply, or use rollout.env_format=raw"
+        )
     )
-
-
-def appended_text(tokenizer, context: list[int], ids: list[int]) -> str:
-    """The text ``ids`` add after ``context`` (a leading space a SentencePiece token holds is
-    kept, which decoding ``ids`` alone would drop)."""
-    kw = {"skip_special_tokens": True, "clean_up_tokenization_spaces": False}
-    head = tokenizer.decode(context, **kw)
-    return tokenizer.decode(context + ids, **kw)[len(head) :]
 
 
 def turn_seed(seed: int, turn: int) -> int:
@@ -164,12 +176,13 @@ def turn_seed(seed: int, turn: int) -> int:
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
-def _stop_at(tokenizer, tokens: list[int], stop_strings: Sequence[str]) -> int | None:
-    """The fewest of ``tokens`` whose text contains a stop string, or None."""
+def _stop_at(tokenizer, context: list[int], tokens: list[int], stop_strings: Sequence[str]) -> int | None:
+    """The fewest of ``tokens`` whose text after ``context`` contains a stop string, or None
+    (the text the sampler stopped on: :func:`tether.models.sampling.stop_text`)."""
     if not stop_strings:
         return None
     for k in range(1, len(tokens) + 1):
-        text = tokenizer.decode(tokens[:k], skip_special_tokens=False)
+        text = stop_text(tokenizer, context, tokens[:k])
         if any(s in text for s in stop_strings):
             return k
     return None
@@ -270,6 +283,30 @@ def chat_closing_id(tokenizer, history: list[dict], content: str) -> int | None:
     return ids[0] if ids else None
 
 
+def check_chat_turns_close(tokenizer, prompt, ends: Sequence[int], stop_strings: Sequence[str]) -> None:
+    """Chat turns without stop strings end only at an end id, so the environment answers only if
+    the id the template closes an assistant's message with (:func:`chat_closing_id`) is one.
+
+    Raises:
+        ValueError: no stop strings, and the template's close is not among ``ends`` (a Qwen base
+            model's ``<|im_end|>`` where its generation config lists only ``<|endoftext|>``): a
+            turn would go on past the close, end at another end id, which ends the episode, and
+            the environment would never be called. The fixes named.
+    """
+    if stop_strings:
+        return
+    close = chat_closing_id(tokenizer, prompt_messages(prompt), "2 + 3 =")
+    if close is None or int(close) not in {int(e) for e in ends}:
+        name = tokenizer.convert_ids_to_tokens(int(close)) if close is not None else None
+        raise ValueError(
+            f"rollout.stop_strings is empty, and the chat template closes an assistant's message with "
+            f"{name!r} (id {close}), which is not an end id of generation {list(ends)} (the tokenizer's EOS "
+            "and the model's generation_config.eos_token_id): a policy turn would not end there, so "
+            "rollout.env would never answer. Name the text that ends a policy turn in rollout.stop_strings, "
+            "or add the id to the model's generation_config.eos_token_id"
+        )
+
+
 @torch.no_grad()
 def generate_turns(
     lm: nn.Module,
@@ -313,14 +350,18 @@ def generate_turns(
         environment's texts in order (end ids and the chat template's framing left out): what
         the reward reads; in the chat format ``messages`` holds the same as messages. ``ended``
         is True where the episode ended on its own (the policy's end id, or the environment's
-        None) and False where a limit cut it (the token budget, or ``max_turns`` after a turn
-        that stopped to call the environment).
+        None) and False where a limit cut it (the token budget, a chat reply dropped because it
+        did not fit, or ``max_turns`` after a turn that stopped at a stop string to call the
+        environment). A chat turn the policy closed with an end id at ``max_turns`` counts as
+        ended, as TRL counts a completion that ends with its end token (the environment was not
+        asked whether it would answer).
 
     Raises:
         ValueError: ``max_turns < 1``, a seed count that is not B, ``env`` returning something
             other than a string or None, or special tokens in its text (the row named); a raw row
-            without stop strings (its environment would never be called); the chat format where
-            the template cannot carry it (:func:`chat_turns`, :func:`chat_reply_text`).
+            without stop strings, or chat turns without them whose close is not an end id (its
+            environment would never be called: :func:`check_chat_turns_close`); the chat format
+            where the template cannot carry it (:func:`chat_turns`, :func:`chat_reply_text`).
         RuntimeError: ``env`` raised (or called ``sys.exit``); the row and the turn are named.
     """
     if max_turns < 1:
@@ -335,6 +376,8 @@ def generate_turns(
     passed = env_column_names(env, list(columns))
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, max_prompt_tokens, device)
     ends = end_token_ids(tokenizer, lm)
+    if chat and chat[0] and max_turns > 1:
+        check_chat_turns_close(tokenizer, prompts[0], ends, stop_strings)
     forbidden = special_ids(tokenizer, ends)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else ends[0]
     own = [prompt_ids[b][prompt_mask[b].bool()].tolist() for b in range(B)]  # unpadded prompts
@@ -370,7 +413,7 @@ def generate_turns(
             left = max_new_tokens - len(resp[b])
             tokens = new_ids[i, :left].tolist()
             cut = next((k + 1 for k, t in enumerate(tokens) if t in ends), None)
-            stop = _stop_at(tokenizer, tokens[: cut or len(tokens)], stop_strings)
+            stop = _stop_at(tokenizer, own[b] + resp[b], tokens[: cut or len(tokens)], stop_strings)
             at_end = cut is not None and (stop is None or cut <= stop)
             if at_end:
                 tokens, ended[b] = tokens[:cut], True
@@ -441,16 +484,19 @@ def generate_turns(
                         )
                     env_ids = env_ids[1:]
                 if len(env_ids) > max_new_tokens - len(resp[b]):
-                    done[b] = True  # a tool message is never cut: the episode ends without it
+                    # a tool message is never cut: the episode ends without it, cut at the token
+                    # budget (the environment answered, so it had not ended)
+                    done[b], ended[b] = True, False
                     continue
                 messages[b].append({"role": TOOL_ROLE, "content": reply})
                 ended[b] = False
                 replies[b].append(reply)
             else:
                 context = own[b] + resp[b]
-                env_ids = continuation_ids(tokenizer, context, reply, "rollout.env's text")
+                env_ids = continuation_ids(tokenizer, context, reply, ENV_TEXT)
                 env_ids = env_ids[: max_new_tokens - len(resp[b])]
-                replies[b].append(appended_text(tokenizer, context, env_ids))  # as appended: maybe cut
+                # as appended (maybe cut), a SentencePiece word-start space kept
+                replies[b].append(new_text(tokenizer, context, env_ids, skip_special_tokens=True))
             resp[b] += env_ids
             policy[b] += [False] * len(env_ids)
             logps[b] += [0.0] * len(env_ids)
@@ -467,7 +513,8 @@ def generate_turns(
         env_mask[b, :n] = ~torch.tensor(policy[b], dtype=torch.bool)
         sampler_logprobs[b, :n] = torch.tensor(logps[b], dtype=torch.float32)
     texts = [
-        "".join(m["content"] for m in messages[b])
+        # the messages' contents, one per line (tether.judges.contract.completion_texts)
+        "\n".join(m["content"] for m in messages[b])
         if chat[b]
         else tokenizer.decode([t for t in resp[b] if t not in ends], skip_special_tokens=True)
         for b in range(B)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
 import shutil
 from pathlib import Path
 
@@ -399,15 +398,6 @@ def load_trainer_state(path: Path) -> dict:
             "weights_only=True, so a file holding other objects is refused, not run. Resume from an "
             "intact checkpoint"
         ) from None
-
-
-def rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "python": random.getstate()}
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
 
 
 def save_policy(

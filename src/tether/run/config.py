@@ -413,7 +413,15 @@ class RolloutConfig(_Defaulted):
                 try:
                     loaded = yaml.safe_load(text)
                 except yaml.YAMLError:
-                    loaded = None
+                    # '[=]' (YAML's '=' is a tag) read as a list to the eye, and became the one stop
+                    # string '[=]', which no turn ever wrote: the environment was never called
+                    _check(
+                        not text.strip().endswith("]"),
+                        "rollout.stop_strings",
+                        text,
+                        "reads as a list but YAML cannot parse it; quote each stop string: "
+                        f"\"rollout.stop_strings=['{text.strip()[1:-1]}']\"",
+                    )
             self.stop_strings = loaded if isinstance(loaded, list) else [text]
         _check(
             all(isinstance(t, str) and t for t in self.stop_strings),

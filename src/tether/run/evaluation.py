@@ -21,11 +21,12 @@ from tether.data.prompts import PromptData
 from tether.judges.contract import Scorer, checked_scores, trainer_state
 from tether.models.sampling import generate, sample_seeds
 from tether.models.scoring import rollout_logprobs
-from tether.models.turns import generate_turns, load_env
+from tether.models.turns import generate_turns
 from tether.run.announce import leash_line, z_text
 from tether.run.console import say
 from tether.run.files import read_json, write_json_file
 from tether.run.monitor import HELDOUT_RULES
+from tether.run.rngs import forked_rngs
 
 if TYPE_CHECKING:  # run.setup builds the run this evaluates; imported for the type only
     from tether.run.setup import Run
@@ -79,6 +80,8 @@ DIVERSITY_KEYS = ("distinct_1", "distinct_2", "self_bleu", "repetition")
 class EvalResult:
     name: str
     responses: list[str]
+    """The policy's own text of each sample (multi-turn: its turns, the environment's text left
+    out): what the diversity measures and the fluency judge read."""
     kl_per_sequence: list[float]
     """k1 per sequence (nats) of each sample against the reference; empty without a reference."""
     scores: dict[str, list[float]] = field(default_factory=dict)
@@ -88,6 +91,11 @@ class EvalResult:
     fluency_nll: list[float | None] = field(default_factory=list)
     """Per-token NLL (nats) of each response under the fluency judge (None: empty response);
     empty without a fluency judge."""
+    transcripts: list[str] = field(default_factory=list)
+    """Multi-turn only (else empty): each sample's whole transcript, the environment's text
+    included, as the scorers read it (in the chat format their messages' contents, one per line)."""
+    env: list[list[str]] = field(default_factory=list)
+    """Multi-turn only (else empty): what the environment wrote in each sample, in order."""
 
     @property
     def kl(self) -> float:
@@ -103,6 +111,8 @@ class EvalResult:
             scores={k: v[:n] for k, v in self.scores.items()},
             samples_per_prompt=self.samples_per_prompt,
             fluency_nll=self.fluency_nll[:n],
+            transcripts=self.transcripts[:n],
+            env=self.env[:n],
         )
 
     def groups(self) -> list[list[str]]:
@@ -118,6 +128,7 @@ class EvalResult:
             "scores": self.scores,
             "samples_per_prompt": self.samples_per_prompt,
             "fluency_nll": self.fluency_nll,
+            **({"transcripts": self.transcripts, "env": self.env} if self.transcripts else {}),
         }
 
     @classmethod
@@ -129,6 +140,8 @@ class EvalResult:
             scores=d["scores"],
             samples_per_prompt=d.get("samples_per_prompt", 1),
             fluency_nll=d.get("fluency_nll", []),
+            transcripts=d.get("transcripts", []),
+            env=d.get("env", []),
         )
 
     def diversity(self) -> dict[str, float]:
@@ -199,12 +212,15 @@ def evaluate(
     with every scorer and the fluency judge.
 
     Sample ``j`` of prompt ``i`` is drawn with the seed ``sample_seeds(seed, 0, [i * k + j])``,
-    whatever the batching, so reference and policy see the same random numbers on each sample
-    (and the first prompts of a longer evaluation get the samples a shorter one gets); the global
-    torch RNG is forked (a scorer may draw from it), so evaluation never changes the training
-    stream. KL is the k1 estimate per sequence (unbiased) against ``reference`` on the evaluated
-    samples, with the sampling settings of training. The fluency judge reads the first
-    ``fluency_samples`` samples of each prompt (None = all); the others get None there.
+    whatever the batching, so reference and policy see the same random numbers on each sample (and
+    the first prompts of a longer evaluation get the samples a shorter one gets); torch's,
+    Python's and NumPy's global generators are forked and seeded with ``seed``
+    (:func:`tether.run.rngs.forked_rngs`: a scorer or an environment may draw from them), so
+    evaluation never changes the training stream, and every pass with one ``seed`` (the
+    reference's, each policy's) starts their draws from one state. KL is the k1 estimate per
+    sequence (unbiased) against ``reference`` on the evaluated samples, with the sampling settings
+    of training. The fluency judge reads the first ``fluency_samples`` samples of each prompt
+    (None = all); the others get None there.
 
     Scorers are called as TRL calls reward functions (:mod:`tether.judges.contract`), with the
     samples' ``completion_ids`` and ``state`` as ``trainer_state`` (a run passes
@@ -221,8 +237,7 @@ def evaluate(
         idx = [i for i in range(len(prompts)) for _ in range(k)]
         prompts = prompts.select(idx) if isinstance(prompts, PromptData) else [prompts[i] for i in idx]
     result = EvalResult(name, [], [], {key: [] for key in scorers}, k)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with forked_rngs(seed):
         for i in range(0, len(prompts), batch_size):
             batch = prompts[i : i + batch_size]
             seeds = sample_seeds(seed, 0, range(i, i + len(batch)))
@@ -267,6 +282,7 @@ def evaluate(
                     columns,
                     completion_ids=ro.completion_ids,
                     completions=ro.messages,
+                    env_replies=ro.env_texts,
                     state=state,
                 )
             if fluency is not None:
@@ -277,6 +293,9 @@ def evaluate(
                     row[n] = v
                 result.fluency_nll += row
             result.responses += ro.own_texts  # the policy's own text: what diversity reads
+            if ro.env_texts is not None:  # multi-turn: what the scorers read, and the tool's part
+                result.transcripts += ro.responses
+                result.env += ro.env_texts
     return result
 
 
@@ -394,7 +413,9 @@ class Evaluator:
         if judge is not None:
             self.scorers["gold"] = judge
         self.fluency = fluency
-        self.env = load_env(c.rollout.env) if c.rollout.env else None  # rollout.env: multi-turn samples
+        from tether.run.setup import run_env  # local, as the Run type's import: needed only here
+
+        self.env = run_env(run)  # rollout.env: multi-turn samples
         # every judging call's trainer_state: the end of training (reference and policies alike)
         self.state = evaluation_state(
             c.train.steps, c.rollout.batch_size / (c.rollout.group_size or 1), len(run.train_prompts)

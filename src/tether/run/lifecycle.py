@@ -28,16 +28,15 @@ from tether.run.checkpoint import (
     load_sharded_state,
     policy_tensors,
     resume_checkpoint,
-    rng_state,
     save_checkpoint,
     save_sharded_state,
-    set_rng_state,
     sharded_folder,
 )
 from tether.run.config import Config
 from tether.run.console import say
 from tether.run.files import atomic_write_text, read_json, read_jsonl, resume_hint, write_json_file
 from tether.run.monitor import HealthMonitor
+from tether.run.rngs import rng_state, set_rng_state
 from tether.run.setup import Run
 
 

@@ -100,10 +100,38 @@ class RunWriter:
         return path
 
 
+def response_pieces(row: dict) -> list[tuple[str, bool]]:
+    """A sample row's response as ``(text, by_the_environment)`` pieces that join to it: a chat
+    row's messages (the assistant's contents and the tools', one per line, as ``response`` joins
+    them); a raw row's ``env`` texts found in order in its transcript; a single-turn row's
+    response, one piece."""
+    if "messages" in row:
+        pieces: list[tuple[str, bool]] = []
+        for i, m in enumerate(row["messages"]):
+            pieces += [("\n", False)] if i else []
+            pieces.append((str(m.get("content", "")), m.get("role") != "assistant"))
+        return pieces
+    text, pieces, at = str(row.get("response", "")), [], 0
+    for reply in row.get("env") or []:  # the environment's texts, in order, each in the transcript
+        i = text.find(reply, at) if reply else -1
+        if i < 0:
+            continue
+        pieces += [(text[at:i], False), (reply, True)]
+        at = i + len(reply)
+    return [p for p in pieces + [(text[at:], False)] if p[0]]
+
+
+def marked_response(row: dict) -> str:
+    """A sample row's response with what the environment wrote in ``⟦ ⟧``
+    (:func:`response_pieces`), so a reader tells a tool's answer from the policy's text."""
+    return "".join(f"⟦{t}⟧" if env else t for t, env in response_pieces(row))
+
+
 def sample_table(rows: list[dict], width: int = 48) -> str:
     """Plain-text table ``prompt | response | score | kl | reward`` (lm-human-preference-details).
     A long prompt shows its end (what the response continues: the question after a few-shot
-    prefix), a long response its start."""
+    prefix), a long response its start; what an environment wrote is in ``⟦ ⟧``
+    (:func:`marked_response`)."""
 
     def cut(s, n: int, end: bool = False) -> str:
         if not isinstance(s, str):  # a conversation: its last message
@@ -117,7 +145,7 @@ def sample_table(rows: list[dict], width: int = 48) -> str:
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{cut(r['prompt'], 24, end=True):<24} | {cut(r['response'], width):<{width}} | "
+            f"{cut(r['prompt'], 24, end=True):<24} | {cut(marked_response(r), width):<{width}} | "
             f"{r['score']:6.3f} | {_kl_cell(r['kl'])} | {r['reward']:6.3f}"
         )
     return "\n".join(lines)
@@ -174,6 +202,8 @@ def sample_rows(exp) -> list[dict]:
             row["env"] = exp.rollout.env_texts[i]
             row["policy_tokens"] = int(mask[i].sum())
             row["env_tokens"] = int(exp.rollout.env_mask[i].sum())
+            # False: cut at a limit (the token budget, max_turns after a call), not ended on its own
+            row["ended"] = bool(exp.rollout.ended[i]) if exp.rollout.ended is not None else None
         if exp.rollout.messages is not None:  # through the chat template: the reward's completions
             row["messages"] = exp.rollout.messages[i]
     for row, ids in zip(rows, exp.rollout.completion_ids):  # the gold judge's; not written

@@ -96,6 +96,17 @@ def plot_training(
                 if ev:
                     ax.plot(*zip(*ev), marker="s", lw=1, label=elabel)
             ax.legend(fontsize=7)
+        if key == "response/length":  # a multi-turn run: the environment's tokens beside the policy's
+            env = [
+                (s, r["rollout/env_tokens"])
+                for s, r in zip(steps, history)
+                if isinstance(r.get("rollout/env_tokens"), (int, float))
+            ]
+            if env:
+                for line in ax.lines:  # the training batch's line: the policy's tokens
+                    line.set_label("policy's tokens")
+                ax.plot(*zip(*env), marker=".", lw=1, label="environment's tokens (rollout.env)")
+                ax.legend(fontsize=7)
         if key == "objective/kl":
             exact = [
                 (s, r["objective/kl_exact"])

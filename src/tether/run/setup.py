@@ -6,8 +6,8 @@ import copy
 import datetime as _dt
 import logging
 import os
-import random
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,8 +29,9 @@ from tether.data.prompts import (
     split_prompts,
 )
 from tether.data.tasks import TASKS, task_prompts
-from tether.judges.contract import Scorer, WeightedReward, required_arguments
+from tether.judges.contract import ENV_REPLIES, Scorer, WeightedReward, required_arguments
 from tether.judges.scorers import PYTHON_SCORER, check_scorer_spec, make_scorer, scorer_name
+from tether.models.callables import python_object_spec
 from tether.models.loading import (
     check_model_name,
     disable_dropout,
@@ -57,13 +58,9 @@ from tether.run.lock import acquire as acquire_lock
 from tether.run.lock import release as release_lock
 from tether.run.metrics import RunWriter
 from tether.run.reporting import resolve_trackers
+from tether.run.rngs import seed_everything
 
 log = logging.getLogger(__name__)
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)
 
 
 def default_run_dir(algo: str) -> Path:
@@ -90,10 +87,17 @@ def load_model_part(load, name: str, *args):
 
 
 def check_scorer_columns(
-    scorer, columns: dict[str, list], field_name: str = "reward.scorer", data_field: str = "data.prompts"
+    scorer,
+    columns: dict[str, list],
+    field_name: str = "reward.scorer",
+    data_field: str = "data.prompts",
+    *,
+    multi_turn: bool = False,
 ) -> None:
     """Refuse, before the model loads, a reward function (or judge, ``field_name``) that needs a
-    dataset column the prompts do not have.
+    dataset column the prompts do not have, or the environment's replies
+    (:data:`tether.judges.contract.ENV_REPLIES`) in a run without ``rollout.env``
+    (``multi_turn``: the run has one).
 
     Raises:
         ValueError: naming the field, the function, the column and the columns there are.
@@ -104,9 +108,13 @@ def check_scorer_columns(
         else [(getattr(scorer, "__name__", type(scorer).__name__), scorer)]
     )
     for name, one in scorers:
-        missing = [
-            c for c in required_arguments(one) if c not in ("prompts", "completions") and c not in columns
-        ]
+        needed = required_arguments(one)
+        if ENV_REPLIES in needed and not multi_turn:
+            raise ValueError(
+                f"{field_name} {name!r} takes {ENV_REPLIES}, what rollout.env wrote between the policy's "
+                "turns, and this run has no rollout.env; give the parameter a default or set rollout.env"
+            )
+        missing = [c for c in needed if c not in ("prompts", "completions", ENV_REPLIES) and c not in columns]
         if missing:
             raise ValueError(
                 f"{field_name} {name!r} needs the dataset column(s) {missing}, and {data_field} has "
@@ -520,6 +528,23 @@ class Run:
     wrap the policy with ``accelerator.prepare`` (DDP when there are several)."""
     run_dir_existed: bool = False
     """The run directory existed (empty) before this run, see :func:`discard_failed_start`."""
+    env: Callable | None = None
+    """The multi-turn rollout's environment (``rollout.env`` imported, or the object passed from
+    Python), or None: read it through :func:`run_env`."""
+
+
+def run_env(run) -> Callable | None:
+    """A run's multi-turn environment: the one :func:`build_run` built or was given, else (a run
+    record made by hand, without one) ``rollout.env`` imported; None without ``rollout.env``.
+
+    Raises:
+        ValueError: ``rollout.env`` cannot be imported, or names an object passed from Python
+            that this run was not given (:func:`tether.models.turns.load_env`).
+    """
+    env = getattr(run, "env", None)
+    if env is None and run.config.rollout.env:
+        env = load_env(run.config.rollout.env)
+    return env
 
 
 ROLLOUT_BYTES_PER_TOKEN = 24
@@ -647,6 +672,7 @@ def build_run(
     train_dataset=None,
     eval_dataset=None,
     judges: dict | None = None,
+    env: Callable | None = None,
 ) -> Run:
     """Load model, reference, tokenizer, prompts and scorer; create the run directory.
 
@@ -663,6 +689,8 @@ def build_run(
             and held out by the usual hash.
         judges: field name -> judge already built (``eval.judge``): its columns are checked
             against the data's with the reward's.
+        env: the environment object (a callable, as ``rollout.env`` names one) instead of
+            importing ``rollout.env``; config.yaml records its name (a resume asks for it again).
 
     Raises:
         ConfigError, ValueError, FileNotFoundError: a bad input, before any model loads.
@@ -674,10 +702,12 @@ def build_run(
         tokenizer=tokenizer,
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
+        env=env,
     )
     accelerator, sharded, dtype = start_process(config)
     # 1. the checks that need no weights and no download, each in seconds
     run_dir = check_before_loading(config, resume=resume, model=model, scorer=scorer)
+    env = env if env is not None else load_env(config.rollout.env) if config.rollout.env else None
     # 2. the data, then the scorer, checked against the data's columns before any model loads
     train_prompts, heldout, scorer = load_data_and_scorer(
         config,
@@ -699,7 +729,7 @@ def build_run(
         # 3. the tokenizer and the prompts' lengths; 4. the policy and its frozen reference
         tokenizer = load_run_tokenizer(config, path, tokenizer)
         config = check_prompts_fit(config, tokenizer, model=model, path=path, parts=(train_prompts, heldout))
-        check_env_format(config, tokenizer, parts=(train_prompts, heldout))
+        check_env_format(config, tokenizer, parts=(train_prompts, heldout), env=env)
         policy, reference, forwards = load_policy_and_reference(
             config, model=model, path=path, dtype=dtype, device=accelerator.device, sharded=sharded
         )
@@ -721,6 +751,7 @@ def build_run(
             reference_forwards=forwards,
             accelerator=accelerator,
             run_dir_existed=existed,
+            env=env,
         )
     except BaseException:
         release_lock(writer.lock)
@@ -730,7 +761,7 @@ def build_run(
 
 
 def record_passed_objects(
-    config: Config, *, scorer, model, tokenizer, train_dataset, eval_dataset=None
+    config: Config, *, scorer, model, tokenizer, train_dataset, eval_dataset=None, env=None
 ) -> Config:
     """The config as config.yaml records it when Python passed objects in place of fields (a
     model, a dataset, a reward): a copy naming them, so a resume asks for them again.
@@ -757,6 +788,9 @@ def record_passed_objects(
             )
         config = copy.deepcopy(config)
         config.data.eval_prompts = "(an eval_dataset passed to train)"
+    if env is not None:
+        config = copy.deepcopy(config)
+        config.rollout.env = python_object_spec(env)
     if scorer is not None and config.reward._given("scorer") is None:
         config = copy.deepcopy(config)  # config.yaml names the objects, so a resume asks for them
         config.reward.scorer = python_scorer_spec(scorer)
@@ -842,14 +876,15 @@ def load_data_and_scorer(
     scorer = make_scorer(
         config.reward.scorer if scorer is None else scorer, config.reward.weights, device=device
     )
-    check_scorer_columns(scorer, train_prompts.columns)
+    turns = config.rollout.env is not None
+    check_scorer_columns(scorer, train_prompts.columns, multi_turn=turns)
     if evaluation is not None:
-        check_scorer_columns(scorer, heldout.columns, data_field=field)
+        check_scorer_columns(scorer, heldout.columns, data_field=field, multi_turn=turns)
     check_integer_answers(scorer, train_prompts, heldout)
     for field_name, judge in (judges or {}).items():
-        check_scorer_columns(judge, train_prompts.columns, field_name)
+        check_scorer_columns(judge, train_prompts.columns, field_name, multi_turn=turns)
         if evaluation is not None:  # a judge reads the held-out prompts alone
-            check_scorer_columns(judge, heldout.columns, field_name, data_field=field)
+            check_scorer_columns(judge, heldout.columns, field_name, data_field=field, multi_turn=turns)
     return train_prompts, heldout, scorer
 
 
@@ -925,7 +960,7 @@ def check_prompts_fit(config: Config, tokenizer, *, model, path: Path | None, pa
     return fill_max_prompt_tokens(config, longest, context)
 
 
-def check_env_format(config: Config, tokenizer, *, parts) -> None:
+def check_env_format(config: Config, tokenizer, *, parts, env: Callable | None = None) -> None:
     """With rollout.env, the format every prompt's turns take (rollout.env_format) is one that can
     be exact, before any weights load: all chat or all raw, raw turns with stop strings, an
     environment that takes its keywords and the dataset columns it names
@@ -942,7 +977,13 @@ def check_env_format(config: Config, tokenizer, *, parts) -> None:
     prompts = [p for part in parts for p in part.prompts]
     chat = turn_formats(tokenizer, prompts, r.env_format, r.stop_strings, r.max_turns)
     for part in parts:  # the environment takes its keywords and the columns it names
-        env_column_names(load_env(r.env), list(getattr(part, "columns", None) or {}))
+        names = list(getattr(part, "columns", None) or {})
+        env_column_names(env if env is not None else load_env(r.env), names)
+        if ENV_REPLIES in names:  # the reward's keyword of that name holds what the environment wrote
+            raise ValueError(
+                f"data.prompts: a column is named {ENV_REPLIES!r}, the keyword under which a reward gets "
+                "what rollout.env wrote in a multi-turn run; rename the column"
+            )
     if chat and chat[0]:  # the template must carry a tool message after the assistant's text
         # an assistant's text as a policy writes it: spaces and newlines at its ends (a template
         # that trims them cannot carry a turn verbatim)

@@ -49,9 +49,9 @@ from tether.models.sampling import (
 )
 from tether.models.scoring import rollout_logprobs
 from tether.models.sharding import generation_weights, is_sharded, root_gathered
-from tether.models.turns import generate_turns, load_env
+from tether.models.turns import generate_turns
 from tether.run.console import say
-from tether.run.setup import Run
+from tether.run.setup import Run, run_env
 from tether.trainers.common import (
     RolloutLogprobs,
     make_optimizer,
@@ -158,7 +158,7 @@ class OnPolicyTrainer:
             )
         )
         self._reused_forward = None
-        self.env = load_env(c.rollout.env) if c.rollout.env else None
+        self.env = run_env(run)  # rollout.env's environment (imported or passed from Python), or None
         self.compile_rollout = self.compile_setting() if self.env is None else False
 
     def trainer_state(self, step: int):
@@ -351,6 +351,7 @@ class OnPolicyTrainer:
                 rollout.columns,
                 completion_ids=rollout.completion_ids,
                 completions=rollout.messages,
+                env_replies=rollout.env_texts,
                 state=self.trainer_state(step),
                 reward_log=reward_log,
             ),
