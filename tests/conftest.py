@@ -365,6 +365,16 @@ def random_tool_env(prompt, completion, turn, **columns) -> str | None:
     return f" r{random.randrange(1000)} n{np.random.randint(1000)}" if turn == 0 else None
 
 
+def random_judge(texts: list[str]) -> list[float]:
+    """A judge that draws from Python's and NumPy's global generators (a sampled rubric): what a
+    run's judging may not take from its training stream."""
+    import random
+
+    import numpy as np
+
+    return [random.random() + float(np.random.random()) for _ in texts]
+
+
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

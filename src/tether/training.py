@@ -50,6 +50,7 @@ from tether.run.metrics import flat_config, sample_rows, sample_table
 from tether.run.monitor import HealthMonitor, health_thresholds, leash_kl
 from tether.run.plots import plot_score_vs_kl, plot_training
 from tether.run.reporting import Reporter, check_callbacks
+from tether.run.rngs import derived_seed, forked_rngs
 from tether.run.setup import Run, build_run, discard_failed_start
 from tether.run.signals import Interrupted, install_signal_handlers
 from tether.trainers.dpo import DPOTrainer
@@ -121,13 +122,16 @@ def train(
     """
     t_start = time.perf_counter()
     callbacks = check_callbacks(callbacks)
-    spec = config.reward.scorer
+    spec, given = config.reward.scorer, config.rollout.env
+    # the config is copied before its objects are replaced by their names, the objects themselves
+    # kept (a tool client holding a lock or a socket cannot be deep-copied, and need not be)
+    objects = [spec, given, *(spec if isinstance(spec, list) else [])]
+    keep = {id(x): x for x in objects if callable(x)}
     if scorer is None and (callable(spec) or (isinstance(spec, list) and any(callable(x) for x in spec))):
         # a TRL user's reward_funcs put in the config: the objects are the scorer, and config.yaml
         # names them (python_scorer_spec)
-        scorer, config = spec, copy.deepcopy(config)
+        scorer, config = spec, copy.deepcopy(config, dict(keep))
         config.reward.scorer = None
-    given = config.rollout.env
     if callable(given) or env is not None:
         if env is not None and given is not None and not str(given).startswith(PASSED_FROM_PYTHON):
             raise ValueError(
@@ -136,7 +140,7 @@ def train(
         env = given if callable(given) else env
         if not callable(env):
             raise ValueError(f"train(env=...) takes a callable, got a {type(env).__name__}")
-        config = copy.deepcopy(config)  # config.yaml names the object, so a resume asks for it
+        config = copy.deepcopy(config, dict(keep))  # config.yaml names it, so a resume asks for it
         config.rollout.env = python_object_spec(env)
     # the config as the run starts it: rebuilt and checked whole, its defaults filled for this
     # train.algo and this data (a Python edit after load_config counts, config.yaml records it)
@@ -361,17 +365,20 @@ def _log_step(session: Session, bar, *, step: int, row: dict, rows: list[dict] |
         ids = [r.pop("completion_ids") for r in rows]  # for the judge; samples.jsonl keeps the texts
         if "gold" in evaluator.scorers:
             names = list(rows[0].get("columns", {}))
-            golds = checked_scores(
-                evaluator.scorers["gold"],
-                [r["response"] for r in rows],
-                f"step {step} samples (gold judge)",
-                [r["prompt"] for r in rows],
-                {k: [r["columns"][k] for r in rows] for k in names},
-                completion_ids=ids,
-                state=evaluator.state,
-                completions=[r["messages"] for r in rows] if "messages" in rows[0] else None,
-                env_replies=[r["env"] for r in rows] if "env" in rows[0] else None,
-            )
+            # generators of its own (a judge may draw from them): judging, or judging these steps
+            # and not others (train.sample_every), changes no training sample
+            with forked_rngs(derived_seed(c.eval.seed, "samples of step", step)):
+                golds = checked_scores(
+                    evaluator.scorers["gold"],
+                    [r["response"] for r in rows],
+                    f"step {step} samples (gold judge)",
+                    [r["prompt"] for r in rows],
+                    {k: [r["columns"][k] for r in rows] for k in names},
+                    completion_ids=ids,
+                    state=evaluator.state,
+                    completions=[r["messages"] for r in rows] if "messages" in rows[0] else None,
+                    env_replies=[r["env"] for r in rows] if "env" in rows[0] else None,
+                )
             for r, g in zip(rows, golds):
                 r["gold"] = float(g)
         w.samples(step, rows)

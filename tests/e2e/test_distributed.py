@@ -605,3 +605,30 @@ def test_fsdp_refuses_what_it_does_not_do_and_accelerates_own_sharding():
     with pytest.raises(ValueError, match="MULTI_GPU"):
         check_launcher("DEEPSPEED")
     check_launcher("MULTI_GPU")
+
+
+@pytest.mark.e2e
+def test_two_processes_draw_their_own_random_numbers_for_an_environment(
+    tiny_model_dir, prompt_file, tmp_path
+):
+    """Each process seeds Python's and NumPy's generators for itself (TRL's device-specific
+    seed): with one seed for all, rank 1's environment replayed rank 0's draws, so rows of the
+    two halves of the batch got the same random tool outputs. Rank 0 draws what a one-process
+    run draws first."""
+    model = tiny_model_dir
+    tool = [
+        "rollout.env=tests.conftest:random_tool_env",
+        "rollout.max_turns=2",
+        "rollout.stop_strings=[e, a, o, t, i, n]",  # in nearly every token: most turns stop
+        "rollout.max_new_tokens=16",
+        "train.sample_every=1",
+        "train.steps=1",
+    ]
+    _launch(_args(model, prompt_file, tmp_path / "two", "ppo") + tool, 2)
+    rows = [json.loads(line) for line in (tmp_path / "two" / "samples.jsonl").read_text().splitlines()]
+    halves = [[r["env"] for r in rows[:4] if r["env"]], [r["env"] for r in rows[4:] if r["env"]]]
+    assert halves[0] and halves[1], "the test needs rows of both processes that called the tool"
+    assert halves[0][0] != halves[1][0], halves  # each rank's first draw: its own
+    _launch(_args(model, prompt_file, tmp_path / "one", "ppo") + tool, 1)
+    one = [json.loads(line) for line in (tmp_path / "one" / "samples.jsonl").read_text().splitlines()]
+    assert [r["env"] for r in one if r["env"]][0] == halves[0][0]  # rank 0 is the one-process run

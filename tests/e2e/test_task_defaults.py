@@ -329,6 +329,12 @@ def test_python_reward_is_named_in_config_yaml_and_a_cli_resume_asks_for_it(
     def five(completions, **kwargs):
         return [5.0] * len(completions)
 
+    named = load_config(None, _tiny(tiny_model_dir, prompt_file, out, "reward.scorer=vader"))
+    with pytest.raises(
+        ValueError, match=r"train\(scorer=...\) and reward.scorer='vader' both give the reward"
+    ):
+        train(named, scorer=five)  # config.yaml would name VADER while the run trained on five
+    assert not out.exists()
     train(c, scorer=five)
     assert yaml.safe_load((out / "config.yaml").read_text())["reward"]["scorer"] == ["(from Python) five"]
     capsys.readouterr()

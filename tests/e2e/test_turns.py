@@ -42,6 +42,8 @@ def test_tool_turns_end_to_end(algo, tiny_model_dir, prompt_file, tmp_path):
     assert called and all(len(s["env"]) == 1 and " [tool: 42]".startswith(s["env"][0]) for s in called)
     assert any(s["env"] == [" [tool: 42]"] for s in called)
     assert all(s["env"][0] in s["response"] for s in called)  # the reward read the transcript
+    # where each reply stands in the transcript, for the readers that mark it
+    assert all(s["response"][s["env_at"][0] :].startswith(s["env"][0]) for s in called)
     assert all(s["policy_tokens"] + s["env_tokens"] <= 16 for s in samples)
     print(
         f"{algo}: per step, policy tokens per response {[r['response/length'] for r in rows]}, "
@@ -124,8 +126,8 @@ def test_chat_tool_turns_end_to_end(algo, chat_model_dir, chat_prompt_file, tmp_
             ],
             "rollout.stop_strings",
         ),
-        (  # YAML cannot read '[=]' ('=' is one of its tags): it was the literal stop string '[=]'
-            ["rollout.env=tests.conftest:tool_env", "rollout.max_turns=2", "rollout.stop_strings=[=]"],
+        (  # reads as a list, and YAML cannot parse it: it was the literal stop string '[a, b]]'
+            ["rollout.env=tests.conftest:tool_env", "rollout.max_turns=2", "rollout.stop_strings=[a, b]]"],
             "rollout.stop_strings",
         ),
         (
@@ -234,6 +236,12 @@ def test_chat_rows_are_read_by_their_messages():
     assert html_marked(row) == "calc(8 + 0)\n<mark title='environment'>8</mark>\n8"
     raw = {"response": " calc(1 + 2) -> 3\n3", "env": [" -> 3\n"]}
     assert marked_response(raw) == " calc(1 + 2)⟦ -> 3\n⟧3"
+    # the policy wrote " -> 90" itself before it called the tool: env_at marks the tool's, not the
+    # first match (the fake env_replies exists to tell apart)
+    faked = {"response": "45+45 -> 90 so calc(45 + 45) -> 90", "env": [" -> 90"], "env_at": [28]}
+    assert marked_response(faked) == "45+45 -> 90 so calc(45 + 45)⟦ -> 90⟧"
+    assert marked_response({**faked, "env_at": None}) == "45+45⟦ -> 90⟧ so calc(45 + 45) -> 90"  # searched
+    assert marked_response({"response": "ab", "messages": ["not a message"], "env": [1]}) == "ab"
     table = sample_table([{**raw, "prompt": "1 + 2 =", "score": 1.0, "kl": 0.0, "reward": 1.0}])
     assert "calc(1 + 2)⟦ -> 3 ⟧3" in table  # newlines shown as spaces in the table
     assert shown_prompt([{"role": "user", "content": "1 + 2 ="}]) == "user: 1 + 2 ="
@@ -309,8 +317,9 @@ def test_an_environments_random_draws_are_seeded_kept_from_evaluation_and_resume
     tiny_model_dir, prompt_file, tmp_path
 ):
     """An environment drawing from Python's and NumPy's global generators gets the numbers an
-    uninterrupted run without evaluations gets: periodic evaluations (which call it too) draw from
-    forked generators, and a checkpoint keeps NumPy's state beside Python's and torch's."""
+    uninterrupted run without evaluations gets: periodic evaluations (which call it too) and a
+    judge of the training samples that draws from them too draw from forked generators, and a
+    checkpoint keeps NumPy's state beside Python's and torch's."""
     tool = ["rollout.env=tests.conftest:random_tool_env", "rollout.max_turns=2", "rollout.stop_strings=e"]
     small = ["rollout.max_new_tokens=32", "train.sample_every=1", "eval.periodic_prompts=4"]
 
@@ -322,8 +331,9 @@ def test_an_environments_random_draws_are_seeded_kept_from_evaluation_and_resume
         return [r["env"] for r in rows]
 
     evaluated, resumed = tmp_path / "evaluated", tmp_path / "resumed"
-    run(evaluated, "train.steps=2", "eval.every=1")  # evaluations before and between the steps
-    run(resumed, "train.steps=1", "eval.every=0", "train.checkpoint_every=1")
+    # evaluations before and between the steps, and a judge of every step's samples, all drawing
+    run(evaluated, "train.steps=2", "eval.every=1", "eval.judge=tests.conftest:random_judge")
+    run(resumed, "train.steps=1", "eval.every=0", "eval.judge=none", "train.checkpoint_every=1")
     assert main(["train", "--resume", str(resumed), "train.steps=2"]) == 0
     want = tool_texts(evaluated)
     assert sum(bool(e) for e in want) >= 4, "the test needs rows that called the tool"
@@ -352,7 +362,23 @@ def test_a_reward_taking_env_replies_needs_an_environment():
         check_env_format(config, make_tokenizer(), parts=(rows,))
 
 
-def test_an_environment_passed_from_python(tiny_model_dir, prompt_file, tmp_path, capsys):
+class LockedTool:
+    """An environment object as a tool client often is: stateful, holding a lock."""
+
+    def __init__(self):
+        import threading
+
+        self.lock, self.calls = threading.Lock(), 0
+
+    def __call__(self, prompt, completion, turn, **columns):
+        from tests.conftest import tool_env
+
+        with self.lock:
+            self.calls += 1
+            return tool_env(prompt, completion, turn)
+
+
+def test_an_environment_passed_from_python(tiny_model_dir, prompt_file, tmp_path, capsys, caplog):
     """TRL takes its tools as objects; tether.train takes the environment as one too, as
     train(config, env=f) or config.rollout.env = f (a TRL habit that was refused as "must be
     module:function"). config.yaml names it, so a resume from the command line asks for it by
@@ -367,27 +393,35 @@ def test_an_environment_passed_from_python(tiny_model_dir, prompt_file, tmp_path
         "rollout.max_new_tokens=12",
     ]
     config = load_config(None, args)
-    # Python edits, checked whole when the run starts (a loaded max_turns=2 needs an environment)
-    config.rollout.env = lambda prompt, completion, turn, **columns: tool_env(prompt, completion, turn)
+    # Python edits, checked whole when the run starts (a loaded max_turns=2 needs an environment);
+    # a tool client holding a lock, which no deep copy of the config may copy
+    config.rollout.env = tool = LockedTool()
     config.rollout.max_turns, config.rollout.stop_strings = 2, ["e"]
     with pytest.raises(ValueError, match="both give the environment"):
         train(config, env=tool_env)
     assert not out.exists()
     run_dir = train(config)
     recorded = (run_dir / "config.yaml").read_text()
-    assert (
-        "env: (from Python) tests.e2e.test_turns:test_an_environment_passed_from_python.<locals>.<lambda>"
-        in recorded
-    )
+    assert "env: (from Python) tests.e2e.test_turns:LockedTool" in recorded and tool.calls > 0
     samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     assert any(s["env"] == [" [tool: 42]"] for s in samples), "the test needs rows that called the tool"
     before = sorted(p.name for p in run_dir.rglob("*"))
     assert main(["train", "--resume", str(run_dir), "train.steps=2"]) == 1
     err = capsys.readouterr().err
-    assert "rollout.env: this run's environment was passed from Python" in err and "env=..." in err
+    assert "rollout.env names an environment that was passed from Python" in err and "env=..." in err
     assert sorted(p.name for p in run_dir.rglob("*")) == before  # nothing written, nothing lost
     resumed = load_config(str(run_dir / "config.yaml"), ["train.steps=2", f"train.output_dir={run_dir}"])
     assert train(resumed, env=tool_env, resume=True) == run_dir
     rows = metric_rows(run_dir)
     assert [r["step"] for r in rows] == [0, 1] and rows[1]["rollout/env_tokens"] >= 0
     assert "env: (from Python) tests.conftest:tool_env" in (run_dir / "config.yaml").read_text()
+    # resumed again with an object of the same recorded name: it may be another environment (two
+    # functools.partial, two instances of a class share a name), so the reference is evaluated
+    # again rather than compared under the old one
+    again = load_config(str(run_dir / "config.yaml"), ["train.steps=3", f"train.output_dir={run_dir}"])
+    with caplog.at_level("WARNING"):
+        train(again, env=tool_env, resume=True)
+    assert (
+        "an object passed from Python" in caplog.text
+        and "evaluating the frozen reference again" in caplog.text
+    )

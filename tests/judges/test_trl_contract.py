@@ -203,9 +203,11 @@ def test_plain_scorers_and_kwargs_only_functions_keep_working():
 
 
 def test_a_reward_gets_the_environments_replies_when_it_asks_for_them():
-    """env_replies (tether's, multi-turn only): a function naming it gets the B lists, one taking
-    **kwargs gets them too, through a reward list as well; one naming it in a single-turn call is
-    an error that says where they come from; a plain scorer never sees them."""
+    """env_replies (tether's, multi-turn only): a function naming it gets the B lists, through a
+    reward list as well; one taking **kwargs gets TRL's keywords exactly, not these (a TRL reward
+    that hands its **kwargs to a stricter function must not break in a multi-turn run); one naming
+    it in a single-turn call is an error that says where they come from; a plain scorer never
+    sees them."""
     from tether.judges.scorers import make_scorer
 
     replies = [[" -> 75\n"], []]
@@ -214,15 +216,19 @@ def test_a_reward_gets_the_environments_replies_when_it_asks_for_them():
         # 1.0 where the tool answered: the reward reads what the environment wrote, not the text
         return [1.0 if r else 0.0 for r in env_replies]
 
+    def strict(completions, trainer_state, log_extra, log_metric, prompts, completion_ids=None):
+        return [1.5] * len(completions)
+
     def kwargs_only(completions, **kwargs):
-        return [float(len(r)) for r in kwargs["env_replies"]]
+        assert "env_replies" not in kwargs
+        return strict(completions, **kwargs)  # what a TRL reward wrapping another one does
 
     def plain(texts):
         return [0.5] * len(texts)
 
     texts = [" calc(58 + 17) -> 75\n", " calc(58 + 17 -> 75"]  # the second wrote the arrow itself
     assert checked_scores(tool_answer, texts, 0, ["p", "q"], env_replies=replies) == [1.0, 0.0]
-    assert checked_scores(kwargs_only, texts, 0, ["p", "q"], env_replies=replies) == [1.0, 0.0]
+    assert checked_scores(kwargs_only, texts, 0, ["p", "q"], env_replies=replies) == [1.5, 1.5]
     assert checked_scores(plain, texts, 0, env_replies=replies) == [0.5, 0.5]
     both = make_scorer([tool_answer, plain], [1.0, 2.0])  # 1 * tool + 2 * 0.5
     assert checked_scores(both, texts, 0, ["p", "q"], env_replies=replies) == [2.0, 1.0]

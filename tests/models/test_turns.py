@@ -521,7 +521,30 @@ def test_chat_turns_whose_close_is_not_an_end_id_need_stop_strings():
     lm = make_tiny_llama(len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     lm.generation_config.eos_token_id = tok.eos_token_id  # <|im_end|> is no end id here
     kw = dict(max_turns=2, max_new_tokens=12, temperature=1.0, seeds=list(range(4)))
-    with pytest.raises(ValueError, match=r"rollout.stop_strings is empty.*'<\|im_end\|>' \(id 301\)"):
+    with pytest.raises(
+        ValueError, match=r"rollout.stop_strings is empty.*'<\|im_end\|>' \(id 301, the first token"
+    ):
         generate_turns(lm, tok, CONVERSATIONS, recording_env([]), **kw)
     generate_turns(lm, tok, CONVERSATIONS, recording_env([]), stop_strings=["e"], **kw)
     generate_turns(lm, tok, CONVERSATIONS, recording_env([]), **{**kw, "max_turns": 1})  # no env call
+
+
+def test_an_async_environment_is_awaited(tiny_tokenizer, tiny_lm):
+    """TRL takes async tools: an ``async def`` environment's reply is awaited (it was refused as
+    "returned coroutine" after the model had loaded), also where the calling thread already runs
+    an event loop (a notebook), and gives the rollout a synchronous one gives."""
+    import asyncio
+
+    async def async_tool(prompt, completion, turn, **columns):
+        await asyncio.sleep(0)
+        return tool(prompt=prompt, completion=completion, turn=turn)
+
+    want = turns(tiny_lm, tiny_tokenizer, tool)
+    assert any(want.env_texts), "the test needs rows that called the tool"
+    got = turns(tiny_lm, tiny_tokenizer, async_tool)
+    assert got.env_texts == want.env_texts and torch.equal(got.response_ids, want.response_ids)
+
+    async def in_a_running_loop():
+        return turns(tiny_lm, tiny_tokenizer, async_tool)
+
+    assert asyncio.run(in_a_running_loop()).env_texts == want.env_texts

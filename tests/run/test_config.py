@@ -187,3 +187,25 @@ def test_exact_kl_shaping_is_refused_where_it_cannot_act(overrides, words):
 def test_exact_kl_shaping_reaches_the_leash():
     assert load_config().kl_reward_form == "sampled"
     assert load_config(None, ["ppo.kl_shaping=exact"]).kl_reward_form == "exact"
+
+
+def test_a_list_of_texts_keeps_each_item_as_written(tmp_path):
+    """On the command line ``[yes, 010, 1:30, null, =]`` are texts (YAML's safe loader read them as
+    True, 8, 90, None and failed on '=': the stop strings became 'True', '8', ... and '[=]', which
+    no turn writes, and the environment was never called). In a YAML file, where the document is
+    YAML, such items are refused with the quoting named."""
+    from tether.run.config import ConfigError, load_config
+
+    turns = ["rollout.env=tests.conftest:tool_env", "rollout.max_turns=2"]
+    c = load_config(None, [*turns, "rollout.stop_strings=[yes, 010, 1:30, null, =]"])
+    assert c.rollout.stop_strings == ["yes", "010", "1:30", "null", "="]
+    assert load_config(None, [*turns, "rollout.stop_strings=[' e', 'Answer: x']"]).rollout.stop_strings == [
+        " e",
+        "Answer: x",
+    ]
+    f = tmp_path / "c.yaml"
+    f.write_text("rollout:\n  env: tests.conftest:tool_env\n  max_turns: 2\n  stop_strings: [yes, '=']\n")
+    with pytest.raises(ConfigError, match=r"rollout.stop_strings.*YAML read True as a bool, not text; quote"):
+        load_config(str(f))
+    f.write_text("rollout:\n  env: tests.conftest:tool_env\n  max_turns: 2\n  stop_strings: ['yes', '=']\n")
+    assert load_config(str(f)).rollout.stop_strings == ["yes", "="]

@@ -9,6 +9,7 @@ import random
 import numpy as np
 import torch
 
+from tether.run import rngs
 from tether.run.rngs import forked_rngs, rng_state, seed_everything, set_rng_state
 
 
@@ -69,3 +70,42 @@ def test_forked_generators_start_from_the_seed_and_leave_the_stream_alone():
     except KeyError:
         pass
     assert draws() == undisturbed[1]  # put back when the evaluation raised, too
+
+
+def test_each_process_draws_its_own_host_numbers_and_resumes_them(monkeypatch):
+    """Rank 0 seeds Python and NumPy with train.seed itself (a one-process run draws as rank 0),
+    another rank with a hash of it and the rank; torch's seed is the same on every rank. A
+    checkpoint keeps every rank's state and each rank takes its own back; on another number of
+    processes a rank other than 0 is seeded afresh, never with rank 0's stream."""
+    world = {"rank": 0, "size": 2}
+    monkeypatch.setattr(rngs.D, "rank", lambda: world["rank"])
+    monkeypatch.setattr(rngs.D, "world_size", lambda: world["size"])
+    streams = {}
+    for r in (0, 1):
+        seed_everything(5, rank=r)
+        streams[r] = draws()
+    seed_everything(5, rank=0)
+    assert streams[0] == draws()  # rank 0 is the one-process run
+    assert streams[0][:3] != streams[1][:3] and streams[0][3] == streams[1][3]  # torch's alike
+    # a checkpoint: rank 0's full state and each rank's host state (gathered here by hand)
+    states = {}
+    for r in (0, 1):
+        seed_everything(5, rank=r)
+        draws()
+        states[r] = rngs.host_state()
+    state = {**rng_state(), "ranks": [states[0], states[1]]}
+    for r in (0, 1):
+        seed_everything(5, rank=r)
+        draws()
+        want = draws()
+        world["rank"] = r
+        seed_everything(99, rank=0)  # whatever the process holds before the resume
+        rngs.restore_rng_state(state, seed=5, step=0)
+        assert draws()[:3] == want[:3]
+    world["size"] = 3  # resumed on three processes: rank 1's stream is new, not rank 0's
+    world["rank"] = 1
+    rngs.restore_rng_state(state, seed=5, step=0)
+    fresh = draws()
+    world["rank"] = 0
+    rngs.restore_rng_state(state, seed=5, step=0)
+    assert draws()[:3] != fresh[:3]

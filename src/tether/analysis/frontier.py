@@ -226,6 +226,7 @@ def frontier(
 ) -> Path:
     """Run the sweep ``[(algo, kl_coef), ...]`` and best-of-N; write frontier.csv and frontier.png."""
     from tether.judges.scorers import make_scorer
+    from tether.models.turns import load_env
     from tether.training import train
 
     if base.eval.judge == "none":
@@ -234,6 +235,8 @@ def frontier(
             "than the demo's; name one, e.g. eval.judge=minilm-rm)"
         )
     configs = sweep_configs(base, sweep, out)  # every run's config checked before anything runs
+    if base.rollout.env:  # an environment passed from Python is refused before the folder is made
+        load_env(base.rollout.env)
     out.mkdir(parents=True, exist_ok=True)
     proxy, gold = make_scorer(base.reward.scorer, base.reward.weights), make_scorer(base.eval.judge)
     # the same held-out prompts as the runs' periodic evaluations, so both share one baseline

@@ -351,10 +351,12 @@ def env_never_answered(history: list[dict], t: HealthThresholds) -> Alarm | None
         "env_never_answered",
         s[-1][0],
         f"rollout.env wrote no token in the {len(s)} steps so far (rollout/env_tokens 0)",
-        "no policy turn ended at one of rollout.stop_strings (a stop string the policy never writes, "
-        "or one the CLI read otherwise), or the environment returned None to every turn",
+        "no policy turn ended at one of rollout.stop_strings (a stop string the policy never writes), "
+        "the environment returned None to every turn, or every reply was dropped for not fitting the "
+        "token budget (a chat reply is never cut)",
         "compare rollout.stop_strings with the policy's turns in samples.jsonl; show the policy a call "
-        "in the prompts (worked examples), or check what the environment returns",
+        "in the prompts (worked examples); check what the environment returns; raise "
+        "rollout.max_new_tokens",
     )
 
 

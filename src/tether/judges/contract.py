@@ -19,10 +19,12 @@ call one (``_calculate_rewards``)::
   rollout the whole transcript, the environment's tokens between the policy's included
   (``response_mask | env_mask``), as TRL's tool loop passes them.
 * every dataset column of the prompts' rows (one value per sample), by name;
-* ``env_replies`` (tether's, in a multi-turn rollout only, :data:`ENV_REPLIES`): B lists of the
-  texts the environment wrote after the policy's turns, in order, as appended (a raw reply cut at
-  the token budget is cut here too). A raw transcript is one string, so this is how a reward tells
-  a tool's answer from text the policy wrote to look like one;
+* ``env_replies`` (tether's, in a multi-turn rollout only, to a function that names it:
+  :data:`ENV_REPLIES`): B lists of the texts the environment wrote after the policy's turns, in
+  order, as appended (a raw reply cut at the token budget is cut here too). A raw transcript is
+  one string, so this is how a reward tells a tool's answer from text the policy wrote to look like
+  one. A function that takes ``**kwargs`` without naming it does not get it: it gets TRL's
+  keywords exactly (one that hands its ``**kwargs`` on to a stricter function keeps working);
 * ``trainer_state``: a ``transformers.TrainerState`` (:func:`trainer_state`; ``global_step``,
   ``max_steps``, ``epoch``), ``log_extra(column, values)`` and ``log_metric(name, value)``
   (:class:`RewardLog`).
@@ -228,7 +230,7 @@ def _keywords(
 ) -> dict:
     """The keyword arguments of a TRL-style call (module docstring): TRL's own arguments, then
     every dataset column the function names (all of them when it takes ``**kwargs``), and
-    :data:`ENV_REPLIES` the same way when given. ``completions`` given (a multi-turn rollout's
+    :data:`ENV_REPLIES` when given and named. ``completions`` given (a multi-turn rollout's
     messages) replaces :func:`trl_completions`."""
     params = inspect.signature(scorer).parameters
     takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
@@ -245,7 +247,7 @@ def _keywords(
     for name, values in (columns or {}).items():
         if name not in TRL_ARGUMENTS and (takes_all or name in params):
             kw[name] = list(values)
-    if env_replies is not None and (takes_all or ENV_REPLIES in params):
+    if env_replies is not None and ENV_REPLIES in params:  # named only: **kwargs get TRL's keywords
         kw[ENV_REPLIES] = [list(r) for r in env_replies]
     if not takes_all:
         kw = {k: v for k, v in kw.items() if k in params}
@@ -425,9 +427,11 @@ class WeightedReward:
         log_extra: Callable | None = None,
         *,
         log_metric: Callable | None = None,
+        env_replies: Sequence[Sequence[str]] | None = None,
         **columns,
     ) -> list[float]:
-        """TRL's call (module docstring); each reward gets what it names of it.
+        """TRL's call (module docstring); each reward gets what it names of it (``env_replies``
+        too, named here so that it reaches the rewards that name it).
 
         Returns:
             B floats, the weighted sums.
@@ -446,6 +450,7 @@ class WeightedReward:
                 state=trainer_state,
                 reward_log=logged,
                 completions=completions,
+                env_replies=env_replies,
             )
             for name, scorer in self.scorers.items()
         }

@@ -79,6 +79,10 @@ class Rollout:
     response token is the policy's or padding)."""
     env_texts: list[list[str]] | None = None
     """Per row, the texts the environment appended, in order (what samples.jsonl shows), or None."""
+    env_offsets: list[list[int] | None] | None = None
+    """Per row, where each of ``env_texts`` starts in ``responses`` (character offsets), so that a
+    reader marks the environment's text and not the same text the policy wrote elsewhere; None
+    for a row where they are not known (a chat row: its ``messages`` tell), or no environment."""
     policy_texts: list[str] | None = None
     """Per row, the policy's own text (its turns without the environment's), or None (one turn:
     ``responses`` is the policy's). What the diversity and fluency metrics read
@@ -130,6 +134,7 @@ class Rollout:
             columns={k: [v[i] for i in rows] for k, v in self.columns.items()} if self.columns else None,
             env_mask=self.env_mask[idx] if self.env_mask is not None else None,
             env_texts=[self.env_texts[i] for i in rows] if self.env_texts is not None else None,
+            env_offsets=[self.env_offsets[i] for i in rows] if self.env_offsets is not None else None,
             policy_texts=[self.policy_texts[i] for i in rows] if self.policy_texts is not None else None,
             messages=[self.messages[i] for i in rows] if self.messages is not None else None,
         )

@@ -24,6 +24,8 @@ of the next assistant turn), as TRL's tool loop builds them; the reward gets the
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import copy
 import hashlib
 import inspect
@@ -48,7 +50,7 @@ EnvFn = Callable[..., "str | None"]
 """``env(prompt=..., completion=..., turn=..., **columns) -> str | None``: the environment's text
 after the policy's ``turn``-th turn (0-based), given the prompt and the response so far: as text
 (raw format), or as messages (chat format: ``[{"role": "assistant", "content": ...}, {"role":
-"tool", ...}, ...]``, the last the turn just written)."""
+"tool", ...}, ...]``, the last the turn just written). It may be ``async def`` (:func:`awaited`)."""
 
 EnvFormat = Literal["auto", "chat", "raw"]
 
@@ -78,10 +80,10 @@ def load_env(spec: str | EnvFn) -> EnvFn:
         return spec
     if spec.startswith(PASSED_FROM_PYTHON):
         raise ValueError(
-            f"rollout.env: this run's environment was passed from Python "
-            f"({spec.removeprefix(PASSED_FROM_PYTHON).strip()}), so config.yaml cannot rebuild it; "
-            "resume from Python with tether.train(config, env=..., resume=True), or name one: "
-            "--resume RUN rollout.env=module:function"
+            f"rollout.env names an environment that was passed from Python "
+            f"({spec.removeprefix(PASSED_FROM_PYTHON).strip()}), which config.yaml cannot rebuild: pass it "
+            "again, tether.train(config, env=...) (with resume=True to go on with a run), or name one, "
+            "rollout.env=module:function (--resume RUN rollout.env=module:function)"
         )
     return import_callable(spec, "rollout.env")
 
@@ -112,6 +114,24 @@ def env_column_names(env: EnvFn, columns: Sequence[str]) -> list[str]:
             "or defaults for the ones no column fills"
         ) from None
     return names
+
+
+def awaited(reply):
+    """An environment's reply, awaited when it is a coroutine (an ``async def`` environment, as
+    TRL takes async tools): run to its end on an event loop of its own, in a worker thread when
+    this thread already runs one (a notebook), so that it never meets the caller's loop."""
+    if not inspect.isawaitable(reply):
+        return reply
+
+    async def wait():
+        return await reply
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # no loop here: the usual script
+        return asyncio.run(wait())
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, wait()).result()
 
 
 def special_ids(tokenizer, ends: Sequence[int]) -> set[int]:
@@ -300,7 +320,8 @@ def check_chat_turns_close(tokenizer, prompt, ends: Sequence[int], stop_strings:
         name = tokenizer.convert_ids_to_tokens(int(close)) if close is not None else None
         raise ValueError(
             f"rollout.stop_strings is empty, and the chat template closes an assistant's message with "
-            f"{name!r} (id {close}), which is not an end id of generation {list(ends)} (the tokenizer's EOS "
+            f"{name!r} (id {close}, the first token it writes after the assistant's text), which is not an "
+            f"end id of generation {list(ends)} (the tokenizer's EOS "
             "and the model's generation_config.eos_token_id): a policy turn would not end there, so "
             "rollout.env would never answer. Name the text that ends a policy turn in rollout.stop_strings, "
             "or add the id to the model's generation_config.eos_token_id"
@@ -376,6 +397,10 @@ def generate_turns(
     passed = env_column_names(env, list(columns))
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, max_prompt_tokens, device)
     ends = end_token_ids(tokenizer, lm)
+
+    def transcript(ids: list[int]) -> str:  # a raw row's text: what the reward reads
+        return tokenizer.decode([t for t in ids if t not in ends], skip_special_tokens=True)
+
     if chat and chat[0] and max_turns > 1:
         check_chat_turns_close(tokenizer, prompts[0], ends, stop_strings)
     forbidden = special_ids(tokenizer, ends)
@@ -387,6 +412,7 @@ def generate_turns(
     ended = [False] * B
     done = [False] * B
     replies: list[list[str]] = [[] for _ in range(B)]
+    offsets: list[list[int]] = [[] for _ in range(B)]  # raw rows: where each reply starts in the text
     messages: list[list[dict]] = [[] for _ in range(B)]  # chat rows: the completion as messages
     for turn in range(max_turns):
         active = [b for b in range(B) if not done[b] and len(resp[b]) < max_new_tokens]
@@ -446,7 +472,9 @@ def generate_turns(
             # other rows or the transcript the reward reads
             row_columns = {k: copy.deepcopy(columns[k][b]) for k in passed}
             try:
-                reply = env(prompt=copy.deepcopy(prompts[b]), completion=so_far, turn=turn, **row_columns)
+                reply = awaited(
+                    env(prompt=copy.deepcopy(prompts[b]), completion=so_far, turn=turn, **row_columns)
+                )
             except (Exception, SystemExit) as e:  # SystemExit: a tool's exit() would end the run silently
                 raise RuntimeError(
                     f"rollout.env raised {type(e).__name__} on row {b} after turn {turn} "
@@ -497,6 +525,7 @@ def generate_turns(
                 env_ids = env_ids[: max_new_tokens - len(resp[b])]
                 # as appended (maybe cut), a SentencePiece word-start space kept
                 replies[b].append(new_text(tokenizer, context, env_ids, skip_special_tokens=True))
+                offsets[b].append(len(transcript(resp[b])))
             resp[b] += env_ids
             policy[b] += [False] * len(env_ids)
             logps[b] += [0.0] * len(env_ids)
@@ -514,9 +543,15 @@ def generate_turns(
         sampler_logprobs[b, :n] = torch.tensor(logps[b], dtype=torch.float32)
     texts = [
         # the messages' contents, one per line (tether.judges.contract.completion_texts)
-        "\n".join(m["content"] for m in messages[b])
-        if chat[b]
-        else tokenizer.decode([t for t in resp[b] if t not in ends], skip_special_tokens=True)
+        "\n".join(m["content"] for m in messages[b]) if chat[b] else transcript(resp[b])
+        for b in range(B)
+    ]
+    # a raw row's replies where they stand in its text; None where the text does not hold them
+    # there (a decoding that is not local) or for a chat row (its messages tell)
+    env_offsets: list[list[int] | None] = [
+        offsets[b]
+        if not chat[b] and all(texts[b][o : o + len(r)] == r for o, r in zip(offsets[b], replies[b]))
+        else None
         for b in range(B)
     ]
     # the policy's own text (its turns, the environment's text left out): what the diversity and
@@ -536,6 +571,7 @@ def generate_turns(
         sampler_logprobs=sampler_logprobs,
         env_mask=env_mask,
         env_texts=replies,
+        env_offsets=env_offsets,
         policy_texts=own_texts,
         messages=messages if any(chat) else None,
     )

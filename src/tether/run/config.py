@@ -53,15 +53,23 @@ class ConfigError(ValueError):
     """A config field holds a value tether cannot use; the message names field and fix."""
 
 
+def _text_yaml(text: str) -> Any:
+    """``text`` read as YAML whose scalars all stay text (``yaml.BaseLoader``): in a list of texts
+    ``[yes, 010, 1:30, null]`` is ``['yes', '010', '1:30', 'null']``, where the safe loader's
+    ``[True, 8, 90, None]`` turned back into text would read ``'True'``, ``'8'``, ``'90'``,
+    ``'None'``, and ``[=]`` is ``['=']``, where it fails (YAML's ``=`` tag)."""
+    return yaml.load(text, Loader=yaml.BaseLoader)  # strings, lists and mappings only: no code
+
+
 def _as_list(value: Any) -> Any:
     """A list given on the command line as text, ``a,b`` or ``[a, b]``, as a list; else ``value``."""
     if isinstance(value, str) and value.strip().startswith("["):
         try:
-            loaded = yaml.safe_load(value)
+            loaded = _text_yaml(value)
         except yaml.YAMLError:
             loaded = None
         if isinstance(loaded, list):
-            return [str(x) for x in loaded]
+            return [x if isinstance(x, str) else str(x) for x in loaded]
     if isinstance(value, str) and "," in value:
         return [x.strip() for x in value.split(",") if x.strip()]
     return value
@@ -411,16 +419,16 @@ class RolloutConfig(_Defaulted):
             loaded = None
             if text.strip().startswith("["):  # commas are text here: only a YAML list makes several
                 try:
-                    loaded = yaml.safe_load(text)
+                    loaded = _text_yaml(text)
                 except yaml.YAMLError:
-                    # '[=]' (YAML's '=' is a tag) read as a list to the eye, and became the one stop
-                    # string '[=]', which no turn ever wrote: the environment was never called
+                    # text that reads as a list to the eye would become one stop string, bracket
+                    # and all, which no turn writes: the environment would never be called
                     _check(
                         not text.strip().endswith("]"),
                         "rollout.stop_strings",
                         text,
-                        "reads as a list but YAML cannot parse it; quote each stop string: "
-                        f"\"rollout.stop_strings=['{text.strip()[1:-1]}']\"",
+                        "reads as a list but YAML cannot parse it; quote each stop string, "
+                        "e.g. \"rollout.stop_strings=['</call>', '\\n']\"",
                     )
             self.stop_strings = loaded if isinstance(loaded, list) else [text]
         _check(
@@ -1326,8 +1334,9 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
         args = get_args(tp) if origin in (typing.Union, types.UnionType) else (tp,)
         if str in args and not (type(None) in args and value.strip().lower() in ("null", "none", "~", "")):
             return str(value)  # model.name=007 stays '007'
-        try:
-            value = yaml.safe_load(value) if value != "" else ""
+        texts = list[str] in args and value.strip().startswith("[")
+        try:  # a list of texts keeps each item as written (_text_yaml): [yes] is 'yes', not 'True'
+            value = (_text_yaml(value) if texts else yaml.safe_load(value)) if value != "" else ""
         except yaml.YAMLError:
             value = str(value)
     if origin in (typing.Union, types.UnionType):
@@ -1385,6 +1394,13 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{name}={value!r} is invalid: expected a list, e.g. {name}=[a, b]")
         (item,) = get_args(tp) or (Any,)
+        if item is str:  # a YAML file's [yes, 010] is [True, 8]: as text 'True', '8', not what was written
+            odd = [v for v in value if isinstance(v, (bool, int, float)) or v is None]
+            if odd:
+                raise ConfigError(
+                    f"{name}={list(value)!r} is invalid: YAML read {odd[0]!r} as a "
+                    f"{type(odd[0]).__name__}, not text; quote each item: ['...', '...']"
+                )
         return [_coerce(v, item, name) if item is not Any else v for v in value]
     return value
 

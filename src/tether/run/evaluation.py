@@ -19,6 +19,7 @@ from tether.core.kl import estimate_kl, sequence_kl
 from tether.data.capability import capability_texts
 from tether.data.prompts import PromptData
 from tether.judges.contract import Scorer, checked_scores, trainer_state
+from tether.models.callables import PASSED_FROM_PYTHON
 from tether.models.sampling import generate, sample_seeds
 from tether.models.scoring import rollout_logprobs
 from tether.models.turns import generate_turns
@@ -592,11 +593,20 @@ def eval_row(policy: dict, reference: dict | None) -> dict:
 def changed_settings(saved: dict, evaluator: Evaluator) -> list[str]:
     """``"field: old -> new"`` for each of :meth:`Evaluator.settings` a kept reference evaluation
     (``saved``, with its ``settings``) was made with and this config changed ([] for a file from
-    before the settings were kept: nothing to compare)."""
+    before the settings were kept: nothing to compare). A setting that names an object passed
+    from Python (an environment, a reward: ``(from Python) module:name``) counts as changed
+    whatever its name: two objects of one name (two ``functools.partial``, two instances of a
+    class) may differ, and config.yaml keeps no more than the name to tell."""
     old, now = saved.get("settings"), evaluator.settings()
     if old is None:
         return []
-    return [f"{k}: {old.get(k)!r} -> {v!r}" for k, v in now.items() if old.get(k) != v]
+    return [
+        f"{k}: {old.get(k)!r} -> {v!r}"
+        if old.get(k) != v
+        else f"{k}: an object passed from Python ({v!r}), which cannot be compared with the one before"
+        for k, v in now.items()
+        if old.get(k) != v or PASSED_FROM_PYTHON in repr(v)
+    ]
 
 
 def stale_reference(saved: dict, evaluator: Evaluator, what: str) -> bool:

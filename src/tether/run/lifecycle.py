@@ -36,7 +36,7 @@ from tether.run.config import Config
 from tether.run.console import say
 from tether.run.files import atomic_write_text, read_json, read_jsonl, resume_hint, write_json_file
 from tether.run.monitor import HealthMonitor
-from tether.run.rngs import rng_state, set_rng_state
+from tether.run.rngs import checkpoint_rng_state, restore_rng_state, rng_state, set_rng_state
 from tether.run.setup import Run
 
 
@@ -114,7 +114,7 @@ def resume_run(run: Run, trainer, monitor: HealthMonitor) -> int:
         load_sharded_state(path / SHARDED, run.policy, trainer.optimizer.optimizer)
     # the resumed config's controller and optimizer settings apply from the next step (printed)
     trainer.load_state_dict(state["trainer"], next_step=meta["step"] + 1)
-    set_rng_state(state["rng"])
+    restore_rng_state(state["rng"], seed=run.config.train.seed, step=meta["step"])
     run.reference_forwards[0] = state["reference_forwards"]
     if not D.is_main():
         return meta["step"] + 1
@@ -182,6 +182,7 @@ def write_checkpoint(run: Run, trainer, step: int) -> Path:
         weights, trainer_state = None, trainer.state_dict(with_optimizer=False)
     else:
         weights, trainer_state = policy_tensors(run.policy), trainer.state_dict()
+    rng = checkpoint_rng_state()  # collective: each rank's Python and NumPy states
     if D.is_main():
         path = save_checkpoint(
             run.writer.run_dir,
@@ -189,7 +190,7 @@ def write_checkpoint(run: Run, trainer, step: int) -> Path:
             policy=weights,
             trainer_state={
                 "trainer": trainer_state,
-                "rng": rng_state(),
+                "rng": rng,
                 "reference_forwards": run.reference_forwards[0],
             },
             reference_fingerprint=run.reference_fingerprint,

@@ -103,17 +103,23 @@ class RunWriter:
 def response_pieces(row: dict) -> list[tuple[str, bool]]:
     """A sample row's response as ``(text, by_the_environment)`` pieces that join to it: a chat
     row's messages (the assistant's contents and the tools', one per line, as ``response`` joins
-    them); a raw row's ``env`` texts found in order in its transcript; a single-turn row's
-    response, one piece."""
-    if "messages" in row:
+    them); a raw row's ``env`` texts where ``env_at`` says they start (a row without it: found in
+    order, the first match); a single-turn row's response, one piece."""
+    if isinstance(row.get("messages"), list) and all(isinstance(m, dict) for m in row["messages"]):
         pieces: list[tuple[str, bool]] = []
         for i, m in enumerate(row["messages"]):
             pieces += [("\n", False)] if i else []
             pieces.append((str(m.get("content", "")), m.get("role") != "assistant"))
         return pieces
     text, pieces, at = str(row.get("response", "")), [], 0
-    for reply in row.get("env") or []:  # the environment's texts, in order, each in the transcript
-        i = text.find(reply, at) if reply else -1
+    env = row.get("env")  # a hand-edited samples.jsonl may hold anything: only texts are marked
+    replies = [r for r in env if isinstance(r, str)] if isinstance(env, list) else []
+    starts = row.get("env_at")
+    if not (isinstance(starts, list) and len(starts) == len(replies)):
+        starts = [None] * len(replies)  # not recorded: searched in order (the first match)
+    for reply, start in zip(replies, starts):  # the environment's texts, in order
+        exact = isinstance(start, int) and start >= at and text[start : start + len(reply)] == reply
+        i = start if exact else text.find(reply, at) if reply else -1
         if i < 0:
             continue
         pieces += [(text[at:i], False), (reply, True)]
@@ -200,6 +206,9 @@ def sample_rows(exp) -> list[dict]:
             row["columns"] = {k: v[i] for k, v in exp.rollout.columns.items()}
         if exp.rollout.env_texts is not None:  # a multi-turn rollout: what the environment wrote
             row["env"] = exp.rollout.env_texts[i]
+            at = exp.rollout.env_offsets[i] if exp.rollout.env_offsets is not None else None
+            if at is not None:  # where each text starts in "response"
+                row["env_at"] = at
             row["policy_tokens"] = int(mask[i].sum())
             row["env_tokens"] = int(exp.rollout.env_mask[i].sum())
             # False: cut at a limit (the token budget, max_turns after a call), not ended on its own

@@ -791,7 +791,17 @@ def record_passed_objects(
     if env is not None:
         config = copy.deepcopy(config)
         config.rollout.env = python_object_spec(env)
-    if scorer is not None and config.reward._given("scorer") is None:
+    given = config.reward._given("scorer")
+    if scorer is not None and given is not None:
+        specs = given if isinstance(given, list) else [given]
+        if not all(isinstance(x, str) and x.startswith(PYTHON_SCORER) for x in specs):
+            # config.yaml would name the config's reward while the run trains on the object, and a
+            # resume from the command line would go on with another reward
+            raise ValueError(
+                f"train(scorer=...) and reward.scorer={given!r} both give the reward; give one of them "
+                "(reward.scorer=null to pass it from Python)"
+            )
+    if scorer is not None:
         config = copy.deepcopy(config)  # config.yaml names the objects, so a resume asks for them
         config.reward.scorer = python_scorer_spec(scorer)
     return config
@@ -976,12 +986,20 @@ def check_env_format(config: Config, tokenizer, *, parts, env: Callable | None =
         return
     prompts = [p for part in parts for p in part.prompts]
     chat = turn_formats(tokenizer, prompts, r.env_format, r.stop_strings, r.max_turns)
-    for part in parts:  # the environment takes its keywords and the columns it names
-        names = list(getattr(part, "columns", None) or {})
-        env_column_names(env if env is not None else load_env(r.env), names)
+    # the held-out part comes from data.eval_prompts (or eval_dataset) when one is given
+    held_out = config.data.eval_prompts
+    if held_out is None:
+        held_out = "data.prompts"
+    elif held_out.startswith("(an eval_dataset"):
+        held_out = "eval_dataset"
+    else:
+        held_out = "data.eval_prompts"
+    for part, field_name in zip(parts, ["data.prompts"] + [held_out] * (len(parts) - 1)):
+        names = list(getattr(part, "columns", None) or {})  # the environment takes its keywords
+        env_column_names(env if env is not None else load_env(r.env), names)  # and the columns it names
         if ENV_REPLIES in names:  # the reward's keyword of that name holds what the environment wrote
             raise ValueError(
-                f"data.prompts: a column is named {ENV_REPLIES!r}, the keyword under which a reward gets "
+                f"{field_name}: a column is named {ENV_REPLIES!r}, the keyword under which a reward gets "
                 "what rollout.env wrote in a multi-turn run; rename the column"
             )
     if chat and chat[0]:  # the template must carry a tool message after the assistant's text
