@@ -30,7 +30,7 @@ and first ratio exactly 1, sampler against learner 3.9e-12 to 6.5e-12 nats per t
 samples.jsonl row::
 
     "response": " calc(64 + 14) -> 78\n78 + 19 = calc(7", "score": 1.0, "columns": {"answer": "78"},
-    "env": [" -> 78\n"], "policy_tokens": 19, "env_tokens": 5, "ended": false
+    "env": [" -> 78\n"], "env_at": [14], "policy_tokens": 19, "env_tokens": 5, "ended": false
 
 (the policy goes on past its answer with the next problem of the pattern, cut by the token budget
 and the turn limit: not ended). A sample of the last step, ``" calc(30 + 78 ≈ 99\n35 + 104 =
