@@ -986,6 +986,7 @@ def check_env_format(config: Config, tokenizer, *, parts, env: Callable | None =
         return
     prompts = [p for part in parts for p in part.prompts]
     chat = turn_formats(tokenizer, prompts, r.env_format, r.stop_strings, r.max_turns)
+    env = env if env is not None else load_env(r.env)
     # the held-out part comes from data.eval_prompts (or eval_dataset) when one is given
     held_out = config.data.eval_prompts
     if held_out is None:
@@ -996,7 +997,7 @@ def check_env_format(config: Config, tokenizer, *, parts, env: Callable | None =
         held_out = "data.eval_prompts"
     for part, field_name in zip(parts, ["data.prompts"] + [held_out] * (len(parts) - 1)):
         names = list(getattr(part, "columns", None) or {})  # the environment takes its keywords
-        env_column_names(env if env is not None else load_env(r.env), names)  # and the columns it names
+        env_column_names(env, names)  # and the columns it names
         if ENV_REPLIES in names:  # the reward's keyword of that name holds what the environment wrote
             raise ValueError(
                 f"{field_name}: a column is named {ENV_REPLIES!r}, the keyword under which a reward gets "
