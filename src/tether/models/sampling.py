@@ -218,6 +218,14 @@ def tokenize_prompts(
     return enc["input_ids"].to(device), enc["attention_mask"].to(device)
 
 
+def keyed_seed(*parts: object) -> int:
+    """A seed in [0, 2**63) keyed by ``parts``: the first 8 bytes of BLAKE2b of their texts
+    joined by ``:`` (``keyed_seed("tether", 7, 0, 3)`` hashes ``"tether:7:0:3"``). Every seed
+    tether derives from the run's goes through here, each with a prefix of its own."""
+    digest = hashlib.blake2b(":".join(str(p) for p in parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
 def sample_seeds(seed: int, step: int, indices: Sequence[int]) -> list[int]:
     """One sampling seed per sample: a hash of (run seed, step, global sample index).
 
@@ -229,11 +237,7 @@ def sample_seeds(seed: int, step: int, indices: Sequence[int]) -> list[int]:
         sampler's counter-based noise, :func:`tether.core.noise.gumbel_noise`).
     """
 
-    def one(i: int) -> int:
-        digest = hashlib.blake2b(f"tether:{seed}:{step}:{i}".encode(), digest_size=8).digest()
-        return int.from_bytes(digest, "little") & (2**63 - 1)
-
-    return [one(int(i)) for i in indices]
+    return [keyed_seed("tether", seed, step, int(i)) for i in indices]
 
 
 class GumbelMaxSampler(LogitsProcessor):

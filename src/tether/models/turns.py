@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import copy
-import hashlib
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Literal
@@ -40,6 +39,7 @@ from tether.models.sampling import (
     CHAT_TEMPLATE_FLAG,
     Rollout,
     end_token_ids,
+    keyed_seed,
     new_text,
     sample_tokens,
     stop_text,
@@ -190,10 +190,7 @@ def continuation_ids(tokenizer, context: list[int], text: str, what: str) -> lis
 def turn_seed(seed: int, turn: int) -> int:
     """The seed of a row's ``turn``-th policy turn: its sample seed itself at turn 0 (a one-turn
     rollout samples what :func:`tether.models.sampling.generate` samples), then a hash of both."""
-    if turn == 0:
-        return int(seed)
-    digest = hashlib.blake2b(f"tether-turn:{seed}:{turn}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
+    return int(seed) if turn == 0 else keyed_seed("tether-turn", seed, turn)
 
 
 def _stop_at(tokenizer, context: list[int], tokens: list[int], stop_strings: Sequence[str]) -> int | None:

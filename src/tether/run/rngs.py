@@ -15,7 +15,6 @@ stays the same on every rank. tether's own sampling never reads these (:mod:`tet
 
 from __future__ import annotations
 
-import hashlib
 import random
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,15 +23,13 @@ import numpy as np
 import torch
 
 from tether.core import distributed as D
+from tether.models.sampling import keyed_seed
 
 
 def derived_seed(seed: int, *keys: object) -> int:
     """A seed for a purpose (a process, a step's judging) from the run's: ``seed`` itself without
-    ``keys``, else a 63-bit hash of ``seed`` and the keys."""
-    if not keys:
-        return int(seed)
-    digest = hashlib.blake2b(repr((int(seed), *keys)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
+    ``keys``, else :func:`tether.models.sampling.keyed_seed` of ``seed`` and the keys."""
+    return int(seed) if not keys else keyed_seed("tether-rng", int(seed), *keys)
 
 
 def host_seed(seed: int, rank: int) -> int:
@@ -80,9 +77,10 @@ def set_rng_state(state: dict) -> None:
     """Put back what :func:`rng_state` returned. A state saved before NumPy's was recorded (a
     checkpoint of an earlier tether) leaves NumPy's generator as it is."""
     torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
     if "numpy" in state:
         set_host_state((state["python"], state["numpy"]))
+    else:
+        random.setstate(state["python"])
 
 
 def checkpoint_rng_state() -> dict:
