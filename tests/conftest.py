@@ -266,6 +266,24 @@ def sometimes_none(completions: list[str]) -> list:
     return [1.0 if len(c) % 2 == 0 else None for c in completions]
 
 
+async def async_length_judge(completions: list, **kwargs) -> list[float]:
+    """:func:`length_judge` as an ``async def`` reward function (TRL awaits those): length / 100."""
+    import asyncio
+
+    await asyncio.sleep(0)
+    return [len(c if isinstance(c, str) else c[-1]["content"]) / 100 for c in completions]
+
+
+async def async_first_of_four_unscored(completions: list, **kwargs) -> list:
+    """An ``async def`` reward that returns None (does not apply) for every fourth sample of its
+    call, 0, 4, 8 ... (with groups of 4: one unscored sample per group), length / 100 for the
+    others."""
+    import asyncio
+
+    await asyncio.sleep(0)
+    return [None if i % 4 == 0 else len(c) / 100 for i, c in enumerate(completions)]
+
+
 def prompt_length_scorer(prompts: list[str], completions: list[str], **kwargs) -> list[float]:
     """A TRL-style reward function (prompts and completions by name): the prompt's length / 10."""
     assert len(prompts) == len(completions)

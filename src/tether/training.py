@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import math
 import signal
 import time
 from contextlib import nullcontext
@@ -374,13 +375,14 @@ def _log_step(session: Session, bar, *, step: int, row: dict, rows: list[dict] |
                     f"step {step} samples (gold judge)",
                     [r["prompt"] for r in rows],
                     {k: [r["columns"][k] for r in rows] for k in names},
+                    allow_none=True,  # None: the judge does not apply to that sample
                     completion_ids=ids,
                     state=evaluator.state,
                     completions=[r["messages"] for r in rows] if "messages" in rows[0] else None,
                     env_replies=[r["env"] for r in rows] if "env" in rows[0] else None,
                 )
             for r, g in zip(rows, golds):
-                r["gold"] = float(g)
+                r["gold"] = None if math.isnan(g) else float(g)
         w.samples(step, rows)
         session.reporter.samples(step, rows)
         say(f"\nstep {step}\n" + sample_table(rows[:4]), show)

@@ -15,6 +15,7 @@ from tests.conftest import (
     metric_rows,
     offline_cli,
     sometimes_none,
+    tiny_run_args,
 )
 from tether.cli import main
 from tether.data.prompts import PromptData, load_prompt_data, split_prompts
@@ -422,3 +423,61 @@ def test_jsonl_objects_numbers_lines_and_refuses_what_is_not_an_object(tmp_path)
         jsonl_objects(bad, "data.reward_data")
     with pytest.raises(ValueError, match=r"data.prompts: .*bad.jsonl:2 needs a JSON object"):
         read_prompt_file(bad)
+
+
+def test_an_async_reward_with_unscored_samples_trains_as_trl_does(tiny_model_dir, tmp_path):
+    """GRPO, G = 4, an ``async def`` reward (awaited, as TRL awaits one) that returns None for the
+    first sample of each group: that sample leaves its group's statistics. Each step logs
+    ``reward/unscored_fraction`` 1/4, samples.jsonl has score and reward None for it, and the
+    step's score is the mean of the scored samples alone (the old code averaged the 0 it put there)."""
+    data = _jsonl(tmp_path / "rows.jsonl")
+    args = _train(
+        tmp_path,
+        data,
+        f"model.name={tiny_model_dir}",
+        "train.algo=grpo",
+        "rollout.group_size=4",
+        "reward.scorer=tests.conftest:async_first_of_four_unscored",
+        "eval.judge=tests.conftest:async_length_judge",
+    )
+    assert main(args) == 0
+    rows = metric_rows(tmp_path / "run")
+    samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    for r in rows:
+        assert r["reward/unscored_fraction"] == 0.25
+        mine = [s for s in samples if s["step"] == r["step"]]
+        assert len(mine) == 8
+        assert [s["score"] is None for s in mine] == [True, False, False, False] * 2
+        assert all((s["reward"] is None) == (s["score"] is None) for s in mine)
+        scored = [s["score"] for s in mine if s["score"] is not None]
+        # float32 scores of 6 values <= 0.5: rounding 6 * 2**-24 at most
+        assert r["objective/scores"] == pytest.approx(sum(scored) / len(scored), abs=6 * 2**-24)
+        # the gold judge (an async function too) scored every sample of the step
+        assert all(isinstance(s["gold"], float) for s in mine)
+    report = json.loads((tmp_path / "run" / "eval.json").read_text())
+    assert report["policy"]["proxy_mean"] == report["policy"]["proxy_mean"]  # held-out: a number, not NaN
+
+
+def test_copies_of_a_held_out_prompt_count_once(tiny_model_dir, tmp_path, caplog):
+    """30 prompts x 3 copies, the hash's 25% share: 4 distinct prompts are held out (reviews 1, 7,
+    11, 20). Every copy hashes to the same side; the held-out set keeps each prompt once, so the
+    final evaluation reports n_prompts 4 with SEs over 4 units, not 12 (the old count, which made
+    every SE too small). The training side keeps its copies (the data's weighting, as TRL's)."""
+    prompts = [f"review {i}: the film" for i in range(30)] * 3
+    train, held = split_prompts(PromptData(prompts), 0.25)
+    assert held.prompts == [f"review {i}: the film" for i in (1, 7, 11, 20)]
+    assert len(train) == 26 * 3
+    assert "holds 8 repeated prompt(s)" in caplog.text
+    data = tmp_path / "copies.txt"
+    data.write_text("\n".join(prompts) + "\n")
+    args = tiny_run_args(
+        tiny_model_dir,
+        data,
+        tmp_path / "run",
+        {"data.heldout_fraction": 0.25, "eval.n_prompts": 64, "eval.fluency_model": "none"},
+        command=True,
+    )
+    assert main(args) == 0
+    report = json.loads((tmp_path / "run" / "eval.json").read_text())
+    assert report["n_prompts"] == 4  # 12 before
+    assert report["policy"]["n"] == 4 * report["samples_per_prompt"]

@@ -273,6 +273,81 @@ def test_weights_for_a_python_reward_list():
         load_config(None, ["reward.weights=[1.0, .nan]"])
 
 
+@TRAINERS
+def test_a_sample_no_reward_scores_is_unscored_as_in_trl(trainer_class):
+    """Two rewards returning [None/None, 1/0, 0.25/None, 1/0]: TRL's rewards_per_func has the
+    all-NaN row 0 (its ``unscorable_mask``); tether's reward list returns None there (unscored:
+    trainers leave it out of every statistic) and the NaN-sums of the others, [1, 0.25, 1]. A
+    single reward's None is TRL's unscorable too; where a caller cannot leave a sample out, None
+    is refused."""
+
+    def first(completions, **kwargs):
+        return [None, 1.0, 0.25, 1.0]
+
+    def second(completions, **kwargs):
+        return [None, 0.0, None, 0.0]
+
+    texts = ["a", "b", "c", "d"]
+    trl_out = trl_rewards(trainer_class, [first, second])(texts, texts, [[1]] * 4, {})
+    assert torch.isnan(trl_out).all(dim=1).tolist() == [True, False, False, False]
+    got = checked_scores(WeightedReward({"f": first, "s": second}), texts, 0, texts, allow_none=True)
+    assert math.isnan(got[0]) and got[1:] == [1.0, 0.25, 1.0]
+    assert trl_out.nansum(dim=1)[1:].tolist() == got[1:]
+    alone = checked_scores(first, texts, 0, texts, allow_none=True)
+    assert math.isnan(alone[0]) and alone[1:] == [1.0, 0.25, 1.0]
+    with pytest.raises(ValueError, match="returned None for a sample; this call needs a score"):
+        checked_scores(WeightedReward({"f": first, "s": second}), texts, 0, texts)
+
+
+def test_async_reward_functions_are_awaited_alone_and_together():
+    """TRL awaits ``async def`` reward functions (PR #4567), running a list's together
+    (``asyncio.gather``). Alone: the same scores as the sync function. In a list: concurrently,
+    on one loop -- ``waits`` returns only once ``sets`` has run, so a one-by-one call would time
+    out (a deterministic check, not a timing). Before, the coroutine itself was taken as the
+    scores: "TypeError: 'coroutine' object is not iterable"."""
+    import asyncio
+
+    async def lengths(completions, **kwargs):
+        await asyncio.sleep(0)
+        return [len(c) / 10 for c in completions]
+
+    assert checked_scores(lengths, ["ab", "abc"], 0, ["p", "q"]) == pytest.approx([0.2, 0.3])
+
+    async def plain(texts):  # a plain async scorer, called scorer(texts)
+        return [1.0 for _ in texts]
+
+    assert checked_scores(plain, ["ab"], 0) == [1.0]
+    state: dict = {}
+
+    async def waits(completions, **kwargs):
+        await asyncio.wait_for(state.setdefault("go", asyncio.Event()).wait(), timeout=10)
+        return [1.0] * len(completions)
+
+    async def sets(completions, **kwargs):
+        state.setdefault("go", asyncio.Event()).set()
+        return [2.0] * len(completions)
+
+    both = WeightedReward({"waits": waits, "sets": sets, "sync": lambda completions, **kw: [3.0] * 2})
+    assert checked_scores(both, ["x", "y"], 0, ["p", "q"]) == [6.0, 6.0]
+    assert both.last == {"waits": [1.0, 1.0], "sets": [2.0, 2.0], "sync": [3.0, 3.0]}
+
+    async def fails(completions, **kwargs):
+        raise KeyError("boom")
+
+    with pytest.raises(ValueError, match=r"reward 'fails': the scorer failed on 1 texts \(KeyError"):
+        checked_scores(WeightedReward({"ok": lengths, "fails": fails}), ["x"], 0, ["p"])
+
+    async def exits(completions, **kwargs):
+        raise SystemExit(3)
+
+    from tether.judges.contract import ScorerStopped
+
+    with pytest.raises(ScorerStopped, match="SystemExit"):  # a list's SystemExit is not a 'failure'
+        checked_scores(WeightedReward({"ok": lengths, "exits": exits}), ["x"], 0, ["p"])
+    with pytest.raises(ScorerStopped, match="SystemExit"):
+        checked_scores(exits, ["x"], 0, ["p"])
+
+
 def test_log_metric_and_log_extra_reach_the_step_log_through_a_reward_list():
     """TRL's ``log_metric`` / ``log_extra`` hooks: what a function logs, also inside a reward list,
     lands in the call's RewardLog; ``step_metrics`` averages each name (one process here)."""

@@ -95,7 +95,98 @@ def test_ppo_experience_returns_its_scale_and_needs_values():
     # whitened: mean 0.75, std 0.5401 -> (r - 0.75) / 0.5401
     assert exp.advantages.flatten().tolist() == pytest.approx([0.0, -1.3887, 0.4629, 0.9258], abs=1e-4)
     with pytest.raises(ValueError, match="value head's predictions"):
-        ADVANTAGES["ppo"](None, None, None, StepSettings(algo="ppo"))
+        ADVANTAGES["ppo"](None, None, None, StepSettings(algo="ppo"), scored=None)
+
+
+def unscored_experience(algo: str, leash: KLLeash, kl_coef: float = 0.0, **settings):
+    # One group of 4 one-token samples; two rewards returned [None/None, 1/0, 0.25/None, 1/0]:
+    # sample 0 is unscored (NaN), the others sum to [1, 0.25, 1] (the TRL check).
+    # k1 = old - ref = [0.5, 0, 0, -0.5].
+    return make_experience(
+        rollout=samples([[True]] * 4),
+        scores=torch.tensor([math.nan, 1.0, 0.25, 1.0], dtype=F64),
+        old_logprobs=torch.tensor([[-1.0]] * 4, dtype=F64),
+        ref_logprobs=torch.tensor([[-1.5], [-1.0], [-1.0], [-0.5]], dtype=F64),
+        values=torch.zeros(4, 1, dtype=F64) if algo == "ppo" else None,
+        exact_kl=torch.tensor([[0.2], [0.1], [0.1], [0.4]], dtype=F64),
+        minibatches=[torch.arange(4)],
+        kl_coef=kl_coef,
+        leash=leash,
+        settings=StepSettings(algo=algo, group_size=4 if algo != "ppo" else 1, **settings),
+    )
+
+
+def test_unscored_samples_leave_the_group_statistics_with_advantage_zero():
+    # TRL 1.16 (PR #5902) on rewards [-, 1, 0.25, 1]: the scored three have mean 0.75 and
+    # unbiased std sqrt((0.25^2 + 0.5^2 + 0.25^2) / 2) = sqrt(0.1875) = 0.43301; advantages
+    # [0, 0.25, -0.5, 0.25] / (0.43301 + 1e-4) = [0, 0.57722, -1.15444, 0.57722]. Counting the
+    # unscored sample as 0 (the old code) gave [-1.091, 0.849, -0.606, 0.849].
+    grpo = unscored_experience("grpo", KLLeash(False, True), 0.5)
+    w = 1 / (0.1875**0.5 + 1e-4)
+    # the shaped rewards are float32 (unit roundoff 6e-8, a few operations): rel 1e-6
+    assert grpo.advantages.flatten().tolist() == pytest.approx([0.0, 0.25 * w, -0.5 * w, 0.25 * w], rel=1e-6)
+    assert grpo.scored.tolist() == [False, True, True, True]
+    assert grpo.update_mask is None  # GRPO keeps the row in the loss (advantage 0; its KL term counts)
+    # RLOO, KL in the reward at beta 0 (the scores alone): leave-one-out over the scored siblings,
+    # 1 - (0.25 + 1) / 2 = 0.375, 0.25 - (1 + 1) / 2 = -0.75, 0.375; the unscored sample 0
+    rloo = unscored_experience("rloo", KLLeash(True, False), 0.0)
+    assert rloo.advantages.flatten().tolist() == [0.0, 0.375, -0.75, 0.375]
+    # with beta 0.5 the unscored row's reward -0.5 * 0.5 = -0.25 (its KL) still reaches no sibling:
+    # rewards [-, 1, 0.25, 1.25]; 1 - 1.5 / 2 = 0.25, 0.25 - 2.25 / 2 = -0.875, 1.25 - 1.25 / 2 = 0.625
+    rloo = unscored_experience("rloo", KLLeash(True, False), 0.5)
+    assert rloo.advantages.flatten().tolist() == [0.0, 0.25, -0.875, 0.625]
+    # the controller still reads every sample's KL: exact [0.2, 0.1, 0.1, 0.4] -> mean 0.2
+    assert controller_input(rloo, StepSettings(algo="rloo", group_size=4)) == pytest.approx(0.2, rel=1e-12)
+
+
+def test_unscored_samples_leave_ppos_update():
+    # PPO, one-token samples, zero values, beta 0: returns = scores; the unscored row is out of
+    # the update mask, so the whitening is over [1, 0.25, 1]: mean 0.75, std 0.43301 ->
+    # [0.57735, -1.15470, 0.57735] (WHITEN_EPS 1e-8 moves the 5th digit by nothing)
+    exp = unscored_experience("ppo", KLLeash(True, False), 0.0)
+    assert exp.update_mask.flatten().tolist() == [False, True, True, True]
+    assert exp.mask.flatten().tolist() == [False, True, True, True]  # what the losses count
+    assert exp.advantages.flatten().tolist() == pytest.approx([0.0, 0.57735, -1.15470, 0.57735], abs=1e-5)
+    assert exp.returns.flatten().tolist() == [0.0, 1.0, 0.25, 1.0]
+    mb = exp.select(torch.tensor([0, 1]))
+    assert mb.update_mask.flatten().tolist() == [False, True] and mb.scored.tolist() == [False, True]
+    # the loss of a micro-batch holding only the unscored row is 0 and has no gradient on it
+    logprobs = torch.tensor([[-1.0]], dtype=F64, requires_grad=True)
+    out = clipped_policy_loss(exp.select(torch.tensor([0])), logprobs, 0.2, KLLeash(True, False), 0.0)
+    out.loss.backward()
+    assert out.loss.item() == 0.0 and logprobs.grad.abs().sum().item() == 0.0
+
+
+def test_group_statistics_edge_cases_with_unscored_samples():
+    from tether.core.advantages import group_normalized_advantages, rloo_advantages
+
+    nan = math.nan
+    # one scored sample in a group: no ranking, advantages 0; none scored: 0
+    scores = torch.tensor([nan, 2.0, nan, nan, nan, nan, nan, nan], dtype=F64)
+    scored = ~torch.isnan(scores)
+    assert group_normalized_advantages(scores, 4, scored=scored).tolist() == [0.0] * 8
+    assert rloo_advantages(scores, 4, scored=scored).tolist() == [0.0] * 8
+    # every sample scored: bit for bit the plain statistics
+    x = torch.rand(8, dtype=F64)
+    all_scored = torch.ones(8, dtype=torch.bool)
+    assert torch.equal(
+        group_normalized_advantages(x, 4, scored=all_scored), group_normalized_advantages(x, 4)
+    )
+    assert torch.equal(rloo_advantages(x, 4, scored=all_scored), rloo_advantages(x, 4))
+    # the scored samples of a group with holes equal the group of those samples alone
+    x[[1, 6]] = nan
+    part = ~torch.isnan(x)
+    for scale in (True, False):
+        got = group_normalized_advantages(x, 4, scale, scored=part)
+        for g in range(2):
+            rows = [i for i in range(4 * g, 4 * g + 4) if part[i]]
+            alone = group_normalized_advantages(x[rows], len(rows), scale)
+            assert got[rows].tolist() == pytest.approx(alone.tolist(), rel=1e-12, abs=1e-15)
+    got = rloo_advantages(x, 4, scored=part)
+    for g in range(2):
+        rows = [i for i in range(4 * g, 4 * g + 4) if part[i]]
+        assert got[rows].tolist() == pytest.approx(rloo_advantages(x[rows], len(rows)).tolist(), rel=1e-12)
+    assert got[[1, 6]].tolist() == [0.0, 0.0]
 
 
 def hole_experience(algo: str, leash: KLLeash, kl_coef: float, **settings):

@@ -125,78 +125,154 @@ def _groups(scores: Tensor, group_size: int) -> Tensor:
     return at_least_fp32(scores).view(-1, group_size)  # (B / G, G), consecutive rows form a group
 
 
-def group_all_equal(scores: Tensor, group_size: int) -> Tensor:
-    """Whether each row's group has all its rewards exactly equal (max == min): (B,) -> (B,) bool.
+def _scored_groups(scores: Tensor, group_size: int, scored: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``(g, s)``: the scores as (B / G, G) groups with unscored slots set to 0 (never NaN), and
+    the (B / G, G) bool of the scored slots (all True when ``scored`` is None)."""
+    g = _groups(scores, group_size)
+    if scored is None:
+        return g, torch.ones_like(g, dtype=torch.bool)
+    if scored.shape != scores.shape:
+        raise ValueError(f"scored {tuple(scored.shape)} must have the shape of scores {tuple(scores.shape)}")
+    s = scored.bool().view(-1, group_size)
+    return torch.where(s, g, 0.0), s
+
+
+def group_all_equal(scores: Tensor, group_size: int, scored: Tensor | None = None) -> Tensor:
+    """Whether each row's group has all its scored rewards exactly equal (max == min over the
+    scored rows; a group with fewer than two scored rows counts as equal): (B,) -> (B,) bool.
 
     Such a group carries no ranking, so every advantage of it is exactly 0 in GRPO, Dr. GRPO and
     RLOO; with 0/1 rewards these are the all-right and all-wrong groups.
 
+    Args:
+        scores: (B,) sequence rewards, consecutive groups of ``group_size`` rows.
+        group_size: G >= 1.
+        scored: (B,) bool, False on a sample no reward scored (its value is ignored), or None
+            (every sample scored).
+
     Raises:
-        ValueError: B is not a multiple of ``group_size``.
+        ValueError: B is not a multiple of ``group_size``; ``scored`` of another shape.
     """
-    g = _groups(scores, group_size)
-    equal = g.amax(-1, keepdim=True) == g.amin(-1, keepdim=True)
+    g, s = _scored_groups(scores, group_size, scored)
+    hi = torch.where(s, g, -torch.inf).amax(-1, keepdim=True)
+    lo = torch.where(s, g, torch.inf).amin(-1, keepdim=True)
+    equal = (hi == lo) | (s.sum(-1, keepdim=True) < 2)
     return equal.expand_as(g).reshape(-1)
 
 
-def group_normalized_advantages(scores: Tensor, group_size: int, scale_by_std: bool = True) -> Tensor:
+def _scored_mean_std(g: Tensor, s: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per group: the count of scored rows n, their mean and their unbiased standard deviation
+    (``sqrt(sum (r - mean)^2 / (n - 1))``; 0 where n < 2, where no std exists), each (B / G, 1)."""
+    n = s.sum(-1, keepdim=True).to(g.dtype)
+    mean = torch.where(s, g, 0.0).sum(-1, keepdim=True) / n.clamp(min=1)
+    sq = torch.where(s, (g - mean) ** 2, 0.0).sum(-1, keepdim=True)
+    std = torch.where(n >= 2, (sq / (n - 1).clamp(min=1)).sqrt(), 0.0)
+    return n, mean, std
+
+
+def group_normalized_advantages(
+    scores: Tensor, group_size: int, scale_by_std: bool = True, scored: Tensor | None = None
+) -> Tensor:
     """GRPO outcome advantages: ``(r_i - mean_g r) / (std_g r + GROUP_STD_EPS)`` within each group.
 
     Source: Shao et al. 2024, "DeepSeekMath", arXiv 2402.03300, section 4.1.2 (outcome
     supervision); ``std`` is the unbiased sample standard deviation of the group, as in TRL.
     With ``scale_by_std=False`` only the mean is removed (Liu et al. 2025, "Dr. GRPO").
 
+    **Unscored samples** (``scored`` False: every reward returned None for it) are left out of
+    their group's mean and std and get advantage exactly 0, as TRL 1.16 does (PR #5902:
+    ``nanmean``, ``nanstd``, then ``nan_to_num``): a group of rewards ``[-, 1, 0.25, 1]`` has
+    mean 0.75 and std ``sqrt((0.0625 + 0.25 + 0.0625) / 2) = 0.4330`` over its three scored
+    samples, so its advantages are ``[0, 0.577, -1.155, 0.577]``, not those of ``[0, 1, 0.25, 1]``.
+    A group with fewer than two scored samples carries no ranking: all its advantages are 0.
+
     Args:
         scores: (B,) sequence rewards; rows ``g*G .. g*G + G - 1`` are the G completions of
-            prompt g.
+            prompt g. An unscored row's value is ignored (it may be NaN).
         group_size: G >= 1 (G = 1 gives zeros).
+        scale_by_std: divide by the group's std (False: Dr. GRPO).
+        scored: (B,) bool, or None (every sample scored).
 
     Returns:
-        (B,) advantages, one per sequence; exactly 0 for a group whose scores are all equal.
+        (B,) advantages, one per sequence; exactly 0 for a group whose scored rewards are all
+        equal and for every unscored sample.
 
     Raises:
-        ValueError: B is not a multiple of ``group_size``.
+        ValueError: B is not a multiple of ``group_size``; ``scored`` of another shape.
     """
-    g = _groups(scores, group_size)
-    centered = g - g.mean(-1, keepdim=True)
+    if scored is not None and bool(scored.all()):
+        scored = None  # every sample scored: the plain statistics, bit for bit
+    equal = group_all_equal(scores, group_size, scored)
+    if scored is None:
+        g = _groups(scores, group_size)
+        centered = g - g.mean(-1, keepdim=True)
+        if scale_by_std and group_size > 1:
+            centered = centered / (g.std(-1, keepdim=True) + GROUP_STD_EPS)
+        # an all-equal group: exactly 0, not its rounding residue (up to 1e-17 x 10^4 after the division)
+        return torch.where(equal, 0.0, centered.reshape(-1))
+    g, s = _scored_groups(scores, group_size, scored)
+    _, mean, std = _scored_mean_std(g, s)
+    centered = g - mean
     if scale_by_std and group_size > 1:
-        centered = centered / (g.std(-1, keepdim=True) + GROUP_STD_EPS)
-    # an all-equal group: exactly 0, not its rounding residue (up to 1e-17 x 10^4 after the division)
-    return torch.where(group_all_equal(scores, group_size), 0.0, centered.reshape(-1))
+        centered = centered / (std + GROUP_STD_EPS)
+    return torch.where(equal | ~s.reshape(-1), 0.0, centered.reshape(-1))
 
 
-def group_std(scores: Tensor, group_size: int) -> Tensor:
+def group_std(scores: Tensor, group_size: int, scored: Tensor | None = None) -> Tensor:
     """Each row's group standard deviation (unbiased, as :func:`group_normalized_advantages`
-    divides by), repeated for the group's rows: (B,) -> (B,); zeros for ``group_size`` 1.
+    divides by; over the scored rows only when ``scored`` is given, 0 for a group with fewer than
+    two), repeated for the group's rows: (B,) -> (B,); zeros for ``group_size`` 1.
 
     Raises:
-        ValueError: B is not a multiple of ``group_size``.
+        ValueError: B is not a multiple of ``group_size``; ``scored`` of another shape.
     """
+    if scored is not None and bool(scored.all()):
+        scored = None
     g = _groups(scores, group_size)
     if group_size == 1:
         return torch.zeros_like(scores)
-    return g.std(-1, keepdim=True).expand_as(g).reshape(-1)
+    if scored is None:
+        return g.std(-1, keepdim=True).expand_as(g).reshape(-1)
+    _, _, std = _scored_mean_std(*_scored_groups(scores, group_size, scored))
+    return std.expand_as(g).reshape(-1)
 
 
-def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
+def rloo_advantages(rewards: Tensor, group_size: int, scored: Tensor | None = None) -> Tensor:
     """RLOO: each sample's reward minus the mean reward of the other k - 1 samples of its prompt.
 
     ``A_i = r_i - (sum_j r_j - r_i) / (k - 1)``. Source: Ahmadian et al. 2024, "Back to Basics",
     arXiv 2402.14740, eq. 6 (Kool et al. 2019).
 
+    **Unscored samples** (``scored`` False) are left out of their siblings' baselines and get
+    advantage exactly 0, as TRL 1.16 does (PR #5902): with n scored samples in a group, ``A_i =
+    r_i - (sum_{j scored} r_j - r_i) / (n - 1)``; rewards ``[-, 1, 0.25, 1]`` give ``[0, 1 -
+    1.25 / 2, 0.25 - 2 / 2, 0.375] = [0, 0.375, -0.75, 0.375]``. A group with fewer than two
+    scored samples has no baseline: all its advantages are 0.
+
     Args:
-        rewards: (B,) sequence rewards (the score, minus beta * KL when the KL is in the reward).
+        rewards: (B,) sequence rewards (the score, minus beta * KL when the KL is in the reward);
+            an unscored row's value is ignored (it may be NaN).
         group_size: k >= 2 samples per prompt, consecutive rows.
+        scored: (B,) bool, or None (every sample scored).
 
     Returns:
-        (B,) advantages; exactly 0 for a group whose rewards are all equal.
+        (B,) advantages; exactly 0 for a group whose scored rewards are all equal and for every
+        unscored sample.
 
     Raises:
-        ValueError: k < 2, or B not a multiple of k.
+        ValueError: k < 2, B not a multiple of k, or ``scored`` of another shape.
     """
     if group_size < 2:
         raise ValueError(f"RLOO needs group_size >= 2 samples per prompt, got {group_size}")
-    g = _groups(rewards, group_size)
-    baseline = (g.sum(-1, keepdim=True) - g) / (group_size - 1)
-    # an all-equal group: exactly 0 (the leave-one-out mean of equal floats may round off them)
-    return torch.where(group_all_equal(rewards, group_size), 0.0, (g - baseline).reshape(-1))
+    if scored is not None and bool(scored.all()):
+        scored = None  # every sample scored: the plain leave-one-out, bit for bit
+    equal = group_all_equal(rewards, group_size, scored)
+    if scored is None:
+        g = _groups(rewards, group_size)
+        baseline = (g.sum(-1, keepdim=True) - g) / (group_size - 1)
+        # an all-equal group: exactly 0 (the leave-one-out mean of equal floats may round off them)
+        return torch.where(equal, 0.0, (g - baseline).reshape(-1))
+    g, s = _scored_groups(rewards, group_size, scored)
+    n = s.sum(-1, keepdim=True).to(g.dtype)
+    baseline = (g.sum(-1, keepdim=True) - g) / (n - 1).clamp(min=1)  # unscored slots hold 0
+    return torch.where(equal | ~s.reshape(-1), 0.0, (g - baseline).reshape(-1))

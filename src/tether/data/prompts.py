@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import random
 import subprocess
 import sys
@@ -21,6 +22,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from tether.models.loading import cache_dir
+
+log = logging.getLogger(__name__)
 
 DEFAULT_PROMPTS = "icwsm-movies"
 _VADER_SDIST = "vaderSentiment==3.3.2"
@@ -425,21 +428,51 @@ def prompt_file_lines(path: str | Path) -> list[tuple[int, str]]:
     return prompts
 
 
-def split_prompts(prompts, heldout_fraction: float):
+def unique_prompts(data: PromptData, field_name: str) -> PromptData:
+    """A held-out set with each prompt once (the first row of each, by :func:`prompt_key`; the
+    count left out is said): a copy would count as an independent prompt in every standard error
+    of the evaluation (30 prompts x 3 copies would report n=12 for 4 prompts)."""
+    seen: set[str] = set()
+    keep = []
+    for i, p in enumerate(data.prompts):
+        key = prompt_key(p)
+        if key not in seen:
+            seen.add(key)
+            keep.append(i)
+    if len(keep) < len(data):
+        log.warning(
+            "tether: %s holds %d repeated prompt(s); each is evaluated once (%d held-out prompts)",
+            field_name,
+            len(data) - len(keep),
+            len(keep),
+        )
+    return data.select(keep) if len(keep) < len(data) else data
+
+
+def split_prompts(prompts, heldout_fraction: float, field_name: str = "data.prompts"):
     """Hash-based (train, heldout) split of a user's prompts, stable across runs and seeds: the
     hash of each prompt's text (:func:`prompt_key`), whatever the format and the other columns.
-    A :class:`PromptData` splits into two, columns kept; a list into two lists."""
+    A :class:`PromptData` splits into two, columns kept; a list into two lists.
+
+    Every copy of a prompt hashes to the same side. The held-out side keeps each prompt once
+    (:func:`unique_prompts`): its prompts are the evaluation's independent units. The training
+    side keeps its copies: they weigh the prompt in the training distribution, as in TRL.
+
+    Raises:
+        ValueError: no training prompt is left (``field_name`` named).
+    """
     data = prompts if isinstance(prompts, PromptData) else PromptData(prompts)
     held = [i for i, p in enumerate(data.prompts) if is_heldout(prompt_key(p), heldout_fraction)]
     kept = set(held)
     train = [i for i in range(len(data)) if i not in kept]
     if not train:
         raise ValueError(
-            "data.prompts: no training prompts left after the held-out split; lower data.heldout_fraction"
+            f"{field_name}: no training prompts left after the held-out split; lower data.heldout_fraction"
         )
+    heldout = unique_prompts(data.select(held), f"{field_name} (its held-out share)")
     if isinstance(prompts, PromptData):
-        return data.select(train), data.select(held)
-    return [data.prompts[i] for i in train], [data.prompts[i] for i in held]
+        return data.select(train), heldout
+    return [data.prompts[i] for i in train], list(heldout.prompts)
 
 
 class PromptSampler:

@@ -29,18 +29,22 @@ call one (``_calculate_rewards``)::
   ``max_steps``, ``epoch``), ``log_extra(column, values)`` and ``log_metric(name, value)``
   (:class:`RewardLog`).
 
-A function gets the keywords it names (all of them when it takes ``**kwargs``). Every call goes
-through :func:`checked_scores`, which refuses a wrong count or a non-finite score with the step
-named.
+A function gets the keywords it names (all of them when it takes ``**kwargs``); an ``async
+def`` function is awaited, as TRL awaits one. Every call goes through :func:`checked_scores`,
+which refuses a wrong count or a non-finite score with the step named. A None score (TRL's
+marker: the reward does not apply to the sample) is taken where the samples are trained on or
+compared: such an unscored sample leaves every statistic, as in TRL.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import math
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 Scorer = Callable[[list[str]], Sequence[float]]
 
@@ -272,90 +276,17 @@ def _keywords(
     return kw
 
 
-def checked_scores(
-    scorer: Scorer,
-    texts: list[str],
-    step: int | str,
-    prompts=None,
-    columns: dict[str, list] | None = None,
-    *,
-    allow_none: bool = False,
-    completion_ids: Sequence[Sequence[int]] | None = None,
-    state=None,
-    reward_log: RewardLog | None = None,
-    completions: list | None = None,
-    env_replies: Sequence[Sequence[str]] | None = None,
-) -> list[float]:
-    """Call ``scorer`` as TRL calls a reward function (module docstring), and validate its
-    output: one finite float per text.
-
-    Args:
-        scorer: a plain scorer (called ``scorer(texts)``) or a TRL-style reward function
-            (:func:`takes_prompts`, called with keywords).
-        texts: the B decoded responses (special tokens skipped, end token excluded).
-        step: where the call happens, for messages: a training step number, or a phrase such as
-            ``"held-out evaluation"``.
-        prompts: B prompts as the dataset holds them (strings or conversations), or None.
-        columns: the dataset columns, name -> B values.
-        allow_none: a score may be None (a reward that does not apply to that sample, as in TRL);
-            it comes back as NaN.
-        completion_ids: B lists of token ids (the sampled response up to and including its first
-            end token, no padding; multi-turn, the environment's tokens included), or None when
-            the call has only texts (a function that needs them is then an error).
-        state: the ``trainer_state`` (:func:`trainer_state`); None passes
-            ``trainer_state(global_step=step)`` (step 0 for a phrase), ``max_steps=0``.
-        reward_log: collects ``log_metric`` and ``log_extra`` calls; None drops them.
-        completions: what a TRL-style function gets as ``completions`` when it is not
-            :func:`trl_completions` of ``texts``: B message lists of a multi-turn rollout through
-            the chat template (:attr:`tether.models.sampling.Rollout.messages`; ``texts`` are then
-            their contents one per line), or None.
-        env_replies: a multi-turn rollout's environment texts, B lists (:data:`ENV_REPLIES`),
-            or None (a single-turn rollout: a function that needs them is then an error).
-
-    Returns:
-        B Python floats (NaN where a score was None and ``allow_none``).
-
-    Raises:
-        ValueError: wrong count, a NaN/inf score, or one beyond float32's range; a missing argument
-            (:class:`ArgumentError`'s message); the message names the step and the texts.
-        ScorerStopped: the scorer raised ``SystemExit`` or ``KeyboardInterrupt``.
-    """
-    where = f"step {step}" if isinstance(step, int) else step
+@contextmanager
+def _reported(where: str, n_texts: int, scorer: Callable) -> Iterator[None]:
+    """Turn what a user's scorer raises into tether's errors, with the step (``where``) named:
+    ``SystemExit`` and ``KeyboardInterrupt`` into :class:`ScorerStopped` (never a silent end with
+    the scorer's status), any other exception into a ``ValueError`` (never a bare traceback); a
+    :class:`ScorerStopped` of a reward inside a reward list passes unchanged."""
     try:
-        if takes_prompts(scorer):
-            if prompts is not None and len(prompts) != len(texts):
-                raise ValueError(f"{len(prompts)} prompts came with the {len(texts)} texts")
-            if completion_ids is not None and len(completion_ids) != len(texts):
-                raise ValueError(f"{len(completion_ids)} completion_ids came with the {len(texts)} texts")
-            if completions is not None and len(completions) != len(texts):
-                raise ValueError(f"{len(completions)} completions came with the {len(texts)} texts")
-            if env_replies is not None and len(env_replies) != len(texts):
-                raise ValueError(f"{len(env_replies)} env_replies came with the {len(texts)} texts")
-            if state is None:
-                state = trainer_state(step if isinstance(step, int) else 0)
-            raw = scorer(
-                **_keywords(
-                    scorer,
-                    prompts,
-                    texts=texts,
-                    columns=columns,
-                    completion_ids=completion_ids,
-                    state=state,
-                    reward_log=reward_log,
-                    completions=completions,
-                    env_replies=env_replies,
-                )
-            )
-        else:
-            raw = scorer(texts)
-        raw = list(raw)
-        if not allow_none and any(s is None for s in raw):
-            raise ValueError(
-                "it returned None for a sample; one reward must score every sample (None, 'does not "
-                "apply', is for a reward in a list of them: reward.scorer=[a, b])"
-            )
-        scores = [float("nan") if s is None else float(s) for s in raw]
-    except (SystemExit, KeyboardInterrupt) as e:  # never a silent end with the scorer's status
+        yield
+    except ScorerStopped:
+        raise
+    except (SystemExit, KeyboardInterrupt) as e:
         what = (
             f"SystemExit({e.code!r}), as sys.exit() raises"
             if isinstance(e, SystemExit)
@@ -366,10 +297,69 @@ def checked_scores(
         ) from None
     except Exception as e:  # a user's scorer: report it with the step, never a bare traceback
         raise ValueError(
-            f"{where}: the scorer failed on {len(texts)} texts ({type(e).__name__}: {e})"
+            f"{where}: the scorer failed on {n_texts} texts ({type(e).__name__}: {e})"
             + ("" if isinstance(e, ArgumentError) else "; it must return one float per text")
             + _plain_call_hint(scorer)
         ) from e
+
+
+def _call(
+    scorer: Scorer,
+    texts: list[str],
+    step: int | str,
+    prompts,
+    columns: dict[str, list] | None,
+    *,
+    completion_ids: Sequence[Sequence[int]] | None,
+    state,
+    reward_log: RewardLog | None,
+    completions: list | None,
+    env_replies: Sequence[Sequence[str]] | None,
+):
+    """The scorer's raw output for ``texts`` (:func:`checked_scores`' call, unchecked): what it
+    returned, an awaitable when it is ``async def``."""
+    if not takes_prompts(scorer):
+        return scorer(texts)
+    if prompts is not None and len(prompts) != len(texts):
+        raise ValueError(f"{len(prompts)} prompts came with the {len(texts)} texts")
+    if completion_ids is not None and len(completion_ids) != len(texts):
+        raise ValueError(f"{len(completion_ids)} completion_ids came with the {len(texts)} texts")
+    if completions is not None and len(completions) != len(texts):
+        raise ValueError(f"{len(completions)} completions came with the {len(texts)} texts")
+    if env_replies is not None and len(env_replies) != len(texts):
+        raise ValueError(f"{len(env_replies)} env_replies came with the {len(texts)} texts")
+    if state is None:
+        state = trainer_state(step if isinstance(step, int) else 0)
+    return scorer(
+        **_keywords(
+            scorer,
+            prompts,
+            texts=texts,
+            columns=columns,
+            completion_ids=completion_ids,
+            state=state,
+            reward_log=reward_log,
+            completions=completions,
+            env_replies=env_replies,
+        )
+    )
+
+
+def _floats(raw, allow_none: bool) -> tuple[list, list[float]]:
+    """``(raw as a list, its floats)``: None becomes NaN where ``allow_none``, else refused."""
+    raw = list(raw)
+    if not allow_none and any(s is None for s in raw):
+        raise ValueError(
+            "it returned None for a sample; this call needs a score for every sample (None, 'does "
+            "not apply', is taken where the samples are trained on or compared: an unscored sample "
+            "leaves the statistics, as in TRL)"
+        )
+    return raw, [float("nan") if s is None else float(s) for s in raw]
+
+
+def _validated(scores: list[float], raw: list, texts: list[str], where: str, allow_none: bool) -> list[float]:
+    """``scores`` once checked: one per text, finite (NaN only for a None of ``allow_none``),
+    within float32's range."""
     if len(scores) != len(texts):
         raise ValueError(f"{where}: the scorer returned {len(scores)} scores for {len(texts)} texts")
     bad = [
@@ -391,13 +381,89 @@ def checked_scores(
     return scores
 
 
+def checked_scores(
+    scorer: Scorer,
+    texts: list[str],
+    step: int | str,
+    prompts=None,
+    columns: dict[str, list] | None = None,
+    *,
+    allow_none: bool = False,
+    completion_ids: Sequence[Sequence[int]] | None = None,
+    state=None,
+    reward_log: RewardLog | None = None,
+    completions: list | None = None,
+    env_replies: Sequence[Sequence[str]] | None = None,
+) -> list[float]:
+    """Call ``scorer`` as TRL calls a reward function (module docstring), and validate its
+    output: one finite float per text.
+
+    An ``async def`` scorer (or one that returns an awaitable) is awaited, as TRL 1.16 awaits
+    async reward functions (PR #4567), on an event loop of its own
+    (:func:`tether.models.turns.awaited`).
+
+    Args:
+        scorer: a plain scorer (called ``scorer(texts)``) or a TRL-style reward function
+            (:func:`takes_prompts`, called with keywords); sync or ``async def``.
+        texts: the B decoded responses (special tokens skipped, end token excluded).
+        step: where the call happens, for messages: a training step number, or a phrase such as
+            ``"held-out evaluation"``.
+        prompts: B prompts as the dataset holds them (strings or conversations), or None.
+        columns: the dataset columns, name -> B values.
+        allow_none: a score may be None (TRL's marker of a sample the reward does not apply to:
+            unscored); it comes back as NaN, for a caller that leaves it out of its statistics.
+        completion_ids: B lists of token ids (the sampled response up to and including its first
+            end token, no padding; multi-turn, the environment's tokens included), or None when
+            the call has only texts (a function that needs them is then an error).
+        state: the ``trainer_state`` (:func:`trainer_state`); None passes
+            ``trainer_state(global_step=step)`` (step 0 for a phrase), ``max_steps=0``.
+        reward_log: collects ``log_metric`` and ``log_extra`` calls; None drops them.
+        completions: what a TRL-style function gets as ``completions`` when it is not
+            :func:`trl_completions` of ``texts``: B message lists of a multi-turn rollout through
+            the chat template (:attr:`tether.models.sampling.Rollout.messages`; ``texts`` are then
+            their contents one per line), or None.
+        env_replies: a multi-turn rollout's environment texts, B lists (:data:`ENV_REPLIES`),
+            or None (a single-turn rollout: a function that needs them is then an error).
+
+    Returns:
+        B Python floats (NaN where a score was None and ``allow_none``).
+
+    Raises:
+        ValueError: wrong count, a NaN/inf score, or one beyond float32's range; a missing argument
+            (:class:`ArgumentError`'s message); a None without ``allow_none``; the message names the
+            step and the texts.
+        ScorerStopped: the scorer raised ``SystemExit`` or ``KeyboardInterrupt``.
+    """
+    from tether.models.turns import awaited
+
+    where = f"step {step}" if isinstance(step, int) else step
+    with _reported(where, len(texts), scorer):
+        raw = _call(
+            scorer,
+            texts,
+            step,
+            prompts,
+            columns,
+            completion_ids=completion_ids,
+            state=state,
+            reward_log=reward_log,
+            completions=completions,
+            env_replies=env_replies,
+        )
+        raw, scores = _floats(awaited(raw), allow_none)
+    return _validated(scores, raw, texts, where, allow_none)
+
+
 class WeightedReward:
     """Several reward functions as one: ``sum_i w_i * r_i`` per sample (``reward.scorer`` a list,
     ``reward.weights``), a TRL-style reward function itself.
 
     A function may return None for a sample it does not apply to (TRL's convention): that sample
     is left out of that reward, i.e. the sum skips it (NaN-sum, as TRL does). A sample no function
-    scores gets 0. After each call :attr:`last` holds every reward's values (NaN where None), for
+    scores is unscored: its sum is None, and the trainers leave it out of every statistic (GRPO's
+    and RLOO's group baselines, with advantage 0; PPO's update), as TRL 1.16 does (PR #5902).
+    ``async def`` functions are awaited together, concurrently, as TRL runs its async rewards.
+    After each call :attr:`last` holds every reward's values (NaN where None), for
     ``reward/<name>``.
 
     Args:
@@ -429,42 +495,54 @@ class WeightedReward:
         log_metric: Callable | None = None,
         env_replies: Sequence[Sequence[str]] | None = None,
         **columns,
-    ) -> list[float]:
+    ) -> list[float | None]:
         """TRL's call (module docstring); each reward gets what it names of it (``env_replies``
         too, named here so that it reaches the rewards that name it).
 
         Returns:
-            B floats, the weighted sums.
+            B floats, the weighted sums; None for a sample every reward returned None for.
         """
+        from tether.models.turns import awaited
+
         texts = completion_texts(completions or [])
         logged = RewardLog()
-        self.last = {
-            name: checked_scores(
-                scorer,
-                texts,
-                f"reward {name!r}",
-                prompts,
-                columns,
-                allow_none=True,
-                completion_ids=completion_ids,
-                state=trainer_state,
-                reward_log=logged,
-                completions=completions,
-                env_replies=env_replies,
-            )
-            for name, scorer in self.scorers.items()
-        }
+        raws = {}
+        for name, scorer in self.scorers.items():
+            with _reported(f"reward {name!r}", len(texts), scorer):
+                raws[name] = _call(
+                    scorer,
+                    texts,
+                    f"reward {name!r}",
+                    prompts,
+                    columns,
+                    completion_ids=completion_ids,
+                    state=trainer_state,
+                    reward_log=logged,
+                    completions=completions,
+                    env_replies=env_replies,
+                )
+        pending = [name for name, raw in raws.items() if inspect.isawaitable(raw)]
+        if pending:  # every async reward at once, on one loop (TRL: asyncio.gather)
+
+            async def together():
+                return await asyncio.gather(*(raws[n] for n in pending), return_exceptions=True)
+
+            with _reported(f"rewards {pending}", len(texts), self):
+                done = awaited(together())
+            for name, result in zip(pending, done):
+                if isinstance(result, BaseException):
+                    with _reported(f"reward {name!r}", len(texts), self.scorers[name]):
+                        raise result
+                raws[name] = result
+        self.last = {}
+        for name, raw in raws.items():
+            where = f"reward {name!r}"
+            with _reported(where, len(texts), self.scorers[name]):
+                raw, scores = _floats(raw, allow_none=True)
+            self.last[name] = _validated(scores, raw, texts, where, allow_none=True)
         logged.replay(log_metric, log_extra)
-        total, unscored = [], 0
+        total: list[float | None] = []
         for i in range(len(texts)):
             terms = [w * v[i] for w, v in zip(self.weights, self.last.values()) if not math.isnan(v[i])]
-            total.append(sum(terms))
-            unscored += not terms
-        if unscored:  # TRL warns too: such a sample's reward is 0 by default, not by any function
-            log.warning(
-                "tether: warning: %d of %d samples were scored by none of the rewards (all returned None); "
-                "their reward is 0",
-                unscored,
-                len(texts),
-            )
+            total.append(sum(terms) if terms else None)  # None: unscored, as TRL's NaN row
         return total

@@ -44,15 +44,19 @@ def mean_se(xs: list[float]) -> tuple[float, float]:
     return m, math.sqrt(sum((x - m) ** 2 for x in xs) / max(n - 1, 1) / n)
 
 
-def prompt_means(values: list, k: int) -> list[float]:
-    """The mean of each prompt's ``k`` consecutive values (None left out; a prompt with no value
-    left out): the unit whose spread gives an honest standard error when the ``k`` samples of a
-    prompt are correlated (a cluster-robust SE, clusters = prompts)."""
-    out = []
+def prompt_means(values: list, k: int, keep_empty: bool = False) -> list:
+    """The mean of each prompt's ``k`` consecutive values (None left out: an unscored sample, an
+    empty response's fluency; a prompt with no value left out, or None with ``keep_empty``, so
+    that two lists of one evaluation's prompts stay aligned): the unit whose spread gives an
+    honest standard error when the ``k`` samples of a prompt are correlated (a cluster-robust SE,
+    clusters = prompts)."""
+    out: list = []
     for i in range(0, len(values), k):
         xs = [float(v) for v in values[i : i + k] if v is not None]
         if xs:
             out.append(sum(xs) / len(xs))
+        elif keep_empty:
+            out.append(None)
     return out
 
 
@@ -85,8 +89,9 @@ class EvalResult:
     out): what the diversity measures and the fluency judge read."""
     kl_per_sequence: list[float]
     """k1 per sequence (nats) of each sample against the reference; empty without a reference."""
-    scores: dict[str, list[float]] = field(default_factory=dict)
-    """scorer name ('proxy', 'gold') -> one score per response."""
+    scores: dict[str, list[float | None]] = field(default_factory=dict)
+    """scorer name ('proxy', 'gold') -> one score per response; None where the scorer returned
+    None (TRL's "does not apply": the sample is left out of that scorer's numbers)."""
     samples_per_prompt: int = 1
     """Responses per prompt, stored prompt-major: responses[i * k + j] is prompt i's j-th."""
     fluency_nll: list[float | None] = field(default_factory=list)
@@ -167,6 +172,9 @@ class EvalResult:
         out = {"name": self.name, "n": len(self.responses), "samples_per_prompt": k, "kl": self.kl}
         for key, xs in self.scores.items():
             out[f"{key}_mean"], out[f"{key}_se"] = mean_se(prompt_means(xs, k))
+            unscored = sum(x is None for x in xs)
+            if unscored:  # the samples the scorer returned None for, left out of its numbers
+                out[f"{key}_unscored"] = unscored
         if self.fluency_nll:
             out["fluency_nll_mean"], out["fluency_nll_se"] = mean_se(prompt_means(self.fluency_nll, k))
         out.update(self.diversity())
@@ -275,17 +283,19 @@ def evaluate(
                 ).tolist()
             columns = batch.columns if isinstance(batch, PromptData) else None
             for key, scorer in scorers.items():
-                result.scores[key] += checked_scores(
+                scores = checked_scores(
                     scorer,
                     ro.responses,
                     f"held-out evaluation ({name}, {key} scorer)",
                     ro.prompts,
                     columns,
+                    allow_none=True,  # None: the sample is left out of this scorer's numbers
                     completion_ids=ro.completion_ids,
                     completions=ro.messages,
                     env_replies=ro.env_texts,
                     state=state,
                 )
+                result.scores[key] += [None if math.isnan(x) else x for x in scores]
             if fluency is not None:
                 judged = [n for n in range(len(batch)) if (i + n) % k < (fluency_samples or k)]
                 nll = fluency([ro.prompts[n] for n in judged], [ro.own_texts[n] for n in judged])
@@ -316,9 +326,12 @@ def compare(before: EvalResult, after: EvalResult) -> dict:
     sb, sa = before.summary(), after.summary()
     out = {"n_prompts": len(before.responses) // k, "samples_per_prompt": k, "reference": sb, "policy": sa}
     for key in before.scores:
-        diffs = [
-            a - b for a, b in zip(prompt_means(after.scores[key], k), prompt_means(before.scores[key], k))
-        ]
+        # per prompt, where both models have a scored sample (an unscored one is left out)
+        pairs = zip(
+            prompt_means(after.scores[key], k, keep_empty=True),
+            prompt_means(before.scores[key], k, keep_empty=True),
+        )
+        diffs = [a - b for a, b in pairs if a is not None and b is not None]
         gain, paired_se = mean_se(diffs)
         unpaired_se = math.sqrt(sb[f"{key}_se"] ** 2 + sa[f"{key}_se"] ** 2)
         prefix = "" if key == "proxy" else f"{key}_"

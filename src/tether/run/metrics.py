@@ -152,13 +152,17 @@ def sample_table(rows: list[dict], width: int = 48) -> str:
     for r in rows:
         lines.append(
             f"{cut(r['prompt'], 24, end=True):<24} | {cut(marked_response(r), width):<{width}} | "
-            f"{r['score']:6.3f} | {_kl_cell(r['kl'])} | {r['reward']:6.3f}"
+            f"{_number_cell(r['score'], 3)} | {_kl_cell(r['kl'])} | {_number_cell(r['reward'], 3)}"
         )
     return "\n".join(lines)
 
 
+def _number_cell(x: float | None, digits: int) -> str:
+    return f"{x:6.{digits}f}" if x is not None else f"{'-':>6}"  # None: not scored, no number
+
+
 def _kl_cell(kl: float | None) -> str:
-    return f"{kl:6.2f}" if kl is not None else f"{'-':>6}"  # None: no reference model, no KL
+    return _number_cell(kl, 2)  # None: no reference model, no KL
 
 
 def flat_config(c: Config) -> dict:
@@ -198,7 +202,14 @@ def sample_rows(exp) -> list[dict]:
     )  # None: no reference
     rew_seq = masked_sum(exp.rewards, mask, dim=-1)
     rows = [
-        {"prompt": p, "response": r, "score": float(s), "kl": k, "reward": float(rw)}
+        # score and reward None: no reward scored the sample (it left the step's statistics)
+        {
+            "prompt": p,
+            "response": r,
+            "score": None if s != s else float(s),
+            "kl": k,
+            "reward": None if s != s else float(rw),
+        }
         for p, r, s, k, rw in zip(exp.rollout.prompts, exp.rollout.responses, exp.scores, kl_seq, rew_seq)
     ]
     for i, row in enumerate(rows):  # the row's other dataset columns travel with it

@@ -27,6 +27,7 @@ from tether.data.prompts import (
     prompt_key,
     records_to_data,
     split_prompts,
+    unique_prompts,
 )
 from tether.data.tasks import TASKS, task_prompts
 from tether.judges.contract import ENV_REPLIES, Scorer, WeightedReward, required_arguments
@@ -225,7 +226,8 @@ def dataset_prompts(dataset, config: Config) -> tuple[PromptData, PromptData]:
     Raises:
         the errors of :func:`dataset_data`.
     """
-    return split_prompts(dataset_data(dataset, config, "train_dataset"), config.data.heldout_fraction)
+    data = dataset_data(dataset, config, "train_dataset")
+    return split_prompts(data, config.data.heldout_fraction, field_name="train_dataset")
 
 
 def dataset_data(dataset, config: Config, field_name: str) -> PromptData:
@@ -287,26 +289,6 @@ def eval_set(config: Config, eval_dataset=None) -> PromptData | None:
     except (ValueError, FileNotFoundError) as e:
         raise type(e)(str(e).replace("data.prompts", "data.eval_prompts")) from None
     return unique_prompts(data, "data.eval_prompts")
-
-
-def unique_prompts(data: PromptData, field_name: str) -> PromptData:
-    """A held-out set with each prompt once (the first row of each; the count left out is said):
-    a copy would count as an independent prompt in every standard error."""
-    seen: set[str] = set()
-    keep = []
-    for i, p in enumerate(data.prompts):
-        key = prompt_key(p)
-        if key not in seen:
-            seen.add(key)
-            keep.append(i)
-    if len(keep) < len(data):
-        log.warning(
-            "tether: %s holds %d repeated prompt(s); each is evaluated once (%d held-out prompts)",
-            field_name,
-            len(data) - len(keep),
-            len(keep),
-        )
-    return data.select(keep) if len(keep) < len(data) else data
 
 
 def check_same_format(train: PromptData, evaluation: PromptData, field_name: str) -> None:

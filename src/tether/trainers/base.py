@@ -339,7 +339,9 @@ class OnPolicyTrainer:
         """Step 3: the responses' scores, (B,), from the reward (a reward list: their weighted
         sum), called as TRL calls it (prompts, completions, completion_ids, columns,
         trainer_state, log hooks); and the step's ``reward/<name>`` and ``reward_metric/<name>``
-        metrics."""
+        metrics. A sample every reward returned None for (TRL's "unscorable") is NaN here: it
+        leaves every statistic of the step (:func:`tether.trainers.steps.make_experience`), and
+        ``reward/unscored_fraction`` counts it."""
         run = self.run
         reward_log = RewardLog()
         scores = torch.tensor(
@@ -349,6 +351,7 @@ class OnPolicyTrainer:
                 step,
                 rollout.prompts,
                 rollout.columns,
+                allow_none=True,  # None: unscored, as TRL takes it
                 completion_ids=rollout.completion_ids,
                 completions=rollout.messages,
                 env_replies=rollout.env_texts,
@@ -359,6 +362,18 @@ class OnPolicyTrainer:
         )  # (B,)
         metrics = reward_components(run.scorer, self.device)
         metrics.update(reward_log.step_metrics())  # reward_metric/<name>: what log_metric got
+        unscored = torch.isnan(scores)
+        n_unscored = int(D.all_reduce_sum(unscored.sum()))
+        if n_unscored:  # TRL warns too; here the count, and what happens to them
+            metrics["reward/unscored_fraction"] = D.sequence_mean(unscored.float())
+            log.warning(
+                "tether: warning: step %d: %d of %d samples were scored by no reward (it returned None); "
+                "they are left out of the step's statistics (advantage 0%s)",
+                step,
+                n_unscored,
+                self.cfg.rollout.batch_size,
+                "; PPO: out of the update" if self.name == "ppo" else "",
+            )
         return scores, metrics
 
     def rollout_forwards(self, rollout: Rollout, minibatches: list[Tensor]) -> RolloutLogprobs:
@@ -561,7 +576,8 @@ def sample_metrics(
 
     Args:
         rollout: the samples; its ``response_mask`` (B, R) masks every per-token value.
-        scores: (B,) scorer values.
+        scores: (B,) scorer values, NaN on an unscored sample (left out of the score's mean, its
+            spread and ``objective/rlhf_reward``; its KL and entropy count).
         kl: (B, R) per-token KL estimate (nats), or None without a reference.
         entropy: (B, R) policy entropy, nats.
         exact_kl: (B, R) exact per-token KL, or None.
@@ -577,12 +593,19 @@ def sample_metrics(
     mask = rollout.response_mask
     # the objective's two terms per sequence, whatever the placement: J = score - beta * KL
     non_score = -kl_coef * sequence_kl(kl, mask) if kl is not None else torch.zeros_like(scores)  # (B,)
+    scored = ~torch.isnan(scores)  # (B,) an unscored sample (NaN) counts in no score statistic
+    if bool(D.all_reduce_min(scored.all().float())):
+        score_mean, score_std = D.sequence_mean(scores), D.sequence_std(scores)
+        rlhf_reward = D.sequence_mean(scores + non_score)
+    else:
+        score_mean, score_std = D.token_mean(scores, scored), D.sequence_std(scores[scored])
+        rlhf_reward = D.token_mean(scores + non_score, scored)
     row = {
         "objective/kl_coef": kl_coef,
-        "objective/scores": D.sequence_mean(scores),
-        "objective/scores_std": D.sequence_std(scores),
+        "objective/scores": score_mean,
+        "objective/scores_std": score_std,
         "objective/non_score_reward": D.sequence_mean(non_score),
-        "objective/rlhf_reward": D.sequence_mean(scores + non_score),
+        "objective/rlhf_reward": rlhf_reward,
         "objective/entropy": D.token_mean(entropy, mask),
         "response/length": D.sequence_mean(mask.sum(-1).float()),
     }

@@ -260,13 +260,18 @@ class DPOTrainer:
                     "DPO pair sampling",
                     ro.prompts,
                     candidates.columns,
+                    allow_none=True,  # an unscored candidate is never chosen nor rejected
                     completion_ids=ro.completion_ids,
                     state=trainer_state(0, c.train.steps),  # before the first step
                 ),
                 device="cpu",
             ).view(-1, k)  # (prompts, k), read on the host one by one
             for g, prompt in enumerate(batch):
-                best, worst = int(scores[g].argmax()), int(scores[g].argmin())
+                scored = ~torch.isnan(scores[g])  # (k,) a candidate no reward scored is left out
+                if int(scored.sum()) < 2:
+                    continue
+                best = int(torch.where(scored, scores[g], -torch.inf).argmax())
+                worst = int(torch.where(scored, scores[g], torch.inf).argmin())
                 if scores[g, best] == scores[g, worst]:
                     continue
                 rows = (g * k + best, g * k + worst)
@@ -441,6 +446,7 @@ class DPOTrainer:
                 step,
                 ro.prompts,
                 ro.columns,
+                allow_none=True,  # an unscored sample leaves the score's statistics (NaN)
                 completion_ids=ro.completion_ids,
                 # the probe follows this step's update: step + 1 steps done, (step + 1) batches of pairs
                 state=trainer_state(
@@ -451,7 +457,7 @@ class DPOTrainer:
             ),
             device=self.device,
         )
-        shaped = shape_rewards(scores, kl, c.dpo.beta, mask)
+        shaped = shape_rewards(torch.nan_to_num(scores, nan=0.0), kl, c.dpo.beta, mask)
         self.last_experience = Experience(
             rollout=ro,
             scores=scores,

@@ -12,6 +12,7 @@ broadcast to every valid token; the loss is a token-level mean over ``response_m
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from tether.core import distributed as D
@@ -31,7 +32,7 @@ class GroupTrainer(OnPolicyTrainer):
         the step's groups over every process: ``rollout/groups_all_equal``, and where every score
         is 0 or 1 (a verifiable reward), ``rollout/groups_all_best`` (all 1) and
         ``rollout/groups_all_worst`` (all 0)."""
-        return group_metrics(exp.scores, self.group_size)
+        return group_metrics(exp.scores, self.group_size, scored=exp.scored)
 
     def minibatch_loss(self, mb: Experience, kl_coef: float, first_micro: bool = True) -> MicroLoss:
         logprobs = self.policy_logprobs(mb.rollout)  # (B, R), with grad
@@ -45,16 +46,25 @@ class GroupTrainer(OnPolicyTrainer):
         )
 
 
-def group_metrics(scores: Tensor, group_size: int) -> dict:
+def group_metrics(scores: Tensor, group_size: int, scored: Tensor | None = None) -> dict:
     """Shares of the batch's groups (all processes) whose scores are all equal, all 1 and all 0
     (the last two only when every score is 0 or 1). ``scores``: (B,) this process's, whole
-    groups of ``group_size`` consecutive rows."""
-    equal = group_all_equal(scores, group_size)  # (B,): each row flags its group; groups weigh alike
+    groups of ``group_size`` consecutive rows; ``scored``: (B,) bool, False on an unscored
+    sample (its NaN left out: a group is all-equal over its scored samples, as its advantages
+    are; one with none scored is neither all 1 nor all 0), or None (all scored)."""
+    equal = group_all_equal(scores, group_size, scored)  # (B,): each row flags its group; groups weigh alike
     out = {"rollout/groups_all_equal": D.sequence_mean(equal.float())}
-    binary = D.all_reduce_min(((scores == 0) | (scores == 1)).all().float())
+    if scored is None:
+        value = scores  # an all-equal group's value, on each of its rows
+        binary = D.all_reduce_min(((scores == 0) | (scores == 1)).all().float())
+    else:
+        s = scored.view(-1, group_size)
+        value = torch.where(s, scores.view(-1, group_size), -torch.inf).amax(-1, keepdim=True)
+        value = value.expand_as(s).reshape(-1)  # (B,) the group's largest scored value
+        binary = D.all_reduce_min(((scores == 0) | (scores == 1) | ~scored).all().float())
     if binary > 0:
-        out["rollout/groups_all_best"] = D.sequence_mean((equal & (scores == 1)).float())
-        out["rollout/groups_all_worst"] = D.sequence_mean((equal & (scores == 0)).float())
+        out["rollout/groups_all_best"] = D.sequence_mean((equal & (value == 1)).float())
+        out["rollout/groups_all_worst"] = D.sequence_mean((equal & (value == 0)).float())
     return out
 
 
@@ -76,9 +86,8 @@ class GRPOTrainer(GroupTrainer):
         if not self.beta_in_reward_std:
             return out
         seq_rewards = masked_sum(exp.rewards, exp.mask, dim=-1)  # (B,)
-        return out | {
-            "objective/kl_coef_effective": kl_coef * D.sequence_mean(group_std(seq_rewards, self.group_size))
-        }
+        std = group_std(seq_rewards, self.group_size, scored=exp.scored)
+        return out | {"objective/kl_coef_effective": kl_coef * D.sequence_mean(std)}
 
 
 class RLOOTrainer(GroupTrainer):

@@ -61,7 +61,7 @@ class Experience(NamedTuple):
 
     rollout: Samples
     scores: Tensor
-    """(B,) scorer values."""
+    """(B,) scorer values; NaN where no reward scored the sample (``scored`` False)."""
     old_logprobs: Tensor
     """log pi_old(y_t | ...), nats, no grad."""
     ref_logprobs: Tensor | None
@@ -89,6 +89,12 @@ class Experience(NamedTuple):
     return_scale: Tensor | None = None
     """() float64: what PPO divided the rewards by (``ppo.scale_returns``; 1 without), reward
     units; None for GRPO and RLOO."""
+    scored: Tensor | None = None
+    """(B,) bool: False on a sample no reward scored (every reward returned None, TRL's
+    "unscorable"), or None when every sample was scored (:func:`make_experience`)."""
+    update_mask: Tensor | None = None
+    """(B, R) bool: the tokens the update's losses count when that is not the response mask
+    (PPO leaves its unscored samples out of the update), else None."""
 
     share_by = "tokens"
     """The losses are token means: a micro-batch weighs its share of the valid tokens
@@ -96,8 +102,10 @@ class Experience(NamedTuple):
 
     @property
     def mask(self) -> Tensor:
-        """(B, R) bool ``response_mask`` of the rollout."""
-        return self.rollout.response_mask
+        """(B, R) bool: the tokens the update counts, ``update_mask`` where set (PPO with unscored
+        samples), else the rollout's ``response_mask``. What the policy sampled, for the KL the
+        controller reads and the metrics, is always ``rollout.response_mask``."""
+        return self.update_mask if self.update_mask is not None else self.rollout.response_mask
 
     def select(self, idx: Tensor) -> Experience:
         """This record restricted to rows ``idx`` ((n,) long): every per-row tensor and the rollout.
@@ -123,6 +131,8 @@ class Experience(NamedTuple):
             kl_weights=rows(self.kl_weights),
             exact_kl=rows(self.exact_kl),
             return_scale=self.return_scale,
+            scored=rows(self.scored),
+            update_mask=rows(self.update_mask),
         )
 
 
@@ -232,6 +242,7 @@ def ppo_advantages(
     whiten: bool,
     scale_returns: bool = False,
     token_correction: Tensor | None = None,
+    scored: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Step 6 of PPO: GAE advantages (whitened over the global batch) and value targets.
 
@@ -252,6 +263,8 @@ def ppo_advantages(
             (:func:`tether.core.shaping.shape_rewards_exact`), added to A_t after GAE (so it
             reaches no other token and no value target), divided by the same scale, before
             whitening. The scale is that of the rewards alone.
+        scored: (B,) bool, False on the rows to leave out of the return scale's spread (PPO's
+            unscored samples, which ``mask`` already leaves out), or None (every row counts).
 
     Raises:
         ValueError: ``token_correction`` of another shape than ``rewards``.
@@ -262,7 +275,8 @@ def ppo_advantages(
     """
     scale = torch.ones((), dtype=torch.float64, device=rewards.device)
     if scale_returns:
-        scale = return_scale(D.sequence_std(masked_sum(rewards, mask, dim=-1)))
+        returns = masked_sum(rewards, mask, dim=-1)  # (B,)
+        scale = return_scale(D.sequence_std(returns if scored is None else returns[scored]))
     r = at_least_fp32(rewards)
     out = gae(r / scale.to(r.dtype), values, mask, gamma, lam)
     advantages = out.advantages
@@ -281,7 +295,9 @@ def broadcast_sequence_advantages(sequence_advantages: Tensor, mask: Tensor) -> 
     return torch.where(mask, sequence_advantages[:, None], 0.0)
 
 
-def grpo_advantages(rewards: Tensor, mask: Tensor, group_size: int, scale_by_std: bool) -> Tensor:
+def grpo_advantages(
+    rewards: Tensor, mask: Tensor, group_size: int, scale_by_std: bool, scored: Tensor | None = None
+) -> Tensor:
     """Step 6 of GRPO: group-normalized outcome advantages of the summed reward, on every token.
 
     Source: Shao et al. 2024, arXiv 2402.03300, section 4.1.2; ``scale_by_std=False`` is
@@ -290,16 +306,18 @@ def grpo_advantages(rewards: Tensor, mask: Tensor, group_size: int, scale_by_std
     Args:
         rewards: (B, R) per-token rewards; consecutive groups of ``group_size`` rows share a prompt.
         mask: (B, R) bool. group_size: G. scale_by_std: divide by the group's std.
+        scored: (B,) bool or None: unscored samples leave the group statistics and get 0
+            (:func:`tether.core.advantages.group_normalized_advantages`).
 
     Returns:
         (B, R) advantages, 0 where masked.
     """
     seq_rewards = masked_sum(rewards, mask, dim=-1)  # (B,) score (- beta * KL if in the reward)
-    adv = group_normalized_advantages(seq_rewards, group_size, scale_by_std)
+    adv = group_normalized_advantages(seq_rewards, group_size, scale_by_std, scored=scored)
     return broadcast_sequence_advantages(adv, mask)
 
 
-def grpo_kl_weights(rewards: Tensor, mask: Tensor, group_size: int) -> Tensor:
+def grpo_kl_weights(rewards: Tensor, mask: Tensor, group_size: int, scored: Tensor | None = None) -> Tensor:
     """Per-row weights of GRPO's KL-in-loss term (``grpo.scale_kl_by_std``): ``1 / (std_g +
     GROUP_STD_EPS)``, the same division the std-scaled advantages get, so that beta stays in
     reward units per nat: with advantages ``(r - mean_g) / std_g`` and the KL term
@@ -311,25 +329,29 @@ def grpo_kl_weights(rewards: Tensor, mask: Tensor, group_size: int) -> Tensor:
     groups (over every process), which keeps ``pi*`` the fixed point (docs/kl.md, "All-equal
     groups"), and weight 1 when every group of the batch is all-equal. Every weight is therefore
     at most ``1 / GROUP_STD_EPS`` = 10^4, reached only by a group whose std is below 1e-4 yet not
-    0.
+    0. With unscored samples (``scored``) the std is that of the group's scored rewards, as its
+    advantages'; a group with fewer than two scored samples has none and counts as all-equal.
 
     Args:
         rewards: (B, R) per-token rewards; consecutive groups of ``group_size`` rows share a prompt.
         mask: (B, R) bool. group_size: G >= 2.
+        scored: (B,) bool or None (every sample scored).
 
     Returns:
         (B,) float, each row's group weight.
     """
     seq_rewards = masked_sum(rewards, mask, dim=-1)  # (B,)
-    weights = 1.0 / (group_std(seq_rewards, group_size) + GROUP_STD_EPS)
-    equal = group_all_equal(seq_rewards, group_size)
+    weights = 1.0 / (group_std(seq_rewards, group_size, scored=scored) + GROUP_STD_EPS)
+    equal = group_all_equal(seq_rewards, group_size, scored=scored)
     # the mean over the other groups' rows (each group has G rows, so rows weigh as groups)
     n, total = D.all_reduce_sum(torch.stack([(~equal).sum().to(weights.dtype), weights[~equal].sum()]))
     mean = total / n if n > 0 else torch.ones((), dtype=weights.dtype, device=weights.device)
     return torch.where(equal, mean, weights)
 
 
-def rloo_token_advantages(rewards: Tensor, mask: Tensor, group_size: int) -> Tensor:
+def rloo_token_advantages(
+    rewards: Tensor, mask: Tensor, group_size: int, scored: Tensor | None = None
+) -> Tensor:
     """Step 6 of RLOO: leave-one-out advantages of the summed reward, on every token.
 
     Source: Ahmadian et al. 2024, arXiv 2402.14740.
@@ -337,12 +359,14 @@ def rloo_token_advantages(rewards: Tensor, mask: Tensor, group_size: int) -> Ten
     Args:
         rewards: (B, R) per-token rewards; consecutive groups of ``group_size`` rows share a prompt.
         mask: (B, R) bool. group_size: k >= 2.
+        scored: (B,) bool or None: unscored samples leave their siblings' baselines and get 0
+            (:func:`tether.core.advantages.rloo_advantages`).
 
     Returns:
         (B, R) advantages, 0 where masked.
     """
     seq_rewards = masked_sum(rewards, mask, dim=-1)  # (B,)
-    return broadcast_sequence_advantages(rloo_advantages(seq_rewards, group_size), mask)
+    return broadcast_sequence_advantages(rloo_advantages(seq_rewards, group_size, scored=scored), mask)
 
 
 class Advantages(NamedTuple):
@@ -354,14 +378,23 @@ class Advantages(NamedTuple):
     """(B, R) value targets (PPO), else None."""
     return_scale: Tensor | None
     """() float64 divisor of the rewards (PPO; 1 without ``scale_returns``), else None."""
+    update_mask: Tensor | None = None
+    """(B, R) bool: the tokens the update counts when not the response mask (PPO leaves its
+    unscored samples out), else None."""
 
 
 def _ppo_step_advantages(
-    leashed: KLRewards, mask: Tensor, values: Tensor | None, settings: StepSettings
+    leashed: KLRewards, mask: Tensor, values: Tensor | None, settings: StepSettings, *, scored: Tensor | None
 ) -> Advantages:
-    """PPO's entry of :data:`ADVANTAGES`: :func:`ppo_advantages` (GAE on the value predictions)."""
+    """PPO's entry of :data:`ADVANTAGES`: :func:`ppo_advantages` (GAE on the value predictions).
+
+    An unscored sample has no return to learn from (its score is unknown): PPO leaves it out of
+    the update, policy and value loss alike (``update_mask``), and out of the whitening and the
+    return scale."""
     if values is None:
         raise ValueError("PPO's advantages need the value head's predictions (values), got None")
+    update_mask = None if scored is None else mask & scored[:, None]
+    mask = mask if update_mask is None else update_mask
     advantages, returns, scale = ppo_advantages(
         leashed.rewards,
         values,
@@ -371,37 +404,57 @@ def _ppo_step_advantages(
         whiten=settings.whiten,
         scale_returns=settings.scale_returns,
         token_correction=leashed.token_correction,  # ppo.kl_shaping=exact: token t's own KL term
+        scored=scored,
     )
-    return Advantages(advantages=advantages, returns=returns, return_scale=scale)
+    return Advantages(advantages=advantages, returns=returns, return_scale=scale, update_mask=update_mask)
 
 
 def _grpo_step_advantages(
-    leashed: KLRewards, mask: Tensor, values: Tensor | None, settings: StepSettings
+    leashed: KLRewards, mask: Tensor, values: Tensor | None, settings: StepSettings, *, scored: Tensor | None
 ) -> Advantages:
-    """GRPO's entry of :data:`ADVANTAGES`: :func:`grpo_advantages` (Dr. GRPO without the std)."""
-    advantages = grpo_advantages(leashed.rewards, mask, settings.group_size, settings.scale_by_std)
+    """GRPO's entry of :data:`ADVANTAGES`: :func:`grpo_advantages` (Dr. GRPO without the std);
+    unscored samples get advantage 0 and stay in the loss's mask (their KL term counts), as TRL's."""
+    advantages = grpo_advantages(
+        leashed.rewards, mask, settings.group_size, settings.scale_by_std, scored=scored
+    )
     return Advantages(advantages=advantages, returns=None, return_scale=None)
 
 
 def _rloo_step_advantages(
-    leashed: KLRewards, mask: Tensor, values: Tensor | None, settings: StepSettings
+    leashed: KLRewards, mask: Tensor, values: Tensor | None, settings: StepSettings, *, scored: Tensor | None
 ) -> Advantages:
-    """RLOO's entry of :data:`ADVANTAGES`: :func:`rloo_token_advantages` (leave-one-out)."""
+    """RLOO's entry of :data:`ADVANTAGES`: :func:`rloo_token_advantages` (leave-one-out);
+    unscored samples get advantage 0, as TRL's."""
     return Advantages(
-        advantages=rloo_token_advantages(leashed.rewards, mask, settings.group_size),
+        advantages=rloo_token_advantages(leashed.rewards, mask, settings.group_size, scored=scored),
         returns=None,
         return_scale=None,
     )
 
 
-ADVANTAGES: dict[str, Callable[[KLRewards, Tensor, Tensor | None, StepSettings], Advantages]] = {
+class AdvantageFn(Protocol):
+    """The signature of an :data:`ADVANTAGES` entry."""
+
+    def __call__(
+        self,
+        leashed: KLRewards,
+        mask: Tensor,
+        values: Tensor | None,
+        settings: StepSettings,
+        *,
+        scored: Tensor | None,
+    ) -> Advantages: ...
+
+
+ADVANTAGES: dict[str, AdvantageFn] = {
     "ppo": _ppo_step_advantages,
     "grpo": _grpo_step_advantages,
     "rloo": _rloo_step_advantages,
 }
-"""Step 6 by algorithm, one signature: ``(leashed, mask, values, settings) -> Advantages``, where
-``leashed`` is step 5's :class:`KLRewards`, ``mask`` the (B, R) response mask, ``values`` the
-(B, R) value predictions at rollout time (PPO) or None."""
+"""Step 6 by algorithm, one signature: ``(leashed, mask, values, settings, *, scored) ->
+Advantages``, where ``leashed`` is step 5's :class:`KLRewards`, ``mask`` the (B, R) response
+mask, ``values`` the (B, R) value predictions at rollout time (PPO) or None, and ``scored`` the
+(B,) bool of the samples some reward scored, or None (all)."""
 
 
 def uses_kl_weights(settings: StepSettings, leash: KLLeash) -> bool:
@@ -431,9 +484,15 @@ def make_experience(
     reward form shapes with ``exact_kl``). Step 6 (:data:`ADVANTAGES`): advantages, PPO's value
     targets and return scale; GRPO's per-group KL weights where :func:`uses_kl_weights`.
 
+    A NaN score marks a sample no reward scored (every reward returned None: TRL's
+    "unscorable"). Its score enters no statistic: GRPO and RLOO leave it out of its group's
+    baseline and give it advantage 0 (TRL 1.16, PR #5902), PPO leaves it out of the update
+    (``update_mask``); its tokens still count in the KL the controller reads and the metrics
+    (they are the policy's samples) and, with the KL in the loss, in the KL term.
+
     Args:
         rollout: the samples; its ``response_mask`` (B, R) bool masks everything.
-        scores: (B,) scorer values.
+        scores: (B,) scorer values, NaN where the sample is unscored.
         old_logprobs, ref_logprobs: (B, R) log-probs of the sampled tokens under the sampling
             policy and the reference, nats; ``ref_logprobs`` None without a reference (no KL).
         values: (B, R) value predictions at rollout time (PPO), else None.
@@ -451,8 +510,10 @@ def make_experience(
         ValueError: the exact reward form without ``exact_kl``; PPO without ``values``.
     """
     mask = rollout.response_mask
+    unscored = torch.isnan(scores)  # (B,)
+    scored = ~unscored if bool(unscored.any()) else None
     leashed = kl_and_rewards(
-        scores,
+        torch.where(unscored, 0.0, scores),  # finite on every row; an unscored row's 0 reaches no statistic
         old_logprobs,
         ref_logprobs=ref_logprobs,
         mask=mask,
@@ -462,9 +523,9 @@ def make_experience(
         estimate=estimate,
         exact_kl=exact_kl if leash.reward_form == "exact" else None,
     )
-    adv = ADVANTAGES[settings.algo](leashed, mask, values, settings)
+    adv = ADVANTAGES[settings.algo](leashed, mask, values, settings, scored=scored)
     weights = (
-        grpo_kl_weights(leashed.rewards, mask, settings.group_size)
+        grpo_kl_weights(leashed.rewards, mask, settings.group_size, scored=scored)
         if uses_kl_weights(settings, leash)
         else None
     )
@@ -483,6 +544,8 @@ def make_experience(
         kl_weights=weights,
         exact_kl=exact_kl,
         return_scale=adv.return_scale,
+        scored=scored,
+        update_mask=adv.update_mask,
     )
 
 
@@ -505,9 +568,10 @@ def controller_input(exp: Experience, settings: StepSettings) -> float | None:
         if exp.exact_kl is None:
             raise ValueError("controller_signal='exact' needs the exact KL (kl.exact=true), got none")
         signal = exp.exact_kl
+    mask = exp.rollout.response_mask  # every sample the policy drew, scored or not
     if settings.target_unit == "nats_per_sequence":
-        return float(D.sequence_mean(sequence_kl(signal, exp.mask)))
-    return float(D.token_mean(signal, exp.mask))
+        return float(D.sequence_mean(sequence_kl(signal, mask)))
+    return float(D.token_mean(signal, mask))
 
 
 def clipped_policy_loss(
