@@ -101,3 +101,20 @@ def test_best_of_n_samples_take_tool_turns_as_the_runs_do(tiny_model_dir, prompt
     points = best_of_n_points(config, proxy, lambda texts: [0.0] * len(texts), [1, 2], n_prompts=4)
     assert [p["N"] for p in points] == [1, 2] and len(seen) == 8  # 4 prompts x 2 samples, scored once
     assert sum(" [tool:" in t for t in seen) >= 3, seen  # the tool answered (some cut by the budget)
+
+
+def test_a_prompt_with_no_quality_value_is_left_out_not_zero():
+    # prompt 0's two samples repeat half their 3-grams (0.5 each); prompt 1's are shorter than 3
+    # words, so neither has a repetition rate. The old fill gave prompt 1 the value 0 and the
+    # best-of-1 repetition (0.5 + 0) / 2 = 0.25; left out, it is prompt 0's alone, 0.5.
+    from types import SimpleNamespace
+
+    from tether.analysis.frontier import _per_sample_quality
+    from tether.core.bestofn import bon_scores
+
+    c = SimpleNamespace(eval=SimpleNamespace(fluency_model="none"))
+    texts = ["great great great great", "good good good good", "ok", "no"]
+    rep = _per_sample_quality(c, SimpleNamespace(prompts=["a", "b"]), texts, 2)["repetition"]
+    assert rep[0].tolist() == [0.5, 0.5] and rep[1].isnan().all()
+    keep = ~rep.isnan().any(-1)
+    assert bon_scores(torch.zeros(1, 2), rep[keep], 1)[1] == 0.5

@@ -149,7 +149,10 @@ def best_of_n_points(
     for n in ns:
         ps, gs = bon_scores(proxy_t, gold_t, n)
         # the same exact rank weights give the pick's expected fluency NLL and repetition rate
-        quality = {key: bon_scores(proxy_t, values, n)[1] for key, values in per_sample.items()}
+        quality = {}
+        for key, values in per_sample.items():
+            keep = ~values.isnan().any(-1)  # (P,) the prompts with a value (module docstring of the fill)
+            quality[key] = bon_scores(proxy_t[keep], values[keep], n)[1] if bool(keep.any()) else math.nan
         points.append(
             {
                 "method": "best-of-N",
@@ -169,7 +172,8 @@ def best_of_n_points(
 def _per_sample_quality(c: Config, prompts, texts: list[str], m: int) -> dict[str, torch.Tensor]:
     """Per reference sample (P, m): the fluency judge's NLL (nats per token; eval.fluency_model)
     and the 3-gram repetition rate; a sample without a value (an empty or too short response)
-    gets its prompt's mean of the others (0 when none has one)."""
+    gets its prompt's mean of the others, and a prompt where none has one is NaN (left out of that
+    number's average: a 0 there would read as a perfectly fluent pick)."""
     from tether.core.diversity import repetition
 
     values = {"repetition": [repetition(t) for t in texts]}
@@ -185,7 +189,7 @@ def _per_sample_quality(c: Config, prompts, texts: list[str], m: int) -> dict[st
         for i in range(0, len(vals), m):
             row = vals[i : i + m]
             known = [v for v in row if v is not None]
-            fill = sum(known) / len(known) if known else 0.0
+            fill = sum(known) / len(known) if known else math.nan
             rows.append([fill if v is None else v for v in row])
         out[key] = torch.tensor(rows, dtype=torch.float64)
     return out

@@ -177,7 +177,7 @@ def pearson(x: list[float], y: list[float]) -> float:
     sxy = sum((a - mx) * (b - my) for a, b in zip(x, y))
     sx = math.sqrt(sum((a - mx) ** 2 for a in x))
     sy = math.sqrt(sum((b - my) ** 2 for b in y))
-    return sxy / (sx * sy) if sx > 0 and sy > 0 else 0.0
+    return sxy / (sx * sy) if sx > 0 and sy > 0 else math.nan  # no spread: no correlation to report
 
 
 def pairwise_accuracy(scores: torch.Tensor, pairs: torch.Tensor) -> float:
