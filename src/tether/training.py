@@ -91,6 +91,7 @@ def train(
     eval_dataset=None,
     callbacks=None,
     env=None,
+    reward_funcs: Scorer | None = None,
 ) -> Path:
     """Run ``config`` end to end (or continue it from its last checkpoint); returns the run directory.
 
@@ -104,7 +105,7 @@ def train(
 
     Objects may stand in for names (TRL's way): ``scorer`` (a callable, a sequence classifier, a
     ``(model, tokenizer)`` pair, or a list of them, weighted by ``reward.weights``: TRL's
-    ``reward_funcs``), ``model`` and ``tokenizer`` (instead of ``model.name``),
+    ``reward_funcs``, also taken by that name), ``model`` and ``tokenizer`` (instead of ``model.name``),
     ``train_dataset`` (a ``datasets.Dataset``, row dicts or prompts, instead of ``data.prompts``);
     see :func:`tether.run.setup.build_run`. ``env``: the multi-turn rollout's environment as a
     callable (``rollout.env``'s signature; TRL passes its tools as objects too), or set
@@ -120,8 +121,15 @@ def train(
     Raises:
         Interrupted: after Ctrl-C or SIGTERM, once a checkpoint is written.
         RuntimeError: on resume, the reference no longer matches its recorded fingerprint.
+        TypeError: both ``scorer`` and ``reward_funcs`` are given.
     """
     t_start = time.perf_counter()
+    if reward_funcs is not None:  # TRL's name for the reward (GRPOTrainer(reward_funcs=...))
+        if scorer is not None:
+            raise TypeError(
+                "train() got both scorer=... and reward_funcs=..., two names of one argument; give one"
+            )
+        scorer = reward_funcs
     callbacks = check_callbacks(callbacks)
     spec, given = config.reward.scorer, config.rollout.env
     # the config is copied before its objects are replaced by their names, the objects themselves

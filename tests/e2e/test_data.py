@@ -9,6 +9,7 @@ import pytest
 
 from tests.conftest import (
     SHA,
+    TINY_RUN,
     answer_checker,
     hub_cache,
     length_judge,
@@ -248,6 +249,30 @@ def test_train_takes_a_model_a_tokenizer_a_dataset_and_a_scorer_as_objects(tiny_
     out = train(config, scorer=answer_checker, model=tiny_lm, tokenizer=tiny_tokenizer, train_dataset=ROWS)
     rows = metric_rows(out, timings=True)
     assert rows[0]["objective/kl"] == 0.0 and rows[0]["objective/scores"] >= 0.0
+
+
+def test_reward_funcs_is_trls_name_for_scorer(tiny_lm, tiny_tokenizer, tmp_path):
+    """README's `tether.train(config, model=..., train_dataset=..., reward_funcs=...)` (issue 50):
+    TRL's keyword trains on the reward as scorer= does; both at once are refused by name."""
+    import yaml
+
+    from tether import load_config, train
+
+    config = load_config(None, [f"{k}={v}" for k, v in TINY_RUN.items() if k != "reward.scorer"])
+    config.train.output_dir = str(tmp_path / "both")
+    with pytest.raises(TypeError, match=r"both scorer=\.\.\. and reward_funcs=\.\.\."):
+        train(
+            config, scorer=length_judge, reward_funcs=answer_checker, model=tiny_lm, tokenizer=tiny_tokenizer
+        )
+    assert not (tmp_path / "both").exists()
+    config.train.output_dir = str(tmp_path / "run")
+    out = train(
+        config, model=tiny_lm, tokenizer=tiny_tokenizer, train_dataset=ROWS, reward_funcs=answer_checker
+    )
+    assert yaml.safe_load((out / "config.yaml").read_text())["reward"]["scorer"] == [
+        "(from Python) answer_checker"
+    ]
+    assert metric_rows(out, timings=True)[0]["objective/scores"] >= 0.0  # answer_checker checked every row
 
 
 def test_dpo_reads_trls_preference_formats(tiny_tokenizer, tmp_path):

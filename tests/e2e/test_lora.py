@@ -8,6 +8,7 @@ step-0 KL is exactly 0; with a starting adapter the bare base would be the wrong
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -337,3 +338,52 @@ def test_dpo_with_lora_runs(tiny_model_dir, prompt_file, tmp_path):
     )
     row = metric_rows(out)[0]
     assert "dpo/loss" in row and row["objective/kl_exact"] > 0  # the adapter moved in its first update
+
+
+# ---- (e) LoRA dropout: never used, and never claimed (issue 50) ------------------------------
+def _peft_with_dropout(tokenizer, dropout: float):
+    from peft import LoraConfig, get_peft_model
+
+    lm = make_tiny_llama(
+        len(tokenizer), eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=["q_proj", "v_proj"])
+    return get_peft_model(lm, config)
+
+
+def test_a_peft_model_with_lora_dropout_is_refused_by_name(tiny_tokenizer, prompt_file, tmp_path):
+    """A PeftModel built with lora_dropout=0.1 trained with dropout 0 (tether turns every dropout
+    off) while the adapter_config.json it saved said 0.1. It is refused before anything is written;
+    built with 0, it trains exactly (step-0 KL 0, first ratio 1) and its saved config says 0."""
+    from tether import train
+
+    config = _lora_config(None, prompt_file, tmp_path / "run", "train.save_model=true", "train.steps=1")
+    with pytest.raises(
+        ValueError, match=r"lora_dropout > 0 \(\{'default': 0\.1\}\).*LoraConfig\(lora_dropout=0\.0\)"
+    ):
+        train(config, model=_peft_with_dropout(tiny_tokenizer, 0.1), tokenizer=tiny_tokenizer)
+    assert not (tmp_path / "run").exists()
+    out = train(config, model=_peft_with_dropout(tiny_tokenizer, 0.0), tokenizer=tiny_tokenizer)
+    row = metric_rows(out)[0]
+    assert row["objective/kl_exact"] == 0.0 and row["policy/ratio_max_dev_first"] == 0.0
+    assert json.loads((out / "policy" / "adapter_config.json").read_text())["lora_dropout"] == 0.0
+
+
+def test_an_adapter_trained_with_dropout_trains_on_without_it_and_says_so(
+    tiny_model_dir, tiny_tokenizer, prompt_file, tmp_path, caplog
+):
+    """model.adapter=FOLDER whose adapter_config.json says lora_dropout=0.1: trained on with dropout
+    0, said at the start, and the saved policy's adapter_config.json says 0.0, what was used."""
+    from peft import LoraConfig, get_peft_model
+
+    folder = tmp_path / "adapter"
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["q_proj", "v_proj"])
+    get_peft_model(load_causal_lm(tiny_model_dir), config).save_pretrained(folder)
+    out = tmp_path / "run"
+    FAST = ["train.steps=1", "eval.n_prompts=0", "eval.every=0"]
+    with caplog.at_level("WARNING", logger="tether.models.lora"):
+        assert main(_tiny_args(tiny_model_dir, prompt_file, out) + [f"model.adapter={folder}", *FAST]) == 0
+    assert f"model.adapter={folder} was trained with lora_dropout=0.1" in caplog.text
+    row = metric_rows(out)[0]
+    assert row["objective/kl_exact"] == 0.0 and row["policy/ratio_max_dev_first"] == 0.0
+    assert json.loads((out / "policy" / "adapter_config.json").read_text())["lora_dropout"] == 0.0

@@ -8,6 +8,7 @@ under a second on later runs.
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,6 +18,8 @@ import torch
 from torch import nn
 
 from tether.models.loading import disable_dropout
+
+log = logging.getLogger(__name__)
 
 # ---- LoRA (peft) ---------------------------------------------------------------------------
 POLICY_ADAPTER = "default"
@@ -64,8 +67,10 @@ def add_lora(
     ``adapter`` (a peft folder): that adapter is loaded twice, as the trainable policy adapter
     (:data:`POLICY_ADAPTER`) and as a frozen :data:`REFERENCE_ADAPTER`, so the reference is the
     starting policy (base + adapter), not the bare base. ``r``, ``alpha`` and ``target_modules``
-    are then taken from the adapter's config. LoRA dropout is set to 0 either way (dropout would
-    make the PPO ratio and step-0 KL differ from 1 and 0 with no policy change).
+    are then taken from the adapter's config. LoRA dropout is 0 either way (dropout would make
+    the PPO ratio and step-0 KL differ from 1 and 0 with no policy change), in the modules and in
+    the config the policy is saved with; an adapter trained with dropout is said to train on
+    without it.
 
     Only the policy adapter's tensors require grad afterwards; the base weights and the reference
     adapter are frozen. The value head (see :class:`PolicyWithValue`) stays trainable.
@@ -99,6 +104,14 @@ def add_lora(
                 f"model.adapter={adapter!r}: tether starts from plain LoRA adapters only "
                 f"(this one is {config.peft_type}, modules_to_save={config.modules_to_save})"
             )
+        if config.lora_dropout:
+            log.warning(
+                "tether: model.adapter=%s was trained with lora_dropout=%s; tether trains it on with "
+                "dropout 0 (dropout would make the first PPO ratio differ from 1 with no policy change), "
+                "and the saved policy's adapter_config.json says 0.0",
+                adapter,
+                config.lora_dropout,
+            )
         config.lora_dropout = 0.0
         peft_model = PeftModel.from_pretrained(
             lm, adapter, adapter_name=POLICY_ADAPTER, config=config, is_trainable=True
@@ -111,6 +124,32 @@ def add_lora(
     disable_dropout(peft_model)  # a loaded adapter's nn.Dropout modules, if it was trained with some
     peft_model.eval()
     return peft_model
+
+
+def check_no_lora_dropout(model: nn.Module) -> None:
+    """Refuse a peft model passed to tether whose LoRA adapters have dropout (``lora_dropout > 0``).
+
+    tether turns every dropout off (:func:`tether.models.loading.disable_dropout`): the sampler's,
+    the old, the reference's and the update's log-probs come from one deterministic forward, so
+    the first PPO ratio is exactly 1 and the step-0 KL exactly 0. Turning a built adapter's dropout
+    off in silence would train with 0 while its config, and the ``adapter_config.json`` saved with
+    the policy, said otherwise.
+
+    Raises:
+        ValueError: an adapter has ``lora_dropout > 0``, naming it and the fix.
+    """
+    if not is_peft_model(model):
+        return
+    dropped = {name: c.lora_dropout for name, c in model.peft_config.items() if getattr(c, "lora_dropout", 0)}
+    if dropped:
+        raise ValueError(
+            f"train(model=...): the peft model's LoRA adapters have lora_dropout > 0 ({dropped}); tether "
+            "trains with every dropout off (dropout would make the first PPO ratio differ from 1 and the "
+            "step-0 KL from 0 with no policy change), so the adapter_config.json it saves would claim a "
+            "dropout that was not used. Build the adapter with LoraConfig(lora_dropout=0.0), or pass the "
+            "base model with model.lora_r=R, or a saved adapter folder as model.adapter=FOLDER (it trains "
+            "on without dropout, and says so)"
+        )
 
 
 class AdapterReference(nn.Module):

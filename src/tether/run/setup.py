@@ -42,7 +42,7 @@ from tether.models.loading import (
     prepare_tokenizer,
     resolve_model_path,
 )
-from tether.models.lora import add_lora
+from tether.models.lora import add_lora, check_no_lora_dropout
 from tether.models.policy import PolicyWithValue
 from tether.models.reference import (
     check_reference,
@@ -817,7 +817,8 @@ def start_process(config: Config) -> tuple[Accelerator, bool, torch.dtype]:
 def check_before_loading(config: Config, *, resume: bool, model, scorer) -> Path:
     """The checks that need no weights and no download: the run folder (new, or a run to resume
     with the settings it must keep), the rollout's memory, the model's, scorers' and judges' names
-    (a module:function imports here). Returns the run folder (rank 0's name).
+    (a module:function imports here), a model object's LoRA dropout. Returns the run folder (rank
+    0's name).
 
     Raises:
         FileExistsError, FileNotFoundError, ConfigError, ValueError: naming the field and the fix.
@@ -842,6 +843,8 @@ def check_before_loading(config: Config, *, resume: bool, model, scorer) -> Path
     check_rollout_memory(r.batch_size, r.max_new_tokens, r.max_prompt_tokens)
     if model is None:
         check_model_name(config.model.name, config.model.revision)
+    else:
+        check_no_lora_dropout(model)
     if scorer is None:
         check_scorer_spec(config.reward.scorer)
     if config.eval.fluency_model != "none" and (config.eval.n_prompts or config.eval.every):
