@@ -90,7 +90,9 @@ def test_a_reused_pid_is_stale_and_one_that_cannot_be_told_is_refused_with_the_f
     reused) is stale; where the start time cannot be compared, the refusal says how to free it."""
     here, path = socket.gethostname(), tmp_path / LOCK_NAME
     now = lock.started(live_pid)
-    assert now is not None and now != lock.started(os.getpid())  # this test needs /proc (Linux)
+    if now is None:
+        pytest.skip("no /proc: a process's start time cannot be read here")
+    assert now != lock.started(os.getpid())
     # the lock's holder started at another time (another boot's clock ticks): the pid was reused
     (tmp_path / LOCK_NAME).write_text(json.dumps({"host": here, "pid": live_pid, "started": "other-boot:1"}))
     taken, note = acquire(tmp_path)
