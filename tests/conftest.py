@@ -451,3 +451,28 @@ def messages_judge(prompts, completions, **kwargs) -> list[float]:
         assert all(m["role"] == ("assistant", "tool")[i % 2] for i, m in enumerate(c)), c
         out.append(len(c[-1]["content"]) / 10)
     return out
+
+
+@pytest.fixture()
+def unprivileged():
+    """Runs ``python ARGS`` (this tree's tether importable) as a process that file modes bind: as
+    it is for a user other than root; for root, through ``setpriv`` without the capabilities that
+    override them (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH), so a mode-000 file is unreadable and a
+    read-only folder unwritable, as for any user. Skips where neither can be had."""
+    prefix = []
+    if os.geteuid() == 0:
+        setpriv = shutil.which("setpriv")
+        probe = [setpriv, "--bounding-set=-dac_override,-dac_read_search", "true"] if setpriv else None
+        if probe is None or subprocess.run(probe, capture_output=True).returncode != 0:
+            pytest.skip("root without setpriv: file modes cannot bind this test's process")
+        prefix = probe[:2]
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        env = dict(
+            os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "src"), str(REPO)]), OMP_NUM_THREADS="1"
+        )
+        return subprocess.run(
+            [*prefix, sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+        )
+
+    return run

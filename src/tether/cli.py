@@ -60,7 +60,16 @@ def _parser() -> argparse.ArgumentParser:
     pu = sub.add_parser("push", help="upload a run's saved policy and its model card to the Hugging Face Hub")
     pu.add_argument("run_dir")
     pu.add_argument("repo_id", help="the model repository, ORG/NAME (created if missing)")
-    pu.add_argument("--private", action="store_true", help="create the repository private")
+    seen = pu.add_mutually_exclusive_group()
+    seen.add_argument(
+        "--private",
+        dest="public",
+        action="store_const",
+        const=False,
+        help="create the repository private (the default; an existing repository keeps its visibility)",
+    )
+    seen.add_argument("--public", dest="public", action="store_const", const=True, help="create it public")
+    pu.set_defaults(public=False)
     rp = sub.add_parser("report", help="write a self-contained HTML report of a run directory")
     rp.add_argument("run_dir")
     rp.add_argument("--out", help="output file (default RUN_DIR/report.html)")
@@ -99,18 +108,22 @@ def main(argv: list[str] | None = None) -> int:
         from tether.run.publish import push
 
         try:
-            url = push(args.run_dir, args.repo_id, private=args.private)
+            url = push(args.run_dir, args.repo_id, private=not args.public)
         except (FileNotFoundError, ValueError, RuntimeError) as e:
             print(f"tether: error: {e}", file=sys.stderr)
             return 1
-        print(f"tether: pushed {args.run_dir}/policy to {url}")
+        seen = "public" if args.public else "private"
+        print(
+            f"tether: pushed {args.run_dir}/policy to {url} ({seen} if created now; an existing "
+            "repository keeps its visibility)"
+        )
         return 0
     if args.command == "report":
         from tether.analysis.report import write_report
 
         try:
             out = write_report(args.run_dir, args.out)
-        except (FileNotFoundError, ValueError) as e:
+        except (FileNotFoundError, ValueError, OSError) as e:
             print(f"tether: error: {e}", file=sys.stderr)
             return 1
         print(f"tether: report written to {out}")
@@ -132,6 +145,13 @@ def main(argv: list[str] | None = None) -> int:
     if resume:
         from pathlib import Path
 
+        from tether.run.files import RunFolderError, check_no_links
+
+        try:  # before config.yaml is read: it too may be a link
+            check_no_links(Path(resume), "--resume")
+        except RunFolderError as e:
+            print(f"tether: error: {e}", file=sys.stderr)
+            return 1
         if args.config:
             print("tether: config error: --resume uses RUN_DIR/config.yaml; drop --config", file=sys.stderr)
             return 2

@@ -147,3 +147,71 @@ def test_push_refuses_an_adapter_whose_base_is_a_local_path(saved_run, tmp_path,
     assert main(["push", str(run), "my-org/my-adapter"]) == 1
     err = capsys.readouterr().err
     assert "names its base model by a local path (/data/base)" in err and "model.name=ORG/NAME" in err
+
+
+def _mock_hub(monkeypatch) -> dict:
+    """HfApi's create_repo and create_commit, recording their calls (nothing reaches the network)."""
+    from huggingface_hub import HfApi
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    calls = {}
+    monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kw: calls.setdefault("repo", kw))
+
+    def create_commit(self, repo_id, operations, **kw):
+        calls["ops"] = operations
+        return type("Info", (), {"commit_url": f"https://huggingface.co/{repo_id}/commit/abc"})()
+
+    monkeypatch.setattr(HfApi, "create_commit", create_commit)
+    return calls
+
+
+def test_push_creates_a_private_repository_unless_told(saved_run, monkeypatch, capsys):
+    """Issue 50, item 4: a repository was created public unless --private was given."""
+    calls = _mock_hub(monkeypatch)
+    assert main(["push", str(saved_run), "my-org/my-policy"]) == 0
+    assert calls.pop("repo")["private"] is True
+    assert "(private if created now; an existing repository keeps its visibility)" in capsys.readouterr().out
+    assert main(["push", str(saved_run), "my-org/my-policy", "--public"]) == 0
+    assert calls.pop("repo")["private"] is False
+
+
+def test_push_refuses_a_link_in_the_policy_folder(saved_run, tmp_path, monkeypatch, capsys):
+    """Issue 50, item 4: a symbolic link in policy/ uploaded the bytes of the file it points to,
+    outside the run. The run folder is refused, naming the link; nothing is uploaded."""
+    calls = _mock_hub(monkeypatch)
+    run = tmp_path / "run"
+    shutil.copytree(saved_run / "policy", run / "policy")
+    (tmp_path / "secret.txt").write_text("SECRET")
+    (run / "policy" / "notes.txt").symlink_to(tmp_path / "secret.txt")
+    assert main(["push", str(run), "my-org/my-policy"]) == 1
+    err = capsys.readouterr().err
+    assert f"policy/notes.txt -> {tmp_path / 'secret.txt'} (outside the run)" in err, err
+    assert calls == {}
+
+
+def test_the_card_escapes_the_users_text(tmp_path):
+    """Issue 50, item 8: a run name with markup went raw into the card's title (and a path with a
+    ``|`` or a backtick broke its table). Each renders as written, adding no HTML, link or cell."""
+    markdown_it = pytest.importorskip("markdown_it")
+    from huggingface_hub import ModelCard
+
+    from tether.run.card import model_card_text
+    from tether.run.config import Config
+
+    config = Config().to_dict()
+    name = "<img src=x onerror=alert(1)> [click](javascript:alert(1)) *big* #"
+    config["data"]["prompts"] = "my|file`s.txt"
+    config["model"]["name"] = "org/model\nlicense: mit"  # a YAML key smuggled into the header
+    text = model_card_text(config=config, history=[], evaluation=None, adapter=False, name=name)
+    page = markdown_it.MarkdownIt("commonmark").enable("table").render(text.split("\n---\n", 1)[1])
+    title = page.split("<h1>")[1].split("</h1>")[0]
+    print(title)
+    assert title == (
+        "&lt;img src=x onerror=alert(1)&gt; [click](javascript:alert(1)) *big* #: PPO on a KL leash"
+    )
+    assert page.count("<img") == 2 and "<a " not in page and "<em>" not in page  # the two plots alone
+    data_row = next(row for row in page.split("<tr>") if "<td>data</td>" in row)
+    assert data_row.count("<td>") == 2 and "<code>my|file`s.txt</code>" in data_row
+    (tmp_path / "README.md").write_text(text)
+    card = ModelCard.load(tmp_path / "README.md")
+    assert card.data.license is None and "license" not in card.data.to_dict()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,9 +12,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import metric_rows, tiny_run_args
-from tether.run.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from tether.run.checkpoint import latest_checkpoint, load_checkpoint, meta_digest, save_checkpoint
+from tether.run.files import RunFileError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -200,3 +203,72 @@ def test_budget_checkpoint_keeps_the_last_kl_for_the_derivative_term(tiny_model_
     changed = trainer("kl.budget=5.0")
     changed.load_state_dict(state)
     assert changed.controller.last_kl is None
+
+
+TENSORS = {"lm": {"w": torch.zeros(2)}, "value_head": {"b": torch.zeros(1)}}
+"""What a checkpoint holds of a policy (:func:`tether.run.checkpoint.policy_tensors`), tiny."""
+
+
+def test_a_checkpoint_deletes_only_what_tether_wrote(tmp_path):
+    """Issue 50, item 2: every folder of checkpoints/ that was not a kept step-N was deleted: a
+    user's copy, another experiment in a scratch folder checkpoints/ linked to, another run's
+    checkpoint. Only this run's step-N folders beyond train.keep_checkpoints go, and temporaries."""
+    run, ours, theirs = tmp_path / "run", "a" * 32, "b" * 32
+    save_checkpoint(run, 1, TENSORS, {"x": 1}, "fp", keep=1, run_id=ours)
+    root = run / "checkpoints"
+    shutil.copytree(root / "step-000001", root / "step-000001-keep")  # a user's copy
+    (root / "other-experiment").mkdir()
+    (root / "other-experiment" / "results.txt").write_text("precious")
+    (root / "notes.txt").write_text("mine")
+    save_checkpoint(tmp_path / "other", 0, TENSORS, {"x": 0}, "fp", run_id=theirs)
+    shutil.copytree(tmp_path / "other" / "checkpoints" / "step-000000", root / "step-000000")  # dropped in
+    (root / ".step-000002.tmp999999").mkdir()  # a killed process's temporary
+    for step in (2, 3):
+        save_checkpoint(run, step, TENSORS, {"x": step}, "fp", keep=1, run_id=ours)
+    kept = {"LATEST", "step-000003", "step-000001-keep", "other-experiment", "notes.txt", "step-000000"}
+    assert set(os.listdir(root)) == kept
+    assert (root / "other-experiment" / "results.txt").read_text() == "precious"
+    # checkpoints/ a link to a scratch folder: refused before anything is written or deleted there
+    scratch = tmp_path / "scratch"
+    (scratch / "other-experiment").mkdir(parents=True)
+    shutil.rmtree(root)
+    root.symlink_to(scratch)
+    with pytest.raises(RunFileError, match=r"checkpoints is a symbolic link \(to .*scratch\)"):
+        save_checkpoint(run, 4, TENSORS, {"x": 4}, "fp", keep=1, run_id=ours)
+    assert os.listdir(scratch) == ["other-experiment"]
+
+
+def test_a_checkpoint_of_another_run_is_refused_and_one_from_before_run_ids_resumes(
+    tiny_model_dir, prompt_file, tmp_path, capsys
+):
+    """Issue 50, item 7: a checkpoint of another run dropped into checkpoints/ resumed silently
+    (its digests vouch for its files, not for whose it is). Each checkpoint records the run's id
+    (run.json); a resume refuses another run's, naming both; a checkpoint from before run ids
+    resumes, saying so."""
+    from tether.cli import main
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    args = tiny_run_args(tiny_model_dir, prompt_file, a, {"train.steps": 2, "train.checkpoint_every": 1})
+    assert main(["train", *args]) == 0
+    ours = json.loads((a / "run.json").read_text())["run_id"]
+    assert json.loads((latest_checkpoint(a) / "meta.json").read_text())["run_id"] == ours
+    shutil.copytree(a, b)  # b: another run (its own id) that a's checkpoints were copied into
+    (b / "run.json").write_text(json.dumps({"run_id": "f" * 32}))
+    capsys.readouterr()
+    assert main(["train", "--resume", str(b), "train.steps=3"]) == 1
+    err = capsys.readouterr().err
+    print(err)
+    assert f"step-000001 is of another run (run id {ours}), not of this one (run id {'f' * 32}" in err
+    assert metric_rows(b) == metric_rows(a)  # nothing trained, nothing written
+    # a run folder of a tether from before run ids: its checkpoints resume, and it gets an id
+    (a / "run.json").unlink()
+    for folder in (a / "checkpoints").glob("step-*"):
+        meta = json.loads((folder / "meta.json").read_text())
+        meta = {k: v for k, v in meta.items() if k not in ("run_id", "meta_sha256")}
+        (folder / "meta.json").write_text(json.dumps(meta | {"meta_sha256": meta_digest(meta)}))
+    assert main(["train", "--resume", str(a), "train.steps=3"]) == 0
+    out = capsys.readouterr().out
+    assert "checkpoint step-000001 records no run id (written by a tether from before run ids)" in out
+    assert [r["step"] for r in metric_rows(a)] == [0, 1, 2]
+    now = json.loads((a / "run.json").read_text())["run_id"]
+    assert now != ours and json.loads((latest_checkpoint(a) / "meta.json").read_text())["run_id"] == now

@@ -9,9 +9,18 @@ import os
 import pytest
 import torch
 
+from tests.conftest import metric_rows
 from tether import load_config
 from tether.cli import main
 from tether.run.checkpoint import file_digests, latest_checkpoint, load_trainer_state, meta_digest
+from tether.run.files import (
+    RunFileError,
+    RunFolderError,
+    append_lines,
+    atomic_write_text,
+    check_no_links,
+    own_folder,
+)
 
 
 class Payload:
@@ -125,3 +134,93 @@ def test_home_and_variables_are_expanded_in_path_fields(tmp_path, monkeypatch):
     assert c.dpo.pairs == str(tmp_path / "data" / "pairs.jsonl")
     assert c.model.name == "ORG/NAME" and load_config(None, []).dpo.pairs == "sampled"
     assert not os.path.exists("~")
+
+
+def _run_folder(tiny_model_dir, prompt_file, out) -> None:
+    """A tiny run of 2 steps, checkpointed after each, with samples."""
+    assert main(_run(tiny_model_dir, prompt_file, out) + ["train.sample_every=1"]) == 0
+
+
+def test_a_run_folder_holding_a_link_is_refused_before_anything_is_read_or_written(
+    tiny_model_dir, prompt_file, tmp_path, capsys
+):
+    """Issue 50, items 3 and 9: with samples.jsonl a dangling link to a file outside the run,
+    --resume created and filled that file; a symlinked policy/ failed after the training (the
+    rename onto a link), a symlinked checkpoints/ had tether delete in the folder it points to.
+    A run folder holding a link is refused on --resume, tether report and tether push, naming the
+    link, before anything is read or written."""
+    out, outside = tmp_path / "run", tmp_path / "outside"
+    outside.mkdir()
+    _run_folder(tiny_model_dir, prompt_file, out)
+    rows = metric_rows(out)
+    (out / "samples.jsonl").unlink()
+    (out / "samples.jsonl").symlink_to(outside / "planted.jsonl")
+    capsys.readouterr()
+    assert main(["train", "--resume", str(out), "train.steps=3"]) == 1
+    err = capsys.readouterr().err
+    print(err)
+    assert f"samples.jsonl -> {outside / 'planted.jsonl'} (outside the run)" in err
+    assert "Replace each link with a copy of what it points to, or remove it" in err
+    assert not (outside / "planted.jsonl").exists() and metric_rows(out) == rows
+    (out / "samples.jsonl").unlink()
+    # policy/ a link, even to a folder inside the run: refused at the start, not after training
+    (out / "kept").mkdir()
+    (out / "policy").symlink_to(out / "kept")
+    assert main(["train", "--resume", str(out), "train.steps=3", "train.save_model=true"]) == 1
+    assert "policy -> " in capsys.readouterr().err and metric_rows(out) == rows
+    (out / "policy").unlink()
+    # the same check on tether report and tether push (also called from Python: train() with resume)
+    (out / "config.yaml").rename(out / "config.real.yaml")
+    (out / "config.yaml").symlink_to(outside / "secret.yaml")
+    (outside / "secret.yaml").write_text("secret: 1\n")
+    assert main(["report", str(out)]) == 1
+    assert "tether report" in capsys.readouterr().err and not (out / "report.html").exists()
+    assert main(["push", str(out), "org/name"]) == 1
+    assert "tether push" in capsys.readouterr().err
+    with pytest.raises(RunFolderError, match="config.yaml -> "):
+        check_no_links(out, "--resume")
+
+
+def test_no_write_goes_through_a_link_planted_while_the_run_goes_on(tmp_path):
+    """Issue 50, item 3: a link put at a run file's name after the start cannot lead a write out
+    of the run: an appended row refuses it (O_NOFOLLOW), a file replaced whole replaces the link
+    itself, a temporary file is created new, and checkpoints/ as a link is refused."""
+    run, outside = tmp_path / "run", tmp_path / "outside"
+    run.mkdir()
+    outside.mkdir()
+    (run / "samples.jsonl").symlink_to(outside / "planted.jsonl")
+    with pytest.raises(RunFileError, match=r"samples\.jsonl is a symbolic link \(to .*planted\.jsonl\)"):
+        append_lines(run / "samples.jsonl", ['{"step": 0}'])
+    assert not (outside / "planted.jsonl").exists()
+    (outside / "eval.json").write_text("theirs")
+    (run / "eval.json").symlink_to(outside / "eval.json")
+    (run / f".config.yaml.tmp{os.getpid()}").symlink_to(outside / "config.yaml")  # where the temporary goes
+    atomic_write_text(run / "eval.json", "{}")
+    atomic_write_text(run / "config.yaml", "a: 1\n")
+    assert not (run / "eval.json").is_symlink() and (run / "eval.json").read_text() == "{}"
+    assert (outside / "eval.json").read_text() == "theirs" and not (outside / "config.yaml").exists()
+    assert (run / "config.yaml").read_text() == "a: 1\n"
+    (run / "checkpoints").symlink_to(outside)
+    with pytest.raises(RunFileError, match="checkpoints is a symbolic link"):
+        own_folder(run / "checkpoints")
+
+
+def test_report_on_a_read_only_run_names_out(tmp_path, unprivileged):
+    """Issue 50, item 6: tether report on a read-only run folder was a traceback; it is an error
+    that names --out, and --out writes the report elsewhere."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 0, "objective/scores": 0.5}) + "\n")
+    run.chmod(0o555)
+    try:
+        r = unprivileged("-m", "tether", "report", str(run))
+        print(r.stderr)
+        assert r.returncode == 1 and "Traceback" not in r.stderr
+        assert f"tether report: cannot write {run / 'report.html'} (Permission denied)" in r.stderr
+        assert f"tether report {run} --out FILE.html" in r.stderr
+        assert not (run / "report.html").exists()
+        elsewhere = tmp_path / "report.html"
+        r = unprivileged("-m", "tether", "report", str(run), "--out", str(elsewhere))
+        assert r.returncode == 0 and "<h1>tether run run</h1>" in elsewhere.read_text()
+    finally:
+        run.chmod(0o755)

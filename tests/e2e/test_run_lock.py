@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import tiny_run_args
+from tether.run import lock
 from tether.run.lock import LOCK_NAME, RunLocked, acquire, release
 
 REPO = Path(__file__).resolve().parents[2]
@@ -56,6 +57,65 @@ def test_release_keeps_a_lock_another_process_took_over(tmp_path):
     _write_lock(tmp_path, socket.gethostname(), os.getpid() + 1_000_000)
     release(path)
     assert path.exists()
+
+
+@pytest.fixture()
+def live_pid():
+    """The pid of a live process of this host that is no tether (a sleep)."""
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    yield holder.pid
+    holder.kill()
+    holder.wait()
+
+
+def test_an_unreadable_lock_is_refused_naming_it_and_the_fix(tmp_path, live_pid, unprivileged):
+    """Issue 50, item 1: a lock of another user that this one may not read (mode 000 here) was
+    taken as damaged, so stale, and the resume trained beside the live holder. It is refused."""
+    tmp_path.chmod(0o777)  # the second process may write the folder, not read the lock
+    _write_lock(tmp_path, socket.gethostname(), live_pid)
+    (tmp_path / LOCK_NAME).chmod(0)
+    take = "import sys, pathlib, tether.run.lock as L; print(L.acquire(pathlib.Path(sys.argv[1])))"
+    r = unprivileged("-c", take, str(tmp_path))
+    print(r.stdout, r.stderr)
+    assert r.returncode != 0 and "RunLocked" in r.stderr, r.stdout
+    assert f"its lock {tmp_path / LOCK_NAME} cannot be read (Permission denied)" in r.stderr
+    assert f"delete {tmp_path / LOCK_NAME} and run again" in r.stderr
+    assert (tmp_path / LOCK_NAME).stat().st_mode & 0o777 == 0  # the holder's lock is kept
+
+
+def test_a_reused_pid_is_stale_and_one_that_cannot_be_told_is_refused_with_the_fix(
+    tmp_path, live_pid, monkeypatch
+):
+    """Issue 50, item 5: a lock whose pid now belongs to a process started later (the pid was
+    reused) is stale; where the start time cannot be compared, the refusal says how to free it."""
+    here, path = socket.gethostname(), tmp_path / LOCK_NAME
+    now = lock.started(live_pid)
+    if now is None:
+        pytest.skip("no /proc: a process's start time cannot be read here")
+    assert now != lock.started(os.getpid())
+    # the lock's holder started at another time (another boot's clock ticks): the pid was reused
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"host": here, "pid": live_pid, "started": "other-boot:1"}))
+    taken, note = acquire(tmp_path)
+    assert note is not None and f"pid {live_pid} is now another process" in note
+    assert json.loads(taken.read_text())["started"] == lock.started(os.getpid())
+    release(taken)
+    # the holder itself, still running: refused
+    path.write_text(json.dumps({"host": here, "pid": live_pid, "started": now}))
+    with pytest.raises(RunLocked, match=f"pid {live_pid} on {here}") as e:
+        acquire(tmp_path)
+    assert "cannot be compared" not in str(e.value)
+    # a lock of a tether from before start times, or a system without /proc: cannot be told
+    old, recorded = {"host": here, "pid": live_pid}, {"host": here, "pid": live_pid, "started": now}
+    for record, no_proc in ((old, False), (recorded, True)):
+        path.write_text(json.dumps(record))
+        if no_proc:
+            monkeypatch.setattr(lock, "started", lambda pid: None)
+        with pytest.raises(RunLocked) as e:
+            acquire(tmp_path)
+        print(e.value)
+        assert "its start time cannot be compared" in str(e.value)
+        assert f"if no tether process runs on {tmp_path}, delete {path} and run again" in str(e.value)
+        assert json.loads(path.read_text())["pid"] == live_pid  # kept
 
 
 def test_default_run_folders_differ_between_processes():

@@ -17,6 +17,7 @@ where R is the score gain over the reference. Points go to ``frontier.csv``.
 from __future__ import annotations
 
 import csv
+import io
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -26,7 +27,7 @@ import torch
 from tether.core.bestofn import bon_kl_bound, bon_kl_empirical, bon_scores
 from tether.judges.contract import Scorer, checked_scores
 from tether.run.config import Config
-from tether.run.files import read_jsonl
+from tether.run.files import read_jsonl, replace_whole
 from tether.run.rngs import forked_rngs
 
 FIT_MIN_POINTS = 6
@@ -291,10 +292,12 @@ FIELDS = ["method", "run", "N", "step", "kl", "kl_bound", "proxy", "gold", *QUAL
 
 
 def _write_csv(points: list[dict], path: Path) -> None:
-    with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS, restval="")
-        w.writeheader()
-        w.writerows(points)
+    """frontier.csv, replaced whole and never written through a link (:func:`replace_whole`)."""
+    text = io.StringIO(newline="")
+    w = csv.DictWriter(text, fieldnames=FIELDS, restval="")
+    w.writeheader()
+    w.writerows(points)
+    replace_whole(path, text.getvalue().encode())
 
 
 def plot_frontier(points: list[dict], ref_proxy: float, ref_gold: float, out: Path) -> Path:
@@ -304,6 +307,8 @@ def plot_frontier(points: list[dict], ref_proxy: float, ref_gold: float, out: Pa
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from tether.run.plots import save_png
 
     fig, grid_axes = plt.subplots(2, 2, figsize=(13, 9.5), sharex=True)
     axes = grid_axes[0]
@@ -343,8 +348,7 @@ def plot_frontier(points: list[dict], ref_proxy: float, ref_gold: float, out: Pa
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    save_png(fig, out)
     return out
 
 

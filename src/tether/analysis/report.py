@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import base64
+import errno
 import html
 import json
+import os
 from pathlib import Path
 
-from tether.run.files import read_jsonl
+from tether.run.files import RunFileError, atomic_write_text, check_no_links, read_jsonl
 from tether.run.metrics import response_pieces
 
 
@@ -64,10 +66,16 @@ def _table(rows: list[dict], cols: list[str]) -> str:
 def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Write ``report.html``: config, metric plots, the run's frontier point, warnings, samples.
 
+    ``out``: where (default ``run_dir/report.html``); written whole, never through a link.
+
     Raises:
         FileNotFoundError: ``run_dir`` holds no ``metrics.jsonl``.
+        tether.run.files.RunFolderError: ``run_dir`` holds a symbolic link (nothing is read).
+        tether.run.files.RunFileError: ``out`` cannot be written (a read-only run folder); names
+            ``--out``.
     """
     run = Path(run_dir)
+    check_no_links(run, "tether report")  # a link could put a file from outside the run in the page
     if not (run / "metrics.jsonl").exists():
         raise FileNotFoundError(f"{run} is not a tether run directory (no metrics.jsonl)")
     out = Path(out) if out else run / "report.html"
@@ -161,8 +169,17 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
         "margin:8px 0}td,th{border:1px solid #ccc;padding:3px 6px;font-size:13px;text-align:left;"
         "white-space:pre-wrap}mark{background:#ffe08a}"
     )
-    out.write_text(
+    page = (
         f"<!doctype html><html><head><meta charset='utf-8'><title>tether {html.escape(run.name)}"
         f"</title><style>{style}</style></head><body>{''.join(parts)}</body></html>"
     )
+    try:
+        atomic_write_text(out, page)
+    except OSError as e:  # a read-only run folder (a shared or archived run): write it elsewhere
+        code = e.errno or errno.EIO
+        raise RunFileError(
+            code,
+            f"tether report: cannot write {out} ({os.strerror(code)}); nothing was written. Write the "
+            f"report elsewhere: tether report {run} --out FILE.html",
+        ) from None
     return out

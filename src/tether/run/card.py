@@ -9,8 +9,11 @@ metadata block is ``huggingface_hub``'s ``ModelCardData``.
 from __future__ import annotations
 
 import math
+import re
 import shutil
 from pathlib import Path
+
+from tether.run.files import replace_whole
 
 PLOTS = ("training.png", "score_vs_kl.png")
 """The run's plots the card shows; copied into the policy folder."""
@@ -24,6 +27,29 @@ def _pm(value: float, se: float | None = None, digits: int = 3) -> str:
     if se is not None and math.isfinite(se):
         text += f" ± {se:.{digits}f}"
     return text
+
+
+def _md(text) -> str:
+    """``text`` (a run name: a user's) as plain text in Markdown: ``<``, ``>`` and ``&`` as HTML
+    entities, the characters that start inline markup (emphasis, code, links, images, table cells,
+    a heading's closing ``#``, math) escaped with a backslash, a line break or control character
+    as a space; so it renders as it is written and adds no HTML, link or line to the card."""
+    entities = {"<": "&lt;", ">": "&gt;", "&": "&amp;"}
+    return re.sub(
+        r"[<>&\\`*_\[\]!|#~$]|[\x00-\x1f\x7f]",
+        lambda c: entities.get(c[0]) or (" " if c[0] < " " or c[0] == "\x7f" else "\\" + c[0]),
+        str(text),
+    )
+
+
+def _code(text) -> str:
+    """``text`` (a user's: a path, a scorer's name) as a code span in a Markdown table cell: fenced
+    by more backticks than it holds in a row, ``|`` escaped (GFM splits a row's cells before it
+    reads code spans), a line break or control character as a space."""
+    text = re.sub(r"[\x00-\x1f\x7f]", " ", str(text)).replace("|", "\\|")
+    fence = "`" * (max((len(run) for run in re.findall(r"`+", text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
 
 
 def _beta_path(history: list[dict]) -> str:
@@ -91,7 +117,7 @@ def model_card_text(
         meta.to_yaml(),
         "---",
         "",
-        f"# {name or t.get('run_name') or 'tether policy'}: {algo.upper()} on a KL leash",
+        f"# {_md(name or t.get('run_name') or 'tether policy')}: {algo.upper()} on a KL leash",
         "",
         f"Fine-tuned with tether ({algo.upper()}), which keeps the policy on a "
         "KL leash to its frozen reference: the objective is `E[r(x, y)] - beta KL(pi || pi_ref)`, "
@@ -101,15 +127,17 @@ def model_card_text(
         "",
         "| | |",
         "|---|---|",
-        f"| base model | `{base}`" + (f" at revision `{m['revision']}`" if m.get("revision") else "") + " |",
-        f"| data | `{d['prompts']}` (split `{d['split']}`)"
+        f"| base model | {_code(base)}"
+        + (f" at revision {_code(m['revision'])}" if m.get("revision") else "")
+        + " |",
+        f"| data | {_code(d['prompts'])} (split {_code(d['split'])})"
         + (
-            f", held out: `{d['eval_prompts']}`"
+            f", held out: {_code(d['eval_prompts'])}"
             if d.get("eval_prompts")
             else f", held out: a {d['heldout_fraction']:g} hash share"
         )
         + " |",
-        f"| reward | `{r['scorer']}`" + (f", weights {r['weights']}" if r.get("weights") else "") + " |",
+        f"| reward | {_code(r['scorer'])}" + (f", weights {r['weights']}" if r.get("weights") else "") + " |",
         f"| trainer | {algo}: {steps_run} steps run (train.steps={t['steps']}), "
         f"{config['rollout']['batch_size']} samples each, seed {t['seed']} |",
         kl_row,
@@ -218,5 +246,5 @@ def write_model_card(
         if (Path(run_dir) / name).exists():
             shutil.copyfile(Path(run_dir) / name, folder / name)
     path = folder / "README.md"
-    path.write_text(text, encoding="utf-8")
+    replace_whole(path, text.encode("utf-8"))
     return path

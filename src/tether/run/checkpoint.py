@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -35,7 +36,7 @@ from safetensors import SafetensorError
 
 from tether.core import distributed as D
 from tether.models.sharding import load_full_state_dict
-from tether.run.files import atomic_write_text, read_json, write_error
+from tether.run.files import RUN_RECORD, atomic_write_text, own_folder, read_json, remove_tree, write_error
 
 SHARDED = "sharded"
 """The folder of a sharded run's checkpoint (``train.sharding=fsdp``) that holds its weights and
@@ -86,13 +87,16 @@ def save_checkpoint(
     *,
     sharded: Path | None = None,
     keep: int = 2,
+    run_id: str | None = None,
 ) -> Path:
     """Write checkpoint ``step`` atomically and point ``LATEST`` at it; returns its folder.
 
     Every file's SHA-256 goes into its ``meta.json`` (:func:`verify_checkpoint` checks them on
-    resume). Only once the new checkpoint is complete and ``LATEST`` names it are checkpoints
-    beyond the newest ``keep`` deleted; a failed write removes its temporary folder and leaves
-    every earlier checkpoint and ``LATEST`` as they were.
+    resume), with ``run_id``. Only once the new checkpoint is complete and ``LATEST`` names it are
+    checkpoints beyond the newest ``keep`` deleted: only what tether wrote there, the ``step-N``
+    folders of this run (:func:`own_checkpoint`) and its own temporaries; any other file or
+    folder in ``checkpoints/`` is left as it is. A failed write removes its temporary folder and
+    leaves every earlier checkpoint and ``LATEST`` as they were.
 
     Args:
         run_dir: the run directory.
@@ -104,24 +108,25 @@ def save_checkpoint(
         sharded: a sharded run's :func:`sharded_folder`, where every process has written its shards
             (:func:`save_sharded_state`): completed here with the rest and renamed into place.
         keep: complete checkpoints to keep, the newest (``train.keep_checkpoints``, >= 1).
+        run_id: the run's id (:func:`tether.run.files.run_id`), recorded so that a resume refuses
+            a checkpoint of another run.
 
     Raises:
-        tether.run.files.RunFileError: a write failed (a full disk, a file-size limit); names the
-            file and the checkpoint that is kept.
+        tether.run.files.RunFileError: a write failed (a full disk, a file-size limit), or
+            ``checkpoints/`` is a symbolic link; names the file and the checkpoint that is kept.
     """
-    root = Path(run_dir) / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
+    root = own_folder(Path(run_dir) / "checkpoints")
     name = f"step-{step:06d}"
     tmp = sharded if sharded is not None else root / f".{name}.tmp{os.getpid()}"
     try:
         if sharded is None:
-            if tmp.exists():
-                shutil.rmtree(tmp)
+            remove_tree(tmp)
             tmp.mkdir()
             save_policy_weights(tmp, policy)
         torch.save(trainer_state, tmp / "trainer.pt")
         meta = {"step": step, "reference_fingerprint": reference_fingerprint, "files": file_digests(tmp)}
         meta |= {"sharded": True} if sharded is not None else {}
+        meta |= {"run_id": run_id} if run_id is not None else {}
         (tmp / "meta.json").write_text(json.dumps(meta | {"meta_sha256": meta_digest(meta)}))
     # torch.save's full disk is a RuntimeError (inline_container), safetensors' a SafetensorError
     except (OSError, RuntimeError, SafetensorError) as e:
@@ -134,18 +139,43 @@ def save_checkpoint(
             + (f"{before} is kept" if before else "there is no earlier checkpoint"),
         ) from None
     final = root / name
-    if final.exists():
-        shutil.rmtree(final)
+    remove_tree(final)
     os.replace(tmp, final)
     atomic_write_text(root / "LATEST", name)
-    earlier = sorted(
-        (d for d in root.glob("step-*") if (d / "meta.json").exists() and _step_of(d) < step), key=_step_of
-    )
+    earlier = sorted((d for d in own_checkpoints(root, run_id) if _step_of(d) < step), key=_step_of)
     kept = {d.name for d in earlier[len(earlier) - (keep - 1) :]} if keep > 1 else set()
-    for old in root.iterdir():  # checkpoints beyond the newest ``keep``, and stale temporaries
-        if old.is_dir() and old.name != name and old.name not in kept and not old.name.startswith(DAMAGED):
+    for old in earlier:  # this run's checkpoints beyond the newest ``keep``
+        if old.name not in kept:
             shutil.rmtree(old, ignore_errors=True)
+    for old in root.iterdir():  # temporaries a killed process left (a damaged checkpoint stays)
+        if TEMPORARY.fullmatch(old.name):
+            remove_tree(old)
     return final
+
+
+CHECKPOINT = re.compile(r"step-\d{6,}")
+"""The name of a checkpoint folder tether writes, ``step-N`` (N with six digits or more)."""
+TEMPORARY = re.compile(r"\.step-\d{6,}\.tmp(\d+|-sharded)")
+"""The name of a checkpoint's temporary folder (a plain run's names its process, a sharded run's
+is shared by all processes: :func:`sharded_folder`)."""
+
+
+def own_checkpoint(folder: Path, run_id: str | None) -> bool:
+    """Whether ``folder`` is a complete checkpoint of the run ``run_id``, one tether may delete:
+    named ``step-N``, a folder (not a link), with a ``meta.json`` naming ``run_id`` or no run
+    (a checkpoint of a tether from before run ids). A user's copy (``step-000010-keep``), another
+    run's checkpoint dropped in, or a folder without a readable meta.json is not."""
+    if not (CHECKPOINT.fullmatch(folder.name) and folder.is_dir() and not folder.is_symlink()):
+        return False
+    try:
+        return read_json(folder / "meta.json").get("run_id", run_id) == run_id
+    except (OSError, ValueError):
+        return False
+
+
+def own_checkpoints(root: Path, run_id: str | None) -> list[Path]:
+    """The folders of ``root`` (``checkpoints/``) that are :func:`own_checkpoint`."""
+    return [d for d in root.iterdir() if own_checkpoint(d, run_id)] if root.is_dir() else []
 
 
 DAMAGED = ".damaged-"
@@ -235,7 +265,12 @@ def resume_checkpoint(run_dir: Path) -> tuple[Path | None, list[str]]:
         notes.append(f"tether: {root / 'LATEST'} is damaged ({e}); ignoring it")
         latest = None
     others = sorted(
-        (d for d in root.glob("step-*") if d != latest and (d / "meta.json").exists()), key=_step_of
+        (
+            d
+            for d in root.glob("step-*")
+            if d != latest and CHECKPOINT.fullmatch(d.name) and (d / "meta.json").exists()
+        ),
+        key=_step_of,
     )
     candidates = ([latest] if latest is not None else []) + others[::-1]
     for folder in candidates:
@@ -256,6 +291,32 @@ def resume_checkpoint(run_dir: Path) -> tuple[Path | None, list[str]]:
             atomic_write_text(root / "LATEST", folder.name)
         return folder, notes
     return None, notes
+
+
+def check_checkpoint_run(folder: Path, run_id: str | None) -> list[str]:
+    """Check that checkpoint ``folder`` is of the run ``run_id`` (the run folder's,
+    :func:`tether.run.files.run_id`): its digests vouch for its files, this for whose it is.
+    Returns the notes to print: one for a checkpoint of a tether from before run ids, resumed as
+    this run's (whose it is cannot be told).
+
+    Raises:
+        RuntimeError: the checkpoint names another run; names both and the fix.
+    """
+    theirs = read_json(Path(folder) / "meta.json").get("run_id")
+    if theirs is None or run_id is None:
+        return [
+            f"tether: checkpoint {Path(folder).name} records no run id (written by a tether from before run "
+            "ids), so whose run it is cannot be checked; resuming it as this run's"
+        ]
+    if theirs != run_id:
+        root = Path(folder).parent
+        raise RuntimeError(
+            f"checkpoint {folder} is of another run (run id {theirs}), not of this one (run id {run_id}, "
+            f"in {root.parent / RUN_RECORD}): it was copied in from another run folder. Move it out of "
+            f"{root} (and write the name of this run's newest step-N folder into {root / 'LATEST'}), or "
+            "resume the run it came from"
+        )
+    return []
 
 
 def policy_tensors(policy) -> dict[str, dict[str, torch.Tensor]]:
@@ -318,16 +379,21 @@ def save_best(run_dir: Path, policy, meta: dict) -> Path:
     root = Path(run_dir)
     best_folder(root)
     tmp, final, old = root / f".best.tmp{os.getpid()}", root / "best", root / f".best.old{os.getpid()}"
-    for leftover in [*root.glob(".best.tmp*"), *root.glob(".best.old*")]:
-        shutil.rmtree(leftover, ignore_errors=True)
+    for leftover in root.iterdir():  # a killed earlier save's (tether's names only)
+        if BEST_TEMPORARY.fullmatch(leftover.name):
+            remove_tree(leftover)
     tmp.mkdir()
     save_policy_weights(tmp, policy)
     (tmp / "meta.json").write_text(json.dumps(meta))
     if final.exists():
         os.replace(final, old)
     os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
+    remove_tree(old)
     return final
+
+
+BEST_TEMPORARY = re.compile(r"\.best\.(tmp|old)\d+")
+"""The names of :func:`save_best`'s temporary folders: the new best, and the old one moved aside."""
 
 
 def best_folder(run_dir: Path) -> Path | None:
@@ -335,7 +401,7 @@ def best_folder(run_dir: Path) -> Path | None:
     :func:`save_best` that was killed between its two renames is put back first."""
     final = Path(run_dir) / "best"
     if not final.exists():
-        aside = sorted(Path(run_dir).glob(".best.old*"))
+        aside = sorted(d for d in Path(run_dir).glob(".best.old*") if BEST_TEMPORARY.fullmatch(d.name))
         if aside and (aside[-1] / "meta.json").exists():
             os.replace(aside[-1], final)
     return final if (final / "meta.json").exists() else None
@@ -430,7 +496,7 @@ def save_policy(
 
     out = Path(out)
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    remove_tree(tmp)
     try:
         if whole is not None:
             policy.lm.save_pretrained(tmp, state_dict=whole["lm"])
@@ -446,5 +512,5 @@ def save_policy(
     except (OSError, RuntimeError, SafetensorError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise write_error(out, e, "The final policy is not saved; the last checkpoint is kept") from None
-    shutil.rmtree(out, ignore_errors=True)
+    remove_tree(out)  # a link put there while the run went on goes (its target is left as it is)
     os.replace(tmp, out)

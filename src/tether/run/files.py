@@ -1,6 +1,6 @@
 """The run folder's files written so that a kill, a full disk or a file-size limit loses nothing.
 
-Three rules, one function each:
+Four rules, one function each:
 
 - :func:`atomic_write_text`: a file replaced whole (config.yaml, LATEST, a JSONL file rewritten on
   resume) is written beside itself, flushed to disk and renamed over the old one (``os.replace``,
@@ -11,6 +11,10 @@ Three rules, one function each:
 - :func:`read_jsonl`: a file's rows; a last line without its newline that does not parse (a
   process killed inside a write, or a disk that failed under another writer) is dropped and said
   so; a bad line anywhere else is an error naming ``FILE:LINE``.
+- :func:`check_no_links`: a run folder handed over (``--resume``, ``tether push``, ``tether
+  report``) that holds a symbolic link is refused before anything in it is read, and no write
+  goes through a link (``O_NOFOLLOW``; a link planted while the run goes on stops the write), so
+  no run file leads tether outside its folder.
 
 Errors name the file and the fix (:class:`RunFileError`, an ``OSError`` with the errno kept).
 """
@@ -23,6 +27,7 @@ import logging
 import os
 import re
 import shutil
+import uuid
 from pathlib import Path
 
 log = logging.getLogger("tether")
@@ -109,23 +114,122 @@ def run_folder_of(path: Path) -> Path:
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text`` whole: written to ``.NAME.tmpPID`` beside it, flushed to disk,
-    renamed over it. On failure the temporary file is removed and ``path`` is as it was.
+    """Replace ``path`` with ``text`` whole (:func:`replace_whole`): a kill leaves the old file or
+    the new one; on failure the temporary file is removed and ``path`` is as it was.
 
     Raises:
         RunFileError: the write failed; names ``path``.
     """
+    try:
+        replace_whole(path, text.encode())
+    except OSError as e:
+        raise write_error(path, e, f"{Path(path).name} is as it was") from None
+
+
+def replace_whole(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data``: written to ``.NAME.tmpPID`` beside it, flushed to disk,
+    renamed over it (``os.replace``, atomic on POSIX). Nothing is written through a symbolic link:
+    the temporary file is created new (``O_EXCL | O_NOFOLLOW``), and the rename replaces a link at
+    ``path`` itself, never its target.
+
+    Raises:
+        OSError: the write failed (the temporary file is removed; ``path`` is as it was).
+    """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
-        with open(tmp, "w") as f:
-            f.write(text)
+        tmp.unlink(missing_ok=True)  # a killed earlier process's of the same pid (or a planted link)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError as e:
+    except OSError:
         tmp.unlink(missing_ok=True)
-        raise write_error(path, e, f"{path.name} is as it was") from None
+        raise
+
+
+class RunFolderError(ValueError):
+    """A run folder that holds a symbolic link: tether neither reads nor writes it; the message
+    names the links and the fix."""
+
+
+def run_folder_links(run_dir: Path) -> list[Path]:
+    """Every symbolic link under ``run_dir`` (links are not followed into), in walk order."""
+    found = []
+    for folder, dirs, files in os.walk(run_dir):
+        found += [Path(folder, n) for n in sorted(dirs + files) if os.path.islink(os.path.join(folder, n))]
+    return found
+
+
+def check_no_links(run_dir: Path, command: str) -> None:
+    """Refuse a run folder that holds a symbolic link, before anything in it is read or written.
+
+    tether writes no links, and one would let a run folder handed over lead a read (into a report,
+    an upload) or a write (an appended row, a deleted checkpoint) outside itself, or turn one run
+    file into another: a link to a file or a folder is refused wherever it points (the run folder
+    itself may be reached through links: it is resolved first).
+
+    Raises:
+        RunFolderError: names up to three links with their targets, and the fix.
+    """
+    root = Path(run_dir).resolve()
+    links = run_folder_links(root)
+    if not links:
+        return
+
+    def shown(link: Path) -> str:
+        target = Path(os.path.realpath(link))
+        where = "inside the run" if target == root or root in target.parents else "outside the run"
+        return f"{link.relative_to(root)} -> {os.readlink(link)} ({where})"
+
+    more = f", and {len(links) - 3} more" if len(links) > 3 else ""
+    raise RunFolderError(
+        f"{command} {run_dir}: the run folder holds symbolic links: "
+        f"{'; '.join(map(shown, links[:3]))}{more}. "
+        "tether reads and writes a run only inside its folder and never through a link. Replace each "
+        "link with a copy of what it points to, or remove it (rm LINK removes the link alone), then "
+        "run again"
+    )
+
+
+def link_error(path: Path) -> RunFileError:
+    """The error for a run file or folder found to be a symbolic link when tether came to write it
+    (a link planted while the run went on): names it, and what to do."""
+    try:
+        target = os.readlink(path)
+    except OSError:
+        target = "?"
+    return RunFileError(
+        errno.ELOOP,
+        f"{path} is a symbolic link (to {target}): tether writes a run's files only inside its folder, "
+        f"never through a link, so it wrote nothing there. Remove the link (rm {path}), then "
+        f"{resume_hint(run_folder_of(path))}",
+    )
+
+
+def own_folder(path: Path) -> Path:
+    """``path``, a folder of the run that tether writes into (``checkpoints/``), created if missing.
+
+    Raises:
+        RunFileError: it is a symbolic link (:func:`link_error`).
+    """
+    path = Path(path)
+    if path.is_symlink():
+        raise link_error(path)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def remove_tree(path: Path) -> None:
+    """Remove what tether left at ``path`` (a temporary or an old folder of its own): a folder with
+    everything in it, a file, or a link itself (never what a link points to)."""
+    path = Path(path)
+    if path.is_symlink() or path.is_file():
+        path.unlink(missing_ok=True)
+    elif path.exists():
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def remove_stale_temporaries(folder: Path) -> list[Path]:
@@ -156,7 +260,12 @@ def append_lines(path: Path, lines: list[str]) -> None:
     """
     path = Path(path)
     data = "".join(line + "\n" for line in lines).encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:  # O_NOFOLLOW: a link planted at a run file's name cannot lead the write out of the run
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise link_error(path) from None
+        raise
     try:
         size = os.fstat(fd).st_size
         try:
@@ -244,3 +353,29 @@ def read_json(path: Path) -> dict:
 def write_json_file(path: Path, obj) -> None:
     """Write ``obj`` as JSON, whole or not at all (:func:`atomic_write_text`)."""
     atomic_write_text(path, json.dumps(obj))
+
+
+RUN_RECORD = "run.json"
+"""The run folder's file that holds its id (:func:`run_id`)."""
+
+
+def run_id(run_dir: Path) -> str:
+    """The run's id: ``run.json``'s ``run_id``, made once (128 random bits, hex) when the run folder
+    is claimed and has none (a new run, or a run of a tether from before run ids). Each checkpoint
+    records it, so that a resume refuses a checkpoint of another run dropped into ``checkpoints/``.
+
+    Raises:
+        ValueError: ``run.json`` is damaged (names it and how to restore it).
+    """
+    path = Path(run_dir) / RUN_RECORD
+    if not (path.exists() or path.is_symlink()):
+        value = uuid.uuid4().hex
+        write_json_file(path, {"run_id": value})
+        return value
+    value = read_json(path).get("run_id")
+    if not (isinstance(value, str) and re.fullmatch(r"[0-9a-f]{32}", value)):
+        raise ValueError(
+            f"{path}: holds no run id ({value!r}); the file is damaged. Restore it: "
+            '{"run_id": "ID"}, with the run_id of one of this run\'s checkpoints/step-N/meta.json'
+        )
+    return value

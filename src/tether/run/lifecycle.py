@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from pathlib import Path
 
 import torch
@@ -23,6 +22,7 @@ from tether.models.reference import fingerprint
 from tether.models.sharding import is_sharded
 from tether.run.checkpoint import (
     SHARDED,
+    check_checkpoint_run,
     latest_checkpoint,
     load_checkpoint,
     load_sharded_state,
@@ -34,7 +34,15 @@ from tether.run.checkpoint import (
 )
 from tether.run.config import Config
 from tether.run.console import say
-from tether.run.files import atomic_write_text, read_json, read_jsonl, resume_hint, write_json_file
+from tether.run.files import (
+    atomic_write_text,
+    own_folder,
+    read_json,
+    read_jsonl,
+    remove_tree,
+    resume_hint,
+    write_json_file,
+)
 from tether.run.monitor import HealthMonitor
 from tether.run.rngs import checkpoint_rng_state, restore_rng_state, rng_state, set_rng_state
 from tether.run.setup import Run
@@ -85,12 +93,20 @@ def check_data(run: Run) -> None:
 def resume_run(run: Run, trainer, monitor: HealthMonitor) -> int:
     """Restore the newest checkpoint; check the rebuilt reference against its fingerprint."""
     w = run.writer
-    # rank 0 checks every file's SHA-256 (falling back past a damaged newest checkpoint); all load
-    # the folder it chose
-    found, notes = resume_checkpoint(w.run_dir) if D.is_main() else (None, [])
-    path = D.gather_objects(found)[0]
+    # rank 0 checks every file's SHA-256 (falling back past a damaged newest checkpoint) and that
+    # the checkpoint is this run's; all load the folder it chose, or all stop
+    found, notes, refused = None, [], None
+    if D.is_main():
+        found, notes = resume_checkpoint(w.run_dir)
+        try:
+            notes += check_checkpoint_run(found, w.run_id) if found is not None else []
+        except RuntimeError as e:
+            refused = str(e)
+    path, refused = D.gather_objects((found, refused))[0]
     for note in notes:
         say(note, True)
+    if refused:
+        raise RuntimeError(f"--resume {w.run_dir}: {refused}")
     if path is None:
         raise FileNotFoundError(
             f"--resume {w.run_dir}: no complete checkpoint in {w.run_dir / 'checkpoints'}"
@@ -172,11 +188,11 @@ def write_checkpoint(run: Run, trainer, step: int) -> Path:
     process; under FSDP each process writes its shards of weights and AdamW state first). The
     reference is fingerprinted when the run starts, on resume and after the last step, not here:
     hashing copies every weight to the host (seconds for a 7B reference on a GPU)."""
-    path = run.writer.run_dir / "checkpoints"
+    path = own_folder(run.writer.run_dir / "checkpoints")  # every process: not written through a link
     sharded = sharded_folder(run.writer.run_dir, step) if is_sharded(run.policy) else None
     if sharded is not None:  # every process writes its own shards of weights and AdamW state
         if D.is_main():
-            shutil.rmtree(sharded, ignore_errors=True)  # a killed attempt's
+            remove_tree(sharded)  # a killed attempt's
         D.barrier()
         save_sharded_state(sharded / SHARDED, run.policy, trainer.optimizer.optimizer)
         weights, trainer_state = None, trainer.state_dict(with_optimizer=False)
@@ -196,6 +212,7 @@ def write_checkpoint(run: Run, trainer, step: int) -> Path:
             reference_fingerprint=run.reference_fingerprint,
             sharded=sharded,
             keep=run.config.train.keep_checkpoints,
+            run_id=run.writer.run_id,
         )
     D.barrier()
     return path

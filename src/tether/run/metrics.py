@@ -53,6 +53,9 @@ class RunWriter:
         self.history: list[dict] = []
         self.lock: Path | None = None
         """The run folder's lock this process holds (:mod:`tether.run.lock`), or None."""
+        self.run_id: str | None = None
+        """The run's id (:func:`tether.run.files.run_id`) that its checkpoints record; None on ranks
+        other than 0."""
 
     def truncate_after(self, step: int) -> None:
         """Drop rows of steps after ``step`` from metrics, samples and warnings (on resume).

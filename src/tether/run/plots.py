@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import matplotlib
@@ -9,6 +10,24 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+from tether.run.files import replace_whole  # noqa: E402
+
+
+def save_png(fig, out: Path) -> None:
+    """Write ``fig`` to ``out`` whole and never through a link (:func:`tether.run.files.replace_whole`),
+    and close it.
+
+    Raises:
+        OSError: the write failed; ``out`` is as it was.
+    """
+    png = io.BytesIO()
+    try:
+        fig.savefig(png, format="png", dpi=110)
+    finally:
+        plt.close(fig)
+    replace_whole(Path(out), png.getvalue())
+
 
 _PANELS = [
     ("objective/scores", "score (mean)"),
@@ -124,8 +143,7 @@ def plot_training(
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    save_png(fig, out)
     return out
 
 
@@ -183,6 +201,5 @@ def plot_score_vs_kl(history: list[dict], out: Path, evals: list[dict] | None = 
     ax.set_title("score against KL")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    save_png(fig, out)
     return out

@@ -3,13 +3,16 @@
 One commit through ``huggingface_hub``: every file of ``<run>/policy`` (the weights or the LoRA
 adapter, the tokenizer, ``value_head.safetensors``, the plots) and its ``README.md`` with the
 loading example naming the repository. Nothing is read from the run folder but files to upload
-(no code runs from it).
+(no code runs from it), and a run folder holding a symbolic link is refused (its target's bytes
+would be uploaded). The repository is created private unless ``private=False`` (``--public``).
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+
+from tether.run.files import check_no_links
 
 OFFLINE_VALUES = ("1", "ON", "YES", "TRUE")
 """Values of ``HF_HUB_OFFLINE`` that mean offline, as ``huggingface_hub`` reads them."""
@@ -20,13 +23,14 @@ def offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in OFFLINE_VALUES
 
 
-def push(run_dir: str | Path, repo_id: str, *, private: bool = False, token: str | None = None) -> str:
-    """Upload ``run_dir/policy`` to the model repository ``repo_id`` (created if missing); returns
-    the commit's URL.
+def push(run_dir: str | Path, repo_id: str, *, private: bool = True, token: str | None = None) -> str:
+    """Upload ``run_dir/policy`` to the model repository ``repo_id`` (created if missing, private
+    unless ``private=False``; an existing repository keeps its visibility); returns the commit's URL.
 
     Raises:
         FileNotFoundError: no saved policy in the run folder (``train.save_model=false``, or a run
             that has not ended).
+        tether.run.files.RunFolderError: the run folder holds a symbolic link (nothing is read).
         ValueError: ``repo_id`` is not ``ORG/NAME``.
         RuntimeError: ``HF_HUB_OFFLINE`` is set, or the Hub refused or could not be reached (the
             cause named; nothing in the run folder changes).
@@ -35,6 +39,7 @@ def push(run_dir: str | Path, repo_id: str, *, private: bool = False, token: str
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import validate_repo_id
 
+    check_no_links(Path(run_dir), "tether push")
     folder = Path(run_dir) / "policy"
     if not (folder.is_dir() and any(folder.iterdir())):
         raise FileNotFoundError(

@@ -54,6 +54,7 @@ from tether.models.sampling import prompt_texts, use_chat_template
 from tether.models.sharding import shard_model
 from tether.models.turns import chat_reply_text, env_column_names, load_env, prompt_messages, turn_formats
 from tether.run.config import Config, ConfigError, check_world_size, dump_config
+from tether.run.files import check_no_links, run_id
 from tether.run.lock import RunLocked
 from tether.run.lock import acquire as acquire_lock
 from tether.run.lock import release as release_lock
@@ -816,9 +817,9 @@ def start_process(config: Config) -> tuple[Accelerator, bool, torch.dtype]:
 
 def check_before_loading(config: Config, *, resume: bool, model, scorer) -> Path:
     """The checks that need no weights and no download: the run folder (new, or a run to resume
-    with the settings it must keep), the rollout's memory, the model's, scorers' and judges' names
-    (a module:function imports here), a model object's LoRA dropout. Returns the run folder (rank
-    0's name).
+    with no symbolic link in it and the settings it must keep), the rollout's memory, the model's,
+    scorers' and judges' names (a module:function imports here), a model object's LoRA dropout.
+    Returns the run folder (rank 0's name).
 
     Raises:
         FileExistsError, FileNotFoundError, ConfigError, ValueError: naming the field and the fix.
@@ -835,6 +836,8 @@ def check_before_loading(config: Config, *, resume: bool, model, scorer) -> Path
             f"train.output_dir={run_dir} already holds a run (it is not empty); "
             f"choose another directory{hint}"
         )
+    if resume:  # nothing of the folder is read or written through a link (policy/, checkpoints/ ...)
+        check_no_links(run_dir, "--resume")
     if resume and not (run_dir / "config.yaml").exists():
         raise FileNotFoundError(f"--resume {run_dir}: not a tether run directory (no config.yaml)")
     if resume:
@@ -899,26 +902,31 @@ def resolve_model_source(config: Config, *, model, tokenizer) -> tuple[Config, P
 
 
 def claim_run_dir(run_dir: Path) -> RunWriter:
-    """One writer per run: rank 0 takes the folder's lock before anything is written, and every
-    process learns whether it could (so that all stop together, none waits at a barrier).
-    Returns the folder's writer, holding the lock (``writer.lock``; None on other ranks).
+    """One writer per run: rank 0 takes the folder's lock before anything is written, reads or
+    makes the run's id (:func:`tether.run.files.run_id`), and every process learns whether it
+    could (so that all stop together, none waits at a barrier).
+    Returns the folder's writer, holding the lock (``writer.lock``) and the id (``writer.run_id``;
+    both None on other ranks).
 
     Raises:
-        RunLocked: another process holds the run.
+        RunLocked: another process holds the run; ValueError: its run.json is damaged; OSError:
+            the folder cannot be written.
     """
-    held, refused = None, None
+    held, refused, rid = None, None, None
     if is_main():
         try:
             held, note = acquire_lock(run_dir)
             if note:
                 print(note)
-        except RunLocked as e:
-            refused = str(e)
-    refused = gather_objects(refused)[0]
-    if refused:
-        raise RunLocked(refused)
+            rid = run_id(run_dir)
+        except (RunLocked, ValueError, OSError) as e:
+            release_lock(held)
+            refused = e
+    refused = gather_objects(refused)[0]  # every process raises rank 0's error
+    if refused is not None:
+        raise refused
     writer = RunWriter(run_dir)
-    writer.lock = held
+    writer.lock, writer.run_id = held, rid
     return writer
 
 
