@@ -548,3 +548,60 @@ def test_an_async_environment_is_awaited(tiny_tokenizer, tiny_lm):
         return turns(tiny_lm, tiny_tokenizer, async_tool)
 
     assert asyncio.run(in_a_running_loop()).env_texts == want.env_texts
+
+
+# ---- faults from a user's environment (issue 50's fault campaign) -----------------------------------
+def test_an_environment_that_never_answers_is_abandoned_at_rollout_env_timeout(tiny_tokenizer, tiny_lm):
+    """An environment that slept forever hung the run forever. Now each call has its deadline
+    (rollout.env_timeout): the rollout stops with the field and the row named, a sync call left on
+    its thread, an ``async def`` one cancelled; the next rollout gets a fresh thread."""
+    import asyncio
+    import threading
+    import time
+
+    from tether.models.turns import EnvFailed
+
+    release, cancelled = threading.Event(), []
+
+    def sleeps(**kw):
+        release.wait(600)  # "forever": released when the test ends
+
+    async def sleeps_async(**kw):
+        try:
+            await asyncio.sleep(600)
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+
+    try:
+        for env in (sleeps, sleeps_async):
+            t0 = time.perf_counter()
+            with pytest.raises(
+                EnvFailed, match=r"did not answer within rollout.env_timeout=0.2 s on row 0 after turn 0"
+            ):
+                turns(tiny_lm, tiny_tokenizer, env, env_timeout=0.2)
+            # far below the 600 s it would wait: the deadline ended the wait (the bound is slack
+            # for a loaded machine, not a measurement)
+            assert time.perf_counter() - t0 < 30
+        deadline = time.monotonic() + 10  # cancelled on the call's own loop, at its own deadline
+        while not cancelled and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert cancelled == [True]
+        ro = turns(tiny_lm, tiny_tokenizer, tool, env_timeout=5.0)  # after an abandoned call
+        assert torch.equal(ro.response_ids, turns(tiny_lm, tiny_tokenizer, tool).response_ids)
+    finally:
+        release.set()
+
+
+def test_an_environments_exit_or_interrupt_ends_the_rollout_named(tiny_tokenizer, tiny_lm):
+    """KeyboardInterrupt from the environment left generate_turns raw (SystemExit was caught, a
+    KeyboardInterrupt not): now each is an EnvFailed naming the row, which the training loop
+    turns into a checkpoint of the step before."""
+    from tether.models.turns import EnvFailed
+
+    def interrupts(**kw):
+        raise KeyboardInterrupt
+
+    with pytest.raises(EnvFailed, match=r"rollout.env raised KeyboardInterrupt on row 0 after turn 0") as e:
+        turns(tiny_lm, tiny_tokenizer, interrupts)
+    assert not e.value.interrupted  # the environment raised it: a failure, not a stop by a signal

@@ -49,7 +49,7 @@ from tether.models.sampling import (
 )
 from tether.models.scoring import rollout_logprobs
 from tether.models.sharding import generation_weights, is_sharded, root_gathered
-from tether.models.turns import generate_turns
+from tether.models.turns import EnvFailed, generate_turns
 from tether.run.console import say
 from tether.run.setup import Run, run_env
 from tether.trainers.common import (
@@ -297,20 +297,24 @@ class OnPolicyTrainer:
         prompts = run.train_prompts.select(rows[mine])  # this process's rows, with their columns
         seeds = sample_seeds(c.train.seed, step, range(len(rows))[mine])
         if self.env is not None:  # rollout.env: policy turns and the environment's answers
-            rollout = generate_turns(
-                run.policy.lm,
-                run.tokenizer,
-                prompts.prompts,
-                self.env,
-                max_turns=c.rollout.max_turns,
-                max_new_tokens=c.rollout.max_new_tokens,
-                temperature=c.rollout.temperature,
-                seeds=seeds,
-                stop_strings=c.rollout.stop_strings,
-                max_prompt_tokens=c.rollout.max_prompt_tokens,
-                columns=prompts.columns,
-                env_format=c.rollout.env_format,
-            )
+            try:
+                rollout = generate_turns(
+                    run.policy.lm,
+                    run.tokenizer,
+                    prompts.prompts,
+                    self.env,
+                    max_turns=c.rollout.max_turns,
+                    max_new_tokens=c.rollout.max_new_tokens,
+                    temperature=c.rollout.temperature,
+                    seeds=seeds,
+                    stop_strings=c.rollout.stop_strings,
+                    max_prompt_tokens=c.rollout.max_prompt_tokens,
+                    columns=prompts.columns,
+                    env_format=c.rollout.env_format,
+                    env_timeout=c.rollout.env_timeout,
+                )
+            except EnvFailed as e:  # the loop writes the checkpoint of the step before
+                raise e.retold(f"step {step}: {e}") from e.__cause__
             rollout.columns = prompts.columns
             return rollout
         rollout = self.respond(prompts.prompts, seeds, compiled=bool(self.compile_rollout))
