@@ -27,7 +27,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import copy
+import functools
 import inspect
+import logging
+import unicodedata
 from collections.abc import Callable, Sequence
 from typing import Literal
 
@@ -66,6 +69,16 @@ ENV_TEXT = "rollout.env's text"
 TOOL_ROLE = "tool"
 """The role of the environment's messages in the chat format (TRL's and transformers' role for a
 tool's output)."""
+
+SETTLE_CHARS = 4
+"""Characters past a word's end (and past the whitespace after it) that a tokenizer's normalizer
+and pre-tokenizer read to decide where the word ends: 2 for GPT-2's, Llama 3's and Qwen2's
+patterns (``\\s+(?!\\S)`` keeps a run of spaces but its last when a word follows; a word may start
+with one non-letter), 3 for the contractions they match first (``'ll``, ``'re``, ``'ve``), 3 for
+Hangul jamo that NFC composes into one syllable; 4 covers each (:func:`reply_head`)."""
+
+log = logging.getLogger(__name__)
+_said: set[str] = set()  # the warnings said once per process
 
 
 class EnvFailed(RuntimeError):
@@ -190,18 +203,113 @@ def call_env(env: EnvFn, kwargs: dict, *, timeout: float | None, where: str, so_
         raise EnvFailed(f"rollout.env raised {type(e).__name__} on {where} ({shown}): {e}") from e
 
 
-def reply_text(tokenizer, reply, *, forbidden: set[int], where: str) -> str:
-    """An environment's ``reply``, checked to be text that may be appended.
+@functools.lru_cache(maxsize=8)
+def longest_token_chars(tokenizer) -> int:
+    """The most characters one token's text spans: the longest string in the vocabulary (a
+    byte-level token's string holds one character per byte, a SentencePiece one ``▁`` per space,
+    a byte-fallback one ``<0xE2>`` for less than a character, so no token spans more of the
+    normalized text than its string's length)."""
+    return max(1, max(len(t) for t in tokenizer.get_vocab()))
+
+
+def normalized_length(tokenizer, text: str) -> int:
+    """``text``'s length once the tokenizer's normalizer ran on it (NFC composes a letter and its
+    accent into one character); its length where there is none or it cannot be run alone."""
+    normalizer = getattr(getattr(tokenizer, "backend_tokenizer", None), "normalizer", None)
+    return len(normalizer.normalize_str(text)) if normalizer is not None else len(text)
+
+
+def word_ends(backend, text: str) -> list[int]:
+    """Where each word of ``text`` ends (character offsets in ``text``), as the fast tokenizer
+    ``backend`` splits it before its model runs: its normalizer, then its pre-tokenizer."""
+    from tokenizers import PreTokenizedString
+
+    words = PreTokenizedString(text)
+    if backend.normalizer is not None:
+        words.normalize(lambda n: backend.normalizer.normalize(n))
+    if backend.pre_tokenizer is not None:
+        backend.pre_tokenizer.pre_tokenize(words)
+    return [end for _, (_, end), _ in words.get_splits(offset_referential="original", offset_type="char")]
+
+
+def reply_head(tokenizer, text: str, budget: int) -> str:
+    """The head of ``text`` whose tokens start as ``text``'s own: ``tokenize(head)[:budget] ==
+    tokenize(text)[:budget]``, so that a long reply of which ``budget`` tokens are kept is never
+    tokenized whole (a 1 MB tool output: seconds and hundreds of MB per reply).
+
+    A fast tokenizer splits a text at its added tokens, normalizes and pre-tokenizes each part into
+    words, and tokenizes each word alone. So the tokens of ``text[:c]`` are the first tokens of
+    ``text``'s when ``c`` is where a word of ``text`` ends and nothing before ``c`` is split
+    otherwise in ``text[:c]`` than in ``text``. A word of a window ``text[:w]`` is one of
+    ``text``'s when the pipeline decided its end without reading past the window: when a
+    non-space starter character (no accent to compose, no whitespace that a pattern such as
+    ``\\s*[\\r\\n]+`` scans to its end) follows it with :data:`SETTLE_CHARS` more characters of the
+    window after that. ``head`` ends at the last such word; it is returned once it holds at least
+    ``budget`` tokens. The first window spans ``(budget + 1) x`` :func:`longest_token_chars`
+    characters, so that it usually holds them; it doubles while it does not.
+
+    ``text`` itself where no cut is proven: a slow tokenizer, an added token's text in the window,
+    a window that grew to the whole text (one word longer than it: a pre-tokenizer that does not
+    split, such as SentencePiece's ``split=False``, tokenizes the text whole).
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    size = (budget + 1) * longest_token_chars(tokenizer) + SETTLE_CHARS
+    if backend is None or len(text) <= size:
+        return text
+    added = [t for t in tokenizer.get_added_vocab() if t]
+    reach = max((len(t) for t in added), default=0)  # an added token may start in the window
+    while size < len(text):
+        window = text[: size + reach]
+        if any(t in window for t in added):  # split off first: where, the words do not tell
+            return text
+        last = size - SETTLE_CHARS - 1  # the last non-space starter with SETTLE_CHARS after it
+        while last > 0 and (text[last].isspace() or unicodedata.category(text[last]).startswith("M")):
+            last -= 1
+        ends = [e for e in word_ends(backend, text[:size]) if e <= last]
+        if ends and len(tokenizer(text[: ends[-1]], add_special_tokens=False)["input_ids"]) >= budget:
+            return text[: ends[-1]]
+        size *= 2
+    return text
+
+
+def say_once(key: str, message: str) -> None:
+    """A warning said once per process (``key`` tells which), not once per row or step."""
+    if key not in _said:
+        _said.add(key)
+        log.warning("%s (said once)", message)
+
+
+def say_long_reply(reply: str, left: int, max_new_tokens: int, *, chat: bool) -> None:
+    """Say, once, that a reply was longer than the tokens left for it (cut, or dropped in chat)."""
+    kept = "dropped, ending the episode (a tool message is never cut)" if chat else "cut to them"
+    say_once(
+        f"long reply {chat}",
+        f"tether: rollout.env answered with a reply of {len(reply):,} characters, longer than the {left} "
+        f"token(s) left of rollout.max_new_tokens={max_new_tokens}: {kept}; only the part that can be "
+        "kept is tokenized",
+    )
+
+
+def reply_text(tokenizer, reply, *, left: int, chat: bool, forbidden: set[int], where: str) -> str | None:
+    """What of an environment's ``reply`` is tokenized when ``left`` tokens are left: a raw
+    reply's :func:`reply_head` (its tokens begin as the whole reply's, of which ``left`` are kept),
+    a chat reply whole, or None for a chat reply that surely does not fit (dropped untokenized:
+    each token spans at most :func:`longest_token_chars` characters, so a reply of more than
+    ``(left + 1)`` times as many normalized characters takes more than ``left`` tokens, with one
+    for an accent that composes with the template's last character).
 
     Raises:
-        EnvReplyError: not a string; special tokens (:func:`special_ids`) in it.
+        EnvReplyError: not a string; special tokens (:func:`special_ids`) in the text tokenized.
     """
     if not isinstance(reply, str):
         raise EnvReplyError(
             f"rollout.env returned {type(reply).__name__} for {where}; "
             "it must return the text to append (a str) or None to end the episode"
         )
-    special = sorted(set(tokenizer(reply, add_special_tokens=False)["input_ids"]) & forbidden)
+    if chat and normalized_length(tokenizer, reply) > (left + 1) * longest_token_chars(tokenizer):
+        return None
+    text = reply if chat else reply_head(tokenizer, reply, left)
+    special = sorted(set(tokenizer(text, add_special_tokens=False)["input_ids"]) & forbidden)
     if special:  # '<eos>' or '<|im_end|>' in a tool's text would end or restructure the turn
         names = tokenizer.convert_ids_to_tokens(special)
         raise EnvReplyError(
@@ -209,7 +317,7 @@ def reply_text(tokenizer, reply, *, forbidden: set[int], where: str) -> str:
             f"for {where} ({reply[:80]!r}); tether appends a tool's output as "
             "plain text: strip or escape them in the environment"
         )
-    return reply
+    return text
 
 
 def special_ids(tokenizer, ends: Sequence[int]) -> set[int]:
@@ -565,7 +673,11 @@ def generate_turns(
                 done[b] = ended[b] = True
                 continue
             left = max_new_tokens - len(resp[b])
-            text = reply_text(tokenizer, reply, forbidden=forbidden, where=where)
+            text = reply_text(tokenizer, reply, left=left, chat=chat[b], forbidden=forbidden, where=where)
+            if text is None:  # a chat reply longer than the tokens left, dropped as below
+                say_long_reply(reply, left, max_new_tokens, chat=True)
+                done[b], ended[b] = True, False
+                continue
             try:
                 if chat[b]:  # the template's framing around the reply: closing, tool message, next turn
                     framing = chat_reply_text(tokenizer, history, content, reply)
@@ -586,6 +698,7 @@ def generate_turns(
                     if len(env_ids) > left:
                         # a tool message is never cut: the episode ends without it, cut at the token
                         # budget (the environment answered, so it had not ended)
+                        say_long_reply(reply, left, max_new_tokens, chat=True)
                         done[b], ended[b] = True, False
                         continue
                     messages[b].append({"role": TOOL_ROLE, "content": reply})
@@ -594,6 +707,8 @@ def generate_turns(
                 else:
                     context = own[b] + resp[b]
                     env_ids = continuation_ids(tokenizer, context, text, ENV_TEXT)
+                    if len(env_ids) > left or text != reply:
+                        say_long_reply(reply, left, max_new_tokens, chat=False)
                     env_ids = env_ids[:left]
                     # as appended (maybe cut), a SentencePiece word-start space kept
                     replies[b].append(new_text(tokenizer, context, env_ids, skip_special_tokens=True))
