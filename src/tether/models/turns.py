@@ -200,7 +200,8 @@ def call_env(env: EnvFn, kwargs: dict, *, timeout: float | None, where: str, so_
             "service: give it a timeout of its own), or raise rollout.env_timeout (null: no limit)"
         ) from None
     except (Exception, SystemExit, KeyboardInterrupt) as e:
-        raise EnvFailed(f"rollout.env raised {type(e).__name__} on {where} ({shown}): {e}") from e
+        said = f": {e}" if str(e) else ""
+        raise EnvFailed(f"rollout.env raised {type(e).__name__} on {where} ({shown}){said}") from e
 
 
 @functools.lru_cache(maxsize=8)
