@@ -77,3 +77,20 @@ def test_a_second_ctrl_c_ends_the_wait_for_the_environment(tiny_tokenizer, tiny_
     # the signal ended the wait, not the 30 s deadline, wherever the kernel delivered it (the wait
     # wakes every POLL_S so that the main thread runs the handler)
     assert e.value.interrupted and time.monotonic() - t0 < 15
+
+
+def test_ctrl_c_during_the_reward_names_it(capsys):
+    """A reward runs in the main thread, which hears the signal when the reward's sleep (or
+    socket wait) is interrupted: the line names it as what tether waits for."""
+    from tether.models.callables import running
+
+    stop, previous = install_signal_handlers()
+    try:
+        with running("the reward (reward.scorer)"):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)  # a reward that blocks: the handler runs in it
+    finally:
+        for sig, h in previous.items():
+            signal.signal(sig, h)
+    said = capsys.readouterr().err
+    assert stop == ["SIGINT"] and "waiting for the reward (reward.scorer): 0 s so far, no limit" in said, said

@@ -5,6 +5,7 @@ deadline can end the wait and Ctrl-C is heard while it runs (:data:`RUNNING` say
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import inspect
 import os
@@ -57,11 +58,22 @@ its limit in words), for the line Ctrl-C prints (:func:`waiting_for`)."""
 
 def waiting_for() -> str | None:
     """What tether waits for now, e.g. ``rollout.env (row 1 after turn 0): 12 s so far, at most
-    rollout.env_timeout=60 s``; None when no user code is running under :func:`call_with_deadline`."""
+    rollout.env_timeout=60 s``; None when no user code runs under :func:`call_with_deadline` or
+    :func:`running`."""
     if not RUNNING:
         return None
     what, start, limit = RUNNING[-1]
     return f"{what}: {time.monotonic() - start:.0f} s so far, {limit}"
+
+
+@contextlib.contextmanager
+def running(what: str):
+    """Mark user code that runs in this thread (a reward) for :func:`waiting_for`, with no limit."""
+    RUNNING.append((what, time.monotonic(), "no limit"))
+    try:
+        yield
+    finally:
+        RUNNING.pop()
 
 
 class Abandoned(Exception):

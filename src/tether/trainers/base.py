@@ -37,6 +37,7 @@ from tether.core.kl import kl_k3, sequence_kl
 from tether.core.leash import KLLeash
 from tether.data.prompts import PromptSampler
 from tether.judges.contract import RewardLog, WeightedReward, checked_scores, trainer_state
+from tether.models.callables import running
 from tether.models.sampling import (
     COMPILE_COST_S,
     Rollout,
@@ -346,8 +347,8 @@ class OnPolicyTrainer:
         metrics."""
         run = self.run
         reward_log = RewardLog()
-        scores = torch.tensor(
-            checked_scores(
+        with running("the reward (reward.scorer)"):  # named by Ctrl-C's line while it runs
+            scored = checked_scores(
                 run.scorer,
                 rollout.responses,
                 step,
@@ -358,9 +359,8 @@ class OnPolicyTrainer:
                 env_replies=rollout.env_texts,
                 state=self.trainer_state(step),
                 reward_log=reward_log,
-            ),
-            device=self.device,
-        )  # (B,)
+            )
+        scores = torch.tensor(scored, device=self.device)  # (B,)
         metrics = reward_components(run.scorer, self.device)
         metrics.update(reward_log.step_metrics())  # reward_metric/<name>: what log_metric got
         return scores, metrics
