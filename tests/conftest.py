@@ -383,6 +383,38 @@ def random_tool_env(prompt, completion, turn, **columns) -> str | None:
     return f" r{random.randrange(1000)} n{np.random.randint(1000)}" if turn == 0 else None
 
 
+RELEASE = __import__("threading").Event()
+"""Set by a test to end the calls :func:`faulty_env` left hanging (a call tether abandoned)."""
+
+
+def faulty_env(prompt, completion, turn, **columns) -> str | None:
+    """:func:`random_tool_env`, with one fault injected (issue 50's fault campaign): at its first
+    call once the run's metrics.jsonl (``$TETHER_TEST_ENV_METRICS``) holds
+    ``$TETHER_TEST_ENV_AFTER`` rows, while the file ``$TETHER_TEST_ENV_MARKER`` does not exist (it
+    writes it), it does ``$TETHER_TEST_ENV_FAULT``: ``raise`` (a RuntimeError), ``exit``
+    (``sys.exit(0)``), ``interrupt`` (a KeyboardInterrupt) or ``hang`` (it waits for
+    :data:`RELEASE`, ten minutes at most). Without ``$TETHER_TEST_ENV_FAULT`` it never faults."""
+    import sys
+
+    fault = os.environ.get("TETHER_TEST_ENV_FAULT")
+    if fault:
+        metrics, marker = (
+            Path(os.environ["TETHER_TEST_ENV_METRICS"]),
+            Path(os.environ["TETHER_TEST_ENV_MARKER"]),
+        )
+        rows = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+        if rows >= int(os.environ.get("TETHER_TEST_ENV_AFTER", "1")) and not marker.exists():
+            marker.write_text(fault)
+            if fault == "raise":
+                raise RuntimeError("the tool's service is down")
+            if fault == "exit":
+                sys.exit(0)
+            if fault == "interrupt":
+                raise KeyboardInterrupt
+            RELEASE.wait(600)
+    return random_tool_env(prompt, completion, turn)
+
+
 def random_judge(texts: list[str]) -> list[float]:
     """A judge that draws from Python's and NumPy's global generators (a sampled rubric): what a
     run's judging may not take from its training stream."""

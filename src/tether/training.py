@@ -20,10 +20,11 @@ from tether.judges.scorers import builds_a_model, check_scorer_spec, make_scorer
 from tether.models.callables import PASSED_FROM_PYTHON, python_object_spec
 from tether.models.loading import is_hub_id
 from tether.models.sharding import full_state_dict, gathered, is_sharded
+from tether.models.turns import EnvFailed
 from tether.run.announce import announce_start
 from tether.run.best import BestPolicy
 from tether.run.card import write_model_card
-from tether.run.checkpoint import save_policy
+from tether.run.checkpoint import latest_checkpoint, save_policy
 from tether.run.config import Config
 from tether.run.console import say
 from tether.run.evaluation import (
@@ -40,6 +41,7 @@ from tether.run.files import (
 )
 from tether.run.lifecycle import (
     check_reference,
+    raise_stopped,
     raise_stopped_in_step,
     resume_run,
     start_run,
@@ -250,11 +252,28 @@ def _train(
     )
     try:
         last = _loop(session, start=start, stop=stop)
+    except KeyboardInterrupt:  # a second signal (user code tells its own apart): stopped at once
+        say(_stopped_at_once(run, stop, resume), show)
+        raise Interrupted(str(w.run_dir)) from None
     finally:
         for sig, h in previous_handlers.items():
             signal.signal(sig, h)
     reporter.end_loop()
     return _finish(session, before=before, t_start=t_start, last=last)
+
+
+def _stopped_at_once(run: Run, stop: list[str], resume: bool) -> str:
+    """What tether says when a second signal (or a KeyboardInterrupt) ended the step at once."""
+    w = run.writer
+    what = f"a second {stop[0]}" if stop else "KeyboardInterrupt"
+    if not resume and not w.history:  # train() removes the folder of a run that trained nothing
+        return f"tether: stopped at once by {what}; no step completed, so the run folder is removed"
+    kept = latest_checkpoint(w.run_dir)
+    return (
+        f"tether: stopped at once by {what}: "
+        + (f"the last checkpoint, {kept}, is kept; " if kept else "")
+        + resume_hint(w.run_dir)
+    )
 
 
 def _loop(session: Session, *, start: int, stop: list[str]) -> int:
@@ -272,12 +291,13 @@ def _loop(session: Session, *, start: int, stop: list[str]) -> int:
         total=c.train.steps,
     )
     step = start - 1  # a resumed run that has no step left
+    saved = start - 1  # the step the newest checkpoint holds: a resumed run's, or none (-1)
     for step in bar:
         before = state_before_step(run, trainer)
         try:
             row = trainer.step(step)  # every process; the row holds the global metrics
-        except ScorerStopped as e:
-            raise_stopped_in_step(run, trainer, step, before, e)
+        except (ScorerStopped, EnvFailed) as e:  # user code ended the step: the one before is kept
+            raise_stopped_in_step(run, trainer, step, before, e, saved=saved)
         except FloatingPointError as e:  # a non-finite gradient norm: name what sets its scale
             raise FloatingPointError(
                 f"step {step}: {e}. The settings that scale the gradients: optim.lr={c.optim.lr:g}, "
@@ -302,10 +322,8 @@ def _loop(session: Session, *, start: int, stop: list[str]) -> int:
         with gathered(run.policy, run.reference) if _evaluates(c, step) else nullcontext():
             try:
                 early = _log_step(session, bar, step=step, row=row, rows=rows) if main else None
-            except ScorerStopped as e:  # in the periodic evaluation: the step's row is not logged
-                raise ScorerStopped(
-                    f"{e} (in the evaluation after step {step}; {resume_hint(w.run_dir)})"
-                ) from None
+            except (ScorerStopped, EnvFailed) as e:  # in the periodic evaluation: the row is not logged
+                raise_stopped(run, e, f"in the evaluation after step {step}; {resume_hint(w.run_dir)}")
         # every process asks: did any process get a signal, or rank 0's evaluation say stop?
         # (so that all stop after the same step)
         stopping, stop_early = (
@@ -315,6 +333,7 @@ def _loop(session: Session, *, start: int, stop: list[str]) -> int:
         # also after the last step, so that --resume with a larger train.steps extends the run
         if stopping or (every and ((step + 1) % every == 0 or step + 1 == c.train.steps or stop_early)):
             path = write_checkpoint(run, trainer, step)
+            saved = step
             error = session.reporter.error
             if stopping and error is not None:  # a callback or tracker failed: trained steps kept
                 raise type(error)(

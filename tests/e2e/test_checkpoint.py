@@ -42,10 +42,11 @@ def _args(model_dir, prompts, out, steps=6):
     )
 
 
-def _tether(args, **kw):
+def _tether(args, env_vars: dict | None = None, **kw):
     # one thread: the test's tiny model gains nothing from more, and oversubscribed OpenMP threads
-    # can stall a loaded machine
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    # can stall a loaded machine; this checkout's src/ before an installed tether
+    path = os.pathsep.join([str(REPO / "src"), str(REPO)])
+    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", **(env_vars or {}))
     return subprocess.Popen(
         [sys.executable, "-m", "tether", *args],
         cwd=REPO,
@@ -97,6 +98,59 @@ def test_sigterm_checkpoints_and_stops(tiny_model_dir, prompt_file, tmp_path):
     ckpt = latest_checkpoint(out_dir)
     last = metric_rows(out_dir)[-1]["step"]
     assert ckpt is not None and json.loads((ckpt / "meta.json").read_text())["step"] == last
+
+
+def test_ctrl_c_while_the_environment_hangs_is_said_and_a_second_keeps_the_step_before(
+    tiny_model_dir, prompt_file, tmp_path
+):
+    """An environment that hung at step 1: the first Ctrl-C said nothing, the second ended in a
+    traceback with step 0 lost. Now the first is said at once, naming what tether waits for, and
+    the second stops the wait: the checkpoint of step 0, exit status 130, --resume named."""
+    import threading
+
+    out, marker = tmp_path / "run", tmp_path / "hanging"
+    tool = [
+        "rollout.env=tests.conftest:faulty_env",
+        "rollout.max_turns=2",
+        "rollout.stop_strings=e",
+        "rollout.max_new_tokens=16",
+        "rollout.env_timeout=300",
+    ]
+    faults = {
+        "TETHER_TEST_ENV_FAULT": "hang",
+        "TETHER_TEST_ENV_METRICS": str(out / "metrics.jsonl"),
+        "TETHER_TEST_ENV_AFTER": "1",  # at step 1's first call
+        "TETHER_TEST_ENV_MARKER": str(marker),
+    }
+    p = _tether(_args(tiny_model_dir, prompt_file, out, steps=4) + tool, faults)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(p.stdout), daemon=True)
+    reader.start()
+
+    def wait_for(what, seconds: float) -> bool:
+        deadline = time.time() + seconds
+        while not what() and time.time() < deadline and p.poll() is None:
+            time.sleep(0.05)
+        return bool(what())
+
+    try:
+        assert wait_for(marker.exists, 240), "".join(lines)
+        p.send_signal(signal.SIGINT)
+        # said while the environment still hangs (it would for 300 s)
+        assert wait_for(lambda: any("stopping after the step in progress" in line for line in lines), 30), (
+            lines
+        )
+        said = next(line for line in lines if "stopping after the step in progress" in line)
+        assert "waiting for rollout.env (row" in said and "at most rollout.env_timeout=300 s" in said, said
+        p.send_signal(signal.SIGINT)
+        assert p.wait(timeout=120) == 130
+    finally:
+        p.kill()
+    reader.join(timeout=10)
+    text = "".join(lines)
+    assert "stopped while waiting for rollout.env (row" in text and "holds the run after step 0" in text, text
+    assert f"tether train --resume {out}" in text and "Traceback" not in text, text
+    assert latest_checkpoint(out).name == "step-000000"
 
 
 def test_torn_checkpoint_write_keeps_the_previous_one(tiny_lm, tmp_path, monkeypatch):

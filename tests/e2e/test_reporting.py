@@ -259,6 +259,60 @@ def test_a_failing_callback_stops_the_run_checkpointed_and_named(tiny_model_dir,
     assert [r["step"] for r in metric_rows(out)] == [0, 1, 2, 3]
 
 
+class Quitting:
+    """A callback that ends the process its own way at step 1 (issue 50's fault campaign)."""
+
+    def __init__(self, how):
+        self.how = how
+
+    def on_step_end(self, step, metrics):
+        if step == 1:
+            raise self.how
+
+
+@pytest.mark.parametrize(
+    "how,said",
+    [
+        (SystemExit(0), r"raised SystemExit\(0\) \(sys.exit"),
+        (KeyboardInterrupt(), "raised KeyboardInterrupt"),
+    ],
+)
+def test_a_callback_that_exits_stops_the_run_checkpointed_and_named(
+    how, said, tiny_model_dir, prompt_file, tmp_path
+):
+    """sys.exit() or a KeyboardInterrupt from a hook left the loop with no checkpoint (a
+    SystemExit(0) even ended the CLI with status 0, silently): the trained steps were lost. Now
+    they stop the run as any exception from a callback does: a checkpoint after the step, the
+    callback named, --resume."""
+    from tether import train
+    from tether.run.checkpoint import latest_checkpoint
+    from tether.run.reporting import ReportingError
+
+    out = tmp_path / "run"
+    config = _config(tiny_model_dir, prompt_file, out, {"train.steps": 3})
+    with pytest.raises(ReportingError, match=rf"callback Quitting.on_step_end {said}") as e:
+        train(config, callbacks=[Quitting(how)])
+    assert "stopped after step 1 with a checkpoint" in str(e.value) and f"--resume {out}" in str(e.value)
+    assert isinstance(e.value.__cause__, type(how)) and latest_checkpoint(out).name == "step-000001"
+    train(_config(tiny_model_dir, prompt_file, out, {"train.steps": 3}), resume=True)  # nothing lost
+    assert [r["step"] for r in metric_rows(out)] == [0, 1, 2]
+
+
+def test_an_async_hook_is_awaited(tiny_model_dir, prompt_file, tmp_path):
+    """An ``async def`` hook's coroutine was never awaited: the hook did nothing, with only a
+    RuntimeWarning to tell."""
+    from tether import train
+
+    seen = []
+
+    class Async:
+        async def on_step_end(self, step, metrics):
+            seen.append(step)
+
+    train(_config(tiny_model_dir, prompt_file, tmp_path / "run", {"train.steps": 2}), callbacks=[Async()])
+    assert seen == [0, 1]
+
+
 def test_callbacks_of_the_wrong_shape_are_refused_before_anything_runs(tiny_model_dir, prompt_file, tmp_path):
     from tether import train
 

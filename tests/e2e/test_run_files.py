@@ -285,6 +285,32 @@ def test_sys_exit_in_the_reward_stops_with_a_checkpoint_and_resumes_bit_exact(
     assert metric_rows(stopped) == metric_rows(full)
 
 
+def test_a_stop_after_a_checkpointed_step_writes_no_second_checkpoint(
+    tiny_model_dir, prompt_file, tmp_path, capsys, monkeypatch
+):
+    """The reward's SystemExit at step 2 wrote the checkpoint of step 1 again when
+    train.checkpoint_every had just written it (seconds of weights, for nothing). Now the newest
+    checkpoint is kept and named."""
+    from tether.run import lifecycle
+
+    saved, real = [], lifecycle.save_checkpoint
+    monkeypatch.setattr(
+        lifecycle,
+        "save_checkpoint",
+        lambda run_dir, step, *a, **k: saved.append(step) or real(run_dir, step, *a, **k),
+    )
+    monkeypatch.setenv("TETHER_TEST_EXIT_MARKER", str(tmp_path / "marker"))
+    out = tmp_path / "run"
+    assert (
+        main(_run(tiny_model_dir, prompt_file, out, "reward.scorer=tests.conftest:exits_once_at_step_2")) == 1
+    )
+    err = capsys.readouterr().err
+    assert saved == [0, 1], saved
+    assert (
+        f"the last checkpoint, {out / 'checkpoints' / 'step-000001'}, is kept" in err and "--resume" in err
+    ), err
+
+
 def test_data_files_by_suffix_in_any_case_and_the_rest_refused(tmp_path):
     from tether.data.prompts import load_prompt_data
 

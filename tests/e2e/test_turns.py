@@ -425,3 +425,49 @@ def test_an_environment_passed_from_python(tiny_model_dir, prompt_file, tmp_path
         "an object passed from Python" in caplog.text
         and "evaluating the frozen reference again" in caplog.text
     )
+
+
+# ---- faults from a user's environment (issue 50's fault campaign) -----------------------------------
+@pytest.mark.parametrize("fault", ["hang", "interrupt"])
+def test_an_environment_that_fails_mid_run_keeps_the_trained_steps(
+    fault, tiny_model_dir, prompt_file, tmp_path, capsys, monkeypatch
+):
+    """An environment that failed at step 2 lost steps 0 and 1 (no checkpoint: a scorer's
+    SystemExit got one, an environment's failure did not), and one that hung hung the run forever.
+    Now a call past rollout.env_timeout, or any exception from it (KeyboardInterrupt included),
+    stops the run with the checkpoint of the step before, the step and the field named, and the
+    resume gives every metric of the run that never failed."""
+    import tests.conftest as helpers
+    from tether.run.checkpoint import latest_checkpoint
+
+    out, full = tmp_path / "run", tmp_path / "full"
+    tool = [
+        "rollout.env=tests.conftest:faulty_env",
+        "rollout.max_turns=2",
+        "rollout.stop_strings=e",
+        "rollout.max_new_tokens=16",
+        "rollout.env_timeout=1",
+        "train.checkpoint_every=0",
+    ]
+    monkeypatch.setenv("TETHER_TEST_ENV_METRICS", str(out / "metrics.jsonl"))
+    monkeypatch.setenv("TETHER_TEST_ENV_AFTER", "2")  # at step 2's first call
+    monkeypatch.setenv("TETHER_TEST_ENV_MARKER", str(tmp_path / "faulted"))
+    monkeypatch.setenv("TETHER_TEST_ENV_FAULT", fault)
+    try:
+        assert main(_tiny_args(tiny_model_dir, prompt_file, out) + tool) == 1
+    finally:
+        helpers.RELEASE.set()  # the abandoned call ends
+        helpers.RELEASE.clear()
+    err = capsys.readouterr().err
+    said = {
+        "hang": "step 2: rollout.env did not answer within rollout.env_timeout=1 s on row",
+        "interrupt": "step 2: rollout.env raised KeyboardInterrupt on row",
+    }[fault]
+    assert said in err and "holds the run after step 1" in err and f"tether train --resume {out}" in err, err
+    assert (tmp_path / "faulted").exists() and latest_checkpoint(out).name == "step-000001"
+    if fault != "hang":
+        return
+    assert main(["train", "--resume", str(out)]) == 0
+    monkeypatch.delenv("TETHER_TEST_ENV_FAULT")
+    assert main(_tiny_args(tiny_model_dir, prompt_file, full) + tool) == 0
+    assert metric_rows(out) == metric_rows(full)

@@ -548,3 +548,217 @@ def test_an_async_environment_is_awaited(tiny_tokenizer, tiny_lm):
         return turns(tiny_lm, tiny_tokenizer, async_tool)
 
     assert asyncio.run(in_a_running_loop()).env_texts == want.env_texts
+
+
+# ---- faults from a user's environment (issue 50's fault campaign) -----------------------------------
+def test_an_environment_that_never_answers_is_abandoned_at_rollout_env_timeout(tiny_tokenizer, tiny_lm):
+    """An environment that slept forever hung the run forever. Now each call has its deadline
+    (rollout.env_timeout): the rollout stops with the field and the row named, a sync call left on
+    its thread, an ``async def`` one cancelled; the next rollout gets a fresh thread."""
+    import asyncio
+    import threading
+    import time
+
+    from tether.models.turns import EnvFailed
+
+    release, cancelled = threading.Event(), []
+
+    def sleeps(**kw):
+        release.wait(600)  # "forever": released when the test ends
+
+    async def sleeps_async(**kw):
+        try:
+            await asyncio.sleep(600)
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+
+    try:
+        for env in (sleeps, sleeps_async):
+            t0 = time.perf_counter()
+            with pytest.raises(
+                EnvFailed, match=r"did not answer within rollout.env_timeout=0.2 s on row 0 after turn 0"
+            ):
+                turns(tiny_lm, tiny_tokenizer, env, env_timeout=0.2)
+            # far below the 600 s it would wait: the deadline ended the wait (the bound is slack
+            # for a loaded machine, not a measurement)
+            assert time.perf_counter() - t0 < 30
+        deadline = time.monotonic() + 10  # cancelled on the call's own loop, at its own deadline
+        while not cancelled and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert cancelled == [True]
+        ro = turns(tiny_lm, tiny_tokenizer, tool, env_timeout=5.0)  # after an abandoned call
+        assert torch.equal(ro.response_ids, turns(tiny_lm, tiny_tokenizer, tool).response_ids)
+    finally:
+        release.set()
+
+
+def test_an_environments_exit_or_interrupt_ends_the_rollout_named(tiny_tokenizer, tiny_lm):
+    """KeyboardInterrupt from the environment left generate_turns raw (SystemExit was caught, a
+    KeyboardInterrupt not): now each is an EnvFailed naming the row, which the training loop
+    turns into a checkpoint of the step before."""
+    from tether.models.turns import EnvFailed
+
+    def interrupts(**kw):
+        raise KeyboardInterrupt
+
+    with pytest.raises(EnvFailed, match=r"rollout.env raised KeyboardInterrupt on row 0 after turn 0") as e:
+        turns(tiny_lm, tiny_tokenizer, interrupts)
+    assert not e.value.interrupted  # the environment raised it: a failure, not a stop by a signal
+
+
+def qwen2_like_tokenizer():
+    """A byte-level BPE with Qwen2's normalizer (NFC) and pre-tokenizer pattern (Llama 3's, digits
+    one by one): words that swallow a space, runs of newlines, contractions, accents composed."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.conftest import CORPUS
+
+    pattern = (
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+        r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+    )
+    t = Tokenizer(models.BPE())
+    t.normalizer = normalizers.NFC()
+    t.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    t.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    t.train_from_iterator([*CORPUS, "  \n\n   x", "café 123 don't", "한국어"], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<eos>", pad_token="<eos>")
+
+
+def adversarial_replies(n: int) -> list[str]:
+    """Replies of about ``n`` characters built to move a tokenizer's words across a cut: one word
+    of n letters, spaces then a newline (a pattern that scans the whole run), a letter with n
+    accents then one that NFC reorders before them, contractions, digits, Hangul jamo, emoji, and
+    seeded random mixtures of all of them."""
+    import random
+
+    rng = random.Random(n)
+    parts = list("abcdefghij klmno\n\t  .,!'1") + ["'ll", "'re", "\u0301", "\u0323", "\u0302", "23"]
+    parts += ["\u1100", "\u1161", "\u11a8", "😀", "é", "   ", "\n\n", "movie", " the"]
+    return [
+        "a" * n,
+        "a \n" + " " * n + "\n b",
+        "e" + "\u0302" * n + "\u0323 z",
+        "x'" + "l" * n,
+        "1" * n + " a",
+        "ab\u0301" * n,
+        "the movie \n\n\t " * (n // 14),
+        "\u1100\u1161\u11a8" * (n // 3),
+        "😀" * n,
+        *("".join(rng.choice(parts) for _ in range(n)) for _ in range(8)),
+    ]
+
+
+def test_a_long_reply_keeps_the_tokens_of_the_whole_reply(tiny_tokenizer):
+    """The head of a reply that tether tokenizes (reply_head) gives the tokens of the whole reply,
+    cut to the budget, on each tiny tokenizer (byte-level BPE, ChatML, SentencePiece-style
+    Metaspace, a Qwen2-like NFC one) and adversarial replies, as continuation_ids appends them.
+    A cut at the bound alone ((budget + 1) x the longest token + SETTLE_CHARS, the head's first
+    window) is not enough: NFC composes an accent met past the cut into the letter before it."""
+    from tests.conftest import make_chat_tokenizer
+    from tether.models.turns import ENV_TEXT, SETTLE_CHARS, continuation_ids, longest_token_chars, reply_head
+
+    tokenizers = {
+        "byte-level": tiny_tokenizer,
+        "chatml": make_chat_tokenizer(),
+        "metaspace": metaspace_tokenizer(),
+        "qwen2-like": qwen2_like_tokenizer(),
+    }
+    window_alone_differs = 0
+    for name, tok in tokenizers.items():
+        context = tok("the movie was", add_special_tokens=False)["input_ids"]
+        cut = 0
+        for n in (40, 300, 2000):
+            for text in adversarial_replies(n):
+                whole = tok(text, add_special_tokens=False)["input_ids"]
+                for budget in (1, 2, 7, 30, 100):
+                    head = reply_head(tok, text, budget)
+                    cut += len(head) < len(text)
+                    assert tok(head, add_special_tokens=False)["input_ids"][:budget] == whole[:budget], (
+                        name,
+                        text,
+                    )
+                    window = text[: (budget + 1) * longest_token_chars(tok) + SETTLE_CHARS]
+                    window_alone_differs += (
+                        tok(window, add_special_tokens=False)["input_ids"][:budget] != whole[:budget]
+                    )
+                    try:
+                        want = continuation_ids(tok, context, text, ENV_TEXT)[:budget]
+                    except ValueError:  # the whole reply cannot be appended (NFC changes it)
+                        continue
+                    assert continuation_ids(tok, context, head, ENV_TEXT)[:budget] == want, (name, text)
+        assert cut >= 50, f"{name}: the test needs replies that are cut"
+    assert window_alone_differs > 0
+
+
+def test_a_long_reply_is_cut_before_it_is_tokenized_and_said_once(
+    tiny_tokenizer, tiny_lm, caplog, monkeypatch
+):
+    """A 1 MB tool output was tokenized whole before the cut to the tokens left (seconds and
+    hundreds of MB per reply, nothing said). Now only its head is tokenized, the rollout is the one
+    the whole reply gives, and a warning names the size and the budget, once."""
+    from tether.models import turns as T
+
+    reply = ("the movie was great and the acting was wonderful. " * 21000)[: 2**20]
+    longest = []
+    real_call = type(tiny_tokenizer).__call__
+
+    def recording(self, text, *a, **k):
+        longest.append(len(text) if isinstance(text, str) else 0)
+        return real_call(self, text, *a, **k)
+
+    def env(turn, **kw):
+        return reply if turn == 0 else None
+
+    monkeypatch.setattr(T, "_said", set())
+    monkeypatch.setattr(type(tiny_tokenizer), "__call__", recording)
+    with caplog.at_level("WARNING"):
+        ro = turns(tiny_lm, tiny_tokenizer, env)
+    assert max(longest) < 1000, "the whole reply was tokenized"
+    said = [
+        r.getMessage() for r in caplog.records if "rollout.env answered with a reply of" in r.getMessage()
+    ]
+    assert (
+        len(said) == 1 and "1,048,576 characters, longer than the" in said[0] and "token(s) left" in said[0]
+    ), said
+    monkeypatch.setattr(T, "reply_head", lambda tok, text, budget: text)  # the old way: whole
+    whole = turns(tiny_lm, tiny_tokenizer, env)
+    assert torch.equal(ro.response_ids, whole.response_ids) and ro.env_texts == whole.env_texts
+    assert sum(bool(e) for e in ro.env_texts) >= 3, "the test needs rows that called the tool"
+
+
+def test_a_long_chat_reply_is_dropped_untokenized():
+    """A chat reply never fits cut; one that surely takes more tokens than are left is dropped
+    without tokenizing it (the framing's tokens were counted on the whole megabyte): the rollout
+    is the one the tokenized reply gave."""
+    from tests.conftest import make_chat_tokenizer
+
+    tok = make_chat_tokenizer()
+    lm = chat_lm(tok, end_boost=1.5)
+    reply = "the movie was great. " * 50000
+    longest = []
+    real_call = type(tok).__call__
+
+    def recording(self, text, *a, **k):
+        longest.append(len(text) if isinstance(text, str) else 0)
+        return real_call(self, text, *a, **k)
+
+    kw = dict(max_turns=2, max_new_tokens=40, temperature=1.0, seeds=list(range(4)))
+    type(tok).__call__ = recording
+    try:
+        ro = generate_turns(lm, tok, CONVERSATIONS, lambda turn, **k: reply if turn == 0 else None, **kw)
+    finally:
+        type(tok).__call__ = real_call
+    assert max(longest) < 1000 and not ro.env_mask.any() and not ro.ended.any()
+    short = generate_turns(lm, tok, CONVERSATIONS, lambda turn, **k: reply[:400] if turn == 0 else None, **kw)
+    assert torch.equal(ro.response_ids, short.response_ids)  # also dropped: the same rollout

@@ -27,14 +27,17 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import copy
+import functools
 import inspect
+import logging
+import unicodedata
 from collections.abc import Callable, Sequence
 from typing import Literal
 
 import torch
 from torch import nn
 
-from tether.models.callables import PASSED_FROM_PYTHON, import_callable
+from tether.models.callables import PASSED_FROM_PYTHON, Abandoned, call_with_deadline, import_callable
 from tether.models.sampling import (
     CHAT_TEMPLATE_FLAG,
     Rollout,
@@ -50,7 +53,8 @@ EnvFn = Callable[..., "str | None"]
 """``env(prompt=..., completion=..., turn=..., **columns) -> str | None``: the environment's text
 after the policy's ``turn``-th turn (0-based), given the prompt and the response so far: as text
 (raw format), or as messages (chat format: ``[{"role": "assistant", "content": ...}, {"role":
-"tool", ...}, ...]``, the last the turn just written). It may be ``async def`` (:func:`awaited`)."""
+"tool", ...}, ...]``, the last the turn just written). It may be ``async def``; each call runs
+on a worker thread, at most ``rollout.env_timeout`` seconds (:func:`call_env`)."""
 
 EnvFormat = Literal["auto", "chat", "raw"]
 
@@ -65,6 +69,41 @@ ENV_TEXT = "rollout.env's text"
 TOOL_ROLE = "tool"
 """The role of the environment's messages in the chat format (TRL's and transformers' role for a
 tool's output)."""
+
+SETTLE_CHARS = 4
+"""Characters past a word's end (and past the whitespace after it) that a tokenizer's normalizer
+and pre-tokenizer read to decide where the word ends: 2 for GPT-2's, Llama 3's and Qwen2's
+patterns (``\\s+(?!\\S)`` keeps a run of spaces but its last when a word follows; a word may start
+with one non-letter), 3 for the contractions they match first (``'ll``, ``'re``, ``'ve``), 3 for
+Hangul jamo that NFC composes into one syllable; 4 covers each (:func:`reply_head`)."""
+
+log = logging.getLogger(__name__)
+_said: set[str] = set()  # the warnings said once per process
+
+
+class EnvFailed(RuntimeError):
+    """``rollout.env`` failed a rollout: it raised (``SystemExit`` and ``KeyboardInterrupt``
+    included), did not answer within ``rollout.env_timeout``, was interrupted while it ran
+    (``interrupted``: a second Ctrl-C), or answered with text that cannot be appended
+    (:class:`EnvReplyError`). The step it ran in cannot finish; the training loop then writes the
+    checkpoint of the step before (:func:`tether.run.lifecycle.raise_stopped_in_step`)."""
+
+    def __init__(self, message: str, interrupted: bool = False):
+        super().__init__(message)
+        self.interrupted = interrupted
+
+    def retold(self, message: str) -> EnvFailed:
+        """The same error (its kind, ``interrupted``, its cause) told by ``message``: where it
+        happened (``step 4: ...``), what was kept."""
+        out = type(self)(message, self.interrupted)
+        out.__cause__ = self.__cause__
+        return out
+
+
+class EnvReplyError(EnvFailed, ValueError):
+    """``rollout.env`` answered with what cannot be appended exactly (not a string or None,
+    special tokens, a text the tokenizer cannot append to the context verbatim): a ValueError as
+    any refused value, and an :class:`EnvFailed`, as it ends the step."""
 
 
 def load_env(spec: str | EnvFn) -> EnvFn:
@@ -117,9 +156,10 @@ def env_column_names(env: EnvFn, columns: Sequence[str]) -> list[str]:
 
 
 def awaited(reply):
-    """An environment's reply, awaited when it is a coroutine (an ``async def`` environment, as
-    TRL takes async tools): run to its end on an event loop of its own, in a worker thread when
-    this thread already runs one (a notebook), so that it never meets the caller's loop."""
+    """A user's function's result, awaited when it is a coroutine (an ``async def`` callback
+    hook; an environment's is awaited by :func:`call_env`): run to its end on an event loop of its
+    own, in a worker thread when this thread already runs one (a notebook), so that it never meets
+    the caller's loop."""
     if not inspect.isawaitable(reply):
         return reply
 
@@ -132,6 +172,153 @@ def awaited(reply):
         return asyncio.run(wait())
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         return pool.submit(asyncio.run, wait()).result()
+
+
+def call_env(env: EnvFn, kwargs: dict, *, timeout: float | None, where: str, so_far) -> str | None:
+    """``env(**kwargs)`` on a worker thread, at most ``timeout`` seconds (None: no limit), awaited
+    when it is ``async def`` (:func:`tether.models.callables.call_with_deadline`): Ctrl-C is heard
+    while it runs, and an environment that never answers ends the rollout instead of the run
+    hanging. ``where`` (``row 1 after turn 0``) and ``so_far`` (the completion it got) name the call.
+
+    Raises:
+        EnvFailed: it raised anything (``SystemExit`` and ``KeyboardInterrupt`` too: a tool's
+            ``exit()`` would end the run silently), its deadline passed (``rollout.env_timeout``
+            named), or a signal ended the wait (``interrupted``).
+    """
+    what = f"rollout.env ({where})"
+    shown = f"completion so far {str(so_far)[-80:]!r}"
+    try:
+        return call_with_deadline(
+            lambda: env(**kwargs), timeout=timeout, what=what, limit_name="rollout.env_timeout"
+        )
+    except Abandoned as e:
+        if e.interrupted:
+            raise EnvFailed(f"stopped while waiting for {what}", interrupted=True) from None
+        raise EnvFailed(
+            f"rollout.env did not answer within rollout.env_timeout={timeout:g} s on {where} ({shown}); "
+            "the call is left running on a thread of its own. Find what it waits on (a tool that calls a "
+            "service: give it a timeout of its own), or raise rollout.env_timeout (null: no limit)"
+        ) from None
+    except (Exception, SystemExit, KeyboardInterrupt) as e:
+        said = f": {e}" if str(e) else ""
+        raise EnvFailed(f"rollout.env raised {type(e).__name__} on {where} ({shown}){said}") from e
+
+
+@functools.lru_cache(maxsize=8)
+def longest_token_chars(tokenizer) -> int:
+    """The most characters one token's text spans: the longest string in the vocabulary (a
+    byte-level token's string holds one character per byte, a SentencePiece one ``▁`` per space,
+    a byte-fallback one ``<0xE2>`` for less than a character, so no token spans more of the
+    normalized text than its string's length)."""
+    return max(1, max(len(t) for t in tokenizer.get_vocab()))
+
+
+def normalized_length(tokenizer, text: str) -> int:
+    """``text``'s length once the tokenizer's normalizer ran on it (NFC composes a letter and its
+    accent into one character); its length where there is none or it cannot be run alone."""
+    normalizer = getattr(getattr(tokenizer, "backend_tokenizer", None), "normalizer", None)
+    return len(normalizer.normalize_str(text)) if normalizer is not None else len(text)
+
+
+def word_ends(backend, text: str) -> list[int]:
+    """Where each word of ``text`` ends (character offsets in ``text``), as the fast tokenizer
+    ``backend`` splits it before its model runs: its normalizer, then its pre-tokenizer."""
+    from tokenizers import PreTokenizedString
+
+    words = PreTokenizedString(text)
+    if backend.normalizer is not None:
+        words.normalize(lambda n: backend.normalizer.normalize(n))
+    if backend.pre_tokenizer is not None:
+        backend.pre_tokenizer.pre_tokenize(words)
+    return [end for _, (_, end), _ in words.get_splits(offset_referential="original", offset_type="char")]
+
+
+def reply_head(tokenizer, text: str, budget: int) -> str:
+    """The head of ``text`` whose tokens start as ``text``'s own: ``tokenize(head)[:budget] ==
+    tokenize(text)[:budget]``, so that a long reply of which ``budget`` tokens are kept is never
+    tokenized whole (a 1 MB tool output: seconds and hundreds of MB per reply).
+
+    A fast tokenizer splits a text at its added tokens, normalizes and pre-tokenizes each part into
+    words, and tokenizes each word alone. So the tokens of ``text[:c]`` are the first tokens of
+    ``text``'s when ``c`` is where a word of ``text`` ends and nothing before ``c`` is split
+    otherwise in ``text[:c]`` than in ``text``. A word of a window ``text[:w]`` is one of
+    ``text``'s when the pipeline decided its end without reading past the window: when a
+    non-space starter character (no accent to compose, no whitespace that a pattern such as
+    ``\\s*[\\r\\n]+`` scans to its end) follows it with :data:`SETTLE_CHARS` more characters of the
+    window after that. ``head`` ends at the last such word; it is returned once it holds at least
+    ``budget`` tokens. The first window spans ``(budget + 1) x`` :func:`longest_token_chars`
+    characters, so that it usually holds them; it doubles while it does not.
+
+    ``text`` itself where no cut is proven: a slow tokenizer, an added token's text in the window,
+    a window that grew to the whole text (one word longer than it: a pre-tokenizer that does not
+    split, such as SentencePiece's ``split=False``, tokenizes the text whole).
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    size = (budget + 1) * longest_token_chars(tokenizer) + SETTLE_CHARS
+    if backend is None or len(text) <= size:
+        return text
+    added = [t for t in tokenizer.get_added_vocab() if t]
+    reach = max((len(t) for t in added), default=0)  # an added token may start in the window
+    while size < len(text):
+        window = text[: size + reach]
+        if any(t in window for t in added):  # split off first: where, the words do not tell
+            return text
+        last = size - SETTLE_CHARS - 1  # the last non-space starter with SETTLE_CHARS after it
+        while last > 0 and (text[last].isspace() or unicodedata.category(text[last]).startswith("M")):
+            last -= 1
+        ends = [e for e in word_ends(backend, text[:size]) if e <= last]
+        if ends and len(tokenizer(text[: ends[-1]], add_special_tokens=False)["input_ids"]) >= budget:
+            return text[: ends[-1]]
+        size *= 2
+    return text
+
+
+def say_once(key: str, message: str) -> None:
+    """A warning said once per process (``key`` tells which), not once per row or step."""
+    if key not in _said:
+        _said.add(key)
+        log.warning("%s (said once)", message)
+
+
+def say_long_reply(reply: str, left: int, max_new_tokens: int, *, chat: bool) -> None:
+    """Say, once, that a reply was longer than the tokens left for it (cut, or dropped in chat)."""
+    kept = "dropped, ending the episode (a tool message is never cut)" if chat else "cut to them"
+    say_once(
+        f"long reply {chat}",
+        f"tether: rollout.env answered with a reply of {len(reply):,} characters, longer than the {left} "
+        f"token(s) left of rollout.max_new_tokens={max_new_tokens}: {kept}; only the part that can be "
+        "kept is tokenized",
+    )
+
+
+def reply_text(tokenizer, reply, *, left: int, chat: bool, forbidden: set[int], where: str) -> str | None:
+    """What of an environment's ``reply`` is tokenized when ``left`` tokens are left: a raw
+    reply's :func:`reply_head` (its tokens begin as the whole reply's, of which ``left`` are kept),
+    a chat reply whole, or None for a chat reply that surely does not fit (dropped untokenized:
+    each token spans at most :func:`longest_token_chars` characters, so a reply of more than
+    ``(left + 1)`` times as many normalized characters takes more than ``left`` tokens, with one
+    for an accent that composes with the template's last character).
+
+    Raises:
+        EnvReplyError: not a string; special tokens (:func:`special_ids`) in the text tokenized.
+    """
+    if not isinstance(reply, str):
+        raise EnvReplyError(
+            f"rollout.env returned {type(reply).__name__} for {where}; "
+            "it must return the text to append (a str) or None to end the episode"
+        )
+    if chat and normalized_length(tokenizer, reply) > (left + 1) * longest_token_chars(tokenizer):
+        return None
+    text = reply if chat else reply_head(tokenizer, reply, left)
+    special = sorted(set(tokenizer(text, add_special_tokens=False)["input_ids"]) & forbidden)
+    if special:  # '<eos>' or '<|im_end|>' in a tool's text would end or restructure the turn
+        names = tokenizer.convert_ids_to_tokens(special)
+        raise EnvReplyError(
+            f"rollout.env returned text holding special tokens {names} "
+            f"for {where} ({reply[:80]!r}); tether appends a tool's output as "
+            "plain text: strip or escape them in the environment"
+        )
+    return text
 
 
 def special_ids(tokenizer, ends: Sequence[int]) -> set[int]:
@@ -340,6 +527,7 @@ def generate_turns(
     max_prompt_tokens: int | None = None,
     columns: dict[str, list] | None = None,
     env_format: EnvFormat = "auto",
+    env_timeout: float | None = None,
 ) -> Rollout:
     """Sample multi-turn responses: up to ``max_turns`` policy turns, ``max_new_tokens`` response
     tokens in all (the policy's and the environment's).
@@ -360,6 +548,8 @@ def generate_turns(
         columns: the rows' other dataset columns, passed to ``env`` by name, one value per row.
         env_format: ``raw``, ``chat`` or ``auto`` (chat for the rows whose prompt the chat
             template rendered), module docstring.
+        env_timeout: seconds one call of ``env`` may take (``rollout.env_timeout``), None for no
+            limit. Every call runs on a worker thread (:func:`call_env`).
 
     Returns:
         A :class:`tether.models.sampling.Rollout` whose ``response_mask`` is True on the policy's
@@ -375,12 +565,16 @@ def generate_turns(
         asked whether it would answer).
 
     Raises:
-        ValueError: ``max_turns < 1``, a seed count that is not B, ``env`` returning something
-            other than a string or None, or special tokens in its text (the row named); a raw row
-            without stop strings, or chat turns without them whose close is not an end id (its
-            environment would never be called: :func:`check_chat_turns_close`); the chat format
-            where the template cannot carry it (:func:`chat_turns`, :func:`chat_reply_text`).
-        RuntimeError: ``env`` raised (or called ``sys.exit``); the row and the turn are named.
+        ValueError: ``max_turns < 1``, a seed count that is not B; a raw row without stop strings,
+            or chat turns without them whose close is not an end id (its environment would never
+            be called: :func:`check_chat_turns_close`); the chat format where the template cannot
+            carry it (:func:`chat_turns`).
+        EnvReplyError: ``env`` returned something other than a string or None, special tokens in
+            its text, or a text that cannot be appended exactly (:func:`continuation_ids`,
+            :func:`chat_reply_text`); the row and the turn named. A ValueError.
+        EnvFailed: ``env`` raised (``sys.exit`` and ``KeyboardInterrupt`` too), did not answer
+            within ``env_timeout``, or a signal ended the wait (:func:`call_env`); the row and the
+            turn named. A RuntimeError.
     """
     if max_turns < 1:
         raise ValueError(f"rollout.max_turns={max_turns} must be >= 1")
@@ -468,61 +662,60 @@ def generate_turns(
             # copies: an environment that edits what it gets must not edit the data, the group's
             # other rows or the transcript the reward reads
             row_columns = {k: copy.deepcopy(columns[k][b]) for k in passed}
-            try:
-                reply = awaited(
-                    env(prompt=copy.deepcopy(prompts[b]), completion=so_far, turn=turn, **row_columns)
-                )
-            except (Exception, SystemExit) as e:  # SystemExit: a tool's exit() would end the run silently
-                raise RuntimeError(
-                    f"rollout.env raised {type(e).__name__} on row {b} after turn {turn} "
-                    f"(completion so far {str(so_far)[-80:]!r}): {e}"
-                ) from e
+            where = f"row {b} after turn {turn}"
+            reply = call_env(
+                env,
+                dict(prompt=copy.deepcopy(prompts[b]), completion=so_far, turn=turn, **row_columns),
+                timeout=env_timeout,
+                where=where,
+                so_far=so_far,
+            )
             if reply is None:  # the environment ended the episode: it ended, not cut at a limit
                 done[b] = ended[b] = True
                 continue
-            if not isinstance(reply, str):
-                raise ValueError(
-                    f"rollout.env returned {type(reply).__name__} for row {b} after turn {turn}; "
-                    "it must return the text to append (a str) or None to end the episode"
-                )
-            env_ids = tokenizer(reply, add_special_tokens=False)["input_ids"]
-            special = sorted(set(env_ids) & forbidden)
-            if special:  # '<eos>' or '<|im_end|>' in a tool's text would end or restructure the turn
-                names = tokenizer.convert_ids_to_tokens(special)
-                raise ValueError(
-                    f"rollout.env returned text holding special tokens {names} "
-                    f"for row {b} after turn {turn} ({reply[:80]!r}); tether appends a tool's output as "
-                    "plain text: strip or escape them in the environment"
-                )
-            if chat[b]:  # the template's framing around the reply: closing, tool message, next turn
-                framing = chat_reply_text(tokenizer, history, content, reply)
-                # the policy wrote the close of its turn itself (at_end): the framing continues the
-                # context before it, and its first token, that close, is the policy's
-                context = own[b] + resp[b][:-1] if at_end else own[b] + resp[b]
-                env_ids = continuation_ids(tokenizer, context, framing, "the chat template's tool message")
-                if at_end:
-                    if env_ids[:1] != tokens[-1:]:
-                        raise ValueError(
-                            "rollout.env_format=chat: the chat template's tool message does not start with "
-                            f"the end id {tokens[-1]} that closed the assistant's turn, once tokenized after "
-                            "it; use rollout.env_format=raw"
-                        )
-                    env_ids = env_ids[1:]
-                if len(env_ids) > max_new_tokens - len(resp[b]):
-                    # a tool message is never cut: the episode ends without it, cut at the token
-                    # budget (the environment answered, so it had not ended)
-                    done[b], ended[b] = True, False
-                    continue
-                messages[b].append({"role": TOOL_ROLE, "content": reply})
-                ended[b] = False
-                replies[b].append(reply)
-            else:
-                context = own[b] + resp[b]
-                env_ids = continuation_ids(tokenizer, context, reply, ENV_TEXT)
-                env_ids = env_ids[: max_new_tokens - len(resp[b])]
-                # as appended (maybe cut), a SentencePiece word-start space kept
-                replies[b].append(new_text(tokenizer, context, env_ids, skip_special_tokens=True))
-                offsets[b].append(len(transcript(resp[b])))
+            left = max_new_tokens - len(resp[b])
+            text = reply_text(tokenizer, reply, left=left, chat=chat[b], forbidden=forbidden, where=where)
+            if text is None:  # a chat reply longer than the tokens left, dropped as below
+                say_long_reply(reply, left, max_new_tokens, chat=True)
+                done[b], ended[b] = True, False
+                continue
+            try:
+                if chat[b]:  # the template's framing around the reply: closing, tool message, next turn
+                    framing = chat_reply_text(tokenizer, history, content, reply)
+                    # the policy wrote the close of its turn itself (at_end): the framing continues the
+                    # context before it, and its first token, that close, is the policy's
+                    context = own[b] + resp[b][:-1] if at_end else own[b] + resp[b]
+                    env_ids = continuation_ids(
+                        tokenizer, context, framing, "the chat template's tool message"
+                    )
+                    if at_end:
+                        if env_ids[:1] != tokens[-1:]:
+                            raise ValueError(
+                                "rollout.env_format=chat: the chat template's tool message does not start "
+                                f"with the end id {tokens[-1]} that closed the assistant's turn, once "
+                                "tokenized after it; use rollout.env_format=raw"
+                            )
+                        env_ids = env_ids[1:]
+                    if len(env_ids) > left:
+                        # a tool message is never cut: the episode ends without it, cut at the token
+                        # budget (the environment answered, so it had not ended)
+                        say_long_reply(reply, left, max_new_tokens, chat=True)
+                        done[b], ended[b] = True, False
+                        continue
+                    messages[b].append({"role": TOOL_ROLE, "content": reply})
+                    ended[b] = False
+                    replies[b].append(reply)
+                else:
+                    context = own[b] + resp[b]
+                    env_ids = continuation_ids(tokenizer, context, text, ENV_TEXT)
+                    if len(env_ids) > left or text != reply:
+                        say_long_reply(reply, left, max_new_tokens, chat=False)
+                    env_ids = env_ids[:left]
+                    # as appended (maybe cut), a SentencePiece word-start space kept
+                    replies[b].append(new_text(tokenizer, context, env_ids, skip_special_tokens=True))
+                    offsets[b].append(len(transcript(resp[b])))
+            except ValueError as e:  # the reply cannot be appended exactly: the environment's doing
+                raise EnvReplyError(f"{e} ({where})") from None
             resp[b] += env_ids
             policy[b] += [False] * len(env_ids)
             logps[b] += [0.0] * len(env_ids)

@@ -390,6 +390,12 @@ class RolloutConfig(_Defaulted):
     (no KL, entropy, policy or value loss), policy and reference score them alike, GAE steps
     across them by policy token (docs/kl.md), the reward reads the whole transcript and
     samples.jsonl lists them under ``env``. PPO, GRPO, RLOO; decoded eagerly."""
+    env_timeout: float | None = 60.0
+    """Seconds one call of ``rollout.env`` may take (null: no limit). Each call runs on a worker
+    thread while tether waits, so Ctrl-C is heard while it runs; past the limit the run stops
+    with the checkpoint of the step before and a message naming the row and the step (the call is
+    left running on its thread). 60: a step makes up to batch_size x (max_turns - 1) calls, one
+    after another, so a tool that takes a minute already makes a 16-call step a quarter of an hour."""
     env_format: Literal["auto", "chat", "raw"] = "auto"
     """How ``rollout.env``'s text joins the response. raw: appended as it is, and an end id ends
     the episode. chat: through the chat template, as TRL's tool loop does: each policy turn is an
@@ -438,6 +444,12 @@ class RolloutConfig(_Defaulted):
             "must be non-empty texts (quote one that YAML would read otherwise: ['Answer: x'], [' e'])",
         )
         _check(self.max_turns >= 1, "rollout.max_turns", self.max_turns, "must be >= 1")
+        _check(
+            self.env_timeout is None or 0 < self.env_timeout < math.inf,
+            "rollout.env_timeout",
+            self.env_timeout,
+            "must be a number of seconds > 0, or null for no limit",
+        )
         if self.env is not None:
             _check(
                 ":" in self.env, "rollout.env", self.env, "must be module:function (an importable callable)"
@@ -1585,6 +1597,7 @@ FIELD_UNITS: dict[str, str] = {
     "rollout.env": "",
     "rollout.env_format": "",
     "rollout.max_turns": "policy turns",
+    "rollout.env_timeout": "seconds",
     "rollout.stop_strings": "",
     # kl
     "kl.estimator": "",

@@ -22,7 +22,7 @@ from tether.judges.contract import Scorer, checked_scores, trainer_state
 from tether.models.callables import PASSED_FROM_PYTHON
 from tether.models.sampling import generate, sample_seeds
 from tether.models.scoring import rollout_logprobs
-from tether.models.turns import generate_turns
+from tether.models.turns import EnvFailed, generate_turns
 from tether.run.announce import leash_line, z_text
 from tether.run.console import say
 from tether.run.files import read_json, write_json_file
@@ -216,6 +216,7 @@ def evaluate(
     max_turns: int = 1,
     stop_strings: Sequence[str] = (),
     env_format: str = "auto",
+    env_timeout: float | None = None,
 ) -> EvalResult:
     """Sample ``samples_per_prompt`` responses per held-out prompt with fixed seeds; score each
     with every scorer and the fluency judge.
@@ -237,7 +238,8 @@ def evaluate(
     passes ``global_step=0``, ``max_steps=0``).
 
     With ``env`` (``rollout.env``) the samples are multi-turn, as in training
-    (:func:`tether.models.turns.generate_turns`, ``max_turns``, ``stop_strings``, ``env_format``): the KL
+    (:func:`tether.models.turns.generate_turns`, ``max_turns``, ``stop_strings``, ``env_format``,
+    ``env_timeout``; its :class:`tether.models.turns.EnvFailed` names this evaluation): the KL
     counts the policy's tokens only, the scorers read the whole transcript, and the fluency judge,
     the diversity measures and the stored responses the policy's own text.
     """
@@ -251,20 +253,24 @@ def evaluate(
             batch = prompts[i : i + batch_size]
             seeds = sample_seeds(seed, 0, range(i, i + len(batch)))
             if env is not None:
-                ro = generate_turns(
-                    lm,
-                    tokenizer,
-                    list(batch),
-                    env,
-                    max_turns=max_turns,
-                    max_new_tokens=max_new_tokens,
-                    temperature=temperature,
-                    seeds=seeds,
-                    stop_strings=stop_strings,
-                    max_prompt_tokens=max_prompt_tokens,
-                    columns=batch.columns if isinstance(batch, PromptData) else None,
-                    env_format=env_format,
-                )
+                try:
+                    ro = generate_turns(
+                        lm,
+                        tokenizer,
+                        list(batch),
+                        env,
+                        max_turns=max_turns,
+                        max_new_tokens=max_new_tokens,
+                        temperature=temperature,
+                        seeds=seeds,
+                        stop_strings=stop_strings,
+                        max_prompt_tokens=max_prompt_tokens,
+                        columns=batch.columns if isinstance(batch, PromptData) else None,
+                        env_format=env_format,
+                        env_timeout=env_timeout,
+                    )
+                except EnvFailed as e:
+                    raise e.retold(f"held-out evaluation ({name}): {e}") from e.__cause__
             else:
                 ro = generate(
                     lm,
@@ -543,6 +549,7 @@ class Evaluator:
             max_turns=c.rollout.max_turns,
             stop_strings=c.rollout.stop_strings,
             env_format=c.rollout.env_format,
+            env_timeout=c.rollout.env_timeout,
         )
 
     def set_reference(self, before: EvalResult | None, lm: nn.Module | None = None) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import yaml
@@ -20,6 +21,7 @@ from tether.core.health import Alarm
 from tether.judges.contract import ScorerStopped
 from tether.models.reference import fingerprint
 from tether.models.sharding import is_sharded
+from tether.models.turns import EnvFailed
 from tether.run.checkpoint import (
     SHARDED,
     check_checkpoint_run,
@@ -46,6 +48,7 @@ from tether.run.files import (
 from tether.run.monitor import HealthMonitor
 from tether.run.rngs import checkpoint_rng_state, restore_rng_state, rng_state, set_rng_state
 from tether.run.setup import Run
+from tether.run.signals import Interrupted
 
 
 def start_run(run: Run) -> int:
@@ -244,26 +247,51 @@ def state_before_step(run: Run, trainer) -> dict | None:
     }
 
 
-def raise_stopped_in_step(run: Run, trainer, step: int, before: dict | None, e: ScorerStopped):
-    """A scorer raised SystemExit or KeyboardInterrupt inside step ``step``: an on-policy step
-    scores before it updates, so the policy and the optimizer are those after step ``step - 1``;
-    with the sampler and RNGs put back as they were, that checkpoint is written (a resume then
-    runs step ``step`` as an uninterrupted run would). Raises the error with what was kept."""
+def told(e: ScorerStopped | EnvFailed, note: str) -> ScorerStopped | EnvFailed:
+    """The user code's stop ``e`` (a scorer's :class:`ScorerStopped`, an environment's
+    :class:`tether.models.turns.EnvFailed`), the same kind, with ``note`` (what was kept) added."""
+    message = f"{e} ({note})"
+    return e.retold(message) if isinstance(e, EnvFailed) else type(e)(message)
+
+
+def raise_stopped(run: Run, e: ScorerStopped | EnvFailed, note: str) -> NoReturn:
+    """Raise ``e`` told with ``note`` (:func:`told`); an environment a signal interrupted (a
+    second Ctrl-C while it ran) is a stop, not a failure: said, then :class:`Interrupted`."""
+    error = told(e, note)
+    if isinstance(e, EnvFailed) and e.interrupted:
+        say(f"tether: {error}", run.config.train.progress)
+        raise Interrupted(str(run.writer.run_dir)) from None
+    raise error from None
+
+
+def raise_stopped_in_step(
+    run: Run, trainer, step: int, before: dict | None, e: ScorerStopped | EnvFailed, *, saved: int
+) -> NoReturn:
+    """User code ended step ``step`` before its update: a scorer raised SystemExit or
+    KeyboardInterrupt (:class:`ScorerStopped`), or the environment failed, passed
+    ``rollout.env_timeout`` or was interrupted (:class:`tether.models.turns.EnvFailed`). An
+    on-policy step samples and scores before it updates, so the policy and the optimizer are those
+    after step ``step - 1``; with the sampler and RNGs put back as they were, that checkpoint is
+    written (a resume then runs step ``step`` as an uninterrupted run would), unless the newest
+    checkpoint already holds that step (``saved``: a resumed run's first step, or
+    train.checkpoint_every's). Raises the error with what was kept (:func:`raise_stopped`).
+
+    Args:
+        saved: the step the run's newest checkpoint holds (-1: none).
+    """
     w = run.writer
-    if before is not None and step > 0:
+    if before is not None and step > 0 and saved < step - 1:
         trainer.sampler.load_state_dict(before["sampler"])
         trainer.generator.set_state(before["generator"])
         set_rng_state(before["rng"])
         run.reference_forwards[0] = before["reference_forwards"]
         path = write_checkpoint(run, trainer, step - 1)
-        raise ScorerStopped(
-            f"{e} (checkpoint {path} holds the run after step {step - 1}; {resume_hint(w.run_dir)})"
-        ) from None
+        raise_stopped(
+            run, e, f"checkpoint {path} holds the run after step {step - 1}; {resume_hint(w.run_dir)}"
+        )
     if step == 0 and not w.history:  # a fresh run's first step: train() removes the folder
-        raise ScorerStopped(
-            f"{e} (no step completed, so the run folder is removed: start the run again)"
-        ) from None
+        raise_stopped(run, e, "no step completed, so the run folder is removed: start the run again")
     kept = latest_checkpoint(w.run_dir)
-    raise ScorerStopped(
-        f"{e} ({f'the last checkpoint, {kept}, is kept; ' if kept else ''}{resume_hint(w.run_dir)})"
-    ) from None
+    raise_stopped(
+        run, e, f"{f'the last checkpoint, {kept}, is kept; ' if kept else ''}{resume_hint(w.run_dir)}"
+    )

@@ -12,12 +12,13 @@ It starts every tracker of ``train.report_to`` under ``train.project`` with the 
   its step, and its text where the tracker takes text),
 - the end of the run (``on_train_end(run_dir)``, after the policy and the plots are written).
 
-A callback defines any of these hooks (each optional). To stop the run it raises
-:class:`StopTraining` from a hook: the run writes a checkpoint after that step and raises
-:class:`tether.run.lifecycle.Interrupted`, as after Ctrl-C, and ``tether train --resume RUN``
-continues it. Any other exception from a callback (or a tracker) during the loop stops the run the
-same way, checkpointed after that step, and is then raised as :class:`ReportingError` naming it,
-the original as its cause: fix it and resume. A stop request after the loop is said and ignored.
+A callback defines any of these hooks (each optional; an ``async def`` hook is awaited). To stop
+the run it raises :class:`StopTraining` from a hook: the run writes a checkpoint after that step
+and raises :class:`tether.run.lifecycle.Interrupted`, as after Ctrl-C, and ``tether train --resume
+RUN`` continues it. Any other exception from a callback (or a tracker) during the loop, ``SystemExit``
+(``sys.exit()``) and ``KeyboardInterrupt`` included, stops the run the same way, checkpointed after
+that step, and is then raised as :class:`ReportingError` naming it, the original as its cause: fix
+it and resume. A stop request after the loop is said and ignored.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import inspect
 import logging
 import math
 from pathlib import Path
+
+from tether.models.turns import awaited
 
 log = logging.getLogger("tether")
 
@@ -238,17 +241,26 @@ class Reporter:
         self._guarded("a tracker (train.report_to)", lambda: self.accelerator.log(values, step=self.step))
 
     def _guarded(self, what: str, fn) -> None:
-        """Run ``fn``; in the loop, an exception from it stops the run after this step with a
-        checkpoint and is raised then (:attr:`error`); after the loop it is raised at once."""
+        """Run ``fn`` (an ``async def`` hook's coroutine awaited); in the loop, an exception from it
+        stops the run after this step with a checkpoint and is raised then (:attr:`error`); after
+        the loop it is raised at once. ``SystemExit`` (``sys.exit()``) and ``KeyboardInterrupt``
+        count as exceptions: they would end the run with no checkpoint (or exit 0, silently)."""
         try:
-            fn()
+            awaited(fn())
         except StopTraining:
             raise
-        except Exception as e:
+        except (Exception, SystemExit, KeyboardInterrupt) as e:
+            how = (
+                f"raised SystemExit({e.code!r}) (sys.exit; raise tether.StopTraining to stop the run)"
+                if isinstance(e, SystemExit)
+                else "raised KeyboardInterrupt (or was running when Ctrl-C came)"
+                if isinstance(e, KeyboardInterrupt)
+                else f"failed: {type(e).__name__}: {e}"
+            )
             if self.ended:
-                raise ReportingError(f"{what} failed after the run ended: {type(e).__name__}: {e}") from e
+                raise ReportingError(f"{what} {how}, after the run ended") from e
             if self.error is None:
-                self.error = ReportingError(f"{what} failed: {type(e).__name__}: {e}")
+                self.error = ReportingError(f"{what} {how}")
                 self.error.__cause__ = e
                 self.stop.append(f"an error in {what}")
 

@@ -37,6 +37,7 @@ from tether.core.kl import kl_k3, sequence_kl
 from tether.core.leash import KLLeash
 from tether.data.prompts import PromptSampler
 from tether.judges.contract import RewardLog, WeightedReward, checked_scores, trainer_state
+from tether.models.callables import running
 from tether.models.sampling import (
     COMPILE_COST_S,
     Rollout,
@@ -49,7 +50,7 @@ from tether.models.sampling import (
 )
 from tether.models.scoring import rollout_logprobs
 from tether.models.sharding import generation_weights, is_sharded, root_gathered
-from tether.models.turns import generate_turns
+from tether.models.turns import EnvFailed, generate_turns
 from tether.run.console import say
 from tether.run.setup import Run, run_env
 from tether.trainers.common import (
@@ -297,20 +298,24 @@ class OnPolicyTrainer:
         prompts = run.train_prompts.select(rows[mine])  # this process's rows, with their columns
         seeds = sample_seeds(c.train.seed, step, range(len(rows))[mine])
         if self.env is not None:  # rollout.env: policy turns and the environment's answers
-            rollout = generate_turns(
-                run.policy.lm,
-                run.tokenizer,
-                prompts.prompts,
-                self.env,
-                max_turns=c.rollout.max_turns,
-                max_new_tokens=c.rollout.max_new_tokens,
-                temperature=c.rollout.temperature,
-                seeds=seeds,
-                stop_strings=c.rollout.stop_strings,
-                max_prompt_tokens=c.rollout.max_prompt_tokens,
-                columns=prompts.columns,
-                env_format=c.rollout.env_format,
-            )
+            try:
+                rollout = generate_turns(
+                    run.policy.lm,
+                    run.tokenizer,
+                    prompts.prompts,
+                    self.env,
+                    max_turns=c.rollout.max_turns,
+                    max_new_tokens=c.rollout.max_new_tokens,
+                    temperature=c.rollout.temperature,
+                    seeds=seeds,
+                    stop_strings=c.rollout.stop_strings,
+                    max_prompt_tokens=c.rollout.max_prompt_tokens,
+                    columns=prompts.columns,
+                    env_format=c.rollout.env_format,
+                    env_timeout=c.rollout.env_timeout,
+                )
+            except EnvFailed as e:  # the loop writes the checkpoint of the step before
+                raise e.retold(f"step {step}: {e}") from e.__cause__
             rollout.columns = prompts.columns
             return rollout
         rollout = self.respond(prompts.prompts, seeds, compiled=bool(self.compile_rollout))
@@ -344,8 +349,8 @@ class OnPolicyTrainer:
         ``reward/unscored_fraction`` counts it."""
         run = self.run
         reward_log = RewardLog()
-        scores = torch.tensor(
-            checked_scores(
+        with running("the reward (reward.scorer)"):  # named by Ctrl-C's line while it runs
+            scored = checked_scores(
                 run.scorer,
                 rollout.responses,
                 step,
@@ -357,9 +362,8 @@ class OnPolicyTrainer:
                 env_replies=rollout.env_texts,
                 state=self.trainer_state(step),
                 reward_log=reward_log,
-            ),
-            device=self.device,
-        )  # (B,)
+            )
+        scores = torch.tensor(scored, device=self.device)  # (B,)
         metrics = reward_components(run.scorer, self.device)
         metrics.update(reward_log.step_metrics())  # reward_metric/<name>: what log_metric got
         unscored = torch.isnan(scores)
