@@ -231,6 +231,19 @@ def exits_once_at_step_2(prompts, completions, trainer_state, **kwargs) -> list[
     return [len(c) / 100 + n for c, n in zip(completions, noise)]
 
 
+def raises_once_at_step_2(prompts, completions, trainer_state, **kwargs) -> list[float]:
+    """:func:`exits_once_at_step_2` with a failure in place of ``sys.exit``: at step 2 it raises
+    ``ConnectionError`` once (a reward service down), after drawing from the RNGs."""
+    import random
+
+    noise = [1e-3 * random.random() + 1e-3 * float(torch.rand(())) for _ in completions]
+    marker = Path(os.environ["TETHER_TEST_EXIT_MARKER"])
+    if trainer_state.global_step == 2 and not marker.exists():
+        marker.write_text("raised")
+        raise ConnectionError("the reward service is down")
+    return [len(c) / 100 + n for c, n in zip(completions, noise)]
+
+
 def one_if_long(texts: list[str]) -> list[float]:
     """A 0/1 reward for tests: 1 when the response has at least 8 characters."""
     return [float(len(t) >= 8) for t in texts]

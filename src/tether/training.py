@@ -15,7 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from tether.core import distributed as D
-from tether.judges.contract import Scorer, ScorerStopped, checked_scores
+from tether.judges.contract import Scorer, ScorerFailed, ScorerStopped, checked_scores
 from tether.judges.scorers import builds_a_model, check_scorer_spec, make_scorer
 from tether.models.callables import PASSED_FROM_PYTHON, python_object_spec
 from tether.models.loading import is_hub_id
@@ -296,7 +296,11 @@ def _loop(session: Session, *, start: int, stop: list[str]) -> int:
         before = state_before_step(run, trainer)
         try:
             row = trainer.step(step)  # every process; the row holds the global metrics
-        except (ScorerStopped, EnvFailed) as e:  # user code ended the step: the one before is kept
+        except (
+            ScorerStopped,
+            ScorerFailed,
+            EnvFailed,
+        ) as e:  # user code ended the step: the one before is kept
             raise_stopped_in_step(run, trainer, step, before, e, saved=saved)
         except FloatingPointError as e:  # a non-finite gradient norm: name what sets its scale
             raise FloatingPointError(
@@ -322,7 +326,11 @@ def _loop(session: Session, *, start: int, stop: list[str]) -> int:
         with gathered(run.policy, run.reference) if _evaluates(c, step) else nullcontext():
             try:
                 early = _log_step(session, bar, step=step, row=row, rows=rows) if main else None
-            except (ScorerStopped, EnvFailed) as e:  # in the periodic evaluation: the row is not logged
+            except (
+                ScorerStopped,
+                ScorerFailed,
+                EnvFailed,
+            ) as e:  # in the periodic evaluation: the row is not logged
                 raise_stopped(run, e, f"in the evaluation after step {step}; {resume_hint(w.run_dir)}")
         # every process asks: did any process get a signal, or rank 0's evaluation say stop?
         # (so that all stop after the same step)

@@ -266,10 +266,21 @@ def test_a_resume_that_changes_the_model_or_folder_is_refused_untouched(
     assert not list(out.glob("config.until-step-*"))
 
 
-def test_sys_exit_in_the_reward_stops_with_a_checkpoint_and_resumes_bit_exact(
-    tiny_model_dir, prompt_file, tmp_path, capsys, monkeypatch
+@pytest.mark.parametrize(
+    "fault, said",
+    [
+        ("exits_once_at_step_2", "step 2: the scorer raised SystemExit(0)"),
+        # a reward's ordinary failure lost every step since the last checkpoint before
+        (
+            "raises_once_at_step_2",
+            "step 2: the scorer failed on 4 texts (ConnectionError: the reward service",
+        ),
+    ],
+)
+def test_a_reward_that_exits_or_fails_stops_with_a_checkpoint_and_resumes_bit_exact(
+    tiny_model_dir, prompt_file, tmp_path, capsys, monkeypatch, fault, said
 ):
-    scorer = "reward.scorer=tests.conftest:exits_once_at_step_2"
+    scorer = f"reward.scorer=tests.conftest:{fault}"
     full, stopped = tmp_path / "full", tmp_path / "stopped"
     monkeypatch.setenv("TETHER_TEST_EXIT_MARKER", str(tmp_path / "already-exited"))
     (tmp_path / "already-exited").write_text("")  # this run's scorer never exits
@@ -278,7 +289,7 @@ def test_sys_exit_in_the_reward_stops_with_a_checkpoint_and_resumes_bit_exact(
     capsys.readouterr()
     assert main(_run(tiny_model_dir, prompt_file, stopped, scorer, "train.checkpoint_every=0")) == 1
     err = capsys.readouterr().err
-    assert "step 2: the scorer raised SystemExit(0)" in err, err
+    assert said in err, err
     assert "holds the run after step 1" in err and f"tether train --resume {stopped}" in err
     assert latest_checkpoint(stopped).name == "step-000001"
     assert main(["train", "--resume", str(stopped)]) == 0

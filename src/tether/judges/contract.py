@@ -70,6 +70,13 @@ class ScorerStopped(RuntimeError):
     stops with this message instead of ending silently (or with the scorer's exit status)."""
 
 
+class ScorerFailed(ValueError):
+    """A scorer raised an exception (or returned what is not one finite float per text): the
+    message names the step and the scorer's error. A ``ValueError``, so that callers that catch
+    bad input keep catching it; the training loop catches it to keep the step before
+    (checkpointed, ``--resume`` named), as it does for :class:`ScorerStopped`."""
+
+
 class ArgumentError(ValueError):
     """A reward function needs an argument (a dataset column, the prompts) the call does not have."""
 
@@ -280,23 +287,23 @@ def _keywords(
 def _reported(where: str, n_texts: int, scorer: Callable) -> Iterator[None]:
     """Turn what a user's scorer raises into tether's errors, with the step (``where``) named:
     ``SystemExit`` and ``KeyboardInterrupt`` into :class:`ScorerStopped` (never a silent end with
-    the scorer's status), any other exception into a ``ValueError`` (never a bare traceback); a
-    :class:`ScorerStopped` of a reward inside a reward list passes unchanged."""
+    the scorer's status), any other exception into a :class:`ScorerFailed` (never a bare
+    traceback); a :class:`ScorerStopped` of a reward inside a reward list passes unchanged."""
     try:
         yield
     except ScorerStopped:
         raise
-    except (SystemExit, KeyboardInterrupt) as e:
-        what = (
-            f"SystemExit({e.code!r}), as sys.exit() raises"
-            if isinstance(e, SystemExit)
-            else "KeyboardInterrupt"
-        )
+    except SystemExit as e:
         raise ScorerStopped(
-            f"{where}: the scorer raised {what}; a reward function returns scores and never ends the process"
+            f"{where}: the scorer raised SystemExit({e.code!r}), as sys.exit() raises; a reward "
+            "function returns scores and never ends the process"
+        ) from None
+    except KeyboardInterrupt:  # a second Ctrl-C while it ran, or the scorer's own
+        raise ScorerStopped(
+            f"{where}: interrupted (Ctrl-C, or KeyboardInterrupt) while the scorer ran"
         ) from None
     except Exception as e:  # a user's scorer: report it with the step, never a bare traceback
-        raise ValueError(
+        raise ScorerFailed(
             f"{where}: the scorer failed on {n_texts} texts ({type(e).__name__}: {e})"
             + ("" if isinstance(e, ArgumentError) else "; it must return one float per text")
             + _plain_call_hint(scorer)
@@ -361,7 +368,7 @@ def _validated(scores: list[float], raw: list, texts: list[str], where: str, all
     """``scores`` once checked: one per text, finite (NaN only for a None of ``allow_none``),
     within float32's range."""
     if len(scores) != len(texts):
-        raise ValueError(f"{where}: the scorer returned {len(scores)} scores for {len(texts)} texts")
+        raise ScorerFailed(f"{where}: the scorer returned {len(scores)} scores for {len(texts)} texts")
     bad = [
         (t, s)
         for t, s, r in zip(texts, scores, raw)
@@ -369,12 +376,12 @@ def _validated(scores: list[float], raw: list, texts: list[str], where: str, all
     ]
     if bad:
         shown = "; ".join(f"{s} for {t[:60]!r}" for t, s in bad[:3])
-        raise ValueError(f"{where}: the scorer returned non-finite scores: {shown}")
+        raise ScorerFailed(f"{where}: the scorer returned non-finite scores: {shown}")
     # rewards are float32 tensors: a finite Python float above float32's max would become inf there
     big = [(t, s) for t, s in zip(texts, scores) if abs(s) > FLOAT32_MAX]
     if big:
         shown = "; ".join(f"{s} for {t[:60]!r}" for t, s in big[:3])
-        raise ValueError(
+        raise ScorerFailed(
             f"{where}: the scorer returned scores beyond float32's range (+-{FLOAT32_MAX:.4g}), "
             f"which would be inf as rewards: {shown}"
         )
@@ -429,9 +436,9 @@ def checked_scores(
         B Python floats (NaN where a score was None and ``allow_none``).
 
     Raises:
-        ValueError: wrong count, a NaN/inf score, or one beyond float32's range; a missing argument
-            (:class:`ArgumentError`'s message); a None without ``allow_none``; the message names the
-            step and the texts.
+        ScorerFailed: (a ``ValueError``) the scorer raised, or returned a wrong count, a NaN/inf
+            score, one beyond float32's range, or a None without ``allow_none``; a missing argument
+            (:class:`ArgumentError`'s message); the message names the step and the texts.
         ScorerStopped: the scorer raised ``SystemExit`` or ``KeyboardInterrupt``.
     """
     from tether.models.turns import awaited

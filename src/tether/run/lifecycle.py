@@ -18,7 +18,7 @@ import yaml
 
 from tether.core import distributed as D
 from tether.core.health import Alarm
-from tether.judges.contract import ScorerStopped
+from tether.judges.contract import ScorerFailed, ScorerStopped
 from tether.models.reference import fingerprint
 from tether.models.sharding import is_sharded
 from tether.models.turns import EnvFailed
@@ -232,6 +232,12 @@ def check_reference(run: Run, when: str) -> None:
         )
 
 
+UserCodeStop = ScorerStopped | ScorerFailed | EnvFailed
+"""What user code ends a step with: a scorer's exit or interrupt (:class:`ScorerStopped`), its
+failure (:class:`ScorerFailed`), an environment's failure, deadline or interrupt
+(:class:`tether.models.turns.EnvFailed`)."""
+
+
 def state_before_step(run: Run, trainer) -> dict | None:
     """What an on-policy step moves before it scores (the prompt sampler; the RNGs, which a scorer
     may draw from): copied, so that a scorer that ends the step (:class:`ScorerStopped`) leaves a
@@ -247,14 +253,14 @@ def state_before_step(run: Run, trainer) -> dict | None:
     }
 
 
-def told(e: ScorerStopped | EnvFailed, note: str) -> ScorerStopped | EnvFailed:
+def told(e: UserCodeStop, note: str) -> UserCodeStop:
     """The user code's stop ``e`` (a scorer's :class:`ScorerStopped`, an environment's
     :class:`tether.models.turns.EnvFailed`), the same kind, with ``note`` (what was kept) added."""
     message = f"{e} ({note})"
     return e.retold(message) if isinstance(e, EnvFailed) else type(e)(message)
 
 
-def raise_stopped(run: Run, e: ScorerStopped | EnvFailed, note: str) -> NoReturn:
+def raise_stopped(run: Run, e: UserCodeStop, note: str) -> NoReturn:
     """Raise ``e`` told with ``note`` (:func:`told`); an environment a signal interrupted (a
     second Ctrl-C while it ran) is a stop, not a failure: said, then :class:`Interrupted`."""
     error = told(e, note)
@@ -265,10 +271,11 @@ def raise_stopped(run: Run, e: ScorerStopped | EnvFailed, note: str) -> NoReturn
 
 
 def raise_stopped_in_step(
-    run: Run, trainer, step: int, before: dict | None, e: ScorerStopped | EnvFailed, *, saved: int
+    run: Run, trainer, step: int, before: dict | None, e: UserCodeStop, *, saved: int
 ) -> NoReturn:
     """User code ended step ``step`` before its update: a scorer raised SystemExit or
-    KeyboardInterrupt (:class:`ScorerStopped`), or the environment failed, passed
+    KeyboardInterrupt (:class:`ScorerStopped`) or failed (:class:`ScorerFailed`), or the
+    environment failed, passed
     ``rollout.env_timeout`` or was interrupted (:class:`tether.models.turns.EnvFailed`). An
     on-policy step samples and scores before it updates, so the policy and the optimizer are those
     after step ``step - 1``; with the sampler and RNGs put back as they were, that checkpoint is
