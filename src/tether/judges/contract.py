@@ -42,6 +42,8 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 
+from tether.core.text import shown
+
 Scorer = Callable[[list[str]], Sequence[float]]
 
 log = logging.getLogger(__name__)
@@ -378,15 +380,15 @@ def checked_scores(
         if not math.isfinite(s) and not (allow_none and r is None)
     ]
     if bad:
-        shown = "; ".join(f"{s} for {t[:60]!r}" for t, s in bad[:3])
-        raise ValueError(f"{where}: the scorer returned non-finite scores: {shown}")
+        listed = "; ".join(f"{s} for {t[:60]!r}" for t, s in bad[:3])
+        raise ValueError(f"{where}: the scorer returned non-finite scores: {listed}")
     # rewards are float32 tensors: a finite Python float above float32's max would become inf there
     big = [(t, s) for t, s in zip(texts, scores) if abs(s) > FLOAT32_MAX]
     if big:
-        shown = "; ".join(f"{s} for {t[:60]!r}" for t, s in big[:3])
+        listed = "; ".join(f"{s} for {t[:60]!r}" for t, s in big[:3])
         raise ValueError(
             f"{where}: the scorer returned scores beyond float32's range (+-{FLOAT32_MAX:.4g}), "
-            f"which would be inf as rewards: {shown}"
+            f"which would be inf as rewards: {listed}"
         )
     return scores
 
@@ -413,7 +415,7 @@ class WeightedReward:
         self.weights = [1.0] * len(self.scorers) if weights is None else [float(w) for w in weights]
         if len(self.weights) != len(self.scorers) or not all(math.isfinite(w) for w in self.weights):
             raise ValueError(
-                f"reward.weights={list(weights or [])!r}: give one finite weight per reward.scorer "
+                f"reward.weights={shown(list(weights or []))}: give one finite weight per reward.scorer "
                 f"({len(self.scorers)}: {list(self.scorers)})"
             )
         self.last: dict[str, list[float]] = {}
@@ -442,7 +444,7 @@ class WeightedReward:
             name: checked_scores(
                 scorer,
                 texts,
-                f"reward {name!r}",
+                f"reward {shown(name)}",
                 prompts,
                 columns,
                 allow_none=True,
