@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             url = push(args.run_dir, args.repo_id, private=not args.public)
         except (FileNotFoundError, ValueError, RuntimeError) as e:
-            print(f"tether: error: {e}", file=sys.stderr)
+            print(f"tether: error: {_said(e)}", file=sys.stderr)
             return 1
         seen = "public" if args.public else "private"
         print(
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             out = write_report(args.run_dir, args.out)
         except (FileNotFoundError, ValueError, OSError) as e:
-            print(f"tether: error: {e}", file=sys.stderr)
+            print(f"tether: error: {_said(e)}", file=sys.stderr)
             return 1
         print(f"tether: report written to {out}")
         return 0
@@ -176,10 +176,11 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config, overrides)
         sweep = _parse_sweep(args.sweep) if args.command == "frontier" else []
     except (ConfigError, FileNotFoundError) as e:
-        print(f"tether: config error: {e}", file=sys.stderr)
+        print(f"tether: config error: {_said(e)}", file=sys.stderr)
         return 2
     if getattr(args, "print_config", False):
-        import yaml
+        from tether.core.text import shown
+        from tether.run.config import dump_yaml
 
         # config.yaml's form: the defaults the run fills stay null (so the file reloads with
         # another train.algo or data), their values for this config shown as a comment
@@ -187,9 +188,9 @@ def main(argv: list[str] | None = None) -> int:
             k: v for k, v in config.unresolved.items() if v is None and k != "rollout.max_prompt_tokens"
         }
         resolved = config.to_dict()
-        shown = ", ".join(f"{k}={resolved[k.split('.')[0]][k.split('.')[1]]!r}" for k in filled)
-        print(f"# left null, filled when the run starts; for this config: {shown}")
-        print(yaml.safe_dump(config.to_dict(resolved=False), sort_keys=False), end="")
+        values = ", ".join(f"{k}={shown(resolved[k.split('.')[0]][k.split('.')[1]])}" for k in filled)
+        print(f"# left null, filled when the run starts; for this config: {values}")
+        print(dump_yaml(config.to_dict(resolved=False)), end="")
         return 0
     try:
         if args.command == "train":
@@ -217,10 +218,10 @@ def main(argv: list[str] | None = None) -> int:
                 return 130
             print(f"tether: frontier written to {out / 'frontier.png'} and {out / 'frontier.csv'}")
     except ConfigError as e:  # found once the run starts (train.device=cuda without CUDA ...)
-        print(f"tether: config error: {e}", file=sys.stderr)
+        print(f"tether: config error: {_said(e)}", file=sys.stderr)
         return 2
     except (ValueError, FileNotFoundError, FileExistsError, RuntimeError, FloatingPointError, OSError) as e:
-        print(f"tether: error: {e}", file=sys.stderr)
+        print(f"tether: error: {_said(e)}", file=sys.stderr)
         return 1
     return 0
 
@@ -232,7 +233,7 @@ def _list_config(section: str | None) -> int:
     try:
         fields = config_fields(section)
     except ConfigError as e:
-        print(f"tether: config error: {e}", file=sys.stderr)
+        print(f"tether: config error: {_said(e)}", file=sys.stderr)
         return 2
     for f in fields:
         unit = f" [{f.unit}]" if f.unit else ""
@@ -249,18 +250,33 @@ def _quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
+def _said(e: BaseException) -> str:
+    """An error as the command line prints it: the operating system's errors (``OSError`` with a
+    file name) with the name cut to a bounded length (a 10 MB ``data.prompts`` is "File name too
+    long", and its name is not printed whole); any other error, its message."""
+    if isinstance(e, OSError) and e.filename is not None:
+        from tether.core.text import shown
+
+        names = [shown(str(f)) for f in (e.filename, e.filename2) if f is not None]
+        return f"[Errno {e.errno}] {e.strerror}: {' -> '.join(names)}"
+    return str(e)
+
+
 def _parse_sweep(text: str) -> list[tuple[str, float]]:
+    from tether.core.text import shown
     from tether.run.config import ALGOS, ConfigError
 
     out = []
     for item in text.split(","):
         algo, _, beta = item.strip().partition(":")
         if algo not in ALGOS or algo == "dpo":
-            raise ConfigError(f"--sweep entry {item!r}: ALGO must be one of ppo, grpo, rloo")
+            raise ConfigError(f"--sweep entry {shown(item)}: ALGO must be one of ppo, grpo, rloo")
         try:
             out.append((algo, float(beta)))
         except ValueError:
-            raise ConfigError(f"--sweep entry {item!r}: KL_COEF must be a number, e.g. ppo:0.05") from None
+            raise ConfigError(
+                f"--sweep entry {shown(item)}: KL_COEF must be a number, e.g. ppo:0.05"
+            ) from None
     return out
 
 

@@ -9,6 +9,7 @@ and the rows already written to metrics.jsonl must stay.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -225,6 +226,64 @@ def test_run_directory_errors(tiny_model_dir, prompt_file, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()[-1]
     print(f"| unknown scorer | `reward.scorer=nonsense` | 1 | {err} |")
     assert "nonsense" in err and "module:function" in err
+
+
+def _bomb(section: str, field: str) -> str:
+    """400 bytes of YAML aliases, 9 levels of 9: 9**9 = 387,420,489 strings once expanded."""
+    lines = [f"{section}:", f"  {field}:", "    a: &a [x, x, x, x, x, x, x, x, x]"]
+    lines += [f"    {n}: &{n} [{', '.join(['*' + p] * 9)}]" for p, n in zip("abcdefgh", "bcdefghi")]
+    return "\n".join(lines) + "\n"
+
+
+MB = "q" * 1_000_000
+"""A 1 MB text (the pure-Python YAML reader takes about a second a megabyte)."""
+
+# (case, config file, exit code, substrings of the error)
+HOSTILE_CONFIGS = [
+    ("alias bomb under data.prompts", _bomb("data", "prompts"), 2, ["data.prompts.b[0] (line 4)", "alias"]),
+    (
+        "alias bomb under rollout.stop_strings",
+        _bomb("rollout", "stop_strings"),
+        2,
+        ["rollout.stop_strings.b[0]"],
+    ),
+    ("a key given twice", "kl:\n  kl_coef: 0.1\nkl:\n  kl_coef: 0.5\n", 2, ["line 3 repeats the key 'kl'"]),
+    (
+        "a 1 MB mapping for a list",
+        f"rollout:\n  stop_strings: {{x: {MB}}}\n",
+        2,
+        ["(cut: a mapping of 1 key)"],
+    ),
+    ("a 1 MB data.prompts", f"data:\n  prompts: {MB}\n", 2, ["data.prompts='qqq", "(File name too long)"]),
+    ("a 1 MB model.name", f"model:\n  name: {MB}\n", 2, ["model.name='qqq", "(cut: a text of 1,000,000"]),
+    (
+        "a 1 MB data.eval_prompts",
+        f"data:\n  prompts: PROMPTS\n  eval_prompts: {MB}\n",
+        1,
+        ["data.eval_prompts='qqq", "cannot look"],
+    ),
+]
+
+
+@pytest.mark.parametrize("case,text,code,words", HOSTILE_CONFIGS, ids=[c[0] for c in HOSTILE_CONFIGS])
+def test_hostile_config_files_are_refused_in_a_few_lines(
+    case, text, code, words, prompt_file, tmp_path, capsys
+):
+    """Before: the bombs ran out of memory (a MemoryError at 2.47 GB: the refusal's repr of 387
+    million strings) or printed a 312 MB refusal; the repeated key was taken silently (the last
+    value); a 1 MB value was printed whole (a 1 MB error line), and a 1 MB path raised an OSError
+    that named no field."""
+    path = tmp_path / "c.yaml"
+    path.write_text(text.replace("PROMPTS", str(prompt_file)))
+    out = tmp_path / "run"
+    start = time.perf_counter()
+    assert main(["train", "--config", str(path), f"train.output_dir={out}"]) == code
+    took = time.perf_counter() - start
+    err = capsys.readouterr().err.strip()
+    print(f"\n| {case} | {len(text):,} bytes | {code} | {took:.1f} s | {err.splitlines()[-1][:160]} |")
+    for w in words:
+        assert w in err, (w, err[:1000])
+    assert len(err) < 1000 and not out.exists()
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])

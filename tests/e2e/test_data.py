@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
+import re
+import signal
 
 import pytest
 
@@ -19,7 +23,14 @@ from tests.conftest import (
     tiny_run_args,
 )
 from tether.cli import main
-from tether.data.prompts import PromptData, load_prompt_data, split_prompts
+from tether.data.prompts import (
+    PromptData,
+    load_prompt_data,
+    load_rows,
+    pair_prompts,
+    read_prompt_file,
+    split_prompts,
+)
 from tether.judges.contract import WeightedReward, checked_scores
 from tether.judges.scorers import make_scorer
 
@@ -506,3 +517,59 @@ def test_copies_of_a_held_out_prompt_count_once(tiny_model_dir, tmp_path, caplog
     report = json.loads((tmp_path / "run" / "eval.json").read_text())
     assert report["n_prompts"] == 4  # 12 before
     assert report["policy"]["n"] == 4 * report["samples_per_prompt"]
+
+
+@contextlib.contextmanager
+def _deadline(seconds: int):
+    """Fail where tether would read a FIFO or a device forever, instead of hanging the tests."""
+
+    def fail(*_):
+        raise TimeoutError(f"still reading after {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, fail)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+@pytest.mark.parametrize("kind", ["a character device", "a FIFO (named pipe)"])
+def test_a_device_or_a_fifo_named_as_data_is_refused_unread(
+    kind, tiny_model_dir, prompt_file, tmp_path, capsys
+):
+    """``data.prompts=/dev/zero`` was called a Hub id not in the cache (a path that exists but is
+    neither a file nor a folder went to the Hub branch), and a FIFO named as a prompt file was
+    read, which never ends while no one writes to it. Every reader of a data source refuses both,
+    naming the field and what the path is, before reading a byte."""
+    path = "/dev/zero"
+    if kind.startswith("a FIFO"):
+        path = str(tmp_path / "prompts.jsonl")
+        os.mkfifo(path)
+    readers = [
+        ("data.prompts", lambda: load_prompt_data(path)),
+        ("data.prompts", lambda: read_prompt_file(path)),
+        ("dpo.pairs", lambda: load_rows(path, field_name="dpo.pairs")),
+        ("dpo.pairs", lambda: pair_prompts(path)),
+    ]
+    with _deadline(60):
+        for field, read in readers:
+            with pytest.raises(ValueError, match=re.escape(f"{field}='{path}' is {kind}, not a file of")):
+                read()
+        base = [
+            "train",
+            f"model.name={tiny_model_dir}",
+            "train.steps=1",
+            f"train.output_dir={tmp_path / 'run'}",
+        ]
+        for given in (
+            [f"data.prompts={path}"],
+            [f"data.prompts={prompt_file}", f"data.eval_prompts={path}"],
+            ["train.algo=dpo", f"dpo.pairs={path}"],
+        ):
+            assert main(base + given) == 1
+            err = capsys.readouterr().err
+            field = given[-1].split("=")[0]
+            assert f"{field}='{path}' is {kind}, not a file of" in err and "Hugging Face cache" not in err
+            assert not (tmp_path / "run").exists()

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import re
+import time
+
 import pytest
+import yaml
 
 from tether.run.config import Config, ConfigError, dump_config, load_config
 
@@ -209,3 +214,125 @@ def test_a_list_of_texts_keeps_each_item_as_written(tmp_path):
         load_config(str(f))
     f.write_text("rollout:\n  env: tests.conftest:tool_env\n  max_turns: 2\n  stop_strings: ['yes', '=']\n")
     assert load_config(str(f)).rollout.stop_strings == ["yes", "="]
+
+
+def _alias_bomb(section: str, field: str) -> str:
+    """The "billion laughs": 9 levels of 9 aliases, 9**9 = 387,420,489 strings in ~360 bytes."""
+    lines = [f"{section}:", f"  {field}:", "    a: &a [x, x, x, x, x, x, x, x, x]"]
+    for prev, name in zip("abcdefgh", "bcdefghi"):
+        lines.append(f"    {name}: &{name} [{', '.join(['*' + prev] * 9)}]")
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("section, field", [("data", "prompts"), ("rollout", "stop_strings")])
+def test_a_yaml_alias_bomb_is_refused_before_it_expands(tmp_path, section, field):
+    """Under data.prompts the bomb's repr for the refusal grew until memory ran out (MemoryError at
+    2.47 GB); under rollout.stop_strings the refusal was 312 MB long. Aliases are now refused while
+    the file is read, naming the key, the line and the fix."""
+    path = tmp_path / "bomb.yaml"
+    path.write_text(_alias_bomb(section, field))
+    assert len(path.read_bytes()) < 440
+    start = time.perf_counter()
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    # reading 400 bytes of YAML takes milliseconds; before, the refusal ran for minutes
+    assert time.perf_counter() - start < 1.0
+    message = str(e.value)
+    assert f"{section}.{field}.b[0] (line 4) is a YAML alias, '*a'" in message
+    assert "write the value out in full" in message and len(message) < 400
+
+
+def test_an_alias_in_an_override_is_refused_with_its_field():
+    value = "[&a [x, x, x], &b [*a, *a, *a], *b]"
+    with pytest.raises(ConfigError, match=r"override rollout.stop_strings: rollout.stop_strings\[1\]\[0\]"):
+        load_config(None, [f"rollout.stop_strings={value}"])
+    with pytest.raises(ConfigError, match=r"override reward.weights: reward.weights\[1\] .* alias, '\*w'"):
+        load_config(None, ["reward.scorer=[vader, vader]", "reward.weights=[&w 1.0, *w]"])
+
+
+def test_a_huge_value_gives_a_short_refusal(tmp_path):
+    """A refusal shows a user's value cut (tether.core.text.shown): before, a 10 MB value made a
+    10 MB message."""
+    with pytest.raises(ConfigError) as e:  # a str field keeps the override's text as it is, unparsed
+        load_config(None, ["rollout.env=" + "m" * 10_000_000])
+    assert len(str(e.value)) < 400 and "(cut: a text of 10,000,000 characters)" in str(e.value)
+    path = tmp_path / "big.yaml"  # through YAML (1 MB: the pure-Python reader takes ~1 s a MB)
+    path.write_text("rollout:\n  stop_strings: {x: " + "b" * 1_000_000 + "}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert len(str(e.value)) < 400 and "rollout.stop_strings={'x': 'bbb" in str(e.value)
+    path.write_text("kl:\n  ? " + "k" * 1_000_000 + "\n  : 1\n")  # a 1 MB key (an explicit one: ? KEY)
+    with pytest.raises(ConfigError, match="unknown config key") as e:
+        load_config(path)
+    assert len(str(e.value)) < 600
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        (
+            "kl:\n  kl_coef: 0.1\noptim:\n  lr: 1.0e-5\nkl:\n  kl_coef: 0.5\n",
+            "line 5 repeats the key 'kl' (first at line 1)",
+        ),
+        (
+            "kl:\n  kl_coef: 0.1\n  target: 6\n  kl_coef: 0.5\n",
+            "line 4 repeats the key 'kl_coef' under kl (first at line 2)",
+        ),
+    ],
+)
+def test_a_key_given_twice_is_refused_with_both_lines(tmp_path, text, words):
+    """YAML keeps the last of two equal keys; the first value was lost without a word."""
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert words in str(e.value) and str(path) in str(e.value)
+
+
+def test_a_key_given_twice_in_an_override_value_is_refused():
+    with pytest.raises(ConfigError, match=r"override rollout.stop_strings: line 1 repeats the key 'a' under"):
+        load_config(None, ["rollout.stop_strings=[{a: x, a: y}]"])
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("train:\n  steps: " + "1" * 5000 + "\n", "train.steps (line 2) holds a value YAML cannot read"),
+        ("data:\n  prompts: " + "[" * 5000 + "]" * 5000 + "\n", "is nested over 100 levels deep"),
+    ],
+    ids=["a 5000-digit number", "5000 nested lists"],
+)
+def test_unreadable_yaml_is_a_config_error_not_a_traceback(tmp_path, text, words):
+    """A number over 4300 digits raised int()'s ValueError, and 5000 nested lists a RecursionError,
+    both out of the command line as tracebacks."""
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=re.escape(words)) as e:
+        load_config(path)
+    assert len(str(e.value)) < 600
+    with pytest.raises(ConfigError, match="holds a value YAML cannot read"):
+        load_config(None, ["train.steps=" + "1" * 5000])
+
+
+def test_what_tether_writes_it_reads_back(tmp_path):
+    """tether's YAML writer never writes an alias, which its reader refuses: PyYAML's safe_dump
+    writes ``&id001`` / ``*id001`` for one list met twice."""
+    from tether.run.config import dump_yaml, read_yaml
+
+    shared = ["</call>"]
+    tree = {"rollout": {"stop_strings": shared}, "train": {"report_to": shared}}
+    assert "&id001" in yaml.safe_dump(tree)
+    assert read_yaml(dump_yaml(tree), "test") == tree
+    c = load_config(None, ["rollout.env=tests.conftest:tool_env", "rollout.max_turns=2"])
+    c.rollout.stop_strings = c.train.report_to = ["none"]
+    dump_config(c, tmp_path / "c.yaml")
+    assert load_config(tmp_path / "c.yaml") == c
+
+
+@pytest.mark.parametrize("kind", ["a character device", "a FIFO (named pipe)", "a folder"])
+def test_a_config_path_that_is_not_a_file_is_refused_unread(tmp_path, kind):
+    path = {"a character device": "/dev/zero", "a folder": str(tmp_path)}.get(kind, str(tmp_path / "fifo"))
+    if kind.startswith("a FIFO"):
+        os.mkfifo(path)
+    with pytest.raises(ConfigError, match=f"--config {path} is {re.escape(kind)}, not a file"):
+        load_config(path)

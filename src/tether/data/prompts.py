@@ -13,7 +13,9 @@ import hashlib
 import io
 import json
 import logging
+import os
 import random
+import stat
 import subprocess
 import sys
 import tarfile
@@ -21,6 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
+from tether.core.text import SHOWN_CHARS, shown
 from tether.models.loading import cache_dir
 
 log = logging.getLogger(__name__)
@@ -152,7 +155,7 @@ class PromptData:
         self.columns = {k: list(v) for k, v in (columns or {}).items()}
         for k, v in self.columns.items():
             if len(v) != len(self.prompts):
-                raise ValueError(f"column {k!r} has {len(v)} values for {len(self.prompts)} prompts")
+                raise ValueError(f"column {shown(k)} has {len(v)} values for {len(self.prompts)} prompts")
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -209,10 +212,11 @@ def records_to_data(
             prompts.append([{"role": m["role"], "content": m["content"]} for m in p])
         else:
             at = where[i] if where is not None else f"{source} row {i + 1}"
+            column = prompt_column if len(prompt_column) <= SHOWN_CHARS else shown(prompt_column)
             raise ValueError(
-                f'data.prompts: {at} needs a "{prompt_column}": data.prompt_column={prompt_column!r} '
-                f"must hold a non-empty text or a list of {{role, content}} messages, got {repr(p)[:80]}; "
-                f"the rows have the columns {sorted(set(r))}"
+                f'data.prompts: {at} needs a "{column}": data.prompt_column={shown(prompt_column)} '
+                f"must hold a non-empty text or a list of {{role, content}} messages, got {shown(p, 80)}; "
+                f"the rows have the columns {shown(sorted(set(r)))}"
             )
     return PromptData(prompts, {k: [r.get(k) for r in records] for k in names})
 
@@ -246,8 +250,51 @@ def file_suffix(path: Path, field_name: str = "data.prompts") -> str:
         )
     )
     raise ValueError(
-        f"{field_name}={str(path)!r}: tether reads .txt (a prompt per line), .jsonl, .json, .csv and "
+        f"{field_name}={shown(str(path))}: tether reads .txt (a prompt per line), .jsonl, .json, .csv and "
         f".parquet files, not {suffix}; {fix}"
+    )
+
+
+_KINDS = (
+    (stat.S_ISREG, "a file"),
+    (stat.S_ISDIR, "a folder"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def path_kind(mode: int) -> str:
+    """What a path whose ``os.stat`` mode is ``mode`` is, for messages: ``"a file"``, ``"a folder"``,
+    ``"a character device"`` ... Reading a device or a FIFO may never end (``/dev/zero``, a FIFO no
+    one writes to), so tether refuses every kind but a file and a folder before it reads."""
+    return next((name for test, name in _KINDS if test(mode)), "neither a file nor a folder")
+
+
+def data_path(spec: str | Path, field_name: str = "data.prompts") -> Path:
+    """``spec``, a data source a user named, as a path (``~`` expanded), checked without reading
+    it: missing (then a Hub id, maybe), a file or a folder (symlinks followed), never a device, a
+    FIFO or a socket.
+
+    Raises:
+        ValueError: it is a device, FIFO or socket, or the system cannot look it up (a name too
+            long, a folder without permission); names ``field_name``, the kind and the fix.
+    """
+    path = Path(spec).expanduser()
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return path  # not there: a Hub id, or the caller's "no such file"
+    except OSError as e:
+        raise ValueError(f"{field_name}={shown(str(spec))}: cannot look it up ({e.strerror})") from None
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return path
+    what = "preference pairs" if field_name == "dpo.pairs" else "prompts"
+    raise ValueError(
+        f"{field_name}={shown(str(spec))} is {path_kind(mode)}, not a file of {what} (tether does not "
+        "read it: reading it might never end); give a .txt, .jsonl, .json, .csv or .parquet file, a "
+        "folder of them or one saved with save_to_disk, or a Hub dataset id (ORG/NAME)"
     )
 
 
@@ -255,9 +302,10 @@ def read_utf8(path: Path, field_name: str = "data.prompts") -> str:
     """A data file's text, decoded as UTF-8.
 
     Raises:
-        ValueError: it is not UTF-8 (a binary file, latin-1 text); names the file and the byte.
+        ValueError: it is not UTF-8 (a binary file, latin-1 text); names the file and the byte;
+            it is a device, FIFO or socket (:func:`data_path`).
     """
-    raw = Path(path).read_bytes()
+    raw = data_path(path, field_name).read_bytes()
     if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
         raise ValueError(f"{field_name}: {path} is UTF-16 text; save it as UTF-8 (iconv -f utf-16 -t utf-8)")
     try:
@@ -307,7 +355,7 @@ def load_rows(
     """
     from tether.models.loading import hub_folder, is_hub_id
 
-    path = Path(spec).expanduser()
+    path = data_path(spec, field_name)
     suffix = file_suffix(path, field_name) if path.is_file() else ""
     if suffix == ".jsonl":  # errors name FILE:LINE
         numbered = jsonl_objects(path, field_name)
@@ -318,14 +366,14 @@ def load_rows(
         return records, where
     if not path.exists() and not is_hub_id(spec):
         raise FileNotFoundError(
-            f"{field_name}={spec!r}: no such file or folder, and not a Hub dataset id (ORG/NAME)"
+            f"{field_name}={shown(spec)}: no such file or folder, and not a Hub dataset id (ORG/NAME)"
         )
     import datasets
 
     datasets.disable_progress_bars()
     if path.is_file():
         if suffix not in DATASET_SUFFIXES:
-            raise ValueError(f"{field_name}={spec!r}: a file must be .jsonl, .json, .parquet or .csv")
+            raise ValueError(f"{field_name}={shown(spec)}: a file must be .jsonl, .json, .parquet or .csv")
         if suffix in (".json", ".csv"):
             read_utf8(path, field_name)  # a binary or latin-1 file: named, not a decoder's traceback
         ds = datasets.load_dataset(DATASET_SUFFIXES[suffix], data_files=str(path), split="train")
@@ -338,7 +386,7 @@ def load_rows(
             ds = datasets.load_dataset(str(path), split=split)
         except Exception as e:  # an empty folder, one without data files, an unknown split ...
             raise ValueError(
-                f"{field_name}={spec!r}: a folder datasets cannot read ({type(e).__name__}: "
+                f"{field_name}={shown(spec)}: a folder datasets cannot read ({type(e).__name__}: "
                 f"{str(e).splitlines()[0][:200] if str(e) else ''}); give a data file, or a folder of "
                 ".jsonl/.csv/.parquet files or saved with save_to_disk"
             ) from None
@@ -347,10 +395,10 @@ def load_rows(
         try:
             ds = datasets.load_dataset(str(folder), split=split)
         except ValueError as e:  # an unknown split
-            raise ValueError(f"data.split={split!r}: {spec}: {e}") from None
+            raise ValueError(f"data.split={shown(split)}: {spec}: {e}") from None
     if isinstance(ds, datasets.DatasetDict):
         if split not in ds:
-            raise ValueError(f"data.split={split!r}: {spec} has the splits {list(ds)}; choose one")
+            raise ValueError(f"data.split={shown(split)}: {spec} has the splits {list(ds)}; choose one")
         ds = ds[split]
     rows = ds.to_list()
     return rows, [f"{spec} row {i + 1}" for i in range(len(rows))]
@@ -382,15 +430,15 @@ def load_prompt_data(spec: str, split: str = "train", prompt_column: str = "prom
         FileNotFoundError: no such file or folder, and not a cached or downloadable Hub dataset.
         ValueError: the split or the prompt column is missing, or a prompt is empty.
     """
-    path = Path(spec).expanduser()
+    path = data_path(spec)
     suffix = file_suffix(path) if path.is_file() else ""
     if path.is_file() and suffix in TEXT_SUFFIXES:  # .txt: one prompt per line
         return PromptData(read_prompt_file(path))
     records, where = load_rows(spec, split)
     if records and all(prompt_column not in r for r in records) and suffix != ".jsonl":
         raise ValueError(
-            f"data.prompt_column={prompt_column!r}: {spec} has the columns {sorted(records[0])}; name the "
-            "one that holds the prompts"
+            f"data.prompt_column={shown(prompt_column)}: {spec} has the columns "
+            f"{shown(sorted(records[0]))}; name the one that holds the prompts"
         )
     return records_to_data(records, prompt_column, spec, where)
 
@@ -411,7 +459,7 @@ def prompt_file_lines(path: str | Path) -> list[tuple[int, str]]:
     Raises:
         the errors of :func:`read_prompt_file`.
     """
-    path = Path(path)
+    path = data_path(path)
     if not path.exists():
         raise FileNotFoundError(f"data.prompts: no file {path}")
     if file_suffix(path) == ".jsonl":

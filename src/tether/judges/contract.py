@@ -46,6 +46,8 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
+from tether.core.text import shown
+
 Scorer = Callable[[list[str]], Sequence[float]]
 
 log = logging.getLogger(__name__)
@@ -375,15 +377,15 @@ def _validated(scores: list[float], raw: list, texts: list[str], where: str, all
         if not math.isfinite(s) and not (allow_none and r is None)
     ]
     if bad:
-        shown = "; ".join(f"{s} for {t[:60]!r}" for t, s in bad[:3])
-        raise ScorerFailed(f"{where}: the scorer returned non-finite scores: {shown}")
+        listed = "; ".join(f"{s} for {t[:60]!r}" for t, s in bad[:3])
+        raise ScorerFailed(f"{where}: the scorer returned non-finite scores: {listed}")
     # rewards are float32 tensors: a finite Python float above float32's max would become inf there
     big = [(t, s) for t, s in zip(texts, scores) if abs(s) > FLOAT32_MAX]
     if big:
-        shown = "; ".join(f"{s} for {t[:60]!r}" for t, s in big[:3])
+        listed = "; ".join(f"{s} for {t[:60]!r}" for t, s in big[:3])
         raise ScorerFailed(
             f"{where}: the scorer returned scores beyond float32's range (+-{FLOAT32_MAX:.4g}), "
-            f"which would be inf as rewards: {shown}"
+            f"which would be inf as rewards: {listed}"
         )
     return scores
 
@@ -486,7 +488,7 @@ class WeightedReward:
         self.weights = [1.0] * len(self.scorers) if weights is None else [float(w) for w in weights]
         if len(self.weights) != len(self.scorers) or not all(math.isfinite(w) for w in self.weights):
             raise ValueError(
-                f"reward.weights={list(weights or [])!r}: give one finite weight per reward.scorer "
+                f"reward.weights={shown(list(weights or []))}: give one finite weight per reward.scorer "
                 f"({len(self.scorers)}: {list(self.scorers)})"
             )
         self.last: dict[str, list[float]] = {}
@@ -515,11 +517,11 @@ class WeightedReward:
         logged = RewardLog()
         raws = {}
         for name, scorer in self.scorers.items():
-            with _reported(f"reward {name!r}", len(texts), scorer):
+            with _reported(f"reward {shown(name)}", len(texts), scorer):
                 raws[name] = _call(
                     scorer,
                     texts,
-                    f"reward {name!r}",
+                    f"reward {shown(name)}",
                     prompts,
                     columns,
                     completion_ids=completion_ids,
@@ -534,16 +536,16 @@ class WeightedReward:
             async def together():
                 return await asyncio.gather(*(raws[n] for n in pending), return_exceptions=True)
 
-            with _reported(f"rewards {pending}", len(texts), self):
+            with _reported(f"rewards {shown(pending)}", len(texts), self):
                 done = awaited(together())
             for name, result in zip(pending, done):
                 if isinstance(result, BaseException):
-                    with _reported(f"reward {name!r}", len(texts), self.scorers[name]):
+                    with _reported(f"reward {shown(name)}", len(texts), self.scorers[name]):
                         raise result
                 raws[name] = result
         self.last = {}
         for name, raw in raws.items():
-            where = f"reward {name!r}"
+            where = f"reward {shown(name)}"
             with _reported(where, len(texts), self.scorers[name]):
                 raw, scores = _floats(raw, allow_none=True)
             self.last[name] = _validated(scores, raw, texts, where, allow_none=True)

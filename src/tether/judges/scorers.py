@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from tether.core.text import shown
 from tether.judges.contract import Scorer, WeightedReward, completion_texts, is_conversational
 from tether.judges.vader import vader_scorer
 from tether.models.callables import PASSED_FROM_PYTHON
@@ -151,7 +152,9 @@ def label_index(config, label: int | str | None) -> int:
         return idx
     names = dict(getattr(config, "label2id", None) or {})
     if label not in names:
-        raise ValueError(f"reward model label {label!r}: the classifier's labels are {sorted(names)}")
+        raise ValueError(
+            f"reward model label {shown(label)}: the classifier's labels are {shown(sorted(names))}"
+        )
     return int(names[label])
 
 
@@ -190,7 +193,8 @@ def hf_classifier_scorer(spec: str, batch_size: int = 32, device=None) -> Reward
         folder = str(hub_folder(folder, field_name="reward.scorer=hf:"))
     elif not Path(folder).is_dir():
         raise ValueError(
-            f"scorer hf:{folder}: no such local folder (a saved sequence classifier) nor a Hub id (ORG/NAME)"
+            f"scorer {shown('hf:' + folder)}: no such local folder (a saved sequence classifier) nor a "
+            "Hub id (ORG/NAME)"
         )
     tok = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForSequenceClassification.from_pretrained(folder)
@@ -247,7 +251,7 @@ def make_scorer(spec, weights: Sequence[float] | None = None, device=None) -> Sc
     if isinstance(spec, WeightedReward):  # built already (frontier passes its runs one): its own weights
         if weights is not None and [float(w) for w in weights] != spec.weights:
             raise ValueError(
-                f"reward.weights={list(weights)!r}: the reward list passed in has its own weights "
+                f"reward.weights={shown(list(weights))}: the reward list passed in has its own weights "
                 f"{spec.weights} for {list(spec.scorers)}; give one or the other"
             )
         return spec
@@ -281,7 +285,7 @@ def make_scorer(spec, weights: Sequence[float] | None = None, device=None) -> Sc
 
         return import_callable(spec, "scorer")
     raise ValueError(
-        f"scorer {spec!r} is unknown; use 'vader', 'integer-answer', 'minilm-rm', 'rm:FOLDER', "
+        f"scorer {shown(spec)} is unknown; use 'vader', 'integer-answer', 'minilm-rm', 'rm:FOLDER', "
         "'hf:FOLDER[#LABEL]' or 'module:function'"
     )
 
@@ -335,7 +339,7 @@ def check_scorer_spec(spec: str | Scorer | list, field_name: str = "reward.score
         if Path(folder).expanduser().is_dir() or (spec.startswith("hf:") and is_hub_id(folder)):
             return
         raise ValueError(
-            f"{field_name}={spec!r}: no such folder {folder!r}"
+            f"{field_name}={shown(spec)}: no such folder {shown(folder)}"
             + (" (nor a Hub id ORG/NAME)" if spec.startswith("hf:") else " (one saved by tether reward fit)")
         )
     try:  # a module:function imports its module (what that import costs); anything else is unknown

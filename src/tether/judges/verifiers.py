@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import re
 
+from tether.core.text import shown
+
 _LEADING_INTEGER = re.compile(r"\s*([+-]?\d{1,30})(?!\d)")
 _INTEGER = re.compile(r"\s*[+-]?\d{1,30}\s*")
 
@@ -52,7 +54,7 @@ def integer_answer(completions: list, answer: list, **kwargs) -> list[float]:
     for completion, want in zip(completions, answer):
         if isinstance(want, bool) or not (isinstance(want, int) or _INTEGER.fullmatch(str(want))):
             raise ValueError(
-                f"integer-answer: the answer {want!r} is not an integer; this checker compares integers "
+                f"integer-answer: the answer {shown(want)} is not an integer; this checker compares integers "
                 "(write your own reward.scorer=module:function for other answers)"
             )
         got = leading_integer(response_text(completion))

@@ -16,6 +16,8 @@ from collections.abc import Callable
 
 import torch
 
+from tether.core.text import clipped, shown
+
 PASSED_FROM_PYTHON = "(from Python)"
 """The prefix config.yaml records for a callable passed as an object (``train(config, env=f)``,
 ``scorer=f``): no spec builds it, so a resume without the object asks for it."""
@@ -43,11 +45,11 @@ def import_callable(spec: str, field_name: str) -> Callable:
         fn = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as e:
         raise ValueError(
-            f"{field_name}={spec!r}: cannot import it ({e}); give module:function, with the module in "
-            "the working directory or on PYTHONPATH"
+            f"{field_name}={shown(spec)}: cannot import it ({clipped(str(e))}); give module:function, "
+            "with the module in the working directory or on PYTHONPATH"
         ) from None
     if not callable(fn):
-        raise ValueError(f"{field_name}={spec!r} is a {type(fn).__name__}, not a callable")
+        raise ValueError(f"{field_name}={shown(spec)} is a {type(fn).__name__}, not a callable")
     return fn
 
 

@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tether.core.text import shown
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -91,15 +93,15 @@ def hub_folder(
             snapshot_download(repo_id, revision=revision, repo_type=repo_type, ignore_patterns=HUB_IGNORE)
         )
     except Exception as e:  # LocalEntryNotFoundError, RepositoryNotFoundError, HTTP errors ...
-        at = f" at revision {revision!r}" if revision else ""
+        at = f" at revision {shown(revision)}" if revision else ""
         why = (
             "HF_HUB_OFFLINE=1 forbids downloading it"
             if constants.HF_HUB_OFFLINE
             else f"it could not be downloaded ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
         )
         raise FileNotFoundError(
-            f"{field_name}={repo_id!r}{at}: not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and "
-            f"{why}. Download it once with network access (hf download {repo_id}"
+            f"{field_name}={shown(repo_id)}{at}: not in the Hugging Face cache ({constants.HF_HUB_CACHE}) "
+            f"and {why}. Download it once with network access (hf download {repo_id}"
             f"{' --repo-type dataset' if repo_type == 'dataset' else ''}"
             f"{f' --revision {revision}' if revision else ''}), point HF_HOME at a cache that holds it, "
             + (
@@ -127,7 +129,7 @@ def resolve_model_path(name: str, revision: str | None = None, field_name: str =
         path = Path(name).expanduser()
         if not path.is_dir():
             raise FileNotFoundError(
-                f"{field_name}={name!r} is not an embedded model ({', '.join(EMBEDDED_MODELS)}), "
+                f"{field_name}={shown(name)} is not an embedded model ({', '.join(EMBEDDED_MODELS)}), "
                 "a local model folder nor a Hub id "
                 "(ORG/NAME); pass a folder saved with save_pretrained or a Hugging Face Hub id"
             )
@@ -154,8 +156,8 @@ def check_model_name(name: str, revision: str | None = None, field_name: str = "
     path = resolve_model_path(name, revision, field_name)
     if not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
         raise FileNotFoundError(
-            f"{field_name}={name!r}: the folder {path} has no config.json, so it is not a model saved with "
-            "save_pretrained; point it at the folder that holds config.json and the weights"
+            f"{field_name}={shown(name)}: the folder {path} has no config.json, so it is not a model saved "
+            "with save_pretrained; point it at the folder that holds config.json and the weights"
         )
 
 
@@ -328,8 +330,9 @@ def prepare_tokenizer(tok, path: str | Path | None = None):
     tok.padding_side = "left"
     if tok.eos_token_id is None:
         raise ValueError(
-            f"model.name={str(path or getattr(tok, 'name_or_path', '?'))!r}: the tokenizer has no EOS token; "
-            "responses could never end and could not be masked (set eos_token in its tokenizer_config.json)"
+            f"model.name={shown(str(path or getattr(tok, 'name_or_path', '?')))}: the tokenizer has no EOS "
+            "token; responses could never end and could not be masked (set eos_token in its "
+            "tokenizer_config.json)"
         )
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tether.core.text import shown
 from tether.models.loading import disable_dropout
 
 log = logging.getLogger(__name__)
@@ -95,13 +96,13 @@ def add_lora(
     else:
         if not (Path(adapter) / "adapter_config.json").is_file():
             raise FileNotFoundError(
-                f"model.adapter={adapter!r} is not a peft adapter folder (no "
+                f"model.adapter={shown(adapter)} is not a peft adapter folder (no "
                 "adapter_config.json); pass a folder written by save_pretrained"
             )
         config = PeftConfig.from_pretrained(adapter)
         if str(getattr(config.peft_type, "value", config.peft_type)) != "LORA" or config.modules_to_save:
             raise ValueError(
-                f"model.adapter={adapter!r}: tether starts from plain LoRA adapters only "
+                f"model.adapter={shown(adapter)}: tether starts from plain LoRA adapters only "
                 f"(this one is {config.peft_type}, modules_to_save={config.modules_to_save})"
             )
         if config.lora_dropout:

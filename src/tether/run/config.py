@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import stat
 import types
 import typing
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ import yaml
 from tether.core.controllers import ControllerName, adaptive_horizon_for, adaptive_reach
 from tether.core.health import HealthThresholds
 from tether.core.kl import KLEstimator
+from tether.core.text import SHOWN_CHARS, shown
 
 ALGOS = ("ppo", "grpo", "rloo", "dpo")
 TRACKERS = (
@@ -53,19 +55,147 @@ class ConfigError(ValueError):
     """A config field holds a value tether cannot use; the message names field and fix."""
 
 
-def _text_yaml(text: str) -> Any:
-    """``text`` read as YAML whose scalars all stay text (``yaml.BaseLoader``): in a list of texts
+MAX_YAML_DEPTH = 100
+"""The deepest nesting a YAML config may hold. A config's deepest value is three levels down
+(section, field, a list's item); PyYAML composes recursively (a few frames a level) and the config
+is copied recursively again, so a few hundred levels would hit Python's recursion limit (1000
+frames) as a traceback instead of an error naming the line."""
+
+
+class _UserYaml:
+    """What tether's loaders of YAML a user wrote (config files, overrides, a run's config.yaml)
+    add to PyYAML's: they refuse an alias (``*a``: 400 bytes of aliases expand to 387 million
+    strings, the "billion laughs"), a key given twice in one mapping (YAML keeps the last, and the
+    first is lost silently), nesting deeper than :data:`MAX_YAML_DEPTH` and a number too long to
+    read, each naming the source, the key and the line."""
+
+    source = "YAML"
+    """What is read, for messages: ``--config FILE``, ``override FIELD``."""
+    at = ""
+    """The key the text stands at (an override's field), prefixed to the keys named."""
+
+    def __init__(self, stream) -> None:
+        super().__init__(stream)
+        self._keys: list[str] = []  # the keys from the top down to the node being composed
+        self._where: dict[int, str] = {}  # id(node) -> its key, dotted
+
+    def compose_node(self, parent, index):
+        if isinstance(parent, yaml.SequenceNode):
+            self._keys.append(f"[{index}]")
+        elif isinstance(parent, yaml.MappingNode):
+            self._keys.append(index.value if isinstance(index, yaml.ScalarNode) else "(a key)")
+        where = "".join(k if k.startswith("[") else f".{k}" for k in [self.at, *self._keys] if k).lstrip(".")
+        where = where if len(where) <= SHOWN_CHARS else shown(where)  # a key can be 10 MB of text
+        event = self.peek_event()
+        line = event.start_mark.line + 1
+        if isinstance(event, yaml.AliasEvent):
+            raise ConfigError(
+                f"{self.source}: {where or 'the document'} (line {line}) is a YAML alias, "
+                f"{shown('*' + event.anchor)}; tether reads configs without aliases (a few hundred "
+                "bytes of them can expand to billions of values): write the value out in full"
+            )
+        if len(self._keys) > MAX_YAML_DEPTH:
+            raise ConfigError(
+                f"{self.source}: {where} (line {line}) is nested over {MAX_YAML_DEPTH} levels deep; "
+                "a config's values are at most a list inside a field inside a section"
+            )
+        node = super().compose_node(parent, index)
+        self._where[id(node)] = where
+        if parent is not None:
+            self._keys.pop()
+        return node
+
+    def construct_object(self, node, deep=False):
+        try:
+            return super().construct_object(node, deep)
+        except ConfigError:
+            raise
+        except ValueError as e:  # an integer of over 4300 digits (int() refuses it), a date 2024-13-01
+            raise ConfigError(
+                f"{self.source}: {self._where.get(id(node)) or 'the document'} "
+                f"(line {node.start_mark.line + 1}) holds a value YAML cannot read "
+                f"({str(e).split(':')[0]}); no config field takes it: shorten it, or quote it if it is text"
+            ) from None
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key, line = self.construct_object(key_node), key_node.start_mark.line + 1
+            if key in seen:
+                where = self._where.get(id(node))
+                raise ConfigError(
+                    f"{self.source}: line {line} repeats the key {shown(key)} "
+                    f"{f'under {where} ' if where else ''}(first at line {seen[key]}); YAML would keep "
+                    "the last value and drop the first silently: keep one of them"
+                )
+            seen[key] = line
+        return super().construct_mapping(node, deep)
+
+
+class _UserSafeLoader(_UserYaml, yaml.SafeLoader):
+    """``yaml.SafeLoader`` (plain data, no code) with :class:`_UserYaml`'s refusals."""
+
+
+class _UserTextLoader(_UserYaml, yaml.BaseLoader):
+    """``yaml.BaseLoader`` (every scalar a text) with :class:`_UserYaml`'s refusals."""
+
+
+def read_yaml(text: str, source: str, *, texts: bool = False, at: str = "") -> Any:
+    """``text``, YAML a user wrote, as plain data: safe tags only (no code runs), and no aliases,
+    repeated keys or runaway nesting (:class:`_UserYaml`).
+
+    With ``texts``, every scalar stays text (``yaml.BaseLoader``): in a list of texts
     ``[yes, 010, 1:30, null]`` is ``['yes', '010', '1:30', 'null']``, where the safe loader's
     ``[True, 8, 90, None]`` turned back into text would read ``'True'``, ``'8'``, ``'90'``,
-    ``'None'``, and ``[=]`` is ``['=']``, where it fails (YAML's ``=`` tag)."""
-    return yaml.load(text, Loader=yaml.BaseLoader)  # strings, lists and mappings only: no code
+    ``'None'``, and ``[=]`` is ``['=']``, where it fails (YAML's ``=`` tag).
+
+    Args:
+        text: the YAML.
+        source: what it is, for messages (``--config FILE``, ``override rollout.stop_strings``).
+        texts: keep every scalar as text.
+        at: the key ``text`` stands at (an override's field), prefixed to the keys messages name.
+
+    Raises:
+        ConfigError: an alias, a repeated key, nesting over :data:`MAX_YAML_DEPTH` levels or an
+            unreadable number: naming ``source``, the key, the line and the fix.
+        yaml.YAMLError: ``text`` is not YAML.
+    """
+    loader = (_UserTextLoader if texts else _UserSafeLoader)(text)
+    loader.source, loader.at = source, at
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
 
 
-def _as_list(value: Any) -> Any:
-    """A list given on the command line as text, ``a,b`` or ``[a, b]``, as a list; else ``value``."""
+class _NoAliasDumper(yaml.SafeDumper):
+    """``yaml.SafeDumper`` that writes an object met twice out twice: :func:`read_yaml` refuses
+    aliases, so tether never writes one."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def dump_yaml(tree: Any) -> str:
+    """``tree`` (plain data) as YAML that :func:`read_yaml` reads back: safe tags, no aliases, the
+    keys in their order."""
+    return yaml.dump(tree, Dumper=_NoAliasDumper, sort_keys=False)
+
+
+def _text_yaml(text: str, name: str) -> Any:
+    """``text``, the value of field ``name`` on the command line, read with every scalar as text
+    (:func:`read_yaml` with ``texts``)."""
+    return read_yaml(text, f"override {name}", texts=True, at=name)
+
+
+def _as_list(value: Any, name: str) -> Any:
+    """Field ``name``'s list given on the command line as text, ``a,b`` or ``[a, b]``, as a list;
+    else ``value``."""
     if isinstance(value, str) and value.strip().startswith("["):
         try:
-            loaded = _text_yaml(value)
+            loaded = _text_yaml(value, name)
         except yaml.YAMLError:
             loaded = None
         if isinstance(loaded, list):
@@ -77,7 +207,7 @@ def _as_list(value: Any) -> Any:
 
 def _check(ok: bool, field_name: str, value: Any, rule: str) -> None:
     if not ok:
-        raise ConfigError(f"{field_name}={value!r} is invalid: {rule}")
+        raise ConfigError(f"{field_name}={shown(value)} is invalid: {rule}")
 
 
 def expand_path(value: str | None) -> str | None:
@@ -89,6 +219,26 @@ def expand_path(value: str | None) -> str | None:
     if not isinstance(value, str) or not (value.startswith("~") or "$" in value):
         return value
     return os.path.expanduser(os.path.expandvars(value))
+
+
+def _check_path_length(value: str | None, field_name: str) -> None:
+    """Refuse a path field's value that the system refuses as a name (``ENAMETOOLONG``: over 255
+    bytes in one part or 4096 in all, on Linux), which every later look-up would raise as an
+    ``OSError`` that names no field."""
+    import errno
+    import os
+
+    if not isinstance(value, str):
+        return
+    try:
+        os.stat(value)
+    except OSError as e:
+        _check(
+            e.errno != errno.ENAMETOOLONG,
+            field_name,
+            value,
+            f"the system refuses a name this long ({e.strerror}); give a file, a folder or a Hub id",
+        )
 
 
 PATH_FIELDS = (
@@ -219,7 +369,7 @@ class ModelConfig:
             self.adapter is None or self.lora_r == 0,
             "model.lora_r",
             self.lora_r,
-            f"must be 0 with model.adapter={self.adapter!r}: the adapter's own adapter_config.json "
+            f"must be 0 with model.adapter={shown(self.adapter)}: the adapter's own adapter_config.json "
             "sets the rank",
         )
         _check(
@@ -304,13 +454,13 @@ class RewardConfig(_Defaulted):
     out of that sample's sum."""
 
     def __post_init__(self) -> None:
-        self.scorer = _as_list(self.scorer)
+        self.scorer = _as_list(self.scorer, "reward.scorer")
         if isinstance(self.weights, str):
             try:
                 self.weights = [float(x) for x in self.weights.strip("[]").split(",") if x.strip()]
             except ValueError:
                 raise ConfigError(
-                    f"reward.weights={self.weights!r} is invalid: give a list of numbers, e.g. "
+                    f"reward.weights={shown(self.weights)} is invalid: give a list of numbers, e.g. "
                     "reward.weights=[1.0,0.2]"
                 ) from None
         n = len(self.scorer) if isinstance(self.scorer, list) else 1
@@ -425,7 +575,7 @@ class RolloutConfig(_Defaulted):
             loaded = None
             if text.strip().startswith("["):  # commas are text here: only a YAML list makes several
                 try:
-                    loaded = _text_yaml(text)
+                    loaded = _text_yaml(text, "rollout.stop_strings")
                 except yaml.YAMLError:
                     # text that reads as a list to the eye would become one stop string, bracket
                     # and all, which no turn writes: the environment would never be called
@@ -963,7 +1113,7 @@ class TrainConfig:
         _check(
             self.device in ("auto", "cpu", "cuda"), "train.device", self.device, "choose auto, cpu or cuda"
         )
-        self.report_to = _as_list(self.report_to)
+        self.report_to = _as_list(self.report_to, "train.report_to")
         self.report_to = [self.report_to] if isinstance(self.report_to, str) else self.report_to
         if self.tensorboard and "tensorboard" not in self.report_to:  # one TensorBoard path
             self.report_to = [n for n in self.report_to if n != "none"] + ["tensorboard"]
@@ -1026,6 +1176,7 @@ class Config:
         for section, name in PATH_FIELDS:
             obj = getattr(self, section)
             object.__setattr__(obj, name, expand_path(getattr(obj, name)))
+            _check_path_length(getattr(obj, name), f"{section}.{name}")
         _check(
             self.rollout.batch_size % self.optim.minibatch_size == 0,
             "optim.minibatch_size",
@@ -1171,8 +1322,8 @@ class Config:
         k = self.kl
         if k.controller != "fixed" and k.signal == "estimator" and k.estimator in ("k2", "abs"):
             msg = (
-                f"kl.estimator={k.estimator!r} is biased for the KL (its mean is not KL(pi || pi_ref)), and "
-                f"kl.controller={k.controller} would hold that biased number to its target"
+                f"kl.estimator={shown(k.estimator)} is biased for the KL (its mean is not KL(pi || pi_ref)), "
+                f"and kl.controller={k.controller} would hold that biased number to its target"
             )
             if not k.allow_biased_estimator:
                 raise ConfigError(
@@ -1348,7 +1499,7 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
             return str(value)  # model.name=007 stays '007'
         texts = list[str] in args and value.strip().startswith("[")
         try:  # a list of texts keeps each item as written (_text_yaml): [yes] is 'yes', not 'True'
-            value = (_text_yaml(value) if texts else yaml.safe_load(value)) if value != "" else ""
+            value = read_yaml(value, f"override {name}", texts=texts, at=name) if value != "" else ""
         except yaml.YAMLError:
             value = str(value)
     if origin in (typing.Union, types.UnionType):
@@ -1366,25 +1517,25 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
                 errors.append(str(e))
         if len(errors) > 1:  # every alternative refused it: name them all (true or false; or auto)
             rules = [e.split(" is invalid: ", 1)[-1] for e in errors]
-            raise ConfigError(f"{name}={value!r} is invalid: " + "; or ".join(rules))
-        raise ConfigError(errors[0] if errors else f"{name}={value!r}: wrong type")
+            raise ConfigError(f"{name}={shown(value)} is invalid: " + "; or ".join(rules))
+        raise ConfigError(errors[0] if errors else f"{name}={shown(value)}: wrong type")
     if origin is Literal:
         if value not in get_args(tp):
-            raise ConfigError(f"{name}={value!r} is invalid: choose one of {list(get_args(tp))}")
+            raise ConfigError(f"{name}={shown(value)} is invalid: choose one of {list(get_args(tp))}")
         return value
     if tp is bool:
         if isinstance(value, bool):
             return value
         if isinstance(value, str) and value.lower() in _BOOL_WORDS:
             return _BOOL_WORDS[value.lower()]
-        raise ConfigError(f"{name}={value!r} is invalid: expected true or false")
+        raise ConfigError(f"{name}={shown(value)} is invalid: expected true or false")
     if tp in (int, float):
         if isinstance(value, bool):
-            raise ConfigError(f"{name}={value!r} is invalid: expected a number")
+            raise ConfigError(f"{name}={shown(value)} is invalid: expected a number")
         try:
             f = float(value)
             if not math.isfinite(f):
-                raise ConfigError(f"{name}={value!r} is invalid: must be a finite number")
+                raise ConfigError(f"{name}={shown(value)} is invalid: must be a finite number")
             if tp is int:
                 if f != int(f):
                     raise ValueError
@@ -1394,23 +1545,23 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
             raise
         except (TypeError, ValueError, OverflowError):
             raise ConfigError(
-                f"{name}={value!r} is invalid: expected {'an integer' if tp is int else 'a number'}"
+                f"{name}={shown(value)} is invalid: expected {'an integer' if tp is int else 'a number'}"
             ) from None
     if tp is str:
         if isinstance(value, (dict, list)):  # YAML read a mapping or list where text was meant
-            raise ConfigError(f"{name}={value!r} is invalid: expected text (quote it: '...')")
+            raise ConfigError(f"{name}={shown(value)} is invalid: expected text (quote it: '...')")
         return str(value)
     if origin is list:
         if isinstance(value, str):
             return value  # a comma-separated list on the command line: the section parses it
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{name}={value!r} is invalid: expected a list, e.g. {name}=[a, b]")
+            raise ConfigError(f"{name}={shown(value)} is invalid: expected a list, e.g. {name}=[a, b]")
         (item,) = get_args(tp) or (Any,)
         if item is str:  # a YAML file's [yes, 010] is [True, 8]: as text 'True', '8', not what was written
             odd = [v for v in value if isinstance(v, (bool, int, float)) or v is None]
             if odd:
                 raise ConfigError(
-                    f"{name}={list(value)!r} is invalid: YAML read {odd[0]!r} as a "
+                    f"{name}={shown(list(value))} is invalid: YAML read {shown(odd[0])} as a "
                     f"{type(odd[0]).__name__}, not text; quote each item: ['...', '...']"
                 )
         return [_coerce(v, item, name) if item is not Any else v for v in value]
@@ -1419,13 +1570,13 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
 
 def _build(cls: type, data: dict, prefix: str) -> Any:
     if not isinstance(data, dict):
-        raise ConfigError(f"{prefix or 'config'} must be a mapping, got {data!r}")
+        raise ConfigError(f"{prefix or 'config'} must be a mapping, got {shown(data)}")
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = set(data) - known
     if unknown:
         raise ConfigError(
-            f"unknown config key(s) {sorted(prefix + k for k in unknown)}; "
+            f"unknown config key(s) {shown(sorted(f'{prefix}{k}' for k in unknown))}; "
             f"known under {prefix.rstrip('.') or 'the top level'}: {sorted(known)}"
         )
     kwargs = {}
@@ -1451,7 +1602,7 @@ def _set_dotted(tree: dict, key: str, value: Any) -> None:
     for p in parts[:-1]:
         node = node.setdefault(p, {})
         if not isinstance(node, dict):
-            raise ConfigError(f"override {key}: {p} is not a section")
+            raise ConfigError(f"override {shown(key)}: {shown(p)} is not a section")
     node[parts[-1]] = value
 
 
@@ -1467,12 +1618,18 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     tree: dict = {}
     if path is not None:
         p = Path(path)
-        if not p.exists():
-            raise FileNotFoundError(f"--config: no file {p}")
-        if not p.is_file():
-            raise ConfigError(f"--config {p} is not a file")
         try:
-            tree = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+            mode = p.stat().st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            raise FileNotFoundError(f"--config: no file {p}") from None
+        except OSError as e:  # a name too long, a folder without permission
+            raise ConfigError(f"--config {shown(str(p))}: cannot look it up ({e.strerror})") from None
+        if not stat.S_ISREG(mode):  # a folder; a device or a FIFO, whose reading might never end
+            from tether.data.prompts import path_kind
+
+            raise ConfigError(f"--config {p} is {path_kind(mode)}, not a file; give a YAML file")
+        try:
+            tree = read_yaml(p.read_text(encoding="utf-8"), f"--config {p}") or {}
         except (yaml.YAMLError, UnicodeDecodeError) as e:
             raise ConfigError(f"--config {p}: not valid UTF-8 YAML ({e})") from None
         if not isinstance(tree, dict):
@@ -1482,10 +1639,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             )
     for item in overrides or []:
         if "=" not in item:
-            raise ConfigError(f"override {item!r} must look like section.field=value (e.g. optim.lr=1e-5)")
+            raise ConfigError(
+                f"override {shown(item)} must look like section.field=value (e.g. optim.lr=1e-5)"
+            )
         key, _, raw = item.partition("=")
         if "." not in key:
-            raise ConfigError(f"override {item!r}: the key needs a section, e.g. kl.kl_coef=0.1")
+            raise ConfigError(f"override {shown(item)}: the key needs a section, e.g. kl.kl_coef=0.1")
         _set_dotted(tree, key.strip(), _Raw(raw))
     try:
         return _build(Config, tree, "")
@@ -1497,7 +1656,7 @@ def dump_config(config: Config, path: Path) -> None:
     """Write the resolved config as YAML (and it loads back to an equal Config)."""
     from tether.run.files import atomic_write_text
 
-    atomic_write_text(path, yaml.safe_dump(config.to_dict(resolved=False), sort_keys=False))
+    atomic_write_text(path, dump_yaml(config.to_dict(resolved=False)))
 
 
 def check_world_size(config: Config, world: int) -> None:
@@ -1737,7 +1896,7 @@ def config_fields(section: str | None = None) -> list[FieldDoc]:
     """
     sections = {f.name: f for f in dataclasses.fields(Config)}
     if section is not None and section not in sections:
-        raise ConfigError(f"config section {section!r} is unknown; choose one of {list(sections)}")
+        raise ConfigError(f"config section {shown(section)} is unknown; choose one of {list(sections)}")
     hints = typing.get_type_hints
     out = []
     for name in sections:

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import NoReturn
 
 import torch
-import yaml
 
 from tether.core import distributed as D
 from tether.core.health import Alarm
+from tether.core.text import shown
 from tether.judges.contract import ScorerFailed, ScorerStopped
 from tether.models.reference import fingerprint
 from tether.models.sharding import is_sharded
@@ -34,7 +34,7 @@ from tether.run.checkpoint import (
     save_sharded_state,
     sharded_folder,
 )
-from tether.run.config import Config
+from tether.run.config import Config, dump_yaml, read_yaml
 from tether.run.console import say
 from tether.run.files import (
     atomic_write_text,
@@ -163,16 +163,16 @@ def record_resumed_config(run: Run, step: int) -> None:
     """When ``--resume`` changed settings, config.yaml becomes the config the run goes on with (so
     a later plain ``--resume`` keeps them) and the one it had is kept as config.until-step-N.yaml."""
     path = run.writer.run_dir / "config.yaml"
-    before = with_defaults(yaml.safe_load(path.read_text()))
+    before = with_defaults(read_yaml(path.read_text(), f"--resume: {path}"))
     now = run.config.to_dict(resolved=False)
     now["train"]["output_dir"] = before["train"]["output_dir"]  # --resume names the folder; not a change
     if now == before:
         return
     kept = path.with_name(f"config.until-step-{step}.yaml")
     atomic_write_text(kept, path.read_text())
-    atomic_write_text(path, yaml.safe_dump(now, sort_keys=False))
+    atomic_write_text(path, dump_yaml(now))
     changed = [
-        f"{sec}.{name}: {(before.get(sec) or {}).get(name)!r} -> {value!r}"
+        f"{sec}.{name}: {shown((before.get(sec) or {}).get(name))} -> {shown(value)}"
         for sec, fields in now.items()
         if isinstance(fields, dict)
         for name, value in fields.items()

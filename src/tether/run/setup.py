@@ -17,6 +17,7 @@ from safetensors import SafetensorError
 from torch import nn
 
 from tether.core.distributed import barrier, gather_objects, is_main
+from tether.core.text import shown
 from tether.data.prompts import (
     DEFAULT_PROMPTS,
     PromptData,
@@ -53,7 +54,7 @@ from tether.models.reference import (
 from tether.models.sampling import prompt_texts, use_chat_template
 from tether.models.sharding import shard_model
 from tether.models.turns import chat_reply_text, env_column_names, load_env, prompt_messages, turn_formats
-from tether.run.config import Config, ConfigError, check_world_size, dump_config
+from tether.run.config import Config, ConfigError, check_world_size, dump_config, read_yaml
 from tether.run.files import check_no_links, run_id
 from tether.run.lock import RunLocked
 from tether.run.lock import acquire as acquire_lock
@@ -83,8 +84,8 @@ def load_model_part(load, name: str, *args):
     except (OSError, ValueError, ImportError, RuntimeError, SafetensorError) as e:  # a shape's RuntimeError
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(
-            f"model.name={name!r}: {load.__name__.replace('_', ' ')} failed ({first}); point model.name at a "
-            "folder saved with save_pretrained (config, tokenizer and weights) or a Hub id"
+            f"model.name={shown(name)}: {load.__name__.replace('_', ' ')} failed ({first}); point model.name "
+            "at a folder saved with save_pretrained (config, tokenizer and weights) or a Hub id"
         ) from e
 
 
@@ -113,15 +114,16 @@ def check_scorer_columns(
         needed = required_arguments(one)
         if ENV_REPLIES in needed and not multi_turn:
             raise ValueError(
-                f"{field_name} {name!r} takes {ENV_REPLIES}, what rollout.env wrote between the policy's "
-                "turns, and this run has no rollout.env; give the parameter a default or set rollout.env"
+                f"{field_name} {shown(name)} takes {ENV_REPLIES}, what rollout.env wrote between the "
+                "policy's turns, and this run has no rollout.env; give the parameter a default or set "
+                "rollout.env"
             )
         missing = [c for c in needed if c not in ("prompts", "completions", ENV_REPLIES) and c not in columns]
         if missing:
             raise ValueError(
-                f"{field_name} {name!r} needs the dataset column(s) {missing}, and {data_field} has "
-                f"{sorted(columns) or 'none'}; point {data_field} at a dataset with them (or set "
-                "data.prompt_column) or give the function defaults"
+                f"{field_name} {shown(name)} needs the dataset column(s) {missing}, and {data_field} has "
+                f"{shown(sorted(columns)) if columns else 'none'}; point {data_field} at a dataset with "
+                "them (or set data.prompt_column) or give the function defaults"
             )
 
 
@@ -169,9 +171,7 @@ def check_resume_keeps(config: Config, saved: Path) -> None:
     Raises:
         ConfigError: naming the field, both values and the fix.
     """
-    import yaml
-
-    before = yaml.safe_load(saved.read_text()) or {}
+    before = read_yaml(saved.read_text(), f"--resume: {saved}") or {}
     algo = config.train.algo
     for section, name in RESUME_FIXED:
         if section == "dpo" and algo != "dpo":
@@ -180,11 +180,11 @@ def check_resume_keeps(config: Config, saved: Path) -> None:
         now = getattr(getattr(config, section), name)
         if was != now and not _same_path(was, now):
             raise ConfigError(
-                f"--resume: {section}.{name}={now!r} differs from the run's {was!r} ({saved}); a resumed "
-                "run keeps its trainer, its data (the checkpoint's prompt order, the held-out split) and "
-                "its model (the checkpoint's weights and adapters). "
+                f"--resume: {section}.{name}={shown(now)} differs from the run's {shown(was)} ({saved}); "
+                "a resumed run keeps its trainer, its data (the checkpoint's prompt order, the held-out "
+                "split) and its model (the checkpoint's weights and adapters). "
                 f"Drop the override, or start a new run with it: tether train --config {saved} "
-                f"{section}.{name}={now!r} train.output_dir=NEW_DIR"
+                f"{section}.{name}={shown(now)} train.output_dir=NEW_DIR"
             )
 
 
@@ -216,7 +216,7 @@ def check_integer_answers(scorer, *parts: PromptData) -> None:
                 integer_answer(["0"], [a])
             except ValueError:
                 raise ValueError(
-                    f"reward.scorer=integer-answer: row {i + 1} of the prompts has answer {a!r}, not an "
+                    f"reward.scorer=integer-answer: row {i + 1} of the prompts has answer {shown(a)}, not an "
                     "integer; fix the data's answer column, or use your own reward.scorer=module:function"
                 ) from None
 
@@ -241,7 +241,9 @@ def dataset_data(dataset, config: Config, field_name: str) -> PromptData:
     """
     if isinstance(dataset, dict) and dataset and all(hasattr(v, "to_list") for v in dataset.values()):
         if config.data.split not in dataset:  # a DatasetDict
-            raise ValueError(f"data.split={config.data.split!r}: {field_name} has the splits {list(dataset)}")
+            raise ValueError(
+                f"data.split={shown(config.data.split)}: {field_name} has the splits {list(dataset)}"
+            )
         dataset = dataset[config.data.split]
     if hasattr(dataset, "to_dict") and hasattr(dataset, "columns") and not hasattr(dataset, "to_list"):
         rows = dataset.to_dict("records")  # a pandas DataFrame
@@ -469,13 +471,13 @@ def check_prompt_lengths(
                     where = f"data.prompts: {source}:{prompt_line(source, p)}:"
                 if 0 < n <= limit and room is not None:
                     raise ValueError(
-                        f"{where} ({p[:60]!r}) has {n} tokens, and with rollout.max_new_tokens={room[1]} "
+                        f"{where} ({shown(p, 60)}) has {n} tokens, and with rollout.max_new_tokens={room[1]} "
                         f"the response would run past the model's {room[0]} positions "
                         "(max_position_embeddings); shorten the prompt or lower rollout.max_new_tokens "
                         "(rollout.max_prompt_tokens bounds the prompts)"
                     )
                 raise ValueError(
-                    f"{where} ({p[:60]!r}) has {n} tokens; rollout.max_prompt_tokens="
+                    f"{where} ({shown(p, 60)}) has {n} tokens; rollout.max_prompt_tokens="
                     f"{max_prompt_tokens} (shorten the prompt or raise rollout.max_prompt_tokens)"
                 )
     return longest
@@ -592,7 +594,7 @@ def check_full_precision(mixed_precision: str) -> None:
     """
     if mixed_precision != "no":
         raise ValueError(
-            f"accelerate's mixed_precision={mixed_precision!r} (from `accelerate launch "
+            f"accelerate's mixed_precision={shown(mixed_precision)} (from `accelerate launch "
             "--mixed_precision` or ACCELERATE_MIXED_PRECISION): tether scores the old and reference "
             "log-probs without autocast, so an autocast update would see a precision mismatch (a first "
             "ratio != 1); run with --mixed_precision no (or unset ACCELERATE_MIXED_PRECISION) and set "
@@ -766,7 +768,7 @@ def record_passed_objects(
         spec = config.data.eval_prompts
         if spec is not None and spec != "(an eval_dataset passed to train)":
             raise ValueError(
-                f"train(eval_dataset=...) and data.eval_prompts={spec!r} both give a held-out set; "
+                f"train(eval_dataset=...) and data.eval_prompts={shown(spec)} both give a held-out set; "
                 "give one of them"
             )
         config = copy.deepcopy(config)
@@ -781,7 +783,7 @@ def record_passed_objects(
             # config.yaml would name the config's reward while the run trains on the object, and a
             # resume from the command line would go on with another reward
             raise ValueError(
-                f"train(scorer=...) and reward.scorer={given!r} both give the reward; give one of them "
+                f"train(scorer=...) and reward.scorer={shown(given)} both give the reward; give one of them "
                 "(reward.scorer=null to pass it from Python)"
             )
     if scorer is not None:
