@@ -21,6 +21,7 @@ All runs are seeded and use one torch thread (restored afterwards).
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 
 import pytest
@@ -31,6 +32,7 @@ from tether.core.controllers import (
     FixedKLController,
     make_controller,
 )
+from tether.core.leash import KLLeash
 from tether.testing import testbed as tb
 
 F64 = torch.float64
@@ -151,11 +153,17 @@ def test_the_bed_runs_the_step_settings_of_a_default_run(algo):
     from tether.trainers.base import step_settings
     from tether.trainers.steps import StepSettings
 
-    run = step_settings(load_config(None, [f"train.algo={algo}"]).for_run(), algo)
+    config = load_config(None, [f"train.algo={algo}"]).for_run()
+    run = step_settings(config, algo)
     s = tb.TrainSettings()
     bed = StepSettings(algo=algo, group_size=run.group_size, gamma=s.gamma, gae_lambda=s.gae_lambda)
     assert bed == run
     assert run.scale_returns and run.controller_signal == "exact"  # the two the oracle once left out
+    # the KL surrogate in the loss (GRPO's placement, any algorithm's kl.kl_in_loss): the bed's
+    # default is the CLI's and the leash's, k3_is (exact on the update's off-policy minibatches)
+    bed_estimator = inspect.signature(tb.train_on_policy).parameters["loss_estimator"].default
+    assert bed_estimator == config.kl.loss_estimator == KLLeash(False, True).loss_estimator == "k3_is"
+    assert config.kl.kl_in_loss == (algo == "grpo") and config.kl.kl_in_reward == (algo != "grpo")
 
 
 # ---- convergence on the bandit ------------------------------------------------------------------
@@ -355,6 +363,79 @@ def test_grpo_with_kl_in_the_reward_keeps_beta_in_reward_units():
     dist = tb.kl_to(log.table, bed, pi_star(bed, 4 * BETA))
     print(f"GRPO (std-scaled, KL in the reward) on (4 r, 4 beta): KL(pi || pi*) = {dist:.2e}")
     assert dist < 1e-3, f"GRPO (std-scaled, KL in the reward) on (4 r, 4 beta): KL(pi || pi*) = {dist:.3f}"
+
+
+# ---- GRPO's default with two epochs: the KL surrogate on the update's off-policy samples ---------
+# The default run takes 2 epochs (x 2 minibatches on the bed): after the first gradient step the
+# samples are those of pi_old, the policy before it. k3+ differentiates k1 grad log pi on them
+# unweighted, E_old[k1 grad log pi] != grad KL(pi || pi_ref); k3_is (the default) weighs each
+# token by pi / pi_old, which makes it exact (tests/oracle/test_kl_placement.py). lr 0.2, 4x the
+# bed's, moves the policy far enough within a batch to tell them apart (docs/kl.md has the table
+# at lr 0.05, 0.2, 0.5 and 1.0, five seeds each).
+OFF_POLICY = tb.TrainSettings(steps=100, batch_size=1024, group_size=G, lr=0.2)
+
+
+@functools.cache
+def off_policy_run(estimator: str) -> tb.RunLog:
+    """GRPO as a default run places it (KL in the loss, std-scaled advantages), at lr 0.2."""
+    return tb.train_group(bed_bandit(), "grpo", BETA, OFF_POLICY, loss_estimator=estimator)
+
+
+@functools.cache
+def published_grpo_fixed_point() -> torch.Tensor:
+    """(1, V) log-probs where the expected update of GRPO's default placement vanishes (G = 64,
+    by enumerating the 47905 outcomes of a group; ~3 s)."""
+    return tb.group_fixed_point(bed_bandit(), BETA, G, "grpo")
+
+
+def kl_gradient_error(old: torch.Tensor, now: torch.Tensor, ref: torch.Tensor) -> float:
+    """|E_old[k1 grad log pi] - grad KL(pi || pi_ref)| / |grad KL| on the bandit, exact: k3+'s
+    expected KL gradient on samples of pi_old (log-probs ``old``) at the policy ``now``, in logit
+    space: sum_y old_y k1_y (e_y - pi) against pi (k1 - KL), k1 = log pi - log pi_ref."""
+    pi, k1 = now.exp(), now - ref
+    true = pi * (k1 - (pi * k1).sum())
+    k3_plus = old.exp() * k1 - pi * (old.exp() * k1).sum()
+    return float((k3_plus - true).norm() / true.norm())
+
+
+def test_grpo_default_epochs_k3_plus_and_k3_is_share_the_fixed_point_not_the_path():
+    # Both reach the same fixed point: where the expected update vanishes pi = pi_old at every
+    # minibatch, so k3_is's weight is 1 and its gradient is k3+'s. On the way they differ: in
+    # the second epoch k3+'s leash pulls by pi_old's weights while the clipped surrogate's ratio
+    # already weighs by pi, so each batch overshoots and the policy oscillates about the point.
+    bed = bed_bandit()
+    fp = published_grpo_fixed_point()[0]
+    ref = torch.log_softmax(bed.ref_logits[0].to(F64), -1)
+    gap = float(tb.exact_kl(fp, pi_star(bed, BETA)))  # 1.92e-4: the fixed point is not pi*
+    per = OFF_POLICY.epochs * OFF_POLICY.minibatches  # gradient steps per batch
+    second = OFF_POLICY.minibatches  # the second epoch's first gradient step
+    got = {}
+    for est in ("k3+", "k3_is"):
+        log = off_policy_run(est)
+        steps = [lp[0] for lp in log.step_logprobs]  # the policy before each gradient step
+        assert len(steps) == OFF_POLICY.steps * per
+        samplers = steps[::per]  # pi_old of each batch
+        off = [float(tb.exact_kl(steps[b * per], steps[b * per + second])) for b in range(10)]
+        err = [kl_gradient_error(steps[b * per], steps[b * per + second], ref) for b in range(10)]
+        path = [float(tb.exact_kl(p, fp)) for p in samplers]
+        got[est] = {
+            "KL(pi_old || pi), 2nd epoch": sum(off) / 10,
+            "k3+ grad error, 2nd epoch": sum(err) / 10,
+            "mean KL(pi_t || fp), t = 10-49": sum(path[10:50]) / 40,
+            "first t with KL(pi_t || fp) < 1e-3": next((t for t, d in enumerate(path) if d < 1e-3), None),
+            "final KL(pi || fp)": tb.kl_to(log.table, bed, fp),
+        }
+        print(f"GRPO default, 2 epochs, lr {OFF_POLICY.lr}, {est}: {got[est]}")
+    for est, row in got.items():
+        # measurably off-policy: the first 10 batches' second epoch starts ~8e-3 nats from its
+        # sampler, where k3+'s expected KL gradient is ~9% off the true one (1e-16 on-policy)
+        assert row["KL(pi_old || pi), 2nd epoch"] > 1e-3 and row["k3+ grad error, 2nd epoch"] > 0.01, row
+        # the same fixed point: 4x closer to it than it is to pi* (seeds 0-4, benchmarks/
+        # testbed_epochs.py: <= 1.3e-5)
+        assert row["final KL(pi || fp)"] < gap / 4, (est, row, gap)
+    # the path: k3+ wanders 10x further from the fixed point at this lr (seeds 0-4: 4.6x-14x)
+    path = "mean KL(pi_t || fp), t = 10-49"
+    assert got["k3+"][path] > 3 * got["k3_is"][path], got
 
 
 # ---- the sequence bed ---------------------------------------------------------------------------
