@@ -1,6 +1,6 @@
 """GRPO's KL in the loss over the update's epochs: k3+ against k3_is on the tabular test bed.
 
-Usage: python benchmarks/testbed_epochs.py [--seeds 5] [--sequence]
+Usage: python benchmarks/testbed_epochs.py [--seeds 5] [--sequence] [--scale-kl]
 
 The default run takes 2 epochs of minibatches over each batch; after the first gradient step the
 samples are those of pi_old. k3+ differentiates ``k1 grad log pi`` unweighted (biased there),
@@ -20,7 +20,10 @@ learning rate and surrogate, over ``--seeds`` seeds (min - max):
 
 ``--sequence`` adds the 3-token bed (Dr. GRPO, its per-token fixed point, 150 batches), where the
 table has 31 rows and the sampling noise of each is larger. Table in docs/kl.md ("The KL in the
-loss off-policy"). One thread, seconds per run.
+loss off-policy"). ``--scale-kl`` adds ``grpo.scale_kl_by_std`` at G = 64 on the same bandit
+(150 batches of 4096, the default surrogate): each seed's distance to its exact fixed point and
+to Dr. GRPO's pi*(beta G / (G - 1)) (docs/kl.md, "scale_kl_by_std: the fixed point"). One thread,
+seconds per run.
 """
 
 from __future__ import annotations
@@ -111,15 +114,37 @@ def sequence_table(seeds: int) -> None:
             print(f"  lr {lr} {est}: mean KL(pi_t || fp), t = 10-74: {span(path_mean)}; final {span(final)}")
 
 
+def scale_kl_runs(seeds: int) -> None:
+    bed = tb.bandit([0.4, 0.3, 0.2, 0.1], [0.0, 1.0, 2.0, 3.0])
+    G = 64
+    fp = tb.group_fixed_point(bed, 1.0, G, "grpo-scale-kl")[0]
+    ref = tb.sequence_logprobs(bed.ref_logits, 4, 1)
+    dr_grpo = tb.optimal_logprobs(ref, bed.rewards, G / (G - 1))
+    print(
+        f"\ngrpo.scale_kl_by_std, G = {G}, 150 batches of 4096; KL(fp || pi*(bG/(G-1))) = "
+        f"{float(tb.exact_kl(fp, dr_grpo)):.2e}"
+    )
+    for seed in range(seeds):
+        s = tb.TrainSettings(steps=150, batch_size=4096, group_size=G, seed=seed)
+        log = tb.train_group(bed, "grpo", 1.0, s, scale_by_std=True, scale_kl_by_std=True)
+        print(
+            f"  seed {seed}: KL(pi || fp) {tb.kl_to(log.table, bed, fp):.2e}, "
+            f"KL(pi || pi*(bG/(G-1))) {tb.kl_to(log.table, bed, dr_grpo):.2e}"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--sequence", action="store_true", help="also the 3-token bed")
+    ap.add_argument("--scale-kl", action="store_true", help="also grpo.scale_kl_by_std at G = 64")
     args = ap.parse_args()
     torch.set_num_threads(1)
     bandit_table(args.seeds)
     if args.sequence:
         sequence_table(args.seeds)
+    if args.scale_kl:
+        scale_kl_runs(args.seeds)
 
 
 if __name__ == "__main__":
