@@ -25,9 +25,11 @@ TRL ... (``--pairs``) so that a change in the machine's load hits both. Equal wo
   GenerationConfig that ``tether.models.sampling.generate`` builds; nothing in src/ changes).
   ``--stop-at-eos`` lets both stop at EOS instead; tokens per step and tokens/s are printed
   either way;
-* beta fixed at ``--beta`` with the KL in the loss: TRL differentiates k3; tether's nearest
-  allowed surrogate is ``kl.loss_estimator=k3+`` (k3's value, k2's gradient; see docs/kl.md);
-  ``--tether-kl k3`` uses k3 itself (``kl.allow_biased_estimator=true``). Same cost either way;
+* beta fixed at ``--beta`` with the KL in the loss: TRL 1.16 multiplies k3 by the ratio
+  ``pi / pi_old`` (``use_bias_correction_kl``, on by default), tether's default
+  ``kl.loss_estimator=k3_is`` (see docs/kl.md); with one optimizer step per batch the ratio is 1
+  and ``k3+`` (k3's value, k2's gradient) takes the same step. ``--tether-kl k3`` uses k3 itself
+  (``kl.allow_biased_estimator=true``: TRL with ``use_bias_correction_kl=False``). Same cost;
 * one optimizer step per generation batch: TRL ``num_iterations=1``, one micro-batch, no gradient
   accumulation; tether ``optim.epochs=1``, ``optim.minibatch_size`` = batch. Both normalize the
   loss by the batch's token count (TRL's default ``loss_type="dapo"``; tether's token mean) and
@@ -793,7 +795,10 @@ def main() -> int:
         help="steps: blocks both train: all (default, as TRL does) or N, the last N in both",
     )
     ap.add_argument(
-        "--tether-kl", default="k3+", choices=["k3+", "k3", "k2"], help="steps: tether's kl.loss_estimator"
+        "--tether-kl",
+        default="k3_is",
+        choices=["k3_is", "k3+", "k3", "k2"],
+        help="steps: tether's kl.loss_estimator",
     )
     ap.add_argument("--trl-gradient-checkpointing", action="store_true", help="TRL's own default (off here)")
     ap.add_argument(

@@ -129,6 +129,73 @@ def test_a_training_step_creates_every_tensor_on_the_device(
 
 
 @pytest.mark.device
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_k3_is_takes_k3_plus_first_minibatch_step_bit_for_bit(
+    dtype, device, tiny_model_dir, prompt_file, tmp_path
+):
+    """GRPO's KL surrogates on a real step: on the first minibatch the old log-probs are the
+    update's own (policy/ratio_max_dev_first = 0), so k3_is's weight pi / pi_old is 1.0 exactly
+    and its loss and every gradient equal k3+'s bit for bit; once the policy has moved (a later
+    minibatch or epoch) they differ, which is k3_is's point (docs/kl.md)."""
+    from tether.core.leash import KLLeash
+    from tether.trainers.steps import make_experience
+
+    cfg = _config(
+        tiny_model_dir,
+        prompt_file,
+        tmp_path,
+        "grpo",
+        f"model.dtype={dtype}",
+        f"train.device={device}",
+        "kl.controller=fixed",
+        "kl.kl_coef=0.5",
+        "optim.lr=0.01",
+    )
+    trainer = TRAINERS["grpo"](build_run(cfg))
+    trainer.step(0)  # the policy leaves the reference: the KL term has a gradient from step 1 on
+    rollout = trainer.sample_rollout(1)
+    scores, _ = trainer.score(rollout, 1)
+    minibatches = trainer.minibatch_indices()
+    forwards = trainer.rollout_forwards(rollout, minibatches)
+    exp = make_experience(
+        rollout=rollout,
+        scores=scores,
+        old_logprobs=forwards.old_logprobs,
+        ref_logprobs=forwards.ref_logprobs,
+        values=forwards.values,
+        exact_kl=forwards.exact_kl,
+        minibatches=minibatches,
+        kl_coef=0.5,
+        leash=trainer.leash,
+        settings=trainer.settings,
+    )
+    mb = exp.select(minibatches[0])
+
+    def loss_and_grads(estimator: str):
+        trainer.leash = KLLeash(False, True, estimator)
+        for p in trainer.params:
+            p.grad = None
+        out = trainer.minibatch_loss(mb, 0.5)
+        out.loss.backward()
+        return out, [p.grad.clone() for p in trainer.params]
+
+    plus, plus_grads = loss_and_grads("k3+")
+    is_, is_grads = loss_and_grads("k3_is")
+    assert float(is_.ratio_dev) == 0.0 and float(is_.stats["policy/kl_loss"].detach()) > 0
+    assert torch.equal(is_.loss, plus.loss)
+    assert all(torch.equal(a, b) for a, b in zip(is_grads, plus_grads))
+    # a moved policy (as after a first minibatch's step): the weight is no longer 1
+    with torch.no_grad():
+        g = torch.Generator(device="cpu").manual_seed(0)
+        for p in trainer.params:
+            p.add_((1e-2 * torch.randn(p.shape, generator=g)).to(p.device, p.dtype))
+    plus, plus_grads = loss_and_grads("k3+")
+    is_, is_grads = loss_and_grads("k3_is")
+    assert float(is_.ratio_dev) > 0
+    assert not all(torch.equal(a, b) for a, b in zip(is_grads, plus_grads))
+
+
+@pytest.mark.device
 def test_dpo_step0_margins_are_exactly_zero_in_bf16(device, tiny_model_dir, prompt_file, tmp_path):
     cfg = _config(
         tiny_model_dir, prompt_file, tmp_path, "dpo", "model.dtype=bfloat16", f"train.device={device}"

@@ -454,3 +454,43 @@ def test_k3_is_not_capped_where_the_policy_is_far_above_the_reference(ref):
     #   = (-1 - r + exp(r)) + 1 - exp(r) = -r: 24.9 at ref = -25 (a clamp gave 19)
     kl_loss_terms(lp, lq, "k3_is", lp.detach()).sum().backward()
     assert lp.grad.item() == pytest.approx(-(ref + 0.1), rel=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("r", [5.0, 16.0, 18.0, 19.9, 20.5, 25.0, 100.0])
+def test_k3_is_gradient_at_and_past_the_clamp(r, dtype):
+    # The policy far *below* the reference on a sampled token: log pi = -1 - r, log pi_ref = -1,
+    # r = log pi_ref - log pi. On-policy (old = pi, weight 1) k3_is's gradient is k1 = -r, exactly
+    # k3+'s, at every r: the straight-through form never subtracts two numbers of size exp(r).
+    # Left to autograd, rho k3 + rho (1 - exp(r)) gave -16 and -32 in float32 at r = 18 and 19.9,
+    # and past the clamp (r > 20: k3's clamped exp has no gradient) +(e^20 - 21) = +4.85e8, the
+    # wrong sign: the leash pushed the token further down.
+    from tether.core.kl import K3_LOG_RATIO_CLAMP
+    from tether.core.losses import kl_loss_terms
+
+    lp = torch.tensor([[-1.0 - r]], dtype=dtype, requires_grad=True)
+    ref = torch.tensor([[-1.0]], dtype=dtype)
+    terms = kl_loss_terms(lp, ref, "k3_is", lp.detach())
+    terms.sum().backward()
+    k1 = float((lp.detach() - ref).item())  # -r to the dtype's rounding of -1 - r
+    assert lp.grad.item() == k1
+    # the value (what is logged) is k3's, clamped at r = 20 (the clamp table of docs/kl.md)
+    rc = min(r, K3_LOG_RATIO_CLAMP)
+    assert terms.item() == pytest.approx(math.expm1(rc) - rc, rel=4 * torch.finfo(dtype).eps)
+
+
+def test_k3_is_importance_weight_is_capped_at_exp_20():
+    # The weight pi / pi_old past its clamp: a token the update raised by 25 nats since it was
+    # sampled (log pi - log pi_old = 25) weighs e^20 = 4.85e8, not e^25 (the exponent is clamped
+    # from above at 20 nats, as k3's); below the clamp it is exact. Gradient rho * k1 either way.
+    from tether.core.losses import kl_loss_terms
+
+    ref = torch.tensor([[-3.0, -3.0]], dtype=F64)
+    lp = torch.tensor([[-2.0, -2.0]], dtype=F64, requires_grad=True)  # k1 = 1 on both tokens
+    old = torch.tensor([[-27.0, -12.0]], dtype=F64)  # log ratio 25 (clamped) and 10 (exact)
+    terms = kl_loss_terms(lp, ref, "k3_is", old)
+    terms.sum().backward()
+    k3 = math.expm1(-1.0) + 1.0  # r = -1: e^-1 - 1 + 1 = 0.367879
+    rho = [math.exp(20.0), math.exp(10.0)]
+    assert terms.detach()[0].tolist() == pytest.approx([rho[0] * k3, rho[1] * k3], rel=1e-15)
+    assert lp.grad[0].tolist() == pytest.approx(rho, rel=1e-15)  # rho * k1, k1 = 1

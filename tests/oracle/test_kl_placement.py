@@ -98,6 +98,61 @@ def test_random_16_token_case():
     assert (expected_reward_grad(theta, ref_logp, "k3") - true).abs().max() > 1e-3
 
 
+def test_second_epoch_kl_gradient_on_three_actions():
+    # A second epoch: the samples come from pi_old, the policy has moved one step since, by a
+    # ratio pi / pi_old = [0.875, 1, 1.1667] inside PPO's clip range (KL(pi_old || pi) = 0.0072).
+    # pi_ref = [0.6, 0.3, 0.1], pi_old = [0.4, 0.3, 0.3], pi = [0.35, 0.3, 0.35].
+    ref, old = torch.tensor([0.6, 0.3, 0.1], dtype=F64).log(), torch.tensor([0.4, 0.3, 0.3], dtype=F64).log()
+    theta = torch.tensor([0.35, 0.3, 0.35], dtype=F64).log()
+    # k1 = log(pi / pi_ref) = [ln(0.35 / 0.6), 0, ln 3.5] = [-0.538997, 0, 1.252763]
+    # KL(pi || pi_ref) = 0.35 (-0.538997) + 0.35 (1.252763) = 0.249818
+    # grad KL in logit space: pi_i (k1_i - KL) = [0.35 (-0.788815), 0.3 (-0.249818), 0.35 (1.002945)]
+    true = torch.tensor([-0.276085, -0.074945, 0.351031], dtype=F64)
+    # k3+ (k2's gradient k1 grad log pi) on samples of pi_old, unweighted:
+    #   sum_y old_y k1_y (e_y - pi) = old_i k1_i - pi_i S, S = sum_y old_y k1_y
+    #   S = 0.4 (-0.538997) + 0.3 (1.252763) = -0.215599 + 0.375829 = 0.160230
+    #   = [-0.215599 - 0.35 (0.160230), -0.3 (0.160230), 0.375829 - 0.35 (0.160230)]
+    unweighted = torch.tensor([-0.271679, -0.048069, 0.319748], dtype=F64)
+    th = theta.clone().requires_grad_(True)
+    exact_kl(th, ref).backward()
+    torch.testing.assert_close(th.grad, true, atol=1e-6, rtol=0)
+    got = {est: expected_loss_grad(theta, ref, est, old_logp=old) for est in ("k3+", "k2", "k3_is")}
+    print("second epoch, 3 actions: grad KL =", th.grad.tolist(), {k: v.tolist() for k, v in got.items()})
+    torch.testing.assert_close(got["k3+"], unweighted, atol=1e-6, rtol=0)
+    assert torch.equal(got["k2"], got["k3+"])  # the same gradient
+    # the middle action's component is 36% short: the leash pulls too little where pi has moved
+    assert (got["k3+"] - th.grad).abs().max() > 0.02
+    # k3_is weights each sample by pi / pi_old: E_old[(pi / pi_old) k1 grad log pi] = grad KL,
+    # float64 sums of three terms of size < 1: a few ulp
+    torch.testing.assert_close(got["k3_is"], th.grad, atol=1e-15, rtol=0)
+
+
+def test_k3_is_is_k3_plus_on_policy_bit_for_bit():
+    # On the first minibatch pi_old = pi: the weight is exp(0) = 1.0 exactly and k3_is's gradient
+    # rho * k1 * grad log pi is k3+'s k1 * grad log pi, per sample, in float64 and float32 alike
+    # (the trainers check that ratio is 1.0 exactly: policy/ratio_max_dev_first = 0)
+    g = torch.Generator().manual_seed(0)
+    theta = torch.randn(16, generator=g, dtype=F64)
+    ref_logp = torch.log_softmax(torch.randn(16, generator=g, dtype=F64), -1)
+    assert torch.equal(
+        expected_loss_grad(theta, ref_logp, "k3_is"), expected_loss_grad(theta, ref_logp, "k3+")
+    )
+    for dtype in (F64, torch.float32):
+        lp = torch.log_softmax(torch.randn(4, 9, generator=g, dtype=F64), -1).to(dtype)
+        ref = torch.log_softmax(3 * torch.randn(4, 9, generator=g, dtype=F64), -1).to(dtype)
+        weight = torch.rand(4, 9, generator=g, dtype=F64).to(dtype)
+        grads, values = {}, {}
+        for est in ("k3+", "k3_is"):
+            x = lp.clone().requires_grad_(True)
+            terms = kl_loss_terms(x, ref, est, old_logprobs=lp.clone())
+            (weight * terms).sum().backward()
+            grads[est], values[est] = x.grad, terms.detach()
+        assert torch.equal(grads["k3_is"], grads["k3+"]), dtype
+        assert torch.equal(grads["k3_is"], weight * (lp - ref)), dtype  # k1, one rounding
+        # the values: k3 (k3+'s k2 + (k3 - k2) may round one ulp away from it)
+        torch.testing.assert_close(values["k3_is"], values["k3+"], rtol=4 * torch.finfo(dtype).eps, atol=0)
+
+
 def test_k3_plus_logs_k3_value():
     lp = torch.tensor([[-1.0, -2.0]], dtype=F64)
     ref = torch.tensor([[-1.5, -1.0]], dtype=F64)

@@ -21,6 +21,7 @@ All runs are seeded and use one torch thread (restored afterwards).
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 
 import pytest
@@ -31,6 +32,7 @@ from tether.core.controllers import (
     FixedKLController,
     make_controller,
 )
+from tether.core.leash import KLLeash
 from tether.testing import testbed as tb
 
 F64 = torch.float64
@@ -151,11 +153,17 @@ def test_the_bed_runs_the_step_settings_of_a_default_run(algo):
     from tether.trainers.base import step_settings
     from tether.trainers.steps import StepSettings
 
-    run = step_settings(load_config(None, [f"train.algo={algo}"]).for_run(), algo)
+    config = load_config(None, [f"train.algo={algo}"]).for_run()
+    run = step_settings(config, algo)
     s = tb.TrainSettings()
     bed = StepSettings(algo=algo, group_size=run.group_size, gamma=s.gamma, gae_lambda=s.gae_lambda)
     assert bed == run
     assert run.scale_returns and run.controller_signal == "exact"  # the two the oracle once left out
+    # the KL surrogate in the loss (GRPO's placement, any algorithm's kl.kl_in_loss): the bed's
+    # default is the CLI's and the leash's, k3_is (exact on the update's off-policy minibatches)
+    bed_estimator = inspect.signature(tb.train_on_policy).parameters["loss_estimator"].default
+    assert bed_estimator == config.kl.loss_estimator == KLLeash(False, True).loss_estimator == "k3_is"
+    assert config.kl.kl_in_loss == (algo == "grpo") and config.kl.kl_in_reward == (algo != "grpo")
 
 
 # ---- convergence on the bandit ------------------------------------------------------------------
@@ -355,6 +363,79 @@ def test_grpo_with_kl_in_the_reward_keeps_beta_in_reward_units():
     dist = tb.kl_to(log.table, bed, pi_star(bed, 4 * BETA))
     print(f"GRPO (std-scaled, KL in the reward) on (4 r, 4 beta): KL(pi || pi*) = {dist:.2e}")
     assert dist < 1e-3, f"GRPO (std-scaled, KL in the reward) on (4 r, 4 beta): KL(pi || pi*) = {dist:.3f}"
+
+
+# ---- GRPO's default with two epochs: the KL surrogate on the update's off-policy samples ---------
+# The default run takes 2 epochs (x 2 minibatches on the bed): after the first gradient step the
+# samples are those of pi_old, the policy before it. k3+ differentiates k1 grad log pi on them
+# unweighted, E_old[k1 grad log pi] != grad KL(pi || pi_ref); k3_is (the default) weighs each
+# token by pi / pi_old, which makes it exact (tests/oracle/test_kl_placement.py). lr 0.2, 4x the
+# bed's, moves the policy far enough within a batch to tell them apart (docs/kl.md has the table
+# at lr 0.05, 0.2, 0.5 and 1.0, five seeds each).
+OFF_POLICY = tb.TrainSettings(steps=100, batch_size=1024, group_size=G, lr=0.2)
+
+
+@functools.cache
+def off_policy_run(estimator: str) -> tb.RunLog:
+    """GRPO as a default run places it (KL in the loss, std-scaled advantages), at lr 0.2."""
+    return tb.train_group(bed_bandit(), "grpo", BETA, OFF_POLICY, loss_estimator=estimator)
+
+
+@functools.cache
+def published_grpo_fixed_point() -> torch.Tensor:
+    """(1, V) log-probs where the expected update of GRPO's default placement vanishes (G = 64,
+    by enumerating the 47905 outcomes of a group; ~3 s)."""
+    return tb.group_fixed_point(bed_bandit(), BETA, G, "grpo")
+
+
+def kl_gradient_error(old: torch.Tensor, now: torch.Tensor, ref: torch.Tensor) -> float:
+    """|E_old[k1 grad log pi] - grad KL(pi || pi_ref)| / |grad KL| on the bandit, exact: k3+'s
+    expected KL gradient on samples of pi_old (log-probs ``old``) at the policy ``now``, in logit
+    space: sum_y old_y k1_y (e_y - pi) against pi (k1 - KL), k1 = log pi - log pi_ref."""
+    pi, k1 = now.exp(), now - ref
+    true = pi * (k1 - (pi * k1).sum())
+    k3_plus = old.exp() * k1 - pi * (old.exp() * k1).sum()
+    return float((k3_plus - true).norm() / true.norm())
+
+
+def test_grpo_default_epochs_k3_plus_and_k3_is_share_the_fixed_point_not_the_path():
+    # Both reach the same fixed point: where the expected update vanishes pi = pi_old at every
+    # minibatch, so k3_is's weight is 1 and its gradient is k3+'s. On the way they differ: in
+    # the second epoch k3+'s leash pulls by pi_old's weights while the clipped surrogate's ratio
+    # already weighs by pi, so each batch overshoots and the policy oscillates about the point.
+    bed = bed_bandit()
+    fp = published_grpo_fixed_point()[0]
+    ref = torch.log_softmax(bed.ref_logits[0].to(F64), -1)
+    gap = float(tb.exact_kl(fp, pi_star(bed, BETA)))  # 1.92e-4: the fixed point is not pi*
+    per = OFF_POLICY.epochs * OFF_POLICY.minibatches  # gradient steps per batch
+    second = OFF_POLICY.minibatches  # the second epoch's first gradient step
+    got = {}
+    for est in ("k3+", "k3_is"):
+        log = off_policy_run(est)
+        steps = [lp[0] for lp in log.step_logprobs]  # the policy before each gradient step
+        assert len(steps) == OFF_POLICY.steps * per
+        samplers = steps[::per]  # pi_old of each batch
+        off = [float(tb.exact_kl(steps[b * per], steps[b * per + second])) for b in range(10)]
+        err = [kl_gradient_error(steps[b * per], steps[b * per + second], ref) for b in range(10)]
+        path = [float(tb.exact_kl(p, fp)) for p in samplers]
+        got[est] = {
+            "KL(pi_old || pi), 2nd epoch": sum(off) / 10,
+            "k3+ grad error, 2nd epoch": sum(err) / 10,
+            "mean KL(pi_t || fp), t = 10-49": sum(path[10:50]) / 40,
+            "first t with KL(pi_t || fp) < 1e-3": next((t for t, d in enumerate(path) if d < 1e-3), None),
+            "final KL(pi || fp)": tb.kl_to(log.table, bed, fp),
+        }
+        print(f"GRPO default, 2 epochs, lr {OFF_POLICY.lr}, {est}: {got[est]}")
+    for est, row in got.items():
+        # measurably off-policy: the first 10 batches' second epoch starts ~8e-3 nats from its
+        # sampler, where k3+'s expected KL gradient is ~9% off the true one (1e-16 on-policy)
+        assert row["KL(pi_old || pi), 2nd epoch"] > 1e-3 and row["k3+ grad error, 2nd epoch"] > 0.01, row
+        # the same fixed point: 4x closer to it than it is to pi* (seeds 0-4, benchmarks/
+        # testbed_epochs.py: <= 1.3e-5)
+        assert row["final KL(pi || fp)"] < gap / 4, (est, row, gap)
+    # the path: k3+ wanders 10x further from the fixed point at this lr (seeds 0-4: 4.6x-14x)
+    path = "mean KL(pi_t || fp), t = 10-49"
+    assert got["k3+"][path] > 3 * got["k3_is"][path], got
 
 
 # ---- the sequence bed ---------------------------------------------------------------------------
@@ -764,3 +845,108 @@ def test_group_trainers_reach_their_fixed_point_on_the_01_bandit(name):
     )
     print(msg)
     assert dist < 1e-3, msg
+
+
+# ---- grpo.scale_kl_by_std: the std is sampled, so its fixed point moves by O(1/G) -------------
+# Each group's update is w_g sum_i ((r_i - mean_g) - beta k1_i) grad log pi(y_i) / G with
+# w_g = 1 / std_g. Were w_g independent of which actions the group drew, the fixed point would be
+# Dr. GRPO's pi*(beta G / (G - 1)). It is not: a sample far from the reward mean raises its
+# group's std. To first order in 1/G (docs/kl.md, "scale_kl_by_std: the fixed point"):
+#   log pi(a) = log pi_ref(a) + (G - 1) / G * r_a / beta + KL z_a^2 / (2 G) - log Z + O(1/G^2)
+# with z_a = (r_a - mu) / sigma and KL = KL(pi || pi_ref), all under pi.
+
+
+def tilted_fixed_point(bed: tb.TabularBed, beta: float, group_size: int) -> torch.Tensor:
+    """(V,) log-probs of the first-order prediction above, its moments taken at pi*(beta G / (G - 1))."""
+    G = group_size
+    ref = torch.log_softmax(bed.ref_logits[0].to(F64), -1)
+    r = bed.rewards.to(F64)
+    base = torch.log_softmax(ref + (G - 1) / G * r / beta, -1)  # pi*(beta G / (G - 1))
+    p = base.exp()
+    mu = (p * r).sum()
+    z2 = (r - mu) ** 2 / (p * (r - mu) ** 2).sum()
+    kl = (p * (base - ref)).sum()
+    return torch.log_softmax(base + kl * z2 / (2 * G), -1)
+
+
+@functools.cache
+def scale_kl_fixed_point(group_size: int) -> torch.Tensor:
+    """(1, V) exact fixed point of grpo.scale_kl_by_std on the bandit (r = 0..3, beta 1), by
+    enumerating every group outcome (47905 at G = 64, ~3 s)."""
+    return tb.group_fixed_point(bed_bandit(), BETA, group_size, "grpo-scale-kl")
+
+
+def test_sampled_group_variance_given_one_sample_by_enumeration():
+    # The fact the derivation rests on: with y_1 = a fixed and y_2..y_G ~ pi,
+    #   E[s^2 | y_1 = a] = sigma^2 + ((r_a - mu)^2 - sigma^2) / G   (s^2 with G - 1, as group_std)
+    # exactly. By hand for G = 2, pi = (1/2, 1/2) over rewards (0, 1): mu = 1/2, sigma^2 = 1/4;
+    # s^2 of two samples is (r_1 - r_2)^2 / 2, so E[s^2 | r_1 = 0] = 1/2 * 1/2 = 1/4, and the formula
+    # gives 1/4 + (1/4 - 1/4) / 2 = 1/4. Here every outcome of the other G - 1 samples is summed.
+    from tether.core.advantages import group_std
+
+    pi = torch.tensor(REF, dtype=F64)
+    r = torch.tensor(REWARDS, dtype=F64)
+    mu = (pi * r).sum()
+    var = (pi * (r - mu) ** 2).sum()
+    for G in (2, 4, 8):
+        counts = tb.group_outcomes(4, G - 1)  # (M, V) the other samples
+        prob = torch.exp(
+            torch.lgamma(torch.tensor(float(G), dtype=F64))
+            - torch.lgamma(counts.to(F64) + 1).sum(-1)
+            + counts.to(F64) @ pi.log()
+        )  # multinomial probabilities, (M,)
+        for a in range(4):
+            group = counts.clone()
+            group[:, a] += 1  # (M, V) with y_1 = a
+            rewards = torch.repeat_interleave(r.repeat(len(group)), group.reshape(-1))  # (M * G,)
+            s2 = group_std(rewards, G).view(-1, G)[:, 0] ** 2  # the trainers' std, squared
+            want = var + ((r[a] - mu) ** 2 - var) / G
+            assert float((prob * s2).sum()) == pytest.approx(float(want), rel=1e-12), (G, a)
+
+
+def test_scale_kl_by_std_fixed_point_over_group_size():
+    # Exact fixed points (Newton on the enumerated expected update) against pi*(beta G/(G - 1)),
+    # pi*(beta) and the first-order prediction. The prediction's log-probs are off by O(1/G^2), so
+    # its KL by O(1/G^4): a factor 16 per doubling of G; a wrong first-order term would leave
+    # O(1/G) in the log-probs and a factor 4. The test takes the geometric middle, 8. Likewise
+    # KL(fp || pi*(beta G/(G - 1))) is O(1/G^2) (factor 4), told from O(1/G) (factor 2) at 2.83.
+    bed = bed_bandit()
+    rows = {}
+    for G in (4, 8, 16, 32, 64):
+        fp = scale_kl_fixed_point(G)[0]
+        rows[G] = (
+            float(tb.exact_kl(fp, pi_star(bed, BETA * G / (G - 1)))),
+            float(tb.exact_kl(fp, pi_star(bed, BETA))),
+            float(tb.exact_kl(fp, tilted_fixed_point(bed, BETA, G))),
+        )
+    print("\nscale_kl_by_std on the bandit, KL(fp || .):  G  pi*(bG/(G-1))  pi*(b)  first order")
+    for G, (d_g, d, d_pred) in rows.items():
+        print(f"  {G:3d}  {d_g:.3e}  {d:.3e}  {d_pred:.3e}")
+    for G in (16, 32, 64):
+        assert rows[G // 2][2] / rows[G][2] > 8, rows  # 1/G^4: measured 14.2, 16.4, 16.4
+        assert rows[G // 2][0] / rows[G][0] > 2.83, rows  # 1/G^2: measured 5.1, 4.8, 4.4
+    for d_g, d, _ in rows.values():
+        assert d_g < d / 5, rows  # G / (G - 1) is most of it: 11x-13x closer than to pi*(beta)
+    d_g, d, d_pred = rows[64]
+    # G = 64, exact enumeration of 47905 outcomes, Newton to |gradient / pi| < 1e-14
+    assert d_g == pytest.approx(1.406e-5, rel=1e-3) and d == pytest.approx(1.807e-4, rel=1e-3), rows[64]
+    assert d_pred < d_g / 50, rows[64]  # 1.33e-7: the first order accounts for the rest
+
+
+def test_scale_kl_by_std_run_lands_on_its_exact_fixed_point():
+    # 150 batches of 4096 (64 groups of G = 64): the run lands on the enumerated fixed point, not
+    # on pi*(beta G/(G - 1)), which is 1.41e-5 from it (seeds 0-4, benchmarks/testbed_epochs.py
+    # --scale-kl: 0.45e-6 .. 1.4e-6 from the fixed point, 0.87e-5 .. 1.9e-5 from pi*(beta G/(G - 1)))
+    bed = bed_bandit()
+    fp = scale_kl_fixed_point(G)[0]
+    dr_grpo = pi_star(bed, BETA * G / (G - 1))
+    settings = tb.TrainSettings(steps=150, batch_size=4096, group_size=G)
+    log = tb.train_group(bed, "grpo", BETA, settings, scale_by_std=True, scale_kl_by_std=True)
+    to_fp, to_dr = tb.kl_to(log.table, bed, fp), tb.kl_to(log.table, bed, dr_grpo)
+    gap = float(tb.exact_kl(fp, dr_grpo))
+    msg = (
+        f"scale_kl_by_std, G = {G}: KL(pi || fp) = {to_fp:.2e}, "
+        f"KL(pi || pi*(bG/(G-1))) = {to_dr:.2e}, gap {gap:.2e}"
+    )
+    print(msg)
+    assert to_fp < gap / 4 and to_dr > 3 * to_fp, msg

@@ -36,7 +36,7 @@ class KLLeash:
         self,
         kl_in_reward: bool,
         kl_in_loss: bool,
-        loss_estimator: KLLossEstimator = "k3+",
+        loss_estimator: KLLossEstimator = "k3_is",
         reward_form: str = "sampled",
     ):
         if reward_form not in ("sampled", "exact"):

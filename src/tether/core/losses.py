@@ -124,7 +124,7 @@ KLLossEstimator = Literal["k2", "k3+", "k3_is", "k1_seq", "k1", "k3"]
 def kl_loss_terms(
     logprobs: Tensor,
     ref_logprobs: Tensor,
-    estimator: KLLossEstimator = "k3+",
+    estimator: KLLossEstimator = "k3_is",
     old_logprobs: Tensor | None = None,
     response_mask: Tensor | None = None,
 ) -> Tensor:
@@ -133,10 +133,13 @@ def kl_loss_terms(
     * ``k2``: ``0.5 (log pi - log pi_ref)^2``; on-policy its expected gradient is
       ``grad KL(pi || pi_ref)``.
     * ``k3+``: value of k3 (unbiased, >= 0, what is logged) with the gradient of k2
-      (straight-through: ``k2 + stopgrad(k3 - k2)``).
-    * ``k3_is``: ``(pi / pi_old) * k3`` for minibatches sampled from ``pi_old``; its expectation
-      under pi_old is exactly KL(pi || pi_ref) for every theta, so its gradient is exact
-      off-policy too. Needs ``old_logprobs``.
+      (straight-through: ``k2 + stopgrad(k3 - k2)``); on samples of pi_old (after the first
+      minibatch) its gradient is ``E_old[k1 grad log pi]``, not ``grad KL``.
+    * ``k3_is`` (the default): ``(pi / pi_old) * k3`` for minibatches sampled from ``pi_old``; its
+      expectation under pi_old is exactly KL(pi || pi_ref) for every theta, so its gradient,
+      ``(pi / pi_old) * k1 * grad log pi``, is exact off-policy too (the update's later
+      minibatches and epochs), where k2's and k3+'s are not. On-policy it equals k3+'s. Needs
+      ``old_logprobs``.
     * ``k1_seq``: the gradient of the **sequence** KL, :func:`k1_seq_terms`: the per-token
       surrogates above give the gradient of the KL of each position's next-token distribution,
       which on multi-token responses is not the gradient of KL(pi || pi_ref) over sequences.
@@ -218,10 +221,23 @@ def _k2(log_ratio: Tensor) -> Tensor:
 
 
 def _k3_is(log_ratio: Tensor, logprobs: Tensor, old_logprobs: Tensor | None) -> Tensor:
+    """``rho * k3`` with ``rho = pi / pi_old``, and its exact gradient ``rho * k1 * grad log pi``.
+
+    Analytically ``d/dlog pi [rho k3] = rho k3 + rho (1 - pi_ref / pi) = rho (log pi - log pi_ref)``
+    = ``rho * k1``: k2's gradient, importance-weighted. It is written so (straight-through: value
+    ``rho k3``, gradient ``rho k1``), not left to autograd, which adds two terms of size
+    ``exp(r)`` (``r = log pi_ref - log pi``) that cancel: float32 loses the gradient for r above
+    ~16 nats, and past k3's clamp (r > 20, whose clamped ``exp`` has no gradient) what is left is
+    ``+rho (e^20 - 21)``, the wrong sign (docs/kl.md, "Clamps and epsilons"). ``rho``'s exponent
+    is clamped from above at ``K3_LOG_RATIO_CLAMP`` as k3's (a weight of at most e^20); ``k1`` is
+    the raw log-ratio, so the gradient is ``rho * k1`` at any ``r``. On-policy (``logprobs ==
+    old_logprobs``) ``rho`` is 1.0 exactly and the gradient is k3+'s, bit for bit.
+    """
     if old_logprobs is None:
         raise ValueError("kl.loss_estimator=k3_is needs old_logprobs (the sampling policy)")
-    # the importance weight pi / pi_old, its exponent clamped from above as k3's
-    return torch.exp((logprobs - old_logprobs.detach()).clamp(max=K3_LOG_RATIO_CLAMP)) * _k3(log_ratio)
+    rho = torch.exp((logprobs.detach() - old_logprobs.detach()).clamp(max=K3_LOG_RATIO_CLAMP))
+    value = rho * _k3(log_ratio.detach())
+    return value + (rho * log_ratio.detach()) * (logprobs - logprobs.detach())
 
 
 KL_LOSS_SURROGATES: dict[str, Callable[[Tensor, Tensor, Tensor | None], Tensor]] = {

@@ -724,12 +724,13 @@ class KLConfig(_Defaulted):
     """Put -kl_coef * kl_t in the per-token reward; None = the trainer's default (PPO, RLOO: on)."""
     kl_in_loss: bool | None = None
     """Add kl_coef * mean KL surrogate to the loss; None = the trainer's default (GRPO: on)."""
-    loss_estimator: Literal["k2", "k3+", "k3_is", "k1_seq", "k1", "k3"] = "k3+"
-    """KL surrogate in the loss: k2, k3+ (k3 value, k2 gradient), k3_is (importance-weighted k3,
-    exact off-policy): each the gradient of every position's next-token KL; or k1_seq (the
-    score function with the KL still to come, weighted by the sequence's importance ratio): the
-    gradient of the sequence KL, reaching the exact optimum of J (docs/kl.md). k1 and k3 are
-    refused (wrong gradient) unless allow_biased_estimator."""
+    loss_estimator: Literal["k2", "k3+", "k3_is", "k1_seq", "k1", "k3"] = "k3_is"
+    """KL surrogate in the loss: k3_is (k3 times pi / pi_old: k2's gradient, importance-weighted,
+    exact also on the update's off-policy minibatches and epochs; TRL's use_bias_correction_kl),
+    k3+ (k3 value, k2 gradient: exact on-policy only), k2: each the gradient of every position's
+    next-token KL; or k1_seq (the score function with the KL still to come, weighted by the
+    sequence's importance ratio): the gradient of the sequence KL, reaching the exact optimum of
+    J (docs/kl.md). k1 and k3 are refused (wrong gradient) unless allow_biased_estimator."""
     allow_double_kl: bool = False
     """Allow kl_in_reward and kl_in_loss together (counts the KL twice)."""
     allow_biased_estimator: bool = False

@@ -52,7 +52,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any, Literal, NamedTuple
 
 import torch
@@ -601,6 +601,10 @@ class RunLog:
             sampled from, nats per sequence.
         kl_coefs: beta used at each batch.
         counts: the leash's counts (how many times the KL entered reward and loss).
+        step_logprobs: (PPO, GRPO, RLOO) the (P, V) per-row log-probs of the policy before each
+            gradient step, ``epochs x minibatches`` per batch in order: the first of each batch
+            is the policy that sampled it (pi_old), the others how far the update had moved
+            from it when each minibatch was taken.
     """
 
     table: Tensor
@@ -608,6 +612,7 @@ class RunLog:
     exact_kls: list[float] = field(default_factory=list)
     kl_coefs: list[float] = field(default_factory=list)
     counts: dict = field(default_factory=dict)
+    step_logprobs: list[Tensor] = field(default_factory=list)
 
 
 class _Averager:
@@ -671,6 +676,7 @@ def table_policy_loss(
     vf_coef: float,
     leash: KLLeash,
     kl_coef: float,
+    record: list[Tensor] | None = None,
 ) -> MicroLoss:
     """The on-policy trainers' ``minibatch_loss`` hook on a table policy.
 
@@ -684,10 +690,14 @@ def table_policy_loss(
         table: (P, V) policy logits, with grad. value_table: (P,) values with grad (PPO) or None.
         vocab: V. clip_eps, clip_eps_value, vf_coef: PPO's clip ranges and value weight.
         leash: the KL placement. kl_coef: beta of the step.
+        record: a list the policy's per-row log-probs are appended to before each gradient step
+            (at its first micro-batch), or None.
 
     Returns:
         :class:`tether.trainers.update.MicroLoss`.
     """
+    if record is not None and first_micro:
+        record.append(torch.log_softmax(table.detach().to(F64), -1))
     samples = mb.rollout
     return clipped_policy_loss(
         mb,
@@ -717,7 +727,7 @@ def train_on_policy(
     kl_in_reward: bool = True,
     *,
     kl_in_loss: bool = False,
-    loss_estimator: KLLossEstimator = "k3+",
+    loss_estimator: KLLossEstimator = "k3_is",
     kl_shaping: Literal["sampled", "exact"] = "sampled",
     mask_env_tokens: bool = True,
     **step: Any,
@@ -834,6 +844,7 @@ def train_on_policy(
                 vf_coef=s.vf_coef,
                 leash=leash,
                 kl_coef=kl_coef,
+                record=log.step_logprobs,
             ),
             optimizer=opt,
             params=[table] if values is None else [table, values],
@@ -993,14 +1004,25 @@ GroupRule = Literal["grpo", "grpo-scale-kl", "dr-grpo", "rloo"]
 
 def group_outcomes(vocab: int, group_size: int) -> Tensor:
     """Every multiset of ``group_size`` actions of a bandit, as counts: (M, V) long, each row
-    summing to G (M = C(G + V - 1, V - 1); 35 for V = G = 4)."""
+    summing to G (M = C(G + V - 1, V - 1); 35 for V = G = 4, 2145 for V = 3 and G = 64, 47905
+    for V = 4 and G = 64). A fresh copy of a cached table."""
+    return _outcomes(vocab, group_size)[0].clone()
+
+
+@lru_cache(maxsize=8)
+def _outcomes(vocab: int, group_size: int) -> tuple[Tensor, Tensor]:
+    """``(counts, actions)`` of :func:`group_outcomes`: (M, V) counts and (M, G) the actions of
+    each outcome in ascending order, computed once per (V, G) (enumerating 47905 outcomes in
+    Python takes a fifth of a second, and Newton's method asks for them at every step)."""
 
     def rec(left: int, slots: int) -> list[list[int]]:
         if slots == 1:
             return [[left]]
         return [[k, *rest] for k in range(left + 1) for rest in rec(left - k, slots - 1)]
 
-    return torch.tensor(rec(group_size, vocab), dtype=torch.long)
+    counts = torch.tensor(rec(group_size, vocab), dtype=torch.long)
+    actions = torch.repeat_interleave(torch.arange(vocab).repeat(len(counts)), counts.reshape(-1))
+    return counts, actions.view(-1, group_size)
 
 
 def expected_group_gradient(
@@ -1013,9 +1035,9 @@ def expected_group_gradient(
     The advantages and weights are the trainers' own (:func:`group_normalized_advantages`,
     :func:`rloo_advantages`, and for ``grpo-scale-kl`` :func:`grpo_kl_weights`'s rule with the
     batch mean taken in expectation: an all-equal group's weight is ``E[w 1{not equal}] /
-    P(not equal)``). The KL term's per-sample gradient is k2's (and k3+'s, and on a bandit
-    k1_seq's): ``(log pi(y) - log pi_ref(y)) grad log pi(y)``; RLOO's k1 is in the reward instead
-    (``r - beta (log pi - log pi_ref)``, no gradient through it).
+    P(not equal)``). The KL term's per-sample gradient is k2's (and on-policy k3+'s and
+    k3_is's, and on a bandit k1_seq's): ``(log pi(y) - log pi_ref(y)) grad log pi(y)``; RLOO's
+    k1 is in the reward instead (``r - beta (log pi - log pi_ref)``, no gradient through it).
 
     Args:
         logits: (V,) float64 policy logits. bed: a bandit (length 1). beta: kl_coef.
@@ -1030,29 +1052,43 @@ def expected_group_gradient(
     V, G = bed.vocab, group_size
     logp = torch.log_softmax(logits.to(F64), -1)
     ref = torch.log_softmax(bed.ref_logits[0].to(F64), -1)
-    counts = group_outcomes(V, G)  # (M, V)
+    counts, actions = _outcomes(V, G)  # (M, V) counts, (M, G) the actions of each outcome
     log_multi = torch.lgamma(torch.tensor(G + 1.0, dtype=F64)) - torch.lgamma(counts.to(F64) + 1).sum(-1)
     prob = torch.exp(log_multi + (counts.to(F64) * logp).sum(-1))  # (M,)
-    actions = torch.repeat_interleave(torch.arange(V).repeat(len(counts)), counts.reshape(-1)).view(-1, G)
     kl = (logp - ref)[actions]  # (M, G): log pi - log pi_ref of each sample
-    r = bed.rewards.to(F64)[actions]  # (M, G)
-    flat = lambda x: x.reshape(-1)  # noqa: E731
     if rule == "rloo":
-        adv = rloo_advantages(flat(r - beta * kl), G).view(-1, G)
+        # k1 in the reward: the advantages depend on the policy
+        adv = rloo_advantages((bed.rewards.to(F64)[actions] - beta * kl).reshape(-1), G).view(-1, G)
         w = torch.zeros(len(counts), dtype=F64)
     else:
-        adv = group_normalized_advantages(flat(r), G, scale_by_std=rule != "dr-grpo").view(-1, G)
+        adv, std_weight, equal = _group_statistics(tuple(bed.rewards.tolist()), G, rule != "dr-grpo")
         w = torch.ones(len(counts), dtype=F64)
         if rule == "grpo-scale-kl":
-            equal = group_all_equal(flat(r), G).view(-1, G)[:, 0]
-            w = 1.0 / (group_std(flat(r), G).view(-1, G)[:, 0] + GROUP_STD_EPS)
             p_ne = prob[~equal].sum()
-            w = torch.where(equal, (prob * w)[~equal].sum() / p_ne if p_ne > 0 else 1.0, w)
+            mean = (prob * std_weight)[~equal].sum() / p_ne if p_ne > 0 else 1.0
+            w = torch.where(equal, mean, std_weight)
     coef = adv - beta * w[:, None] * kl  # (M, G): each sample's weight on grad log pi(y_i)
-    # grad log pi(a) = e_a - pi: sum over the group's samples
-    onehot = torch.nn.functional.one_hot(actions, V).to(F64)  # (M, G, V)
-    per_group = (coef[..., None] * (onehot - logp.exp())).sum(1) / G  # (M, V)
+    # grad log pi(a) = e_a - pi: sum over the group's samples, sum_i coef_i e_(y_i) - pi sum_i coef_i
+    per_action = torch.zeros(len(counts), V, dtype=F64).scatter_add(1, actions, coef)  # (M, V)
+    per_group = (per_action - coef.sum(1, keepdim=True) * logp.exp()) / G  # (M, V)
     return (prob[:, None] * per_group).sum(0)
+
+
+@lru_cache(maxsize=16)
+def _group_statistics(
+    rewards: tuple[float, ...], group_size: int, scale_by_std: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """What a group's rewards alone decide, for every outcome of :func:`group_outcomes` (they do
+    not depend on the policy, so Newton's method computes them once): the trainers' advantages
+    (M, G) (:func:`group_normalized_advantages`), the ``grpo.scale_kl_by_std`` weight
+    ``1 / (std_g + GROUP_STD_EPS)`` (M,) (:func:`group_std`) and whether the group is all-equal
+    (M,) bool (:func:`group_all_equal`)."""
+    G = group_size
+    _, actions = _outcomes(len(rewards), G)
+    r = torch.tensor(rewards, dtype=F64)[actions].reshape(-1)  # (M * G,) each sample's reward
+    adv = group_normalized_advantages(r, G, scale_by_std=scale_by_std).view(-1, G)
+    std_weight = 1.0 / (group_std(r, G).view(-1, G)[:, 0] + GROUP_STD_EPS)
+    return adv, std_weight, group_all_equal(r, G).view(-1, G)[:, 0]
 
 
 def group_fixed_point(bed: TabularBed, beta: float, group_size: int, rule: GroupRule) -> Tensor:

@@ -2,7 +2,7 @@
 
 * GRPO (Shao et al. 2024, arXiv 2402.03300): group-normalized outcome advantages
   ``(r - mean_g) / (std_g + eps)``, clipped surrogate, KL in the loss by default
-  (``k3+``: k3's value, k2's gradient; see docs/kl.md).
+  (``k3_is``: k3 times pi / pi_old, the reverse KL's gradient on every minibatch; see docs/kl.md).
 * RLOO (Ahmadian et al. 2024, arXiv 2402.14740): leave-one-out baseline over the k completions,
   KL in the reward by default: each sequence's reward is ``score - kl_coef * sum_t k1_t``.
 
