@@ -336,3 +336,20 @@ def test_a_config_path_that_is_not_a_file_is_refused_unread(tmp_path, kind):
         os.mkfifo(path)
     with pytest.raises(ConfigError, match=f"--config {path} is {re.escape(kind)}, not a file"):
         load_config(path)
+
+
+def test_an_unweighted_kl_surrogate_over_several_updates_is_warned():
+    # k3+ (and k2) take the KL's gradient unweighted: exact on the batch's first optimizer step
+    # only. With 2 epochs (or several minibatches) the run is told, and k3_is (the default) is not.
+    from tether.run.config import load_config
+
+    for est in ("k3+", "k2"):
+        warned = load_config(None, ["train.algo=grpo", f"kl.loss_estimator={est}", "optim.epochs=2"])
+        assert any("optimizer steps per batch" in w for w in warned.placement.warnings), est
+    quiet = [
+        ["train.algo=grpo", "kl.loss_estimator=k3+", "optim.epochs=1"],  # one update: on-policy
+        ["train.algo=grpo", "optim.epochs=2"],  # k3_is, the default
+        ["train.algo=rloo", "kl.loss_estimator=k3+", "optim.epochs=2"],  # the KL in the reward
+    ]
+    for args in quiet:
+        assert not any("optimizer steps per batch" in w for w in load_config(None, args).placement.warnings)

@@ -1343,6 +1343,17 @@ class Config:
                 f"{adaptive_horizon_for(self.rollout.batch_size, self.train.steps):g}) or use "
                 "kl.controller=budget"
             )
+        updates = self.optim.epochs * (self.rollout.batch_size // self.optim.minibatch_size)
+        if k.kl_in_loss and k.loss_estimator in ("k2", "k3+") and updates > 1:
+            # after the first optimizer step the batch is pi_old's samples: the unweighted k2
+            # gradient is then biased (docs/kl.md, "The KL in the loss off-policy")
+            self.placement.warnings.append(
+                f"kl.loss_estimator={k.loss_estimator} with {updates} optimizer steps per batch "
+                f"(optim.epochs={self.optim.epochs} x rollout.batch_size / optim.minibatch_size): every "
+                "step after the first takes the KL's gradient on samples of an older policy without the "
+                "weight pi / pi_old, a biased gradient on the path to the same fixed point; "
+                "kl.loss_estimator=k3_is (the default) weighs it"
+            )
         if self.train.tensorboard:
             self.placement.warnings.append(
                 "train.tensorboard=true is deprecated: it now means train.report_to=tensorboard "
