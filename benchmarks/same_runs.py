@@ -44,7 +44,28 @@ CASES: dict[str, list[str]] = {
     "grpo 0/1 reward": ["train.algo=grpo", *G2, *FIXED, "reward.scorer=tests.conftest:one_if_long"],
     "rloo": ["train.algo=rloo", *G2, *FIXED],
     "dpo": ["train.algo=dpo", "dpo.n_pairs=6", "dpo.candidates=2", "dpo.kl_eval_prompts=4"],
+    "grpo unscored async": [
+        "train.algo=grpo",
+        *G2,
+        *FIXED,
+        "reward.scorer=tests.conftest:async_first_of_four_unscored",
+    ],
+    "ppo tool turns": [
+        *FIXED,
+        "rollout.env=tests.conftest:tool_env",
+        "rollout.max_turns=2",
+        "rollout.stop_strings=[e]",
+    ],
 }
+"""name -> the overrides of a case, after :func:`base_args`."""
+
+
+def compiled_case() -> dict[str, list[str]]:
+    """The compiled-decode case, where this machine can compile the decode step
+    (:func:`tether.models.sampling.can_compile`); {} elsewhere."""
+    from tether.models.sampling import can_compile
+
+    return {} if can_compile("cpu") else {"ppo compiled decode": [*FIXED, "rollout.compile=true"]}
 
 
 def base_args(model: Path, prompts: Path, out: Path) -> list[str]:
@@ -93,7 +114,7 @@ def run_cases(root: Path) -> dict[str, list[dict]]:
     lines = [f"the movie number {i} was" for i in range(40)] + [f"a film {i} that" for i in range(40)]
     prompts.write_text("\n".join(lines) + "\n")
     out: dict[str, list[dict]] = {}
-    for name, extra in CASES.items():
+    for name, extra in (CASES | compiled_case()).items():
         run = root / name.replace(" ", "_").replace("/", "-").replace("=", "-")
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
             code = main(base_args(model_dir, prompts, run) + extra)
@@ -141,7 +162,8 @@ def main() -> int:
     if args.compare:
         before = json.loads(args.compare.read_text())
         differ, moved = 0, dict.fromkeys(args.ignore, 0.0)
-        for name in CASES:
+        cases = CASES | compiled_case()
+        for name in cases:
             if name not in before:
                 print(f"{name:28s} not in {args.compare}")
                 continue
@@ -154,8 +176,8 @@ def main() -> int:
             differ += diff != "same"
             print(f"{name:28s} {'byte-identical' if diff == 'same' else 'DIFFERS: ' + diff}")
         left_out = "".join(f", {k}" for k in args.ignore)
-        same = len(CASES) - differ
-        print(f"{same} of {len(CASES)} cases byte-identical (metrics.jsonl without time/*{left_out})")
+        same = len(cases) - differ
+        print(f"{same} of {len(cases)} cases byte-identical (metrics.jsonl without time/*{left_out})")
         for key, rel in moved.items():
             print(f"{key}: largest relative change {rel:.2e}")
         return 1 if differ else 0
