@@ -113,8 +113,9 @@ def test_weighted_rewards_sum_and_skip_none():
     assert isinstance(reward, WeightedReward)
     assert list(reward.scorers) == ["length_judge", "sometimes_none"]
     assert checked_scores(reward, ["ab", "abc", ""], 0, ["p", "q", "r"]) == pytest.approx([0.52, 0.03, 0.5])
-    assert reward.last["length_judge"] == pytest.approx([0.02, 0.03, 0.0])
-    assert reward.last["sometimes_none"][0] == 1.0 and math.isnan(reward.last["sometimes_none"][1])
+    parts = reward.scored(["p", "q", "r"], ["ab", "abc", ""]).parts  # each reward's values, by name
+    assert parts["length_judge"] == pytest.approx([0.02, 0.03, 0.0])
+    assert parts["sometimes_none"][0] == 1.0 and math.isnan(parts["sometimes_none"][1])
     with pytest.raises(ValueError, match="returned None for a sample"):  # alone, None is no score
         checked_scores(sometimes_none, ["abc"], 0)
     with pytest.raises(ValueError, match="one finite weight per reward.scorer"):

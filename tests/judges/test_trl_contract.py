@@ -329,7 +329,12 @@ def test_async_reward_functions_are_awaited_alone_and_together():
 
     both = WeightedReward({"waits": waits, "sets": sets, "sync": lambda completions, **kw: [3.0] * 2})
     assert checked_scores(both, ["x", "y"], 0, ["p", "q"]) == [6.0, 6.0]
-    assert both.last == {"waits": [1.0, 1.0], "sets": [2.0, 2.0], "sync": [3.0, 3.0]}
+    state.clear()
+    assert both.scored(["p", "q"], ["x", "y"]).parts == {
+        "waits": [1.0, 1.0],
+        "sets": [2.0, 2.0],
+        "sync": [3.0, 3.0],
+    }
 
     async def fails(completions, **kwargs):
         raise KeyError("boom")
@@ -613,3 +618,45 @@ def test_a_grpo_step_passes_messages_and_completion_ids(tiny_lm, tiny_tokenizer,
     assert [s["response"] for s in samples] == [c[0]["content"] for c in call["completions"]]
     assert not any("completion_ids" in s for s in samples)
     assert not math.isnan(row["objective/kl"])
+
+
+def test_a_rollout_is_scored_in_one_place_with_its_reward_parts():
+    """score_rollout turns a Rollout into TRL's keywords (texts, prompts, columns, completion_ids,
+    messages, env_replies) and returns a reward list's parts with the sums: no state is left on
+    the scorer between calls."""
+    from tether.judges.contract import score_rollout
+    from tether.models.sampling import Rollout
+
+    got = {}
+
+    def spy(prompts, completions, completion_ids, answer, env_replies, **kwargs):
+        got.update(
+            prompts=prompts, completions=completions, ids=completion_ids, answer=answer, env=env_replies
+        )
+        return [1.0, None]
+
+    ro = Rollout(
+        prompts=["p", "q"],
+        prompt_ids=torch.zeros(2, 1, dtype=torch.long),
+        prompt_mask=torch.ones(2, 1, dtype=torch.long),
+        response_ids=torch.tensor([[5, 6], [7, 0]]),
+        response_mask=torch.tensor([[True, True], [True, False]]),
+        responses=["ab", "c"],
+        columns={"answer": ["x", "y"]},
+        env_texts=[["t"], []],
+        messages=[[{"role": "assistant", "content": "ab"}], [{"role": "assistant", "content": "c"}]],
+    )
+    out = score_rollout(WeightedReward({"spy": spy, "two": lambda completions, **kw: [2.0, 2.0]}), ro, 3)
+    assert out.total[0] == 3.0 and out.total[1] == 2.0  # the None of spy left out of the sum
+    assert out.parts["spy"][0] == 1.0 and math.isnan(out.parts["spy"][1]) and out.parts["two"] == [2.0, 2.0]
+    assert got == {
+        "prompts": ["p", "q"],
+        "completions": ro.messages,
+        "ids": [[5, 6], [7]],
+        "answer": ["x", "y"],
+        "env": [["t"], []],
+    }
+    alone = score_rollout(spy, ro, 3)
+    assert alone.parts == {} and alone.total[0] == 1.0 and math.isnan(alone.total[1])
+    with pytest.raises(ValueError, match="returned None for a sample"):
+        score_rollout(spy, ro, 3, allow_none=False)

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from tether.core.bestofn import bon_kl_bound, bon_kl_empirical, bon_scores
-from tether.judges.contract import Scorer, checked_scores
+from tether.judges.contract import Scorer, score_rollout
 from tether.run.config import Config
 from tether.run.files import read_jsonl, replace_whole
 from tether.run.rngs import forked_rngs
@@ -111,36 +111,19 @@ def best_of_n_points(
                         temperature=c.rollout.temperature,
                         max_prompt_tokens=c.rollout.max_prompt_tokens,
                     )
+            ro.columns = batch.columns
             P.append(
                 torch.tensor(
-                    checked_scores(
-                        proxy,
-                        ro.responses,
-                        "best-of-N (proxy)",
-                        ro.prompts,
-                        batch.columns,
-                        completion_ids=ro.completion_ids,
-                        state=state,
-                        completions=ro.messages,
-                        env_replies=ro.env_texts,
-                    ),
+                    # best-of-N ranks every sample: a None is refused, named
+                    score_rollout(proxy, ro, "best-of-N (proxy)", state=state, allow_none=False).total,
                     device="cpu",
                 ).view(-1, m)
             )
             texts += ro.own_texts  # the policy's own text: what fluency and repetition read
             G.append(
                 torch.tensor(
-                    checked_scores(
-                        gold,
-                        ro.responses,
-                        "best-of-N (gold)",
-                        ro.prompts,
-                        batch.columns,
-                        completion_ids=ro.completion_ids,
-                        state=state,
-                        completions=ro.messages,
-                        env_replies=ro.env_texts,
-                    ),
+                    # best-of-N ranks every sample: a None is refused, named
+                    score_rollout(gold, ro, "best-of-N (gold)", state=state, allow_none=False).total,
                     device="cpu",
                 ).view(-1, m)
             )

@@ -45,8 +45,12 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import TYPE_CHECKING, NamedTuple
 
 from tether.core.text import shown
+
+if TYPE_CHECKING:  # the record scored (models sits below judges); for the type only
+    from tether.models.sampling import Rollout
 
 Scorer = Callable[[list[str]], Sequence[float]]
 
@@ -443,12 +447,52 @@ def checked_scores(
             (:class:`ArgumentError`'s message); the message names the step and the texts.
         ScorerStopped: the scorer raised ``SystemExit`` or ``KeyboardInterrupt``.
     """
+    return _scores(
+        scorer,
+        texts,
+        step,
+        prompts,
+        columns,
+        allow_none=allow_none,
+        completion_ids=completion_ids,
+        state=state,
+        reward_log=reward_log,
+        completions=completions,
+        env_replies=env_replies,
+    ).total
+
+
+class Scores(NamedTuple):
+    """What one scoring call gives: the scores and, for a reward list, each reward's part."""
+
+    total: list[float]
+    """B Python floats, the scores (a reward list: the weighted sums); NaN where unscored."""
+    parts: dict[str, list[float]]
+    """A reward list's rewards by name, each B values (NaN where that reward returned None), for
+    ``reward/<name>``; {} for a single scorer."""
+
+
+def _scores(
+    scorer: Scorer,
+    texts: list[str],
+    step: int | str,
+    prompts,
+    columns: dict[str, list] | None,
+    *,
+    allow_none: bool,
+    completion_ids: Sequence[Sequence[int]] | None,
+    state,
+    reward_log: RewardLog | None,
+    completions: list | None,
+    env_replies: Sequence[Sequence[str]] | None,
+) -> Scores:
+    """:func:`checked_scores` with a reward list's parts: the one call and check of a scorer."""
     from tether.models.turns import awaited
 
     where = f"step {step}" if isinstance(step, int) else step
     with _reported(where, len(texts), scorer):
         raw = _call(
-            scorer,
+            scorer.scored if isinstance(scorer, WeightedReward) else scorer,
             texts,
             step,
             prompts,
@@ -459,8 +503,56 @@ def checked_scores(
             completions=completions,
             env_replies=env_replies,
         )
-        raw, scores = _floats(awaited(raw), allow_none)
-    return _validated(scores, raw, texts, where, allow_none)
+        raw = awaited(raw)
+        parts = raw.parts if isinstance(raw, Scores) else {}
+        if isinstance(raw, Scores):  # a reward list's: its unscored sums are TRL's None
+            raw = [None if math.isnan(x) else x for x in raw.total]
+        raw, scores = _floats(raw, allow_none)
+    return Scores(_validated(scores, raw, texts, where, allow_none), parts)
+
+
+def score_rollout(
+    scorer: Scorer,
+    rollout: Rollout,
+    where: int | str,
+    *,
+    state=None,
+    reward_log: RewardLog | None = None,
+    allow_none: bool = True,
+) -> Scores:
+    """Score a rollout as TRL scores a batch of completions: the one place a
+    :class:`tether.models.sampling.Rollout` becomes TRL's keywords (module docstring): its
+    ``responses`` as the texts, ``prompts``, ``columns``, ``completion_ids``, ``messages`` (a
+    multi-turn chat rollout's ``completions``) and ``env_texts`` (``env_replies``).
+
+    Args:
+        scorer: a plain scorer, a TRL-style reward function, or a reward list
+            (:class:`WeightedReward`, whose parts come back in :attr:`Scores.parts`).
+        rollout: the samples, with their ``columns`` (the rows' dataset columns) set.
+        where: a training step, or a phrase for messages (:func:`checked_scores`' ``step``).
+        state: the ``trainer_state``; reward_log: collects ``log_metric`` / ``log_extra``.
+        allow_none: None is an unscored sample (NaN; TRL's "unscorable"), as where the samples
+            are trained on or compared; False refuses it.
+
+    Returns:
+        :class:`Scores`.
+
+    Raises:
+        as :func:`checked_scores`.
+    """
+    return _scores(
+        scorer,
+        rollout.responses,
+        where,
+        rollout.prompts,
+        rollout.columns,
+        allow_none=allow_none,
+        completion_ids=rollout.completion_ids,
+        state=state,
+        reward_log=reward_log,
+        completions=rollout.messages,
+        env_replies=rollout.env_texts,
+    )
 
 
 class WeightedReward:
@@ -472,8 +564,8 @@ class WeightedReward:
     scores is unscored: its sum is None, and the trainers leave it out of every statistic (GRPO's
     and RLOO's group baselines, with advantage 0; PPO's update), as TRL 1.16 does (PR #5902).
     ``async def`` functions are awaited together, concurrently, as TRL runs its async rewards.
-    After each call :attr:`last` holds every reward's values (NaN where None), for
-    ``reward/<name>``.
+    :meth:`scored` returns every reward's values with the sums (:class:`Scores`), for
+    ``reward/<name>``; calling the list returns the sums alone, as a TRL reward function does.
 
     Args:
         scorers: name -> scorer, in order.
@@ -491,7 +583,6 @@ class WeightedReward:
                 f"reward.weights={shown(list(weights or []))}: give one finite weight per reward.scorer "
                 f"({len(self.scorers)}: {list(self.scorers)})"
             )
-        self.last: dict[str, list[float]] = {}
 
     def __call__(
         self,
@@ -505,11 +596,38 @@ class WeightedReward:
         env_replies: Sequence[Sequence[str]] | None = None,
         **columns,
     ) -> list[float | None]:
+        """TRL's call (module docstring, :meth:`scored`): B floats, the weighted sums; None for a
+        sample every reward returned None for."""
+        out = self.scored(
+            prompts,
+            completions,
+            completion_ids,
+            trainer_state,
+            log_extra,
+            log_metric=log_metric,
+            env_replies=env_replies,
+            **columns,
+        )
+        return [None if math.isnan(x) else x for x in out.total]
+
+    def scored(
+        self,
+        prompts=None,
+        completions: list | None = None,
+        completion_ids: list[list[int]] | None = None,
+        trainer_state=None,
+        log_extra: Callable | None = None,
+        *,
+        log_metric: Callable | None = None,
+        env_replies: Sequence[Sequence[str]] | None = None,
+        **columns,
+    ) -> Scores:
         """TRL's call (module docstring); each reward gets what it names of it (``env_replies``
         too, named here so that it reaches the rewards that name it).
 
         Returns:
-            B floats, the weighted sums; None for a sample every reward returned None for.
+            :class:`Scores`: B weighted sums (NaN for a sample every reward returned None for) and
+            each reward's values by name (NaN where it returned None).
         """
         from tether.models.turns import awaited
 
@@ -543,15 +661,15 @@ class WeightedReward:
                     with _reported(f"reward {shown(name)}", len(texts), self.scorers[name]):
                         raise result
                 raws[name] = result
-        self.last = {}
+        parts = {}
         for name, raw in raws.items():
             where = f"reward {shown(name)}"
             with _reported(where, len(texts), self.scorers[name]):
                 raw, scores = _floats(raw, allow_none=True)
-            self.last[name] = _validated(scores, raw, texts, where, allow_none=True)
+            parts[name] = _validated(scores, raw, texts, where, allow_none=True)
         logged.replay(log_metric, log_extra)
-        total: list[float | None] = []
+        total: list[float] = []
         for i in range(len(texts)):
-            terms = [w * v[i] for w, v in zip(self.weights, self.last.values()) if not math.isnan(v[i])]
-            total.append(sum(terms) if terms else None)  # None: unscored, as TRL's NaN row
-        return total
+            terms = [w * v[i] for w, v in zip(self.weights, parts.values()) if not math.isnan(v[i])]
+            total.append(sum(terms) if terms else math.nan)  # NaN: unscored, as TRL's NaN row
+        return Scores(total, parts)

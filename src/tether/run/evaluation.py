@@ -18,7 +18,7 @@ from tether.core.diversity import distinct_n, repetition, self_bleu
 from tether.core.kl import estimate_kl, sequence_kl
 from tether.data.capability import capability_texts
 from tether.data.prompts import PromptData
-from tether.judges.contract import Scorer, checked_scores, trainer_state
+from tether.judges.contract import Scorer, score_rollout, trainer_state
 from tether.models.callables import PASSED_FROM_PYTHON
 from tether.models.sampling import generate, sample_seeds
 from tether.models.scoring import rollout_logprobs
@@ -287,20 +287,12 @@ def evaluate(
                 result.kl_per_sequence += sequence_kl(
                     estimate_kl(lp, ref_lp, "k1"), ro.response_mask
                 ).tolist()
-            columns = batch.columns if isinstance(batch, PromptData) else None
+            ro.columns = batch.columns if isinstance(batch, PromptData) else None
             for key, scorer in scorers.items():
-                scores = checked_scores(
-                    scorer,
-                    ro.responses,
-                    f"held-out evaluation ({name}, {key} scorer)",
-                    ro.prompts,
-                    columns,
-                    allow_none=True,  # None: the sample is left out of this scorer's numbers
-                    completion_ids=ro.completion_ids,
-                    completions=ro.messages,
-                    env_replies=ro.env_texts,
-                    state=state,
-                )
+                # None: the sample is left out of this scorer's numbers
+                scores = score_rollout(
+                    scorer, ro, f"held-out evaluation ({name}, {key} scorer)", state=state
+                ).total
                 result.scores[key] += [None if math.isnan(x) else x for x in scores]
             if fluency is not None:
                 judged = [n for n in range(len(batch)) if (i + n) % k < (fluency_samples or k)]

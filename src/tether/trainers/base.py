@@ -36,7 +36,7 @@ from tether.core.diversity import distinct_n, repetition
 from tether.core.kl import kl_k3, sequence_kl
 from tether.core.leash import KLLeash
 from tether.data.prompts import PromptSampler
-from tether.judges.contract import RewardLog, WeightedReward, checked_scores, trainer_state
+from tether.judges.contract import RewardLog, score_rollout, trainer_state
 from tether.models.callables import running
 from tether.models.sampling import (
     COMPILE_COST_S,
@@ -350,21 +350,11 @@ class OnPolicyTrainer:
         run = self.run
         reward_log = RewardLog()
         with running("the reward (reward.scorer)"):  # named by Ctrl-C's line while it runs
-            scored = checked_scores(
-                run.scorer,
-                rollout.responses,
-                step,
-                rollout.prompts,
-                rollout.columns,
-                allow_none=True,  # None: unscored, as TRL takes it
-                completion_ids=rollout.completion_ids,
-                completions=rollout.messages,
-                env_replies=rollout.env_texts,
-                state=self.trainer_state(step),
-                reward_log=reward_log,
+            scored = score_rollout(
+                run.scorer, rollout, step, state=self.trainer_state(step), reward_log=reward_log
             )
-        scores = torch.tensor(scored, device=self.device)  # (B,)
-        metrics = reward_components(run.scorer, self.device)
+        scores = torch.tensor(scored.total, device=self.device)  # (B,), NaN where unscored
+        metrics = reward_components(scored.parts, self.device)
         metrics.update(reward_log.step_metrics())  # reward_metric/<name>: what log_metric got
         unscored = torch.isnan(scores)
         n_unscored = int(D.all_reduce_sum(unscored.sum()))
@@ -640,14 +630,11 @@ def sample_metrics(
     return row
 
 
-def reward_components(scorer, device: torch.device | str = "cpu") -> dict:
+def reward_components(parts: dict[str, list[float]], device: torch.device | str = "cpu") -> dict:
     """``reward/<name>``: each reward's mean over the samples it scored (all processes), for a
-    reward list (:class:`tether.judges.contract.WeightedReward`, after its call); {} otherwise."""
-    last = getattr(scorer, "last", None)
-    if not isinstance(scorer, WeightedReward) or not last:
-        return {}
+    reward list's ``parts`` (:class:`tether.judges.contract.Scores`; {} for one scorer: {})."""
     out = {}
-    for name, values in last.items():
+    for name, values in parts.items():
         v = torch.tensor(values, dtype=torch.float32, device=device)  # (B,), NaN where None
         scored = ~torch.isnan(v)
         if float(D.all_reduce_sum(scored.sum())) > 0:  # a reward that scored nothing logs nothing

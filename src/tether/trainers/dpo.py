@@ -34,7 +34,7 @@ from tether.core.losses import DPOLoss, dpo_loss
 from tether.core.masked import masked_sum
 from tether.core.shaping import shape_rewards
 from tether.data.prompts import PromptSampler, is_heldout, load_rows, prompt_key
-from tether.judges.contract import checked_scores, trainer_state
+from tether.judges.contract import score_rollout, trainer_state
 from tether.models.sampling import generate, sample_seeds
 from tether.models.scoring import (
     policy_and_reference_logprobs,
@@ -253,19 +253,14 @@ class DPOTrainer:
                     synced=synced,
                 )
             tried += per_call
-            scores = torch.tensor(
-                checked_scores(
-                    run.scorer,
-                    ro.responses,
-                    "DPO pair sampling",
-                    ro.prompts,
-                    candidates.columns,
-                    allow_none=True,  # an unscored candidate is never chosen nor rejected
-                    completion_ids=ro.completion_ids,
-                    state=trainer_state(0, c.train.steps),  # before the first step
-                ),
-                device="cpu",
-            ).view(-1, k)  # (prompts, k), read on the host one by one
+            ro.columns = candidates.columns
+            # an unscored candidate (None) is never chosen nor rejected; before the first step
+            total = score_rollout(
+                run.scorer, ro, "DPO pair sampling", state=trainer_state(0, c.train.steps)
+            ).total
+            scores = torch.tensor(total, device="cpu").view(
+                -1, k
+            )  # (prompts, k), read on the host one by one
             for g, prompt in enumerate(batch):
                 scored = ~torch.isnan(scores[g])  # (k,) a candidate no reward scored is left out
                 if int(scored.sum()) < 2:
@@ -439,24 +434,12 @@ class DPOTrainer:
         mask = ro.response_mask
         kl = estimate_kl(pol.logprobs, ref.logprobs, c.kl.estimator)
         ro.columns = prompts.columns
-        scores = torch.tensor(
-            checked_scores(
-                run.scorer,
-                ro.responses,
-                step,
-                ro.prompts,
-                ro.columns,
-                allow_none=True,  # an unscored sample leaves the score's statistics (NaN)
-                completion_ids=ro.completion_ids,
-                # the probe follows this step's update: step + 1 steps done, (step + 1) batches of pairs
-                state=trainer_state(
-                    step + 1,
-                    c.train.steps,
-                    (step + 1) * c.rollout.batch_size / max(1, len(self.pairs.prompts)),
-                ),
-            ),
-            device=self.device,
+        # the probe follows this step's update: step + 1 steps done, (step + 1) batches of pairs
+        state = trainer_state(
+            step + 1, c.train.steps, (step + 1) * c.rollout.batch_size / max(1, len(self.pairs.prompts))
         )
+        # an unscored sample (None) leaves the score's statistics (NaN)
+        scores = torch.tensor(score_rollout(run.scorer, ro, step, state=state).total, device=self.device)
         shaped = shape_rewards(torch.nan_to_num(scores, nan=0.0), kl, c.dpo.beta, mask)
         self.last_experience = Experience(
             rollout=ro,
