@@ -279,6 +279,11 @@ def sometimes_none(completions: list[str]) -> list:
     return [1.0 if len(c) % 2 == 0 else None for c in completions]
 
 
+def never_scores(completions: list, **kwargs) -> list:
+    """A reward that applies to no sample: None for every one (each sample is unscored)."""
+    return [None] * len(completions)
+
+
 async def async_length_judge(completions: list, **kwargs) -> list[float]:
     """:func:`length_judge` as an ``async def`` reward function (TRL awaits those): length / 100."""
     import asyncio

@@ -492,7 +492,7 @@ def _final_eval_and_plots(session: Session, before) -> None:
             w.history,
             png,
             kl_target=target,
-            target_label="budget" if c.kl.controller == "budget" else "target",
+            target_label=c.kl.controller_class.held or "target",
         )
         png = w.run_dir / "score_vs_kl.png"
         plot_score_vs_kl(w.history, png, evals)

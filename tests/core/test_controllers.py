@@ -65,7 +65,7 @@ def test_adaptive_target_unit_scaling_and_repeated_updates():
     c.update(5.4, 100)
     assert c.kl_coef == pytest.approx(before * 0.99, abs=1e-15)
     assert ADAPTIVE_ERROR_CLIP == 0.2
-    assert c.state_dict() == {"kl_coef": c.kl_coef, "target": 6.0, "horizon": 1000}
+    assert c.state_dict() == {"kind": "adaptive", "kl_coef": c.kl_coef, "target": 6.0, "horizon": 1000}
 
 
 def test_fixed_never_changes():
@@ -73,7 +73,7 @@ def test_fixed_never_changes():
     for kl in (0.0, 1.0, 100.0, -3.0):
         assert c.update(kl, 256) == 0.07
     assert c.kl_coef == 0.07
-    assert c.state_dict() == {"kl_coef": 0.07}
+    assert c.state_dict() == {"kind": "fixed", "kl_coef": 0.07}
 
 
 def test_make_controller():

@@ -500,11 +500,17 @@ def test_copies_of_a_held_out_prompt_count_once(tiny_model_dir, tmp_path, caplog
     11, 20). Every copy hashes to the same side; the held-out set keeps each prompt once, so the
     final evaluation reports n_prompts 4 with SEs over 4 units, not 12 (the old count, which made
     every SE too small). The training side keeps its copies (the data's weighting, as TRL's)."""
+    from tether.run.setup import train_on_the_rest, unique_prompts
+
     prompts = [f"review {i}: the film" for i in range(30)] * 3
     train, held = split_prompts(PromptData(prompts), 0.25)
-    assert held.prompts == [f"review {i}: the film" for i in (1, 7, 11, 20)]
-    assert len(train) == 26 * 3
+    assert unique_prompts(held, "data.prompts").prompts == [f"review {i}: the film" for i in (1, 7, 11, 20)]
+    assert len(train) == 26 * 3 and len(held) == 4 * 3  # both sides keep their copies
     assert "holds 8 repeated prompt(s)" in caplog.text
+    # with its own held-out set, a run trains on both sides with every copy: 90 - 3 copies of the
+    # one prompt the evaluation holds (a held-out share kept once lost its copies here)
+    kept = train_on_the_rest(train, held, PromptData(["review 20: the film"]))
+    assert len(kept) == 87 and kept.prompts.count("review 7: the film") == 3
     data = tmp_path / "copies.txt"
     data.write_text("\n".join(prompts) + "\n")
     args = tiny_run_args(
@@ -574,3 +580,18 @@ def test_a_device_or_a_fifo_named_as_data_is_refused_unread(
             field = given[-1].split("=")[0]
             assert f"{field}='{path}' is {kind}, not a file of" in err and "Hugging Face cache" not in err
             assert not (tmp_path / "run").exists()
+
+
+def test_a_step_no_reward_scores_logs_no_score(tiny_model_dir, tmp_path, capsys):
+    """Every sample unscored: the step has no score, so objective/scores, its std and the rlhf
+    reward are left out of the row (a 0 there would read as a score; TRL logs NaN), the KL is still
+    logged, the advantages are all 0, and the evaluation says every sample was unscored."""
+    data = _jsonl(tmp_path / "rows.jsonl")
+    args = _train(tmp_path, data, f"model.name={tiny_model_dir}", "train.algo=grpo", "rollout.group_size=4")
+    args += ["reward.scorer=tests.conftest:never_scores", "eval.judge=none"]
+    assert main(args) == 0
+    for r in metric_rows(tmp_path / "run"):
+        assert "objective/scores" not in r and "objective/rlhf_reward" not in r
+        assert r["reward/unscored_fraction"] == 1.0 and "objective/kl" in r
+    out = capsys.readouterr().out
+    assert "8 of 8 samples unscored, left out" in out

@@ -577,6 +577,7 @@ def test_budget_update_rule_by_hand():
     assert c.update(3.0, 1) == pytest.approx(0.2, abs=1e-15)
     assert c.update(3.0, 10**6) == pytest.approx(0.4, abs=1e-15)
     assert c.state_dict() == {
+        "kind": "budget",
         "kl_coef": c.kl_coef,
         "budget": 1.0,
         "eta": 0.1,
@@ -651,8 +652,10 @@ def test_budget_controller_validation_and_factory():
     assert make_controller("budget", 0.2, budget=0.3).eta == 0.1
     with pytest.raises(ValueError, match="budget"):
         make_controller("budget", 0.2)
-    # existing positional call sites keep working
-    assert isinstance(make_controller("fixed", 0.1, 6.0, 10_000), FixedKLController)
+    # a controller takes its own settings, by name, and refuses another's
+    assert isinstance(make_controller("fixed", 0.1), FixedKLController)
+    with pytest.raises(ValueError, match=r"kl.controller=fixed has no setting \['horizon', 'target'\]"):
+        make_controller("fixed", 0.1, target=6.0, horizon=10_000)
 
 
 def beta_for_budget(bed: tb.TabularBed, eps: float) -> float:

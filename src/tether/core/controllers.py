@@ -4,6 +4,16 @@ A controller holds ``kl_coef`` (beta) and updates it from the measured KL once p
 batch. The measured KL's unit must match the target's unit; the trainer passes the number
 named by ``kl.target_unit`` in the config (nats per sequence by default, as in Ziegler et al.).
 
+**A controller owns its whole story here** (:class:`Controller`): its settings and the config
+fields they come from (:attr:`Controller.fields`), what it holds the KL to (:meth:`held_kl`,
+read by the health rules and drawn in the plots), how a model card and the console describe it
+(:meth:`describe`), its state with its kind (:meth:`state_dict`), what a resume with changed
+settings does (:meth:`load_state_dict`, which returns the changes to print), and the facts the
+config's rules read (:attr:`reads_kl`, :attr:`raises_from_zero`, :attr:`for_dpo`). Trainers,
+the monitor, the card, the plots and the config name no controller: they look it up in
+:data:`CONTROLLERS`, where :func:`register` puts each class. Adding one: a class here, registered,
+and its config fields (``kl.<field>``) in ``run/config.py``.
+
 Source: Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences",
 arXiv 1909.08593, section 2.2: e_t = clip(KL_t / KL_target - 1, -0.2, 0.2),
 beta_{t+1} = beta_t (1 + K_beta e_t), K_beta = n_steps / horizon (adaptive); the Lagrangian
@@ -13,32 +23,150 @@ dual of ``max E[r] s.t. KL <= epsilon`` (budget, see :class:`BudgetKLController`
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from typing import ClassVar, Literal, Protocol
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import ClassVar, Literal, TypeVar
 
 ControllerName = Literal["fixed", "adaptive", "budget"]
+"""The built-in controllers' names; :data:`CONTROLLERS` holds every registered one."""
 
 # The proportional error is clipped to +-0.2, as in Ziegler et al. 2019, section 2.2.
 ADAPTIVE_ERROR_CLIP = 0.2
 
+ADAPTIVE_MIN_REACH = 1.1
+"""Below this, the adaptive controller cannot move beta by 10% over the whole run: a warning
+(:meth:`AdaptiveKLController.notes`)."""
 
-class KLController(Protocol):
-    kl_coef: float
+
+class Controller:
+    """What every KL controller is and does besides its update rule (module docstring).
+
+    A subclass is a dataclass whose first field is ``kl_coef`` (beta, reward units per nat); its
+    other fields are its settings, except the ones named in :attr:`state` (what it learns while
+    it runs, carried across a resume).
+    """
+
     name: ClassVar[str]
-    """The ``kl.controller`` name of the class (a key of :data:`CONTROLLERS`)."""
+    """The ``kl.controller`` name (the key of :data:`CONTROLLERS`)."""
+    fields: ClassVar[dict[str, str]] = {}
+    """Each setting (a dataclass field) -> the ``kl.<field>`` of the config it comes from."""
+    state: ClassVar[tuple[str, ...]] = ()
+    """The fields a resume carries on from the checkpoint (the rest are the resumed config's)."""
+    held: ClassVar[str | None] = None
+    """The setting the KL is held to (its value is :meth:`held_kl`), or None."""
+    reads_kl: ClassVar[bool] = True
+    """Whether beta follows the measured KL (so the KL it reads must be unbiased)."""
+    raises_from_zero: ClassVar[bool] = False
+    """Whether beta can rise from 0 (then the KL must be measured, and placed, even at kl_coef 0)."""
+    for_dpo: ClassVar[bool] = False
+    """Whether DPO takes it: DPO's leash is its fixed ``dpo.beta``, so only a controller that
+    never moves beta is meaningful there."""
+    kl_coef: float
 
     def update(self, kl: float, n_steps: int) -> float:
-        """Update from a measured KL and the number of samples it covers; return new kl_coef."""
+        """Update from a measured KL and the number of samples it covers; return the new kl_coef."""
+        raise NotImplementedError
 
-    def state_dict(self) -> dict: ...
+    @classmethod
+    def from_fields(cls: type[C], kl_coef: float, values: Mapping[str, object]) -> C:
+        """The controller with beta ``kl_coef`` and its settings read from ``values`` by config
+        field name (:attr:`fields`; the config's ``kl`` section as a mapping)."""
+        return cls(kl_coef, **{arg: values[key] for arg, key in cls.fields.items() if key in values})  # type: ignore[call-arg]
+
+    @classmethod
+    def refusals(
+        cls, values: Mapping[str, object], *, samples_per_update: int
+    ) -> list[tuple[str, object, str]]:
+        """What the config must refuse for this controller, as ``(kl.<field>, value, why and the
+        fix)``; ``values`` are the ``kl`` section's fields, ``samples_per_update`` the rollout's
+        batch size. None by default."""
+        return []
+
+    @classmethod
+    def notes(cls, values: Mapping[str, object], *, samples_per_update: int, updates: int) -> list[str]:
+        """Warnings for a run of ``updates`` controller updates of ``samples_per_update`` samples
+        each (its settings' consequences a user would not see). None by default."""
+        return []
+
+    def held_kl(self) -> float | None:
+        """The KL it holds (a target, a budget) in the unit of the KL it reads, or None."""
+        return None if self.held is None else float(getattr(self, self.held))
+
+    def describe(self, unit: str) -> str:
+        """What it holds, for the model card and the console, e.g. ``budget 2.5 nats per
+        sequence`` (``unit`` in words); a fixed beta: ``beta 0.1``."""
+        if self.held is None:
+            return f"beta {self.kl_coef:g}"
+        return f"{self.held} {self.held_kl():g} {unit}"
+
+    def state_dict(self) -> dict:
+        """Every field, and ``kind``: the name, so that a resume never guesses it."""
+        return {"kind": self.name, **asdict(self)}  # type: ignore[call-overload]
+
+    def adopt(self, kl_coef: float) -> None:
+        """Go on from another kind of controller's beta (a resume that changed kl.controller)."""
+        self.kl_coef = kl_coef
+
+    def load_state_dict(self, saved: dict) -> list[str]:
+        """Carry a checkpoint's controller on (a resume); returns the changes, to be printed.
+
+        The same kind: the :attr:`state` fields are the checkpoint's, the settings the resumed
+        config's (``--resume RUN kl.budget=...`` takes effect), and each setting that differs is
+        reported (``budget 2 -> 3``). Another kind: beta carries on (:meth:`adopt`), reported.
+        A checkpoint without ``kind`` (written before tether saved it) is read by its fields
+        (:func:`legacy_kind`).
+        """
+        kind = saved.get("kind") or legacy_kind(saved)
+        if kind != self.name:
+            self.adopt(float(saved["kl_coef"]))
+            return [f"kl.controller changed ({kind} -> {self.name})"]
+        own = [f.name for f in fields(self) if f.name in saved]  # type: ignore[arg-type]
+        changed = [
+            f"{name} {saved[name]:g} -> {getattr(self, name):g}"
+            for name in own
+            if name not in self.state and saved[name] != getattr(self, name) and saved[name] is not None
+        ]
+        for name in self.state:
+            if name in saved:
+                setattr(self, name, saved[name])
+        self.resumed(saved, changed=bool(changed))
+        return [f"the controller's settings changed ({', '.join(changed)})"] if changed else []
+
+    def resumed(self, saved: dict, *, changed: bool) -> None:
+        """After :meth:`load_state_dict` of the same kind: what this controller does with a
+        checkpoint of its own (``changed``: a setting differs); nothing by default."""
 
 
+C = TypeVar("C", bound=Controller)
+
+CONTROLLERS: dict[str, type[Controller]] = {}
+"""``kl.controller`` -> class; :func:`register` fills it."""
+
+
+def register(cls: type[C]) -> type[C]:
+    """Class decorator: ``CONTROLLERS[cls.name] = cls``."""
+    CONTROLLERS[cls.name] = cls
+    return cls
+
+
+KLController = Controller  # the name the rest of tether (and its users) type with
+
+
+def legacy_kind(saved: dict) -> str:
+    """The kind of a controller checkpoint written before tether saved ``kind``: told by the
+    fields the three controllers of that time had (``budget``, ``target``, neither). Only for
+    those checkpoints: every state written since names its kind."""
+    return "budget" if "budget" in saved else "adaptive" if "target" in saved else "fixed"
+
+
+@register
 @dataclass
-class FixedKLController:
-    """beta never changes."""
+class FixedKLController(Controller):
+    """beta never changes. On a resume the configured beta holds (a changed one is reported)."""
 
     name: ClassVar[str] = "fixed"
+    reads_kl: ClassVar[bool] = False
+    for_dpo: ClassVar[bool] = True
     kl_coef: float
 
     def __post_init__(self) -> None:
@@ -48,12 +176,13 @@ class FixedKLController:
     def update(self, kl: float, n_steps: int) -> float:
         return self.kl_coef
 
-    def state_dict(self) -> dict:
-        return asdict(self)
+    def adopt(self, kl_coef: float) -> None:
+        """A fixed controller keeps its configured beta whatever the last one was."""
 
 
+@register
 @dataclass
-class AdaptiveKLController:
+class AdaptiveKLController(Controller):
     """Proportional controller of Ziegler et al. 2019 that holds KL near ``target``.
 
     Attributes:
@@ -68,6 +197,9 @@ class AdaptiveKLController:
     """
 
     name: ClassVar[str] = "adaptive"
+    fields: ClassVar[dict[str, str]] = {"target": "target", "horizon": "horizon"}
+    state: ClassVar[tuple[str, ...]] = ("kl_coef",)
+    held: ClassVar[str | None] = "target"
 
     kl_coef: float
     target: float
@@ -94,8 +226,41 @@ class AdaptiveKLController:
         self.kl_coef = self.kl_coef * (1.0 + error * n_steps / self.horizon)
         return self.kl_coef
 
-    def state_dict(self) -> dict:
-        return asdict(self)
+    @classmethod
+    def refusals(
+        cls, values: Mapping[str, object], *, samples_per_update: int
+    ) -> list[tuple[str, object, str]]:
+        """An update of more than ``horizon / 0.2`` samples could make beta negative."""
+        horizon = float(values["horizon"])  # type: ignore[arg-type]
+        if samples_per_update <= horizon / ADAPTIVE_ERROR_CLIP:
+            return []
+        return [
+            (
+                "kl.horizon",
+                horizon,
+                f"must be >= rollout.batch_size / 5 = {samples_per_update / 5} "
+                "or kl_coef could turn negative",
+            )
+        ]
+
+    @classmethod
+    def notes(cls, values: Mapping[str, object], *, samples_per_update: int, updates: int) -> list[str]:
+        """It multiplies beta: from 0 it stays 0; and over a short run its horizon may let beta
+        move by too little to hold anything (:func:`adaptive_reach`)."""
+        kl_coef, horizon, target = (float(values[k]) for k in ("kl_coef", "horizon", "target"))  # type: ignore[arg-type]
+        if kl_coef == 0:
+            return ["kl.controller=adaptive multiplies beta, so it stays 0"]
+        reach = adaptive_reach(samples_per_update, horizon, updates)
+        if reach >= ADAPTIVE_MIN_REACH:
+            return []
+        return [
+            f"kl.controller=adaptive with kl.horizon={horizon:g} samples and "
+            f"{samples_per_update} samples per step moves beta by at most {(reach - 1) * 100:.2g}% "
+            f"over train.steps={updates} (Ziegler et al.'s and TRL's horizon, made for far "
+            f"longer runs): beta stays within that of kl.kl_coef={kl_coef:g} whatever the KL does "
+            f"against kl.target={target:g}. To hold the target in this run, lower kl.horizon (e.g. "
+            f"{adaptive_horizon_for(samples_per_update, updates):g}) or use kl.controller=budget"
+        ]
 
 
 def adaptive_reach(n_steps: int, horizon: float, updates: int) -> float:
@@ -125,8 +290,9 @@ def adaptive_horizon_for(n_steps: int, updates: int) -> float:
     return max(math.floor(h / digits) * digits, ADAPTIVE_ERROR_CLIP * n_steps)  # update() needs >= 0.2 n
 
 
+@register
 @dataclass
-class BudgetKLController:
+class BudgetKLController(Controller):
     """Projected dual ascent on beta for the KL-constrained objective ``max E[r] s.t. KL <= budget``.
 
     The constrained problem ``max_pi E_pi[r]`` subject to ``KL(pi || pi_ref) <= epsilon`` has the
@@ -207,6 +373,15 @@ class BudgetKLController:
     """
 
     name: ClassVar[str] = "budget"
+    fields: ClassVar[dict[str, str]] = {
+        "budget": "budget",
+        "eta": "budget_eta",
+        "kp": "budget_kp",
+        "kd": "budget_kd",
+    }
+    state: ClassVar[tuple[str, ...]] = ("kl_coef", "dual", "last_kl")
+    held: ClassVar[str | None] = "budget"
+    raises_from_zero: ClassVar[bool] = True
 
     kl_coef: float
     budget: float
@@ -254,59 +429,40 @@ class BudgetKLController:
         self.last_kl = kl
         return self.kl_coef
 
-    def state_dict(self) -> dict:
-        return asdict(self)
+    def adopt(self, kl_coef: float) -> None:
+        """The dual variable starts at the other controller's beta."""
+        self.kl_coef = self.dual = kl_coef
+
+    def resumed(self, saved: dict, *, changed: bool) -> None:
+        """A checkpoint from before budget_kp ran pure dual ascent, so it goes on with it; a rise
+        measured under other settings means nothing to the derivative term."""
+        if "dual" not in saved:
+            self.kl_coef = self.dual = float(saved["kl_coef"])
+            self.kp = self.kd = 0.0
+        elif changed:
+            self.last_kl = None
 
 
-def make_controller(
-    name: ControllerName,
-    kl_coef: float,
-    target: float | None = None,
-    horizon: float = 10_000,
-    budget: float | None = None,
-    *,
-    eta: float = 0.1,
-    kp: float = 0.0,
-    kd: float = 0.0,
-) -> KLController:
-    """Build a controller by name (``"fixed"``, ``"adaptive"`` or ``"budget"``).
+def make_controller(name: str, kl_coef: float, **settings: float) -> Controller:
+    """Build a registered controller by name (:data:`CONTROLLERS`).
 
     Args:
-        name: which controller.
+        name: ``"fixed"``, ``"adaptive"``, ``"budget"`` or another registered name.
         kl_coef: initial (or fixed) beta, >= 0.
-        target: adaptive only, the KL target (> 0).
-        horizon: adaptive only, time constant in samples (> 0).
-        budget: budget only, epsilon (> 0), same unit as the measured KL.
-        eta: budget only, dual step size (> 0).
-        kp: budget only, proportional gain (>= 0; 0 = pure projected dual ascent).
-        kd: budget only, derivative gain on the KL's rise (>= 0; 0 = none).
+        **settings: that controller's settings by field name (adaptive: ``target``, ``horizon``;
+            budget: ``budget``, ``eta``, ``kp``, ``kd``).
 
     Raises:
-        ValueError: unknown name, ``"adaptive"`` without a positive target, ``"budget"``
-            without a positive budget, or any invalid parameter.
+        ValueError: an unknown name, a setting the controller does not have, a missing one (an
+            adaptive controller's target, a budget controller's budget), or an invalid value.
     """
     if name not in CONTROLLERS:
         raise ValueError(f"unknown KL controller {name!r}; choose one of {list(CONTROLLERS)}")
-    return CONTROLLERS[name](kl_coef, target=target, horizon=horizon, budget=budget, eta=eta, kp=kp, kd=kd)
-
-
-def _adaptive(kl_coef: float, target: float | None, horizon: float, **_) -> AdaptiveKLController:
-    if target is None:
-        raise ValueError("kl.controller=adaptive needs kl.target (> 0)")
-    return AdaptiveKLController(kl_coef=kl_coef, target=target, horizon=horizon)
-
-
-def _budget(
-    kl_coef: float, budget: float | None, eta: float, kp: float, kd: float = 0.0, **_
-) -> BudgetKLController:
-    if budget is None:
-        raise ValueError("kl.controller=budget needs a KL budget (epsilon > 0)")
-    return BudgetKLController(kl_coef=kl_coef, budget=budget, eta=eta, kp=kp, kd=kd)
-
-
-CONTROLLERS: dict[str, Callable[..., KLController]] = {
-    "fixed": lambda kl_coef, **_: FixedKLController(kl_coef=kl_coef),
-    "adaptive": _adaptive,
-    "budget": _budget,
-}
-"""``kl.controller`` -> builder taking ``kl_coef`` and the keywords of :func:`make_controller`."""
+    cls = CONTROLLERS[name]
+    unknown = sorted(set(settings) - {f.name for f in fields(cls)})  # type: ignore[arg-type]
+    if unknown:
+        raise ValueError(f"kl.controller={name} has no setting {unknown}; its settings: {list(cls.fields)}")
+    try:
+        return cls(kl_coef, **settings)  # type: ignore[call-arg]
+    except TypeError as e:  # a required setting missing
+        raise ValueError(f"kl.controller={name} needs {list(cls.fields)} ({e})") from None

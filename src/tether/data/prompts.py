@@ -502,9 +502,10 @@ def split_prompts(prompts, heldout_fraction: float, field_name: str = "data.prom
     hash of each prompt's text (:func:`prompt_key`), whatever the format and the other columns.
     A :class:`PromptData` splits into two, columns kept; a list into two lists.
 
-    Every copy of a prompt hashes to the same side. The held-out side keeps each prompt once
-    (:func:`unique_prompts`): its prompts are the evaluation's independent units. The training
-    side keeps its copies: they weigh the prompt in the training distribution, as in TRL.
+    Every copy of a prompt hashes to the same side, and both sides keep their copies (a run with
+    its own held-out set trains on both); the run keeps each held-out prompt once when the share
+    becomes its evaluation set (:func:`unique_prompts`). The training side's copies weigh the
+    prompt in the training distribution, as in TRL.
 
     Raises:
         ValueError: no training prompt is left (``field_name`` named).
@@ -517,10 +518,9 @@ def split_prompts(prompts, heldout_fraction: float, field_name: str = "data.prom
         raise ValueError(
             f"{field_name}: no training prompts left after the held-out split; lower data.heldout_fraction"
         )
-    heldout = unique_prompts(data.select(held), f"{field_name} (its held-out share)")
     if isinstance(prompts, PromptData):
-        return data.select(train), heldout
-    return [data.prompts[i] for i in train], list(heldout.prompts)
+        return data.select(train), data.select(held)
+    return [data.prompts[i] for i in train], [data.prompts[i] for i in held]
 
 
 class PromptSampler:

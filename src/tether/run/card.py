@@ -13,6 +13,7 @@ import re
 import shutil
 from pathlib import Path
 
+from tether.core.controllers import CONTROLLERS
 from tether.run.files import replace_whole
 
 PLOTS = ("training.png", "score_vs_kl.png")
@@ -95,13 +96,9 @@ def model_card_text(
         placement = "in the reward and in the loss (allowed by kl.allow_double_kl)"
     estimator = k["estimator"] + (f"; loss surrogate {k['loss_estimator']}" if k.get("kl_in_loss") else "")
     kl_row = f"| KL placement | {placement}; per-token estimator {estimator} |"
-    leash_row = (
-        f"| leash | `kl.controller={k['controller']}`"
-        + (f", budget {k['budget']:g} nats per sequence" if k["controller"] == "budget" else "")
-        + (f", target {k['target']:g}" if k["controller"] == "adaptive" else "")
-        + (f", beta {k['kl_coef']:g}" if k["controller"] == "fixed" else "")
-        + " |"
-    )
+    controller = CONTROLLERS[k["controller"]].from_fields(k["kl_coef"], k)
+    unit = k.get("target_unit", "nats_per_sequence").replace("_", " ")
+    leash_row = f"| leash | `kl.controller={k['controller']}`, {controller.describe(unit)} |"
     beta_row = f"| beta's path | {_beta_path(history)} |"
     if algo == "dpo":  # no KL term: DPO's beta is the implicit KL coefficient of its loss
         kl_row = (

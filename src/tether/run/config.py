@@ -18,7 +18,7 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
-from tether.core.controllers import ControllerName, adaptive_horizon_for, adaptive_reach
+from tether.core.controllers import CONTROLLERS, KLController
 from tether.core.health import HealthThresholds
 from tether.core.kl import KLEstimator
 from tether.core.text import SHOWN_CHARS, shown
@@ -38,9 +38,6 @@ TRACKERS = (
     "clearml",
 )
 """``train.report_to`` names: accelerate's trackers (``none``: metrics.jsonl alone)."""
-
-ADAPTIVE_MIN_REACH = 1.1
-"""Below this, the adaptive controller cannot move beta by 10% over the whole run: a warning."""
 
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -677,7 +674,7 @@ class KLConfig(_Defaulted):
     """Per-token estimator in the reward and in the logs: k1, abs, k2 or k3 (see docs/kl.md)."""
     kl_coef: float = 0.05
     """beta: initial (or fixed) coefficient, reward units per nat."""
-    controller: ControllerName | None = None
+    controller: str | None = None
     """'fixed', 'adaptive' (Ziegler et al. 2019, holds kl.target) or 'budget' (projected dual
     ascent on beta with a proportional term, holds KL <= kl.budget); None = the trainer's default:
     budget for PPO, GRPO and RLOO (the default leash), fixed for DPO (its leash is dpo.beta)."""
@@ -748,10 +745,10 @@ class KLConfig(_Defaulted):
         )
         _check(self.kl_coef >= 0, "kl.kl_coef", self.kl_coef, "must be >= 0 (it is beta, the leash)")
         _check(
-            self.controller is None or self.controller in get_args(ControllerName),
+            self.controller is None or self.controller in CONTROLLERS,
             "kl.controller",
             self.controller,
-            f"choose one of {list(get_args(ControllerName))}",
+            f"choose one of {list(CONTROLLERS)}",
         )
         _check(self.target > 0, "kl.target", self.target, f"must be > 0 ({self.target_unit})")
         _check(
@@ -783,6 +780,21 @@ class KLConfig(_Defaulted):
             "'exact' needs kl.exact=true",
         )
         _check(self.exact_chunk_size >= 1, "kl.exact_chunk_size", self.exact_chunk_size, "must be >= 1")
+
+    @property
+    def controller_class(self) -> type[KLController]:
+        """The class ``kl.controller`` names (:data:`tether.core.controllers.CONTROLLERS`): its
+        facts (``raises_from_zero``, ``for_dpo``, ``reads_kl``) are what the config's rules read."""
+        return CONTROLLERS[self.controller]
+
+    def new_controller(self) -> KLController:
+        """The controller ``kl.controller`` names, built from this section's fields
+        (:meth:`tether.core.controllers.Controller.from_fields`), at beta ``kl.kl_coef``.
+
+        Raises:
+            ValueError: its settings are invalid (the controller's own checks).
+        """
+        return self.controller_class.from_fields(self.kl_coef, vars(self))
 
     @property
     def signal(self) -> Literal["estimator", "exact"]:
@@ -1193,9 +1205,11 @@ class Config:
                 self.kl.kl_in_loss,
                 reward_estimator=self.kl.estimator,
                 loss_estimator=self.kl.loss_estimator,
-                # the budget controller raises beta from 0, so it needs the reference like a positive
-                # beta (the adaptive one multiplies beta, so from 0 it stays 0)
-                kl_coef=self.kl.kl_coef if self.kl.controller != "budget" else max(self.kl.kl_coef, 1.0),
+                # a controller that raises beta from 0 (the budget's) needs the reference like a
+                # positive beta (the adaptive one multiplies beta, so from 0 it stays 0)
+                kl_coef=max(self.kl.kl_coef, 1.0)
+                if self.kl.controller_class.raises_from_zero
+                else self.kl.kl_coef,
                 monitor_kl=self.kl.monitor,
                 allow_double_kl=self.kl.allow_double_kl,
                 allow_biased_estimator=self.kl.allow_biased_estimator,
@@ -1211,16 +1225,16 @@ class Config:
                     "DPO has no reward or KL loss term: its leash is dpo.beta; leave it unset",
                 )
         elif not (self.kl.kl_in_reward or self.kl.kl_in_loss) and (
-            self.kl.kl_coef > 0 or self.kl.controller == "budget"
+            self.kl.kl_coef > 0 or self.kl.controller_class.raises_from_zero
         ):
             raise ConfigError(
                 f"kl.kl_in_reward and kl.kl_in_loss are both false, so kl.kl_coef={self.kl.kl_coef} and "
                 f"kl.controller={self.kl.controller} act on nothing; place the KL (one of them true) or run "
-                "without a leash: kl.kl_coef=0 (and not kl.controller=budget)"
+                "without a leash: kl.kl_coef=0 (and a kl.controller that does not raise beta from 0)"
             )
         if self.train.algo == "dpo":
             _check(
-                self.kl.controller != "budget",
+                self.kl.controller_class.for_dpo,
                 "kl.controller",
                 self.kl.controller,
                 "DPO's leash is the fixed dpo.beta (its implicit KL coefficient); no controller acts on it. "
@@ -1228,14 +1242,10 @@ class Config:
             )
         else:
             self._check_leash()
-        if self.kl.controller == "adaptive":
-            _check(
-                self.rollout.batch_size <= 5 * self.kl.horizon,
-                "kl.horizon",
-                self.kl.horizon,
-                f"must be >= rollout.batch_size / 5 = {self.rollout.batch_size / 5} "
-                "or kl_coef could turn negative",
-            )
+        for name, value, why in self.kl.controller_class.refusals(
+            vars(self.kl), samples_per_update=self.rollout.batch_size
+        ):
+            _check(False, name, value, why)
         _check(
             self.ppo.kl_shaping == "sampled" or (self.train.algo == "ppo" and self.kl.kl_in_reward),
             "ppo.kl_shaping",
@@ -1321,7 +1331,7 @@ class Config:
         a run without a leash says so (the seeds: drop the penalty only once the reward is known
         to resist hacking)."""
         k = self.kl
-        if k.controller != "fixed" and k.signal == "estimator" and k.estimator in ("k2", "abs"):
+        if self.kl.controller_class.reads_kl and k.signal == "estimator" and k.estimator in ("k2", "abs"):
             msg = (
                 f"kl.estimator={shown(k.estimator)} is biased for the KL (its mean is not KL(pi || pi_ref)), "
                 f"and kl.controller={k.controller} would hold that biased number to its target"
@@ -1332,17 +1342,11 @@ class Config:
                     "set kl.allow_biased_estimator=true to run it anyway."
                 )
             self.placement.warnings.append(msg + " (allowed by kl.allow_biased_estimator)")
-        reach = adaptive_reach(self.rollout.batch_size, k.horizon, self.train.steps)
-        if k.controller == "adaptive" and k.kl_coef > 0 and reach < ADAPTIVE_MIN_REACH:
-            self.placement.warnings.append(
-                f"kl.controller=adaptive with kl.horizon={k.horizon:g} samples and "
-                f"{self.rollout.batch_size} samples per step moves beta by at most {(reach - 1) * 100:.2g}% "
-                f"over train.steps={self.train.steps} (Ziegler et al.'s and TRL's horizon, made for far "
-                f"longer runs): beta stays within that of kl.kl_coef={k.kl_coef:g} whatever the KL does "
-                f"against kl.target={k.target:g}. To hold the target in this run, lower kl.horizon (e.g. "
-                f"{adaptive_horizon_for(self.rollout.batch_size, self.train.steps):g}) or use "
-                "kl.controller=budget"
+        self.placement.warnings.extend(
+            self.kl.controller_class.notes(
+                vars(k), samples_per_update=self.rollout.batch_size, updates=self.train.steps
             )
+        )
         updates = self.optim.epochs * (self.rollout.batch_size // self.optim.minibatch_size)
         if k.kl_in_loss and k.loss_estimator in ("k2", "k3+") and updates > 1:
             # after the first optimizer step the batch is pi_old's samples: the unweighted k2
@@ -1359,14 +1363,9 @@ class Config:
                 "train.tensorboard=true is deprecated: it now means train.report_to=tensorboard "
                 "(event files in <run>/tensorboard, as before); write that instead"
             )
-        if k.kl_coef == 0 and k.controller != "budget":
-            why = (
-                "; kl.controller=adaptive multiplies beta, so it stays 0"
-                if k.controller == "adaptive"
-                else ""
-            )
+        if k.kl_coef == 0 and not self.kl.controller_class.raises_from_zero:
             self.placement.warnings.append(
-                f"kl.kl_coef=0: no KL leash{why}. Nothing holds the policy near the reference: "
+                "kl.kl_coef=0: no KL leash. Nothing holds the policy near the reference: "
                 "watch the gold judge (eval.judge, eval.every) and the health warnings, or use "
                 "kl.controller=budget, which raises beta from 0"
             )

@@ -680,10 +680,17 @@ def reference_eval(evaluator: Evaluator, run_dir: Path, show: bool):
     say(
         f"tether: reference held-out proxy score {s['proxy_mean']:.3f} ± {s['proxy_se']:.3f}"
         + (f", gold {s['gold_mean']:.3f} ± {s['gold_se']:.3f}" if "gold_mean" in s else "")
-        + f" (n={len(evaluator.heldout)})",
+        + f" (n={len(evaluator.heldout)}{unscored_note(s)})",
         show,
     )
     return before
+
+
+def unscored_note(summary: dict) -> str:
+    """``, 3 of 16 samples unscored`` when the proxy scorer returned None for some samples of an
+    evaluation (:meth:`EvalResult.summary`: they are left out of its numbers), else ``""``."""
+    n = summary.get("proxy_unscored")
+    return f"; {n} of {summary['n']} samples unscored, left out" if n else ""
 
 
 def fluency_judge(run: Run):
@@ -747,7 +754,8 @@ def final_evaluation(
     say(
         f"tether: held-out proxy score {result['reference']['proxy_mean']:.3f} -> "
         f"{result['policy']['proxy_mean']:.3f} (gain {result['gain']:+.3f} ± "
-        f"{result['gain_se_paired']:.3f} SE, z = {z_text(result['gain_z_paired'])}){gold}; "
+        f"{result['gain_se_paired']:.3f} SE, z = {z_text(result['gain_z_paired'])}"
+        f"{unscored_note(result['policy'])}){gold}; "
         + (
             f"held-out KL {after.kl:.2f} nats/seq"
             if after.kl == after.kl

@@ -39,11 +39,12 @@ class HealthMonitor:
 
 
 def leash_kl(c) -> float | None:
-    """The KL (nats per sequence) the run's controller holds: kl.budget or kl.target of a budget
-    or adaptive controller with kl.target_unit=nats_per_sequence; None otherwise (and for DPO)."""
-    if c.kl.target_unit != "nats_per_sequence" or c.train.algo == "dpo":
+    """The KL (nats per sequence) the run's controller holds
+    (:meth:`tether.core.controllers.Controller.held_kl`: a budget, a target) with
+    kl.target_unit=nats_per_sequence; None otherwise (a fixed beta; DPO, whose leash is dpo.beta)."""
+    if c.kl.target_unit != "nats_per_sequence":
         return None
-    return {"budget": c.kl.budget, "adaptive": c.kl.target}.get(c.kl.controller)
+    return c.kl.new_controller().held_kl()  # DPO's controller is fixed (the config's rule): None
 
 
 def health_thresholds(c) -> HealthThresholds:

@@ -154,6 +154,7 @@ def plot_score_vs_kl(history: list[dict], out: Path, evals: list[dict] | None = 
         (r["objective/kl"], r["objective/scores"], r["step"])
         for r in history
         if isinstance(r.get("objective/kl"), (int, float))
+        and isinstance(r.get("objective/scores"), (int, float))
     ]
     if pts:
         kl, sc, st = zip(*pts)

@@ -873,6 +873,9 @@ def load_data_and_scorer(
     if evaluation is not None:  # the user's held-out set: train on everything else
         check_same_format(train_prompts, evaluation, field)
         train_prompts, heldout = train_on_the_rest(train_prompts, heldout, evaluation), evaluation
+    else:  # the hash share is the evaluation set: each prompt once (its copies trained on nothing)
+        source = "train_dataset" if train_dataset is not None else "data.prompts"
+        heldout = unique_prompts(heldout, f"{source} (its held-out share)")
     scorer = make_scorer(
         config.reward.scorer if scorer is None else scorer, config.reward.weights, device=device
     )

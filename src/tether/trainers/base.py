@@ -31,7 +31,6 @@ import torch
 from torch import Tensor
 
 from tether.core import distributed as D
-from tether.core.controllers import make_controller
 from tether.core.diversity import distinct_n, repetition
 from tether.core.kl import kl_k3, sequence_kl
 from tether.core.leash import KLLeash
@@ -103,16 +102,7 @@ class OnPolicyTrainer:
         c = self.cfg = run.config
         self.group_size = c.rollout.group_size
         self.sampler = PromptSampler(run.train_prompts, c.train.seed)
-        self.controller = make_controller(
-            c.kl.controller,
-            c.kl.kl_coef,
-            c.kl.target,
-            c.kl.horizon,
-            budget=c.kl.budget,
-            eta=c.kl.budget_eta,
-            kp=c.kl.budget_kp,
-            kd=c.kl.budget_kd,
-        )
+        self.controller = c.kl.new_controller()  # kl.controller with its settings
         self.leash = KLLeash(c.kl.kl_in_reward, c.kl.kl_in_loss, c.kl.loss_estimator, c.kl_reward_form)
         self.settings = step_settings(c, self.name)
         if not self.uses_values:  # no loss reaches the value head: frozen, so DDP waits for no gradient of it
@@ -415,47 +405,14 @@ class OnPolicyTrainer:
         restore_optimization(self, state, next_step)  # the optimizer, and its schedule resumed
 
     def restore_controller(self, saved: dict) -> None:
-        """Carry on the checkpoint's beta (and the budget controller's dual variable); the
-        controller's settings (target, horizon, budget, step sizes; a fixed controller's beta)
-        are the resumed config's, so ``--resume RUN kl.target=...`` takes effect. A changed
-        setting is reported, and so is a change of controller, which carries beta on (the budget
-        controller's dual variable starts at it; a fixed controller takes its configured beta)."""
-        kind = _controller_kind(saved)
-        now = self.controller.name
-        if kind != now:
-            if now != "fixed":
-                self.controller.kl_coef = saved["kl_coef"]
-                if now == "budget":
-                    self.controller.dual = saved["kl_coef"]
+        """Carry on the checkpoint's controller (:meth:`tether.core.controllers.Controller.load_state_dict`:
+        its state, under the resumed config's settings, or beta when kl.controller changed) and
+        print what changed."""
+        changes = self.controller.load_state_dict(saved)
+        if changes:
             log.warning(
-                "tether: resuming with kl.controller changed (%s -> %s); beta for the next step: %g",
-                kind,
-                now,
-                self.controller.kl_coef,
-            )
-            return
-        if kind == "budget" and "dual" not in saved:
-            # a budget checkpoint from before budget_kp: it ran pure dual ascent, so it goes on with it
-            self.controller.kl_coef = self.controller.dual = saved["kl_coef"]
-            self.controller.kp = self.controller.kd = 0.0
-            return
-        state = ("dual",) if now == "fixed" else ("kl_coef", "dual", "last_kl")
-        changed = [
-            f"{name} {saved[name]:g} -> {getattr(self.controller, name):g}"
-            for name in saved
-            if name not in state
-            and hasattr(self.controller, name)
-            and saved[name] != getattr(self.controller, name)
-        ]
-        for name in state:
-            if name in saved:
-                setattr(self.controller, name, saved[name])
-        if changed and now == "budget":
-            self.controller.last_kl = None  # a rise measured under other settings means nothing
-        if changed:
-            log.warning(
-                "tether: resuming with the controller's settings changed (%s); beta for the next step: %g",
-                ", ".join(changed),
+                "tether: resuming with %s; beta for the next step: %g",
+                "; ".join(changes),
                 self.controller.kl_coef,
             )
 
@@ -588,21 +545,21 @@ def sample_metrics(
     # the objective's two terms per sequence, whatever the placement: J = score - beta * KL
     non_score = -kl_coef * sequence_kl(kl, mask) if kl is not None else torch.zeros_like(scores)  # (B,)
     scored = ~torch.isnan(scores)  # (B,) an unscored sample (NaN) counts in no score statistic
+    row = {"objective/kl_coef": kl_coef}
     if bool(D.all_reduce_min(scored.all().float())):
-        score_mean, score_std = D.sequence_mean(scores), D.sequence_std(scores)
+        row["objective/scores"], row["objective/scores_std"] = D.sequence_mean(scores), D.sequence_std(scores)
         rlhf_reward = D.sequence_mean(scores + non_score)
-    else:
-        score_mean, score_std = D.token_mean(scores, scored), D.sequence_std(scores[scored])
+    elif float(D.all_reduce_sum(scored.sum())) > 0:
+        row["objective/scores"] = D.token_mean(scores, scored)
+        row["objective/scores_std"] = D.sequence_std(scores[scored])
         rlhf_reward = D.token_mean(scores + non_score, scored)
-    row = {
-        "objective/kl_coef": kl_coef,
-        "objective/scores": score_mean,
-        "objective/scores_std": score_std,
-        "objective/non_score_reward": D.sequence_mean(non_score),
-        "objective/rlhf_reward": rlhf_reward,
-        "objective/entropy": D.token_mean(entropy, mask),
-        "response/length": D.sequence_mean(mask.sum(-1).float()),
-    }
+    else:  # no sample of the step was scored: no score to log (a 0 would read as one)
+        rlhf_reward = None
+    row["objective/non_score_reward"] = D.sequence_mean(non_score)
+    if rlhf_reward is not None:
+        row["objective/rlhf_reward"] = rlhf_reward
+    row["objective/entropy"] = D.token_mean(entropy, mask)
+    row["response/length"] = D.sequence_mean(mask.sum(-1).float())
     if rollout.env_mask is not None:  # a multi-turn rollout: the environment's tokens per response
         row["rollout/env_tokens"] = D.sequence_mean(rollout.env_mask.sum(-1).float())
     # diversity of the batch's responses (words, tether.core.diversity), over all processes
@@ -640,8 +597,3 @@ def reward_components(parts: dict[str, list[float]], device: torch.device | str 
         if float(D.all_reduce_sum(scored.sum())) > 0:  # a reward that scored nothing logs nothing
             out[f"reward/{name}"] = D.token_mean(torch.where(scored, v, 0.0), scored)
     return out
-
-
-def _controller_kind(saved: dict) -> str:
-    """The kind of controller whose ``state_dict`` is ``saved`` (its fields tell it)."""
-    return "budget" if "budget" in saved else "adaptive" if "target" in saved else "fixed"

@@ -1,0 +1,76 @@
+"""Each variant has one home (issue 51): a toy controller, estimator and trainer, each written and
+registered in the test alone, run through the CLI. They fail if adding one needs an edit in
+trainers/, run/monitor.py, run/card.py, training.py or the config's rules."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import pytest
+
+from tests.conftest import metric_rows, tiny_run_args
+from tether.cli import main
+from tether.core import controllers
+
+
+@dataclass
+class CountingController(controllers.Controller):
+    """A toy: beta = kl_coef_0 * (1 + updates) / (1 + budget * updates), its update count its
+    state (so a resume that dropped the state would give another beta), holding kl.budget."""
+
+    name: ClassVar[str] = "counting"
+    fields: ClassVar[dict[str, str]] = {"budget": "budget"}
+    state: ClassVar[tuple[str, ...]] = ("kl_coef", "updates")
+    held: ClassVar[str | None] = "budget"
+    raises_from_zero: ClassVar[bool] = False
+
+    kl_coef: float
+    budget: float = 1.0
+    start: float | None = None
+    updates: int = 0
+
+    def __post_init__(self) -> None:
+        self.start = self.kl_coef if self.start is None else self.start
+
+    def update(self, kl: float, n_steps: int) -> float:
+        self.updates += 1
+        self.kl_coef = self.start * (1 + self.updates) / (1 + self.budget * self.updates)
+        return self.kl_coef
+
+
+@pytest.fixture
+def counting(monkeypatch):
+    monkeypatch.setitem(controllers.CONTROLLERS, "counting", CountingController)
+
+
+def _args(tiny_model_dir, prompt_file, out, **overrides):
+    settings = {
+        "kl.controller": "counting",
+        "kl.kl_coef": 0.2,
+        "kl.budget": 0.5,
+        "train.steps": 4,
+        "train.checkpoint_every": 1,
+        "eval.n_prompts": 0,  # no evaluation at the cut run's end: its rows stay the full run's
+        "eval.every": 0,
+        "eval.fluency_model": "none",
+        "train.save_model": "true",
+        **overrides,
+    }
+    return tiny_run_args(tiny_model_dir, prompt_file, out, settings, command=True)
+
+
+def test_a_toy_controller_needs_its_own_file_only_and_resumes_bit_for_bit(
+    counting, tiny_model_dir, prompt_file, tmp_path
+):
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    assert main(_args(tiny_model_dir, prompt_file, full)) == 0
+    assert main(_args(tiny_model_dir, prompt_file, cut, **{"train.steps": 2})) == 0
+    assert main(["train", "--resume", str(cut), "train.steps=4"]) == 0
+    rows = metric_rows(full)
+    # beta of step t is the one after t updates: 0.2 * (1 + t) / (1 + 0.5 t)
+    betas = [0.2 * (1 + t) / (1 + 0.5 * t) for t in range(4)]
+    assert [r["objective/kl_coef"] for r in rows] == pytest.approx(betas, rel=1e-12)
+    assert metric_rows(cut) == rows  # the update count survived the resume
+    card = (full / "policy" / "README.md").read_text()
+    assert "`kl.controller=counting`, budget 0.5 nats per sequence" in card  # its own describe()
