@@ -74,3 +74,57 @@ def test_a_toy_controller_needs_its_own_file_only_and_resumes_bit_for_bit(
     assert metric_rows(cut) == rows  # the update count survived the resume
     card = (full / "policy" / "README.md").read_text()
     assert "`kl.controller=counting`, budget 0.5 nats per sequence" in card  # its own describe()
+
+
+@pytest.fixture
+def toy_estimators(monkeypatch):
+    """k1 and k2 again under other names, each one record registered here (its value, its mean,
+    its standing in the reward and in the loss): nothing else of tether is edited."""
+    from tether.core import kl
+
+    k1, k2 = kl.ESTIMATORS["k1"], kl.ESTIMATORS["k2"]
+    monkeypatch.setitem(
+        kl.ESTIMATORS, "toy_k1", kl.Estimator("toy_k1", value=k1.value, mean_is_kl=True, reward=k1.reward)
+    )
+    monkeypatch.setitem(
+        kl.ESTIMATORS, "toy_k2", kl.Estimator("toy_k2", loss=k2.loss, loss_terms=k2.loss_terms)
+    )
+
+
+def _rows(tiny_model_dir, prompt_file, out, **overrides):
+    settings = {
+        "kl.controller": "fixed",
+        "kl.kl_coef": 0.1,
+        "train.steps": 2,
+        "eval.n_prompts": 0,
+        **overrides,
+    }
+    assert main(tiny_run_args(tiny_model_dir, prompt_file, out, settings, command=True)) == 0
+    return metric_rows(out)
+
+
+def test_a_toy_estimator_is_one_record_in_both_placements(
+    toy_estimators, tiny_model_dir, prompt_file, tmp_path
+):
+    # in the reward (PPO): the toy k1 trains exactly as k1 (the same numbers); its mean is the KL,
+    # so the budget controller may read it
+    toy = _rows(tiny_model_dir, prompt_file, tmp_path / "toy", **{"kl.estimator": "toy_k1"})
+    ref = _rows(tiny_model_dir, prompt_file, tmp_path / "k1", **{"kl.estimator": "k1"})
+    for a, b in zip(toy, ref):
+        assert a["objective/kl"] == b["objective/kl"] and a["objective/scores"] == b["objective/scores"]
+    # in the loss (GRPO): the toy k2 as k2; off-policy it is k2's, so the run is warned as k2's is
+    toy = _rows(
+        tiny_model_dir,
+        prompt_file,
+        tmp_path / "toy2",
+        **{"train.algo": "grpo", "kl.loss_estimator": "toy_k2"},
+    )
+    ref = _rows(
+        tiny_model_dir, prompt_file, tmp_path / "k2", **{"train.algo": "grpo", "kl.loss_estimator": "k2"}
+    )
+    assert [r["policy/kl_loss"] for r in toy] == [r["policy/kl_loss"] for r in ref]
+    # and the placement check reads its record: not a reward estimator, so refused there by name
+    from tether.run.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="kl.estimator='toy_k2'|kl.estimator: .*toy_k2"):
+        load_config(None, ["kl.estimator=toy_k2"])

@@ -20,7 +20,8 @@ Sources:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal, get_args
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
@@ -28,7 +29,8 @@ from torch import Tensor
 from tether.core.masked import at_least_fp32, masked_sum
 
 KLEstimator = Literal["k1", "abs", "k2", "k3"]
-"""Names of the sampled per-token estimators, see :data:`ESTIMATORS`."""
+"""The built-in sampled per-token estimators' names (:data:`ESTIMATORS` holds every registered
+one, the loss surrogates of :mod:`tether.core.losses` too)."""
 
 # A log-ratio r = log pi_ref - log pi_theta above this (nats) means the policy gives the token a
 # probability below exp(-20) ~ 2e-9 of the reference's. k3 = exp(r) - 1 - r is clamped there, from
@@ -106,22 +108,144 @@ def k3_from_log_ratio(log_ratio: Tensor) -> Tensor:
     return torch.expm1(r) - r
 
 
-ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
-    "k1": kl_k1,
-    "abs": kl_abs,
-    "k2": kl_k2,
-    "k3": kl_k3,
-}
-assert set(ESTIMATORS) == set(get_args(KLEstimator))
+# ---- an estimator is one record ---------------------------------------------------------------
+class Standing(NamedTuple):
+    """What is true of an estimator in one placement (Tang & Munos 2025, arXiv 2506.09477)."""
+
+    exact: bool
+    """Its expected gradient there is ``grad KL(pi_theta || pi_ref)`` (on-policy)."""
+    why: str
+    """The reason, with its source: for an estimator that is not exact, the refusal's text."""
 
 
-def estimate_kl(logprobs: Tensor, ref_logprobs: Tensor, estimator: KLEstimator = "k1") -> Tensor:
-    """Per-token KL estimate by name, looked up in :data:`ESTIMATORS`.
+LossTerms = Callable[[Tensor, Tensor, "Tensor | None", "Tensor | None"], Tensor]
+"""A KL-in-the-loss surrogate: ``(logprobs with grad, ref_logprobs, old_logprobs or None,
+response_mask or None) -> (B, R) terms``, unmasked, nats (:func:`tether.core.losses.kl_loss_terms`)."""
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """One KL estimator and everything tether relies on about it, read by the placement check
+    (:func:`tether.core.placement.check_placement`), the config's rules and the trainers.
+
+    Attributes:
+        name: the ``kl.estimator`` / ``kl.loss_estimator`` value.
+        value: the per-token estimate of a sampled token, ``(logprobs, ref_logprobs) -> (B, R)``
+            nats (logged, shaped into the reward, read by the controller), or None for a loss
+            surrogate only.
+        mean_is_kl: its mean over the policy's samples is KL(pi_theta || pi_ref) (unbiased).
+        reward: its standing as ``-beta * kl`` in the reward (score-function gradient), or None
+            when it cannot be placed there.
+        loss: its standing differentiated in the loss, or None when it is no loss surrogate.
+        loss_terms: the surrogate of the loss placement (:data:`LossTerms`), or None.
+        off_policy: the loss surrogate stays exact on samples of an older policy pi_old (the
+            update's later minibatches and epochs): importance-weighted.
+    """
+
+    name: str
+    value: Callable[[Tensor, Tensor], Tensor] | None = None
+    mean_is_kl: bool = False
+    reward: Standing | None = None
+    loss: Standing | None = None
+    loss_terms: LossTerms | None = None
+    off_policy: bool = False
+
+
+ESTIMATORS: dict[str, Estimator] = {}
+"""Every registered estimator by name (:func:`register_estimator`): the sampled ones here, the
+loss surrogates (k3+, k3_is, k1_seq) in :mod:`tether.core.losses`."""
+
+
+def register_estimator(estimator: Estimator) -> Estimator:
+    """Add ``estimator`` to :data:`ESTIMATORS` (a name registered again is replaced).
+
+    Raises:
+        ValueError: a loss standing without loss terms, or loss terms without a standing.
+    """
+    if (estimator.loss is None) != (estimator.loss_terms is None):
+        raise ValueError(
+            f"estimator {estimator.name!r}: give both a loss standing and its loss_terms, or neither"
+        )
+    ESTIMATORS[estimator.name] = estimator
+    return estimator
+
+
+def sampled_estimators() -> list[str]:
+    """The names ``kl.estimator`` takes: the registered estimators with a per-token value."""
+    return [n for n, e in ESTIMATORS.items() if e.value is not None]
+
+
+def _of_log_ratio(fn: Callable[[Tensor], Tensor]) -> LossTerms:
+    """A surrogate that is a function of ``log pi - log pi_ref`` alone (the reference detached)."""
+    return lambda logprobs, ref_logprobs, old_logprobs, mask: fn(logprobs - ref_logprobs.detach())
+
+
+TANG_MUNOS = "Tang & Munos 2025, arXiv 2506.09477"
+register_estimator(
+    Estimator(
+        "k1",
+        value=kl_k1,
+        mean_is_kl=True,
+        reward=Standing(
+            True, "E[grad log pi * k1] is exactly grad KL(pi || pi_ref) (Ziegler et al. 2019, eq. 2)"
+        ),
+        loss=Standing(
+            False,
+            "k1 in the loss has expected gradient 0 on-policy (E[grad log pi] = 0): the leash pulls "
+            f"nothing ({TANG_MUNOS})",
+        ),
+        loss_terms=_of_log_ratio(lambda r: r),
+    )
+)
+register_estimator(
+    Estimator(
+        "abs",
+        value=kl_abs,
+        reward=Standing(
+            False, "abs(k1) in the reward is biased upward and its gradient is not grad KL (Schulman 2020)"
+        ),
+    )
+)
+register_estimator(
+    Estimator(
+        "k2",
+        value=kl_k2,
+        reward=Standing(
+            False, f"k2 in the reward: E[grad log pi * k2] is not grad KL(pi || pi_ref) ({TANG_MUNOS})"
+        ),
+        loss=Standing(
+            True, f"k2's gradient k1 * grad log pi has expectation grad KL on-policy ({TANG_MUNOS})"
+        ),
+        loss_terms=_of_log_ratio(lambda r: 0.5 * r.pow(2)),
+    )
+)
+register_estimator(
+    Estimator(
+        "k3",
+        value=kl_k3,
+        mean_is_kl=True,
+        reward=Standing(
+            False,
+            "k3 in the reward: E[grad log pi * k3] is not grad KL(pi || pi_ref); it biases the "
+            f"update toward the forward KL ({TANG_MUNOS})",
+        ),
+        loss=Standing(
+            False,
+            "k3 in the loss differentiates to grad KL(pi_ref || pi), the forward KL, not the "
+            f"reverse KL of the objective ({TANG_MUNOS})",
+        ),
+        loss_terms=_of_log_ratio(lambda r: k3_from_log_ratio(r)),
+    )
+)
+
+
+def estimate_kl(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k1") -> Tensor:
+    """Per-token KL estimate by name: the ``value`` of its record in :data:`ESTIMATORS`.
 
     Args:
         logprobs: (B, R) log pi_theta of the sampled tokens, nats.
         ref_logprobs: (B, R) log pi_ref of the same tokens, nats.
-        estimator: one of ``"k1"``, ``"abs"``, ``"k2"``, ``"k3"``.
+        estimator: ``"k1"``, ``"abs"``, ``"k2"``, ``"k3"`` or another registered sampled estimator.
 
     Returns:
         (B, R) float32 per-token estimate, nats, not yet masked.
@@ -129,10 +253,9 @@ def estimate_kl(logprobs: Tensor, ref_logprobs: Tensor, estimator: KLEstimator =
     Raises:
         ValueError: unknown estimator name, or mismatched shapes.
     """
-    try:
-        fn = ESTIMATORS[estimator]
-    except KeyError:
-        raise ValueError(f"unknown KL estimator {estimator!r}; choose one of {sorted(ESTIMATORS)}") from None
+    fn = ESTIMATORS[estimator].value if estimator in ESTIMATORS else None
+    if fn is None:
+        raise ValueError(f"unknown KL estimator {estimator!r}; choose one of {sorted(sampled_estimators())}")
     return fn(logprobs, ref_logprobs)
 
 

@@ -8,16 +8,14 @@ weighs the same).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
 
-from tether.core.kl import K3_LOG_RATIO_CLAMP
+from tether.core.kl import ESTIMATORS, K3_LOG_RATIO_CLAMP, TANG_MUNOS, Estimator, Standing, register_estimator
 from tether.core.kl import k3_from_log_ratio as _k3
 from tether.core.masked import masked_mean
-from tether.core.placement import LOSS_ESTIMATOR_OK
 
 
 class PolicyLoss(NamedTuple):
@@ -117,14 +115,17 @@ def clipped_value_loss(
 # the reverse KL(pi_theta || pi_ref). Tang & Munos 2025, "On a few pitfalls in KL divergence
 # gradient estimation for RL", arXiv 2506.09477; Schulman 2020. Exact checks by enumeration are
 # in tests/oracle/test_kl_placement.py and the table in docs/kl.md.
-# Which of them are allowed, and why the others are refused: tether.core.placement.
+# Each is a record of tether.core.kl.ESTIMATORS (its standing, with the reason, and its terms);
+# tether.core.placement refuses the ones that are not exact. k1, k2 and k3 are registered in
+# tether.core.kl with their sampled values; k3+, k3_is and k1_seq, surrogates only, here.
 KLLossEstimator = Literal["k2", "k3+", "k3_is", "k1_seq", "k1", "k3"]
+"""The built-in loss surrogates' names (:data:`tether.core.kl.ESTIMATORS` holds every one)."""
 
 
 def kl_loss_terms(
     logprobs: Tensor,
     ref_logprobs: Tensor,
-    estimator: KLLossEstimator = "k3_is",
+    estimator: str = "k3_is",
     old_logprobs: Tensor | None = None,
     response_mask: Tensor | None = None,
 ) -> Tensor:
@@ -145,6 +146,7 @@ def kl_loss_terms(
       which on multi-token responses is not the gradient of KL(pi || pi_ref) over sequences.
       Needs ``response_mask`` (and ``old_logprobs`` when the samples are from pi_old).
     * ``k1``, ``k3``: computed only for the tests that show why they are refused.
+    * any other name registered with loss terms (:func:`tether.core.kl.register_estimator`).
 
     Args:
         logprobs: (B, R) log pi_theta with grad.
@@ -157,13 +159,11 @@ def kl_loss_terms(
         ValueError: unknown estimator, ``k3_is`` without ``old_logprobs``, ``k1_seq`` without
             ``response_mask``.
     """
-    if estimator == "k1_seq":
-        if response_mask is None:
-            raise ValueError("kl.loss_estimator=k1_seq needs the response_mask (the KL still to come)")
-        return k1_seq_terms(logprobs, ref_logprobs, response_mask, old_logprobs)
-    if estimator not in KL_LOSS_SURROGATES:
-        raise ValueError(f"unknown kl.loss_estimator {estimator!r}; choose one of {list(LOSS_ESTIMATOR_OK)}")
-    return KL_LOSS_SURROGATES[estimator](logprobs - ref_logprobs.detach(), logprobs, old_logprobs)
+    terms = ESTIMATORS[estimator].loss_terms if estimator in ESTIMATORS else None
+    if terms is None:
+        names = [n for n, e in ESTIMATORS.items() if e.loss is not None]
+        raise ValueError(f"unknown kl.loss_estimator {estimator!r}; choose one of {names}")
+    return terms(logprobs, ref_logprobs, old_logprobs, response_mask)
 
 
 def k1_seq_terms(
@@ -220,7 +220,17 @@ def _k2(log_ratio: Tensor) -> Tensor:
     return 0.5 * log_ratio.pow(2)
 
 
-def _k3_is(log_ratio: Tensor, logprobs: Tensor, old_logprobs: Tensor | None) -> Tensor:
+def _k3_plus(
+    logprobs: Tensor, ref_logprobs: Tensor, old_logprobs: Tensor | None, mask: Tensor | None
+) -> Tensor:
+    """k3's value (unbiased, >= 0, what is logged) with k2's gradient (straight-through)."""
+    lr = logprobs - ref_logprobs.detach()
+    return _k2(lr) + (_k3(lr) - _k2(lr)).detach()
+
+
+def _k3_is(
+    logprobs: Tensor, ref_logprobs: Tensor, old_logprobs: Tensor | None, mask: Tensor | None
+) -> Tensor:
     """``rho * k3`` with ``rho = pi / pi_old``, and its exact gradient ``rho * k1 * grad log pi``.
 
     Analytically ``d/dlog pi [rho k3] = rho k3 + rho (1 - pi_ref / pi) = rho (log pi - log pi_ref)``
@@ -235,20 +245,60 @@ def _k3_is(log_ratio: Tensor, logprobs: Tensor, old_logprobs: Tensor | None) -> 
     """
     if old_logprobs is None:
         raise ValueError("kl.loss_estimator=k3_is needs old_logprobs (the sampling policy)")
+    log_ratio = logprobs - ref_logprobs.detach()
     rho = torch.exp((logprobs.detach() - old_logprobs.detach()).clamp(max=K3_LOG_RATIO_CLAMP))
     value = rho * _k3(log_ratio.detach())
     return value + (rho * log_ratio.detach()) * (logprobs - logprobs.detach())
 
 
-KL_LOSS_SURROGATES: dict[str, Callable[[Tensor, Tensor, Tensor | None], Tensor]] = {
-    "k2": lambda lr, lp, old: _k2(lr),
-    "k3+": lambda lr, lp, old: _k2(lr) + (_k3(lr) - _k2(lr)).detach(),  # k3's value, k2's gradient
-    "k3_is": _k3_is,
-    "k1": lambda lr, lp, old: lr,
-    "k3": lambda lr, lp, old: _k3(lr),
-}
-"""``kl.loss_estimator`` -> surrogate of ``(log_ratio, logprobs, old_logprobs)``, see
-:func:`kl_loss_terms`."""
+def _k1_seq(
+    logprobs: Tensor, ref_logprobs: Tensor, old_logprobs: Tensor | None, mask: Tensor | None
+) -> Tensor:
+    if mask is None:
+        raise ValueError("kl.loss_estimator=k1_seq needs the response_mask (the KL still to come)")
+    return k1_seq_terms(logprobs, ref_logprobs, mask, old_logprobs)
+
+
+OFF_POLICY_BIAS = (
+    " Exact on-policy only: on samples of an older policy (the update's later minibatches and "
+    'epochs) its gradient lacks the weight pi / pi_old (docs/kl.md, "The KL in the loss off-policy").'
+)
+register_estimator(
+    Estimator(
+        "k3+",
+        mean_is_kl=True,
+        loss=Standing(
+            True, f"k3's value with k2's gradient, grad KL on-policy ({TANG_MUNOS}).{OFF_POLICY_BIAS}"
+        ),
+        loss_terms=_k3_plus,
+    )
+)
+register_estimator(
+    Estimator(
+        "k3_is",
+        mean_is_kl=True,
+        loss=Standing(
+            True,
+            "(pi / pi_old) * k3: its expectation under pi_old is KL(pi || pi_ref) for every theta, so its "
+            "gradient is exact on- and off-policy (TRL's use_bias_correction_kl)",
+        ),
+        loss_terms=_k3_is,
+        off_policy=True,
+    )
+)
+register_estimator(
+    Estimator(
+        "k1_seq",
+        mean_is_kl=True,
+        loss=Standing(
+            True,
+            "the score function with the KL still to come, weighted by the sequence's importance ratio: "
+            "the gradient of the sequence KL (Zhang et al. 2025, arXiv 2505.17508)",
+        ),
+        loss_terms=_k1_seq,
+        off_policy=True,
+    )
+)
 
 
 class DPOLoss(NamedTuple):

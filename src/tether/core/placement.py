@@ -1,6 +1,8 @@
 """Where the KL term goes, checked once: in the reward, in the loss, neither, never both by accident.
 
-Pure Python; no torch. The trainers call :func:`check_placement` before anything loads.
+The trainers call :func:`check_placement` before anything loads. What is true of each estimator
+in each placement, and why, is its record's (:class:`tether.core.kl.Estimator`, in
+:data:`tether.core.kl.ESTIMATORS`): this module only reads the records.
 
 Which estimator is gradient-correct depends on the placement (Tang & Munos 2025, "On a few
 pitfalls in KL divergence gradient estimation for RL", arXiv 2506.09477; Schulman 2020):
@@ -19,21 +21,17 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-REWARD_ESTIMATOR_OK = ("k1",)
-REWARD_ESTIMATOR_BIASED = {
-    "k3": "k3 in the reward: E[grad log pi * k3] is not grad KL(pi || pi_ref); it biases the "
-    "update toward the forward KL (Tang & Munos 2025, arXiv 2506.09477)",
-    "k2": "k2 in the reward: E[grad log pi * k2] is not grad KL(pi || pi_ref) "
-    "(Tang & Munos 2025, arXiv 2506.09477)",
-    "abs": "abs(k1) in the reward is biased upward and its gradient is not grad KL (Schulman 2020)",
-}
-LOSS_ESTIMATOR_OK = ("k2", "k3+", "k3_is", "k1_seq")
-LOSS_ESTIMATOR_BIASED = {
-    "k1": "k1 in the loss has expected gradient 0 on-policy (E[grad log pi] = 0): the leash pulls "
-    "nothing (Tang & Munos 2025, arXiv 2506.09477)",
-    "k3": "k3 in the loss differentiates to grad KL(pi_ref || pi), the forward KL, not the "
-    "reverse KL of the objective (Tang & Munos 2025, arXiv 2506.09477)",
-}
+import tether.core.losses  # noqa: F401  (registers the loss surrogates k3+, k3_is, k1_seq)
+from tether.core.kl import ESTIMATORS
+
+PLACEMENTS = {"reward": "kl.estimator", "loss": "kl.loss_estimator"}
+"""Each placement and the config field naming its estimator."""
+
+
+def exact_in(placement: str) -> list[str]:
+    """The registered estimators whose gradient is exact in ``placement`` (``"reward"`` or
+    ``"loss"``), from their records."""
+    return [n for n, e in ESTIMATORS.items() if (s := getattr(e, placement)) is not None and s.exact]
 
 
 class Placement(NamedTuple):
@@ -72,19 +70,21 @@ def check_placement(
         if not allow_double_kl:
             raise ValueError(msg + ". Turn one off, or set kl.allow_double_kl=true if you mean it.")
         warnings.append(msg + " (allowed by kl.allow_double_kl)")
-    for on, est, ok, biased, field in (
-        (kl_in_reward, reward_estimator, REWARD_ESTIMATOR_OK, REWARD_ESTIMATOR_BIASED, "kl.estimator"),
-        (kl_in_loss, loss_estimator, LOSS_ESTIMATOR_OK, LOSS_ESTIMATOR_BIASED, "kl.loss_estimator"),
+    for on, est, placement in (
+        (kl_in_reward, reward_estimator, "reward"),
+        (kl_in_loss, loss_estimator, "loss"),
     ):
-        if not on or est in ok:
+        field, ok = PLACEMENTS[placement], exact_in(placement)
+        standing = getattr(ESTIMATORS[est], placement) if est in ESTIMATORS else None
+        if not on or (standing is not None and standing.exact):
             continue
-        if est not in biased:
-            raise ValueError(f"{field}={est!r} is unknown for this placement; choose one of {list(ok)}")
+        if standing is None:
+            raise ValueError(f"{field}={est!r} is unknown for this placement; choose one of {ok}")
         if not allow_biased_estimator:
             raise ValueError(
-                f"{field}={est!r}: {biased[est]}. Use one of {list(ok)}, "
+                f"{field}={est!r}: {standing.why}. Use one of {ok}, "
                 "or set kl.allow_biased_estimator=true to run it anyway."
             )
-        warnings.append(f"{field}={est!r}: {biased[est]} (allowed by kl.allow_biased_estimator)")
+        warnings.append(f"{field}={est!r}: {standing.why} (allowed by kl.allow_biased_estimator)")
     uses_kl = (kl_in_reward or kl_in_loss) and kl_coef > 0
     return Placement(kl_in_reward, kl_in_loss, uses_kl or monitor_kl, warnings)

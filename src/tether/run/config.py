@@ -20,7 +20,8 @@ import yaml
 
 from tether.core.controllers import CONTROLLERS, KLController
 from tether.core.health import HealthThresholds
-from tether.core.kl import KLEstimator
+from tether.core.kl import ESTIMATORS, sampled_estimators
+from tether.core.placement import check_placement
 from tether.core.text import SHOWN_CHARS, shown
 
 ALGOS = ("ppo", "grpo", "rloo", "dpo")
@@ -670,8 +671,9 @@ class RolloutConfig(_Defaulted):
 
 @dataclass
 class KLConfig(_Defaulted):
-    estimator: KLEstimator = "k1"
-    """Per-token estimator in the reward and in the logs: k1, abs, k2 or k3 (see docs/kl.md)."""
+    estimator: str = "k1"
+    """Per-token estimator in the reward and in the logs: k1, abs, k2 or k3, or another registered
+    one (tether.core.kl.ESTIMATORS; see docs/kl.md)."""
     kl_coef: float = 0.05
     """beta: initial (or fixed) coefficient, reward units per nat."""
     controller: str | None = None
@@ -721,7 +723,7 @@ class KLConfig(_Defaulted):
     """Put -kl_coef * kl_t in the per-token reward; None = the trainer's default (PPO, RLOO: on)."""
     kl_in_loss: bool | None = None
     """Add kl_coef * mean KL surrogate to the loss; None = the trainer's default (GRPO: on)."""
-    loss_estimator: Literal["k2", "k3+", "k3_is", "k1_seq", "k1", "k3"] = "k3_is"
+    loss_estimator: str = "k3_is"
     """KL surrogate in the loss: k3_is (k3 times pi / pi_old: k2's gradient, importance-weighted,
     exact also on the update's off-policy minibatches and epochs; TRL's use_bias_correction_kl),
     k3+ (k3 value, k2 gradient: exact on-policy only), k2: each the gradient of every position's
@@ -738,10 +740,17 @@ class KLConfig(_Defaulted):
 
     def __post_init__(self) -> None:
         _check(
-            self.estimator in get_args(KLEstimator),
+            self.estimator in sampled_estimators(),
             "kl.estimator",
             self.estimator,
-            f"choose one of {list(get_args(KLEstimator))}",
+            f"choose one of {sampled_estimators()}",
+        )
+        surrogates = [n for n, e in ESTIMATORS.items() if e.loss is not None]
+        _check(
+            self.loss_estimator in surrogates,
+            "kl.loss_estimator",
+            self.loss_estimator,
+            f"choose one of {surrogates}",
         )
         _check(self.kl_coef >= 0, "kl.kl_coef", self.kl_coef, "must be >= 0 (it is beta, the leash)")
         _check(
@@ -1197,8 +1206,6 @@ class Config:
             f"must divide rollout.batch_size={self.rollout.batch_size}",
         )
         self.resolve_defaults()
-        from tether.core.placement import check_placement
-
         try:
             self.placement = check_placement(
                 self.kl.kl_in_reward,
@@ -1331,14 +1338,20 @@ class Config:
         a run without a leash says so (the seeds: drop the penalty only once the reward is known
         to resist hacking)."""
         k = self.kl
-        if self.kl.controller_class.reads_kl and k.signal == "estimator" and k.estimator in ("k2", "abs"):
+        if (
+            self.kl.controller_class.reads_kl
+            and k.signal == "estimator"
+            and not ESTIMATORS[k.estimator].mean_is_kl
+        ):
             msg = (
                 f"kl.estimator={shown(k.estimator)} is biased for the KL (its mean is not KL(pi || pi_ref)), "
                 f"and kl.controller={k.controller} would hold that biased number to its target"
             )
             if not k.allow_biased_estimator:
                 raise ConfigError(
-                    f"{msg}. Use kl.estimator=k1 or k3 (unbiased), kl.controller_signal=exact, or "
+                    f"{msg}. Use kl.estimator="
+                    + " or ".join(n for n in sampled_estimators() if ESTIMATORS[n].mean_is_kl)
+                    + " (unbiased), kl.controller_signal=exact, or "
                     "set kl.allow_biased_estimator=true to run it anyway."
                 )
             self.placement.warnings.append(msg + " (allowed by kl.allow_biased_estimator)")
@@ -1348,7 +1361,7 @@ class Config:
             )
         )
         updates = self.optim.epochs * (self.rollout.batch_size // self.optim.minibatch_size)
-        if k.kl_in_loss and k.loss_estimator in ("k2", "k3+") and updates > 1:
+        if k.kl_in_loss and not ESTIMATORS[k.loss_estimator].off_policy and updates > 1:
             # after the first optimizer step the batch is pi_old's samples: the unweighted k2
             # gradient is then biased (docs/kl.md, "The KL in the loss off-policy")
             self.placement.warnings.append(

@@ -35,7 +35,7 @@ from tether.core.advantages import (
     return_scale,
     rloo_advantages,
 )
-from tether.core.kl import KLEstimator, estimate_kl, kl_k1, sequence_kl
+from tether.core.kl import estimate_kl, kl_k1, sequence_kl
 from tether.core.leash import KLLeash
 from tether.core.losses import clipped_value_loss, dpo_loss, ppo_policy_loss
 from tether.core.masked import at_least_fp32, masked_sum
@@ -160,7 +160,7 @@ class StepSettings:
     """
 
     algo: Literal["ppo", "grpo", "rloo"]
-    estimator: KLEstimator = "k1"
+    estimator: str = "k1"
     group_size: int = 1
     gamma: float = 1.0
     gae_lambda: float = 0.95
@@ -194,9 +194,9 @@ def kl_and_rewards(
     mask: Tensor,
     kl_coef: float,
     *,
-    estimator: KLEstimator,
+    estimator: str,
     leash: KLLeash,
-    estimate: Callable[[Tensor, Tensor, KLEstimator], Tensor] = estimate_kl,
+    estimate: Callable[[Tensor, Tensor, str], Tensor] = estimate_kl,
     exact_kl: Tensor | None = None,
 ) -> KLRewards:
     """Step 5: the per-token KL estimate and the rewards the leash shapes from it.
@@ -476,7 +476,7 @@ def make_experience(
     kl_coef: float,
     leash: KLLeash,
     settings: StepSettings,
-    estimate: Callable[[Tensor, Tensor, KLEstimator], Tensor] = estimate_kl,
+    estimate: Callable[[Tensor, Tensor, str], Tensor] = estimate_kl,
 ) -> Experience:
     """Steps 5 and 6 of PPO, GRPO and RLOO: the scored batch becomes the record the update reads.
 
