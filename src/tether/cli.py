@@ -264,13 +264,14 @@ def _said(e: BaseException) -> str:
 
 def _parse_sweep(text: str) -> list[tuple[str, float]]:
     from tether.core.text import shown
-    from tether.run.config import ALGOS, ConfigError
+    from tether.run.config import TRAINER_DEFAULTS, ConfigError
 
+    on_policy = [name for name, spec in TRAINER_DEFAULTS.items() if spec.samples]  # a KL leash to sweep
     out = []
     for item in text.split(","):
         algo, _, beta = item.strip().partition(":")
-        if algo not in ALGOS or algo == "dpo":
-            raise ConfigError(f"--sweep entry {shown(item)}: ALGO must be one of ppo, grpo, rloo")
+        if algo not in on_policy:
+            raise ConfigError(f"--sweep entry {shown(item)}: ALGO must be one of {', '.join(on_policy)}")
         try:
             out.append((algo, float(beta)))
         except ValueError:

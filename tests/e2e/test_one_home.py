@@ -128,3 +128,36 @@ def test_a_toy_estimator_is_one_record_in_both_placements(
 
     with pytest.raises(ConfigError, match="kl.estimator='toy_k2'|kl.estimator: .*toy_k2"):
         load_config(None, ["kl.estimator=toy_k2"])
+
+
+def test_a_toy_trainer_is_its_class_its_advantage_and_a_row_of_defaults(
+    monkeypatch, tiny_model_dir, prompt_file, tmp_path
+):
+    """An on-policy trainer in three places, all in this test: its class (the trainer's file), its
+    step-6 advantage registered in ADVANTAGES, a row of TRAINER_DEFAULTS, and its name in
+    training.TRAINERS. Its advantage here: the score minus the group's best other score."""
+    import torch
+
+    from tether import training
+    from tether.run import config
+    from tether.trainers import steps
+    from tether.trainers.group import GroupTrainer
+
+    def best_other(leashed, mask, values, settings, *, scored):
+        seq = (leashed.rewards * mask).sum(-1).view(-1, settings.group_size)  # (groups, G)
+        others = torch.stack(
+            [seq[:, [j for j in range(seq.shape[1]) if j != i]].amax(-1) for i in range(seq.shape[1])], -1
+        )
+        adv = steps.broadcast_sequence_advantages((seq - others).reshape(-1), mask)
+        return steps.Advantages(advantages=adv, returns=None, return_scale=None)
+
+    class ToyTrainer(GroupTrainer):
+        name = "toy"
+
+    monkeypatch.setitem(steps.ADVANTAGES, "toy", best_other)
+    monkeypatch.setitem(config.TRAINER_DEFAULTS, "toy", config.TrainerDefaults(2, 2, "reward", "fixed"))
+    monkeypatch.setitem(training.TRAINERS, "toy", ToyTrainer)
+    rows = _rows(tiny_model_dir, prompt_file, tmp_path / "toy", **{"train.algo": "toy"})
+    assert len(rows) == 2 and rows[0]["objective/kl"] == 0.0  # step 0: the policy is the reference
+    saved = (tmp_path / "toy" / "config.yaml").read_text()
+    assert "algo: toy" in saved and "group_size: null" in saved  # its default, left to the table

@@ -38,7 +38,7 @@ def task_defaults_lines(
     ):
         uses = (
             "DPO's per-step probe and the held-out evaluation score with"
-            if c.train.algo == "dpo" and c.dpo.pairs != "sampled"
+            if c.pairs_file
             else "the run trains on"
         )
         lines.append(

@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 from tether.core.controllers import CONTROLLERS
+from tether.run.config import TRAINER_DEFAULTS
 from tether.run.files import replace_whole
 
 PLOTS = ("training.png", "score_vs_kl.png")
@@ -100,7 +101,7 @@ def model_card_text(
     unit = k.get("target_unit", "nats_per_sequence").replace("_", " ")
     leash_row = f"| leash | `kl.controller={k['controller']}`, {controller.describe(unit)} |"
     beta_row = f"| beta's path | {_beta_path(history)} |"
-    if algo == "dpo":  # no KL term: DPO's beta is the implicit KL coefficient of its loss
+    if TRAINER_DEFAULTS[algo].placement is None:  # no KL term: DPO's beta is the implicit KL coefficient
         kl_row = (
             "| KL placement | implicit, in DPO's loss (Rafailov et al. 2023, eq. 7); the KL is measured, "
             f"not penalized: per-sequence {k['estimator']} on the policy's samples of held-out prompts |"

@@ -12,6 +12,7 @@ import math
 import stat
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
@@ -24,7 +25,46 @@ from tether.core.kl import ESTIMATORS, sampled_estimators
 from tether.core.placement import check_placement
 from tether.core.text import SHOWN_CHARS, shown
 
-ALGOS = ("ppo", "grpo", "rloo", "dpo")
+
+@dataclass(frozen=True)
+class TrainerDefaults:
+    """What the config knows of a trainer before it is built: its defaults and the facts its
+    rules read (:data:`TRAINER_DEFAULTS`). The trainer's class is registered in
+    ``tether.training.TRAINERS`` under the same name.
+
+    Attributes:
+        group_size: ``rollout.group_size`` when left unset; ``min_group_size`` the least it takes.
+        placement: where its KL goes by default, ``"reward"`` or ``"loss"``; None: it has its own
+            leash and no KL term (DPO's ``dpo.beta``: then kl.kl_in_reward and kl.kl_in_loss are
+            refused and only a controller that never moves beta, ``for_dpo``, is taken).
+        controller: ``kl.controller`` when left unset.
+        samples: it samples and scores a rollout every step (on-policy); False: it learns from
+            preference pairs (``dpo.pairs``: a file, or sampled once), one turn, eagerly.
+        per_token_advantages: its advantages are per token (PPO's GAE), so the exact reward form
+            (``ppo.kl_shaping=exact``) applies to it.
+        value_head: it trains a value head (PPO's critic).
+        needs_reference: its loss reads the reference whatever the KL placement (DPO's).
+    """
+
+    group_size: int
+    min_group_size: int
+    placement: Literal["reward", "loss"] | None
+    controller: str
+    samples: bool = True
+    per_token_advantages: bool = False
+    value_head: bool = False
+    needs_reference: bool = False
+
+
+TRAINER_DEFAULTS: dict[str, TrainerDefaults] = {
+    "ppo": TrainerDefaults(1, 1, "reward", "budget", per_token_advantages=True, value_head=True),
+    "grpo": TrainerDefaults(4, 2, "loss", "budget"),
+    "rloo": TrainerDefaults(4, 2, "reward", "budget"),
+    "dpo": TrainerDefaults(1, 1, None, "fixed", samples=False, needs_reference=True),
+}
+"""``train.algo`` -> :class:`TrainerDefaults`: the one table the per-trainer defaults
+(:meth:`Config.resolve_defaults`) and every per-trainer rule read."""
+ALGOS = tuple(TRAINER_DEFAULTS)
 TRACKERS = (
     "none",
     "all",
@@ -1074,8 +1114,8 @@ class EvalConfig(_Defaulted):
 
 @dataclass
 class TrainConfig:
-    algo: Literal["ppo", "grpo", "rloo", "dpo"] = "ppo"
-    """Trainer: ppo, grpo, rloo or dpo."""
+    algo: str = "ppo"
+    """Trainer: ppo, grpo, rloo or dpo (:data:`TRAINER_DEFAULTS`)."""
     steps: int = 12
     """Rollout batches (optimizer phases) to run."""
     seed: int = 0
@@ -1124,7 +1164,9 @@ class TrainConfig:
     policy once per rollout (one full copy of the weights for the call; faster where memory allows)."""
 
     def __post_init__(self) -> None:
-        _check(self.algo in ALGOS, "train.algo", self.algo, f"choose one of {list(ALGOS)}")
+        _check(
+            self.algo in TRAINER_DEFAULTS, "train.algo", self.algo, f"choose one of {list(TRAINER_DEFAULTS)}"
+        )
         _check(self.sharding in ("none", "fsdp"), "train.sharding", self.sharding, "choose none or fsdp")
         _check(
             self.sharded_generation in ("blocks", "whole"),
@@ -1223,7 +1265,8 @@ class Config:
             )
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        if self.train.algo == "dpo":
+        spec = self.trainer
+        if spec.placement is None:  # its own leash (DPO's dpo.beta)
             for name in ("kl_in_reward", "kl_in_loss"):
                 _check(
                     not getattr(self.kl, name),
@@ -1239,7 +1282,7 @@ class Config:
                 f"kl.controller={self.kl.controller} act on nothing; place the KL (one of them true) or run "
                 "without a leash: kl.kl_coef=0 (and a kl.controller that does not raise beta from 0)"
             )
-        if self.train.algo == "dpo":
+        if spec.placement is None:
             _check(
                 self.kl.controller_class.for_dpo,
                 "kl.controller",
@@ -1254,14 +1297,14 @@ class Config:
         ):
             _check(False, name, value, why)
         _check(
-            self.ppo.kl_shaping == "sampled" or (self.train.algo == "ppo" and self.kl.kl_in_reward),
+            self.ppo.kl_shaping == "sampled" or (spec.per_token_advantages and self.kl.kl_in_reward),
             "ppo.kl_shaping",
             self.ppo.kl_shaping,
             f"shapes PPO's per-token rewards, but train.algo={self.train.algo} with "
             f"kl.kl_in_reward={self.kl.kl_in_reward} has none; leave ppo.kl_shaping=sampled",
         )
         _check(
-            not (self.train.algo == "ppo" and self.ppo.kl_shaping == "exact" and not self.kl.exact),
+            not (spec.per_token_advantages and self.ppo.kl_shaping == "exact" and not self.kl.exact),
             "ppo.kl_shaping",
             "exact",
             "shapes with the exact per-position KL, which kl.exact=false turns off; set kl.exact=true or "
@@ -1273,28 +1316,37 @@ class Config:
             self._check_compile()
         if self.rollout.env is not None:
             why = None
-            if self.train.algo == "dpo":
-                why = "DPO samples pairs in one turn"
+            if not spec.samples:
+                why = f"{self.train.algo.upper()} samples pairs in one turn"
             elif self.train.sharding == "fsdp":
                 why = "multi-turn rollouts are not built for train.sharding=fsdp"
             elif self.rollout.compile is True:
                 why = "multi-turn rollouts decode eagerly; leave rollout.compile at auto or false"
             _check(why is None, "rollout.env", self.rollout.env, f"{why}")
-        if self.train.algo in ("grpo", "rloo"):
-            _check(
-                self.rollout.group_size >= 2,
-                "rollout.group_size",
-                self.rollout.group_size,
-                f"{self.train.algo} needs >= 2 completions per prompt",
-            )
+        _check(
+            self.rollout.group_size >= spec.min_group_size,
+            "rollout.group_size",
+            self.rollout.group_size,
+            f"{self.train.algo} needs >= {spec.min_group_size} completions per prompt",
+        )
 
     @property
     def kl_reward_form(self) -> Literal["sampled", "exact"]:
         """The leash's reward form (:class:`tether.core.leash.KLLeash`): ``exact`` for PPO with the
         KL in the reward and ppo.kl_shaping=exact, else ``sampled`` (GRPO and RLOO give every
         token its sequence's advantage: no per-token form)."""
-        exact = self.train.algo == "ppo" and self.kl.kl_in_reward and self.ppo.kl_shaping == "exact"
+        exact = self.trainer.per_token_advantages and self.kl.kl_in_reward and self.ppo.kl_shaping == "exact"
         return "exact" if exact else "sampled"
+
+    @property
+    def trainer(self) -> TrainerDefaults:
+        """``train.algo``'s row of :data:`TRAINER_DEFAULTS`."""
+        return TRAINER_DEFAULTS[self.train.algo]
+
+    @property
+    def pairs_file(self) -> bool:
+        """A trainer of pairs (DPO) reading them from a file (``dpo.pairs``), not sampling them."""
+        return not self.trainer.samples and self.dpo.pairs != "sampled"
 
     def _check_sharding(self) -> None:
         """What train.sharding=fsdp does not do yet, refused up front with the reason."""
@@ -1325,8 +1377,8 @@ class Config:
     def _check_compile(self) -> None:
         """``rollout.compile=true`` only where compiled decoding is built and tested."""
         why = None
-        if self.train.algo == "dpo":
-            why = "DPO samples its pairs eagerly (rollout.compile applies to PPO, GRPO and RLOO rollouts)"
+        if not self.trainer.samples:
+            why = f"{self.train.algo.upper()} samples its pairs eagerly (rollout.compile: on-policy rollouts)"
         elif self.model.lora:
             why = "a LoRA policy (model.lora_r or model.adapter) generates through peft, not compiled here"
         elif self.train.sharding == "fsdp":
@@ -1395,17 +1447,17 @@ class Config:
             obj = getattr(self, section)
             if name in obj.__dict__.get("_filled", ()):
                 object.__setattr__(obj, name, None)
-        algo = self.train.algo
-        self.kl._fill("controller", "fixed" if algo == "dpo" else "budget")
-        self.rollout._fill("group_size", 1 if algo in ("ppo", "dpo") else 4)
+        spec = TRAINER_DEFAULTS[self.train.algo]
+        self.kl._fill("controller", spec.controller)
+        self.rollout._fill("group_size", spec.group_size)
         _check(
             self.rollout.batch_size % self.rollout.group_size == 0,  # type: ignore[operator]
             "rollout.batch_size",
             self.rollout.batch_size,
             f"must be a multiple of rollout.group_size={self.rollout.group_size}",
         )
-        self.kl._fill("kl_in_reward", algo in ("ppo", "rloo") and not self.kl.kl_in_loss)
-        self.kl._fill("kl_in_loss", algo == "grpo" and not self.kl.kl_in_reward)
+        self.kl._fill("kl_in_reward", spec.placement == "reward" and not self.kl.kl_in_loss)
+        self.kl._fill("kl_in_loss", spec.placement == "loss" and not self.kl.kl_in_reward)
         self.eval._fill("judge", "minilm-rm" if self.embedded_data else "none")
         self.eval._fill("capability_texts", 32 if self.embedded_data else 0)
         from tether.data.tasks import TASK_SCORERS
@@ -1433,8 +1485,7 @@ class Config:
         ``data.prompts`` at its default and no DPO pairs file standing in for it."""
         from tether.data.prompts import DEFAULT_PROMPTS
 
-        pairs_file = self.train.algo == "dpo" and self.dpo.pairs != "sampled"
-        return self.data.prompts == DEFAULT_PROMPTS and not pairs_file
+        return self.data.prompts == DEFAULT_PROMPTS and not self.pairs_file
 
     @property
     def unresolved(self) -> dict:
@@ -1720,7 +1771,7 @@ def check_world_size(config: Config, world: int) -> None:
         f"must hold a multiple of {world} (processes) groups of rollout.group_size={c.rollout.group_size}: "
         f"each process samples whole groups (now {groups} groups)",
     )
-    if c.train.algo == "dpo":
+    if not c.trainer.samples:  # DPO's probe
         _check(
             c.dpo.kl_eval_prompts % world == 0,
             "dpo.kl_eval_prompts",
@@ -1911,6 +1962,16 @@ def _attribute_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+REGISTERED_CHOICES: dict[str, Callable[[], list[str]]] = {
+    "train.algo": lambda: list(TRAINER_DEFAULTS),
+    "kl.estimator": sampled_estimators,
+    "kl.loss_estimator": lambda: [n for n, e in ESTIMATORS.items() if e.loss is not None],
+    "kl.controller": lambda: list(CONTROLLERS),
+}
+"""The fields whose values are the names of a registry (trainers, estimators, controllers), each
+with the names it takes now: what ``tether config`` lists as the field's type."""
+
+
 def config_fields(section: str | None = None) -> list[FieldDoc]:
     """Every field of :class:`Config` (or of one section), read from the dataclasses themselves:
     name, type, default, unit and the first sentence of its docstring.
@@ -1936,5 +1997,7 @@ def config_fields(section: str | None = None) -> list[FieldDoc]:
             unit = FIELD_UNITS[f"{name}.{sub.name}"]
             tp = str(types_[sub.name]).replace("typing.", "")
             tp = tp.removeprefix("<class '").removesuffix("'>")
+            if f"{name}.{sub.name}" in REGISTERED_CHOICES:  # the names registered now
+                tp = f"one of {REGISTERED_CHOICES[f'{name}.{sub.name}']()}"
             out.append(FieldDoc(f"{name}.{sub.name}", tp, getattr(default, sub.name), unit, first))
     return out

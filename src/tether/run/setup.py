@@ -172,10 +172,9 @@ def check_resume_keeps(config: Config, saved: Path) -> None:
         ConfigError: naming the field, both values and the fix.
     """
     before = read_yaml(saved.read_text(), f"--resume: {saved}") or {}
-    algo = config.train.algo
     for section, name in RESUME_FIXED:
-        if section == "dpo" and algo != "dpo":
-            continue  # read by DPO alone
+        if section == "dpo" and config.trainer.samples:
+            continue  # read by a trainer of pairs (DPO) alone
         was = (before.get(section) or {}).get(name, getattr(getattr(Config(), section), name))
         now = getattr(getattr(config, section), name)
         if was != now and not _same_path(was, now):
@@ -345,7 +344,7 @@ def train_on_the_rest(train: PromptData, heldout: PromptData, evaluation: Prompt
 def load_prompts(config: Config) -> tuple[PromptData, PromptData]:
     """(train, heldout) prompts for ``config.data``, each with its rows' other columns."""
     d = config.data
-    if config.train.algo == "dpo" and config.dpo.pairs != "sampled" and d.prompts == DEFAULT_PROMPTS:
+    if config.pairs_file and d.prompts == DEFAULT_PROMPTS:
         # DPO on a pairs file: its own prompts, split by the usual hash (the held-out ones are the
         # evaluation's and never trained on); the demo's prompts are not fetched
         try:
@@ -956,7 +955,7 @@ def check_prompts_fit(config: Config, tokenizer, *, model, path: Path | None, pa
         ValueError: a prompt too long, named by its line.
     """
     context = model_context(model.config if model is not None else path, config.model.trust_remote_code)
-    pairs = config.train.algo == "dpo" and config.dpo.pairs != "sampled"
+    pairs = config.pairs_file
     longest = check_prompt_lengths(
         tokenizer,
         [p for part in parts for p in part.prompts]
@@ -1030,7 +1029,7 @@ def load_policy_and_reference(
     m = config.model
     if m.lora:  # a peft model: the policy trains adapters, the reference reuses its frozen base
         lm = add_lora(lm, m.lora_r, m.lora_alpha, m.lora_target_modules, m.adapter)
-    needs_reference = config.placement.needs_reference or config.train.algo == "dpo"
+    needs_reference = config.placement.needs_reference or config.trainer.needs_reference
     reference = make_reference(lm) if needs_reference else None
     forwards = [0]
     if reference is not None:

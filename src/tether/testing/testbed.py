@@ -72,6 +72,7 @@ from tether.core.leash import KLLeash
 from tether.core.logprobs import logprobs_from_logits
 from tether.core.losses import KLLossEstimator
 from tether.core.masked import masked_sum
+from tether.run.config import TRAINER_DEFAULTS
 from tether.trainers.steps import (
     Experience,
     StepSettings,
@@ -771,23 +772,24 @@ def train_on_policy(
     Returns:
         :class:`RunLog`.
     """
-    s = settings
-    _check_settings(s, group=algo != "ppo")
+    s, spec = settings, TRAINER_DEFAULTS[algo]
+    grouped = spec.min_group_size > 1  # GRPO's and RLOO's groups; PPO's samples stand alone
+    _check_settings(s, group=grouped)
     step_settings = StepSettings(
         algo=algo,
-        group_size=1 if algo == "ppo" else s.group_size,
+        group_size=s.group_size if grouped else 1,
         gamma=s.gamma,
         gae_lambda=s.gae_lambda,
         **step,
     )
-    if kl_shaping == "exact" and algo != "ppo":
+    if kl_shaping == "exact" and not spec.per_token_advantages:
         raise ValueError(f"kl_shaping='exact' needs per-token advantages (algo='ppo'), got algo={algo!r}")
     V, T, B = bed.vocab, bed.length, s.batch_size
     gen = torch.Generator(device="cpu").manual_seed(s.seed)
     table = bed.ref_logits.clone().to(F64).requires_grad_(True)  # start at pi = pi_ref
     params = [{"params": [table], "lr": s.lr}]
     values = None
-    if algo == "ppo":
+    if spec.value_head:
         values = torch.zeros(bed.num_prefixes, dtype=F64, requires_grad=True)  # V(prefix)
         params.append({"params": [values], "lr": s.value_lr})
     opt = torch.optim.Adam(params)
@@ -879,11 +881,8 @@ def train_group(
 
     Keywords override the placement, as :func:`train_on_policy`.
     """
-    defaults = (
-        dict(kl_in_reward=False, kl_in_loss=True)
-        if algo == "grpo"
-        else dict(kl_in_reward=True, kl_in_loss=False)
-    )
+    placement = TRAINER_DEFAULTS[algo].placement  # the trainer's default, as tether train's
+    defaults = dict(kl_in_reward=placement == "reward", kl_in_loss=placement == "loss")
     return train_on_policy(bed, algo, FixedKLController(beta), settings, **{**defaults, **kw})
 
 

@@ -159,7 +159,7 @@ class StepSettings:
         target_unit: "nats_per_sequence" or "nats_per_token" (``kl.target_unit``).
     """
 
-    algo: Literal["ppo", "grpo", "rloo"]
+    algo: str
     estimator: str = "k1"
     group_size: int = 1
     gamma: float = 1.0
