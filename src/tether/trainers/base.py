@@ -148,7 +148,6 @@ class OnPolicyTrainer:
                 or c.optim.micro_batch_size >= c.optim.minibatch_size // D.world_size()
             )
         )
-        self._reused_forward = None
         self.env = run_env(run)  # rollout.env's environment (imported or passed from Python), or None
         self.compile_rollout = self.compile_setting() if self.env is None else False
 
@@ -183,6 +182,8 @@ class OnPolicyTrainer:
             kl_coef=kl_coef,
             leash=self.leash,
             settings=self.settings,
+            # optim.reuse_forward: step 4's forward of the current policy, with grad, for step 7
+            reused_logprobs=forwards.update_forward.logprobs if forwards.update_forward is not None else None,
         )
         lr = self.optimizer.param_groups[0]["lr"]  # the rate of this step's first optimizer step
         update = self.update(exp, kl_coef)  # 7. epochs of minibatch updates
@@ -377,7 +378,6 @@ class OnPolicyTrainer:
                 exact_chunk_size=c.kl.exact_chunk_size,
                 reuse_forward_of=self.model if self.reuse_forward else None,
             )
-        self._reused_forward = forwards.update_forward
         return forwards
 
     # ---- checkpointing ---------------------------------------------------------------------
@@ -430,13 +430,14 @@ class OnPolicyTrainer:
         raise NotImplementedError
 
     # ---- shared pieces ---------------------------------------------------------------------
-    def policy_logprobs(self, part: Rollout) -> Tensor:
-        """(B, R) log-probs of ``part`` under the current policy, with grad: the forward kept from
-        step 4 in reuse-forward mode (consumed once), else a fresh forward."""
-        if self._reused_forward is not None:
-            update_forward, self._reused_forward = self._reused_forward, None
-            return update_forward.logprobs
-        return rollout_logprobs(self.model, part, self.cfg.rollout.temperature).logprobs
+    def policy_logprobs(self, mb: Experience) -> Tensor:
+        """(B_m, R) log-probs of micro-batch ``mb``'s tokens under the current policy, with grad:
+        the rows of step 4's forward that the record carries in reuse-forward mode
+        (``mb.reused_logprobs``: one update of the whole batch, so each row's is used once), else a
+        fresh forward."""
+        if mb.reused_logprobs is not None:
+            return mb.reused_logprobs
+        return rollout_logprobs(self.model, mb.rollout, self.cfg.rollout.temperature).logprobs
 
     def minibatch_indices(self) -> list[Tensor]:
         """This process's rows of each minibatch of an epoch (the same minibatches for any number

@@ -35,7 +35,7 @@ class GroupTrainer(OnPolicyTrainer):
         return group_metrics(exp.scores, self.group_size, scored=exp.scored)
 
     def minibatch_loss(self, mb: Experience, kl_coef: float, first_micro: bool = True) -> MicroLoss:
-        logprobs = self.policy_logprobs(mb.rollout)  # (B, R), with grad
+        logprobs = self.policy_logprobs(mb)  # (B, R), with grad
         return clipped_policy_loss(
             mb,
             logprobs,

@@ -95,6 +95,9 @@ class Experience(NamedTuple):
     update_mask: Tensor | None = None
     """(B, R) bool: the tokens the update's losses count when that is not the response mask
     (PPO leaves its unscored samples out of the update), else None."""
+    reused_logprobs: Tensor | None = None
+    """(B, R) log-probs of the rollout under the current policy, with grad: step 4's forward,
+    kept for step 7's only update (``optim.reuse_forward``), or None."""
 
     share_by = "tokens"
     """The losses are token means: a micro-batch weighs its share of the valid tokens
@@ -133,6 +136,7 @@ class Experience(NamedTuple):
             return_scale=self.return_scale,
             scored=rows(self.scored),
             update_mask=rows(self.update_mask),
+            reused_logprobs=rows(self.reused_logprobs),
         )
 
 
@@ -477,6 +481,7 @@ def make_experience(
     leash: KLLeash,
     settings: StepSettings,
     estimate: Callable[[Tensor, Tensor, str], Tensor] = estimate_kl,
+    reused_logprobs: Tensor | None = None,
 ) -> Experience:
     """Steps 5 and 6 of PPO, GRPO and RLOO: the scored batch becomes the record the update reads.
 
@@ -502,6 +507,8 @@ def make_experience(
         leash: the KL placement (:class:`tether.core.leash.KLLeash`); its reward count is updated.
         settings: :class:`StepSettings`.
         estimate: the estimator function (a test may substitute a wrong one).
+        reused_logprobs: (B, R) the update's own forward with grad (``optim.reuse_forward``),
+            kept in the record for step 7, or None.
 
     Returns:
         :class:`Experience`, with ``exact_kl`` and ``return_scale``.
@@ -546,6 +553,7 @@ def make_experience(
         return_scale=adv.return_scale,
         scored=scored,
         update_mask=adv.update_mask,
+        reused_logprobs=reused_logprobs,
     )
 
 
