@@ -716,7 +716,7 @@ def test_a_best_from_discarded_steps_survives_resume(
     from tether import training as train_module
 
     scores = {0: 0.1, 1: 0.5, 2: 0.3, 3: 0.6, 4: 0.2}  # 0.6 beats the history (0.5), not best/ (0.7)
-    monkeypatch.setattr(train_module, "_log_step", _scripted_log_step(train_module._log_step, scores))
+    monkeypatch.setattr(train_module, "log_step", _scripted_log_step(train_module.log_step, scores))
     out = tmp_path / "run"
     args = _tiny_args(tiny_model_dir, prompt_file, out) + [
         "train.steps=3",
@@ -741,7 +741,7 @@ def test_a_best_from_discarded_steps_survives_resume(
 
 
 def _scripted_log_step(real, scores):
-    """_log_step with the periodic evaluation's proxy score replaced by ``scores[step]``."""
+    """log_step with the periodic evaluation's proxy score replaced by ``scores[step]``."""
     from tether.run import evaluation
 
     def log_step(session, bar, *, step, row, rows):

@@ -1,0 +1,50 @@
+"""Objects a Python caller passes where a config names things (TRL's way): a reward function or
+an environment put in the config itself, or passed to ``train(env=...)``."""
+
+from __future__ import annotations
+
+import copy
+
+from tether.core.text import shown
+from tether.models.callables import PASSED_FROM_PYTHON, python_object_spec
+from tether.run.config import Config
+
+
+def passed_objects(config: Config, *, scorer, env) -> tuple[Config, object, object]:
+    """The config with its objects replaced by their names, and the objects: ``(config, scorer,
+    env)``.
+
+    A reward function (or a list holding one) set as ``config.reward.scorer`` becomes the run's
+    scorer and leaves ``reward.scorer`` unset (config.yaml then names it, as
+    :func:`tether.run.setup.python_scorer_spec` writes it). An environment given as
+    ``config.rollout.env`` or ``train(env=...)`` is named in ``rollout.env``, so that a resume asks
+    for it again. The config is copied before its objects are replaced, the objects themselves kept
+    (a tool client holding a lock or a socket cannot be deep-copied, and need not be).
+
+    Args:
+        config: as the caller built it (not changed).
+        scorer: the ``scorer`` (or ``reward_funcs``) passed to ``train``, or None.
+        env: the ``env`` passed to ``train``, or None.
+
+    Raises:
+        ValueError: both ``train(env=...)`` and a ``rollout.env`` name give the environment, or
+            ``env`` is not callable.
+    """
+    spec, given = config.reward.scorer, config.rollout.env
+    objects = [spec, given, *(spec if isinstance(spec, list) else [])]
+    keep = {id(x): x for x in objects if callable(x)}
+    if scorer is None and (callable(spec) or (isinstance(spec, list) and any(callable(x) for x in spec))):
+        # a TRL user's reward_funcs put in the config: the objects are the scorer
+        scorer, config = spec, copy.deepcopy(config, dict(keep))
+        config.reward.scorer = None
+    if callable(given) or env is not None:
+        if env is not None and given is not None and not str(given).startswith(PASSED_FROM_PYTHON):
+            raise ValueError(
+                f"train(env=...) and rollout.env={shown(given)} both give the environment; give one of them"
+            )
+        env = given if callable(given) else env
+        if not callable(env):
+            raise ValueError(f"train(env=...) takes a callable, got a {type(env).__name__}")
+        config = copy.deepcopy(config, dict(keep))
+        config.rollout.env = python_object_spec(env)
+    return config, scorer, env
