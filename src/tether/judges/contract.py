@@ -275,18 +275,27 @@ def _keywords(
     ]
     missing = [n for n in needed if n not in kw or kw[n] is None]
     if missing:
-        have = [k for k in ("prompts", "completions", "completion_ids") if k in kw and kw[k] is not None]
-        have += ["trainer_state", "log_extra", "log_metric", *sorted(columns or {})]
-        have += [ENV_REPLIES] if env_replies is not None else []
-        hint = ""
-        if "prompts" in missing:
-            hint = f" (it takes prompts, and none came with the {len(texts)} texts)"
-        elif "completion_ids" in missing:
-            hint = f" (it takes completion_ids, and no token ids came with the {len(texts)} texts)"
-        elif ENV_REPLIES in missing:
-            hint = " (env_replies come with a multi-turn rollout only: rollout.env)"
-        raise ArgumentError(f"it takes {missing}, and the call has {have}{hint}")
+        raise ArgumentError(
+            _missing_message(missing, kw, columns, n_texts=len(texts), env=env_replies is not None)
+        )
     return kw
+
+
+_MISSING_HINTS = {
+    "prompts": " (it takes prompts, and none came with the {n} texts)",
+    "completion_ids": " (it takes completion_ids, and no token ids came with the {n} texts)",
+    ENV_REPLIES: " (env_replies come with a multi-turn rollout only: rollout.env)",
+}
+"""Why a keyword a reward function requires can be missing from a call, by keyword."""
+
+
+def _missing_message(missing: list[str], kw: dict, columns: dict | None, *, n_texts: int, env: bool) -> str:
+    """:class:`ArgumentError`'s message: what the function takes, what the call has, and why."""
+    have = [k for k in ("prompts", "completions", "completion_ids") if kw.get(k) is not None]
+    have += ["trainer_state", "log_extra", "log_metric", *sorted(columns or {})]
+    have += [ENV_REPLIES] if env else []
+    hint = next((_MISSING_HINTS[k].format(n=n_texts) for k in _MISSING_HINTS if k in missing), "")
+    return f"it takes {missing}, and the call has {have}{hint}"
 
 
 @contextmanager
