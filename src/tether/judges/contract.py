@@ -233,25 +233,45 @@ class RewardLog:
         return {f"reward_metric/{n}": sum(v) / len(v) for n, v in sorted(merged.items()) if v}
 
 
-def _keywords(
-    scorer: Callable,
-    prompts,
-    texts: list[str],
-    columns: dict[str, list] | None,
-    completion_ids: list[list[int]] | None = None,
-    *,
-    state=None,
-    reward_log: RewardLog | None = None,
-    completions: list | None = None,
-    env_replies: Sequence[Sequence[str]] | None = None,
-) -> dict:
+class RewardCall(NamedTuple):
+    """One scoring call's inputs, as TRL's ``_calculate_rewards`` has them (module docstring):
+    built once by :func:`checked_scores` or :func:`score_rollout`, and for each reward of a list."""
+
+    texts: list[str]
+    """The B decoded responses (special tokens skipped, end token excluded)."""
+    step: int | str
+    """A training step, or a phrase for messages (``"held-out evaluation"``)."""
+    prompts: Sequence | None = None
+    """B prompts as the dataset holds them (strings or conversations), or None."""
+    columns: dict[str, list] | None = None
+    """The dataset columns, name -> B values."""
+    completion_ids: Sequence[Sequence[int]] | None = None
+    """B lists of token ids, or None (a call with texts only)."""
+    state: object = None
+    """The ``trainer_state``; None passes ``trainer_state(global_step=step)``."""
+    reward_log: RewardLog | None = None
+    """Collects ``log_metric`` / ``log_extra``; None drops them."""
+    completions: list | None = None
+    """B message lists of a multi-turn chat rollout (replacing :func:`trl_completions`), or None."""
+    env_replies: Sequence[Sequence[str]] | None = None
+    """A multi-turn rollout's environment texts, B lists, or None."""
+
+    @property
+    def where(self) -> str:
+        """The step as messages name it."""
+        return f"step {self.step}" if isinstance(self.step, int) else self.step
+
+
+def _keywords(scorer: Callable, call: RewardCall) -> dict:
     """The keyword arguments of a TRL-style call (module docstring): TRL's own arguments, then
     every dataset column the function names (all of them when it takes ``**kwargs``), and
     :data:`ENV_REPLIES` when given and named. ``completions`` given (a multi-turn rollout's
     messages) replaces :func:`trl_completions`."""
+    prompts, texts, columns, completion_ids = call.prompts, call.texts, call.columns, call.completion_ids
+    state, completions, env_replies = call.state, call.completions, call.env_replies
+    reward_log = call.reward_log if call.reward_log is not None else RewardLog()
     params = inspect.signature(scorer).parameters
     takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    reward_log = reward_log if reward_log is not None else RewardLog()
     kw = {
         "prompts": list(prompts) if prompts is not None else None,
         "completions": trl_completions(prompts, texts) if completions is None else list(completions),
@@ -325,46 +345,19 @@ def _reported(where: str, n_texts: int, scorer: Callable) -> Iterator[None]:
         ) from e
 
 
-def _call(
-    scorer: Scorer,
-    texts: list[str],
-    step: int | str,
-    prompts,
-    columns: dict[str, list] | None,
-    *,
-    completion_ids: Sequence[Sequence[int]] | None,
-    state,
-    reward_log: RewardLog | None,
-    completions: list | None,
-    env_replies: Sequence[Sequence[str]] | None,
-):
-    """The scorer's raw output for ``texts`` (:func:`checked_scores`' call, unchecked): what it
+def _call(scorer: Scorer, call: RewardCall):
+    """The scorer's raw output for ``call`` (:func:`checked_scores`' call, unchecked): what it
     returned, an awaitable when it is ``async def``."""
+    texts = call.texts
     if not takes_prompts(scorer):
         return scorer(texts)
-    if prompts is not None and len(prompts) != len(texts):
-        raise ValueError(f"{len(prompts)} prompts came with the {len(texts)} texts")
-    if completion_ids is not None and len(completion_ids) != len(texts):
-        raise ValueError(f"{len(completion_ids)} completion_ids came with the {len(texts)} texts")
-    if completions is not None and len(completions) != len(texts):
-        raise ValueError(f"{len(completions)} completions came with the {len(texts)} texts")
-    if env_replies is not None and len(env_replies) != len(texts):
-        raise ValueError(f"{len(env_replies)} env_replies came with the {len(texts)} texts")
-    if state is None:
-        state = trainer_state(step if isinstance(step, int) else 0)
-    return scorer(
-        **_keywords(
-            scorer,
-            prompts,
-            texts=texts,
-            columns=columns,
-            completion_ids=completion_ids,
-            state=state,
-            reward_log=reward_log,
-            completions=completions,
-            env_replies=env_replies,
-        )
-    )
+    for name in ("prompts", "completion_ids", "completions", "env_replies"):
+        given = getattr(call, name)
+        if given is not None and len(given) != len(texts):
+            raise ValueError(f"{len(given)} {name} came with the {len(texts)} texts")
+    if call.state is None:
+        call = call._replace(state=trainer_state(call.step if isinstance(call.step, int) else 0))
+    return scorer(**_keywords(scorer, call))
 
 
 def _floats(raw, allow_none: bool) -> tuple[list, list[float]]:
@@ -456,19 +449,10 @@ def checked_scores(
             (:class:`ArgumentError`'s message); the message names the step and the texts.
         ScorerStopped: the scorer raised ``SystemExit`` or ``KeyboardInterrupt``.
     """
-    return _scores(
-        scorer,
-        texts,
-        step,
-        prompts,
-        columns,
-        allow_none=allow_none,
-        completion_ids=completion_ids,
-        state=state,
-        reward_log=reward_log,
-        completions=completions,
-        env_replies=env_replies,
-    ).total
+    call = RewardCall(
+        texts, step, prompts, columns, completion_ids, state, reward_log, completions, env_replies
+    )
+    return _scores(scorer, call, allow_none=allow_none).total
 
 
 class Scores(NamedTuple):
@@ -481,43 +465,17 @@ class Scores(NamedTuple):
     ``reward/<name>``; {} for a single scorer."""
 
 
-def _scores(
-    scorer: Scorer,
-    texts: list[str],
-    step: int | str,
-    prompts,
-    columns: dict[str, list] | None,
-    *,
-    allow_none: bool,
-    completion_ids: Sequence[Sequence[int]] | None,
-    state,
-    reward_log: RewardLog | None,
-    completions: list | None,
-    env_replies: Sequence[Sequence[str]] | None,
-) -> Scores:
+def _scores(scorer: Scorer, call: RewardCall, *, allow_none: bool) -> Scores:
     """:func:`checked_scores` with a reward list's parts: the one call and check of a scorer."""
     from tether.models.turns import awaited
 
-    where = f"step {step}" if isinstance(step, int) else step
-    with _reported(where, len(texts), scorer):
-        raw = _call(
-            scorer.scored if isinstance(scorer, WeightedReward) else scorer,
-            texts,
-            step,
-            prompts,
-            columns,
-            completion_ids=completion_ids,
-            state=state,
-            reward_log=reward_log,
-            completions=completions,
-            env_replies=env_replies,
-        )
-        raw = awaited(raw)
+    with _reported(call.where, len(call.texts), scorer):
+        raw = awaited(_call(scorer.scored if isinstance(scorer, WeightedReward) else scorer, call))
         parts = raw.parts if isinstance(raw, Scores) else {}
         if isinstance(raw, Scores):  # a reward list's: its unscored sums are TRL's None
             raw = [None if math.isnan(x) else x for x in raw.total]
         raw, scores = _floats(raw, allow_none)
-    return Scores(_validated(scores, raw, texts, where, allow_none), parts)
+    return Scores(_validated(scores, raw, call.texts, call.where, allow_none), parts)
 
 
 def score_rollout(
@@ -549,19 +507,18 @@ def score_rollout(
     Raises:
         as :func:`checked_scores`.
     """
-    return _scores(
-        scorer,
+    call = RewardCall(
         rollout.responses,
         where,
-        rollout.prompts,
-        rollout.columns,
-        allow_none=allow_none,
+        prompts=rollout.prompts,
+        columns=rollout.columns,
         completion_ids=rollout.completion_ids,
         state=state,
         reward_log=reward_log,
         completions=rollout.messages,
         env_replies=rollout.env_texts,
     )
+    return _scores(scorer, call, allow_none=allow_none)
 
 
 class WeightedReward:
@@ -643,20 +600,20 @@ class WeightedReward:
         texts = completion_texts(completions or [])
         logged = RewardLog()
         raws = {}
+        call = RewardCall(
+            texts,
+            "",
+            prompts=prompts,
+            columns=columns,
+            completion_ids=completion_ids,
+            state=trainer_state,
+            reward_log=logged,
+            completions=completions,
+            env_replies=env_replies,
+        )
         for name, scorer in self.scorers.items():
             with _reported(f"reward {shown(name)}", len(texts), scorer):
-                raws[name] = _call(
-                    scorer,
-                    texts,
-                    f"reward {shown(name)}",
-                    prompts,
-                    columns,
-                    completion_ids=completion_ids,
-                    state=trainer_state,
-                    reward_log=logged,
-                    completions=completions,
-                    env_replies=env_replies,
-                )
+                raws[name] = _call(scorer, call._replace(step=f"reward {shown(name)}"))
         pending = [name for name, raw in raws.items() if inspect.isawaitable(raw)]
         if pending:  # every async reward at once, on one loop (TRL: asyncio.gather)
 
