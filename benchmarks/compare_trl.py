@@ -238,8 +238,13 @@ def heldout_prompts(config, n: int) -> list[str]:
 
 
 def run_eval(name, lm, reference, tokenizer, prompts, scorer, spec):
-    from tether.run.evaluation import evaluate
+    from tether.models.rollouts import OneTurn, SamplingSettings
+    from tether.run.evaluation import EvalSettings, evaluate
 
+    sampler = OneTurn(
+        tokenizer,
+        SamplingSettings(max_new_tokens=spec["max_new_tokens"], temperature=1.0, max_prompt_tokens=64),
+    )
     was_training = lm.training
     lm.eval()
     try:
@@ -247,14 +252,10 @@ def run_eval(name, lm, reference, tokenizer, prompts, scorer, spec):
             name,
             lm,
             reference=reference,
-            tokenizer=tokenizer,
             prompts=prompts,
+            sampler=sampler,
             scorers={"proxy": scorer},
-            max_new_tokens=spec["max_new_tokens"],
-            temperature=1.0,
-            seed=spec["eval_seed"],
-            batch_size=64,
-            max_prompt_tokens=64,
+            settings=EvalSettings(seed=spec["eval_seed"], batch_size=64),
         )
     finally:
         lm.train(was_training)
@@ -320,6 +321,7 @@ def child_tether(spec: dict) -> dict:
 
     phases = Phases()
     if spec["mode"] == "steps":
+        import tether.models.rollouts as trs
         import tether.trainers.base as tb
         import tether.trainers.common as tc
         import tether.trainers.group as tg
@@ -327,7 +329,7 @@ def child_tether(spec: dict) -> dict:
         if not spec["stop_at_eos"]:
             force_min_new_tokens_in_tether()
         install_common(phases)
-        patch(tb, "generate", phases, "generate", lambda ro: int(ro.response_mask.sum()))
+        patch(trs, "generate", phases, "generate", lambda ro: int(ro.response_mask.sum()))
         patch(tb, "checked_scores", phases, "reward")
         reference: list = [None]
         import tether.models.scoring as tr

@@ -447,9 +447,9 @@ def test_a_compiled_decode_that_differs_from_eager_is_never_trained_on(
     """The check after the first step: a compiled decode whose log-probs are off (here made NaN,
     as inductor's attention gave under forced AVX2 kernels at some cache lengths) stops a
     rollout.compile=true run with the reason, and leaves an auto run eager."""
-    import tether.trainers.base as base
+    import tether.models.rollouts as rollouts
 
-    real = base.generate
+    real = rollouts.generate
 
     def broken(*a, compiled=False, **kw):
         rollout = real(*a, compiled=False, **kw)  # eager underneath: no compile needed
@@ -457,9 +457,9 @@ def test_a_compiled_decode_that_differs_from_eager_is_never_trained_on(
             rollout.sampler_logprobs = torch.full_like(rollout.sampler_logprobs, float("nan"))
         return rollout
 
-    monkeypatch.setattr(base, "generate", broken)
-    monkeypatch.setattr(base, "can_compile", lambda device: None)
-    monkeypatch.setattr(base, "compile_repays", lambda *a: True)  # auto wants it
+    monkeypatch.setattr(rollouts, "generate", broken)
+    monkeypatch.setattr(rollouts, "can_compile", lambda device: None)
+    monkeypatch.setattr(rollouts, "compile_repays", lambda *a: True)  # auto wants it
     out = tmp_path / "run"
     args = _tiny_args(tiny_model_dir, prompt_file, out) + ["train.steps=3", f"rollout.compile={setting}"]
     code = main(args)

@@ -4,6 +4,7 @@ forward per text; and, with the real Gemma-3-270M, fluent text against sentiment
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -80,7 +81,8 @@ def test_gemma_tells_fluent_text_from_vader_hacking_strings():
 def test_the_fluency_judge_reads_the_first_samples_of_each_prompt(tiny_tokenizer, tiny_lm):
     """eval.fluency_samples=1 of 2: the judge sees samples 0 of each prompt only, whatever the
     generation batches; the others are None, and the summary averages the judged ones by prompt."""
-    from tether.run.evaluation import evaluate
+    from tether.models.rollouts import OneTurn, SamplingSettings
+    from tether.run.evaluation import EvalSettings, evaluate
 
     seen: list[tuple[str, str]] = []
 
@@ -88,19 +90,13 @@ def test_the_fluency_judge_reads_the_first_samples_of_each_prompt(tiny_tokenizer
         seen.extend(zip(prompts, responses))
         return [float(len(r)) for r in responses]
 
-    kwargs = dict(max_new_tokens=4, temperature=1.0, seed=7, batch_size=3, samples_per_prompt=2)
-    prompts = PROMPTS[:3]
-    r = evaluate(
-        "policy",
-        tiny_lm,
-        reference=None,
-        tokenizer=tiny_tokenizer,
-        prompts=prompts,
-        scorers={},
-        fluency=judge,
-        fluency_samples=1,
-        **kwargs,
+    sampler = OneTurn(
+        tiny_tokenizer, SamplingSettings(max_new_tokens=4, temperature=1.0, max_prompt_tokens=64)
     )
+    settings = EvalSettings(seed=7, batch_size=3, samples_per_prompt=2, fluency_samples=1)
+    kwargs = dict(reference=None, sampler=sampler, scorers={}, fluency=judge)
+    prompts = PROMPTS[:3]
+    r = evaluate("policy", tiny_lm, prompts=prompts, settings=settings, **kwargs)
     # batches of 3 rows cut prompt 1's two samples apart (rows 0-2, 3-5): still only even rows
     assert r.fluency_nll[1::2] == [None, None, None]
     assert r.fluency_nll[0::2] == [float(len(x)) for x in r.responses[0::2]]
@@ -108,14 +104,7 @@ def test_the_fluency_judge_reads_the_first_samples_of_each_prompt(tiny_tokenizer
     nll = [float(len(x)) for x in r.responses[0::2]]
     assert r.summary()["fluency_nll_mean"] == pytest.approx(sum(nll) / 3)
     every = evaluate(
-        "policy",
-        tiny_lm,
-        reference=None,
-        tokenizer=tiny_tokenizer,
-        prompts=prompts,
-        scorers={},
-        fluency=judge,
-        **kwargs,
+        "policy", tiny_lm, prompts=prompts, settings=replace(settings, fluency_samples=None), **kwargs
     )
     assert every.responses == r.responses  # the same seeds, the same samples
     assert every.fluency_nll == [float(len(x)) for x in r.responses]

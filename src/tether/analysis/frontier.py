@@ -62,10 +62,18 @@ def best_of_n_points(
 ) -> list[dict]:
     """Sample max(ns) reference completions per held-out prompt; best-of-N points for every N."""
     from tether.models.loading import resolve_model_path
-    from tether.models.sampling import generate, sample_seeds
-    from tether.models.turns import generate_turns, load_env
+    from tether.models.rollouts import make_sampler
+    from tether.models.sampling import sample_seeds
+    from tether.models.turns import load_env
     from tether.run.evaluation import evaluation_state
-    from tether.run.setup import load_prompts, load_run_lm, load_run_tokenizer, resolve_device, resolve_dtype
+    from tether.run.setup import (
+        load_prompts,
+        load_run_lm,
+        load_run_tokenizer,
+        resolve_device,
+        resolve_dtype,
+        sampling_settings,
+    )
 
     c = config
     train_prompts, held = load_prompts(c)
@@ -81,37 +89,17 @@ def best_of_n_points(
     lm = load_run_lm(c, path=path, dtype=resolve_dtype(c.model.dtype, device), device=device)
     m = max(ns)
     env = load_env(c.rollout.env) if c.rollout.env else None
+    # the runs' sampler (tool turns with rollout.env), decoding the reference eagerly
+    sampler = make_sampler(tok, replace(sampling_settings(c), compile=False), env, device=device)
     P, G, texts = [], [], []
     with forked_rngs(c.eval.seed):
         per = max(1, c.eval.batch_size // m)
         for i in range(0, len(prompts), per):
             batch = prompts.select([j for j in range(i, min(i + per, len(prompts))) for _ in range(m)])
             with torch.no_grad():
-                if env is not None:  # rollout.env: the reference's samples take turns, as the runs'
-                    ro = generate_turns(
-                        lm,
-                        tok,
-                        batch.prompts,
-                        env,
-                        max_turns=c.rollout.max_turns,
-                        max_new_tokens=c.rollout.max_new_tokens,
-                        temperature=c.rollout.temperature,
-                        seeds=sample_seeds(c.eval.seed, 0, range(i * m, i * m + len(batch))),
-                        stop_strings=c.rollout.stop_strings,
-                        max_prompt_tokens=c.rollout.max_prompt_tokens,
-                        columns=batch.columns,
-                        env_format=c.rollout.env_format,
-                    )
-                else:
-                    ro = generate(
-                        lm,
-                        tok,
-                        prompts=batch.prompts,
-                        max_new_tokens=c.rollout.max_new_tokens,
-                        temperature=c.rollout.temperature,
-                        max_prompt_tokens=c.rollout.max_prompt_tokens,
-                    )
-            ro.columns = batch.columns
+                # one turn: seeds drawn from torch's generator (forked above); tool turns need them
+                seeds = sample_seeds(c.eval.seed, 0, range(i * m, i * m + len(batch))) if env else None
+                ro = sampler.sample(lm, batch, seeds)
             P.append(
                 torch.tensor(
                     # best-of-N ranks every sample: a None is refused, named

@@ -91,6 +91,13 @@ class Rollout:
     """Per row, a multi-turn response through the chat template as messages, TRL's
     ``completions`` of a tool-calling run: ``[{"role": "assistant", "content": ...}, {"role":
     "tool", "content": ...}, ...]``, or None (the reward then gets ``responses``)."""
+    seeds: list[int] | None = None
+    """Per row, the sample seed it was drawn with (:func:`sample_seeds`; a multi-turn row's turns
+    are keyed from it), so that a later stage can sample the same rows again (the compile check,
+    :class:`tether.models.rollouts.CompileChoice`); None where the responses were not sampled here."""
+    compiled: bool = False
+    """Whether the responses were decoded by the compiled decode step (``rollout.compile``,
+    :func:`generate`'s ``compiled``): the ``rollout/compiled`` metric."""
 
     @property
     def own_texts(self) -> list[str]:
@@ -137,6 +144,8 @@ class Rollout:
             env_offsets=[self.env_offsets[i] for i in rows] if self.env_offsets is not None else None,
             policy_texts=[self.policy_texts[i] for i in rows] if self.policy_texts is not None else None,
             messages=[self.messages[i] for i in rows] if self.messages is not None else None,
+            seeds=[self.seeds[i] for i in rows] if self.seeds is not None else None,
+            compiled=self.compiled,
         )
 
 
@@ -619,4 +628,6 @@ def generate(
         responses=texts,
         ended=ended,
         sampler_logprobs=sampler_logprobs,
+        seeds=seeds,
+        compiled=compiled,
     )

@@ -20,6 +20,13 @@ tokens are what the template renders between the assistant's text and the next a
 (:func:`chat_reply_text`: the closing of the assistant's message, the tool message, the opening
 of the next assistant turn), as TRL's tool loop builds them; the reward gets the messages, TRL's
 ``completions`` of a tool-calling run.
+
+Built as verl's tool loop is: one :class:`Episode` per row (its tokens, policy flags, log-probs,
+replies and status), one :class:`TurnFormat` object for the format (:class:`RawText`,
+:class:`ChatTemplate`: the only places the two differ), a :class:`ToolLoop` that takes the
+episodes through their turns, and the :class:`Rollout` assembled from the episodes
+(:func:`assemble`). Training, evaluation and the frontier reach it through
+:class:`tether.models.rollouts.ToolTurns`.
 """
 
 from __future__ import annotations
@@ -32,10 +39,11 @@ import inspect
 import logging
 import unicodedata
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from tether.models.callables import PASSED_FROM_PYTHON, Abandoned, call_with_deadline, import_callable
 from tether.models.sampling import (
@@ -512,6 +520,381 @@ def check_chat_turns_close(tokenizer, prompt, ends: Sequence[int], stop_strings:
         )
 
 
+@dataclass
+class Episode:
+    """One row's episode as the turns build it: verl's per-episode record (its tool loop's
+    ``AgentData``), from which :func:`assemble` makes the row of the :class:`Rollout`.
+
+    Attributes:
+        row: the row's index in the batch (named by an error: ``row 1 after turn 0``).
+        prompt: its prompt, a text or a conversation (what the environment gets, copied).
+        prompt_ids: its prompt's token ids, padding left out.
+        seed: its sample seed; turn ``t`` is sampled with :func:`turn_seed` of it.
+        columns: its dataset columns that the environment takes (:func:`env_column_names`).
+        tokens: the response's token ids so far, the policy's and the environment's in order.
+        policy: one flag per token of ``tokens``: True where the policy sampled it.
+        logprobs: one per token of ``tokens``: the sampler's log-probability (nats) of a policy
+            token, 0 on the environment's.
+        replies: the environment's texts, in order (a raw row's as appended, maybe cut).
+        offsets: a raw row's, where each of ``replies`` starts in its transcript (characters).
+        messages: a chat row's response as messages (assistant turns, tool messages).
+        ended: the episode ended on its own (an end id, the environment's None), not at a limit.
+        done: no turn follows (ended, or cut at a limit).
+    """
+
+    row: int
+    prompt: object
+    prompt_ids: list[int]
+    seed: int
+    columns: dict
+    tokens: list[int] = field(default_factory=list)
+    policy: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    replies: list[str] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    messages: list[dict] = field(default_factory=list)
+    ended: bool = False
+    done: bool = False
+
+    @property
+    def context(self) -> list[int]:
+        """The ids the next token follows: the prompt's (unpadded), then the response's so far."""
+        return self.prompt_ids + self.tokens
+
+    def append(self, ids: list[int], logprobs: list[float] | None = None) -> None:
+        """Append the policy's ``ids`` with their ``logprobs``, or (``logprobs`` None) the
+        environment's, whose log-probability is 0 and whose ``policy`` flag is False."""
+        self.tokens += ids
+        self.policy += [logprobs is not None] * len(ids)
+        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+
+
+class TurnFormat:
+    """How a row's turns join its response (``rollout.env_format``): :class:`RawText` or
+    :class:`ChatTemplate`, one object per call of :func:`generate_turns` (the rows never mix
+    formats, :func:`turn_formats`). The loop (:class:`ToolLoop`) calls it at each point where the
+    formats differ; the rest of a turn is the same for both.
+
+    Attributes:
+        chat: whether the turns go through the chat template (what :func:`reply_text` checks).
+        end_id_ends_episode: whether a policy turn that ends at an end id ends the episode (raw),
+            or only the turn (chat: the end id closes an assistant message).
+    """
+
+    chat: bool
+    end_id_ends_episode: bool
+
+    def __init__(self, tokenizer, ends: Sequence[int], max_new_tokens: int):
+        self.tokenizer, self.ends, self.max_new_tokens = tokenizer, ends, max_new_tokens
+
+    def turn_written(self, ep: Episode, content: str) -> None:
+        """A policy turn was appended to ``ep`` (``content``: its text, end ids left out)."""
+        raise NotImplementedError
+
+    def completion(self, ep: Episode, at_end: bool) -> str | list[dict] | None:
+        """What the environment gets after a policy turn (``at_end``: it ended at an end id), or
+        None where the episode ends there without asking it."""
+        raise NotImplementedError
+
+    def reply_ids(
+        self, ep: Episode, reply: str, text: str | None, *, left: int, at_end: bool
+    ) -> list[int] | None:
+        """The ids that append the environment's ``reply`` (``text``: the part :func:`reply_text`
+        tokenizes) when ``left`` tokens are left, recorded in ``ep``; None where it is dropped."""
+        raise NotImplementedError
+
+    def text(self, ep: Episode) -> str:
+        """The row's response as the reward reads it."""
+        raise NotImplementedError
+
+    def env_offsets(self, ep: Episode, text: str) -> list[int] | None:
+        """Where the environment's replies start in ``text`` (characters), or None."""
+        raise NotImplementedError
+
+
+class RawText(TurnFormat):
+    """The raw format (module docstring): the environment's text appended as it is (cut to the
+    tokens left), and an end id ends the episode; the reward reads the transcript as text."""
+
+    chat = False
+    end_id_ends_episode = True
+
+    def turn_written(self, ep: Episode, content: str) -> None:
+        """Nothing to record: the transcript is the tokens."""
+
+    def completion(self, ep: Episode, at_end: bool) -> str | None:
+        """What the environment gets after a policy turn: the response so far, as text."""
+        return self.tokenizer.decode(ep.tokens, skip_special_tokens=True)
+
+    def reply_ids(self, ep: Episode, reply: str, text: str | None, *, left: int, at_end: bool) -> list[int]:
+        """The ids that append ``reply`` (of which ``text`` was tokenized, :func:`reply_text`),
+        cut to the ``left`` tokens left (said once); the reply recorded as appended, and where it
+        starts in the transcript.
+
+        Raises:
+            ValueError: ``text`` cannot be appended exactly (:func:`continuation_ids`).
+        """
+        context = ep.context
+        env_ids = continuation_ids(self.tokenizer, context, text, ENV_TEXT)
+        if len(env_ids) > left or text != reply:
+            say_long_reply(reply, left, self.max_new_tokens, chat=False)
+        env_ids = env_ids[:left]
+        # as appended (maybe cut), a SentencePiece word-start space kept
+        ep.replies.append(new_text(self.tokenizer, context, env_ids, skip_special_tokens=True))
+        ep.offsets.append(len(self.text(ep)))
+        return env_ids
+
+    def text(self, ep: Episode) -> str:
+        """The row's transcript (end ids and special tokens left out): what the reward reads."""
+        return self.tokenizer.decode([t for t in ep.tokens if t not in self.ends], skip_special_tokens=True)
+
+    def env_offsets(self, ep: Episode, text: str) -> list[int] | None:
+        """Where the replies stand in ``text``; None where the text does not hold them there (a
+        decoding that is not local)."""
+        return ep.offsets if all(text[o : o + len(r)] == r for o, r in zip(ep.offsets, ep.replies)) else None
+
+
+class ChatTemplate(TurnFormat):
+    """The chat format (module docstring): a policy turn is an assistant message, the
+    environment's text a tool message whose tokens are the template's framing (never cut: one that
+    does not fit is dropped), and an end id closes the turn, not the episode; the reward reads
+    the messages."""
+
+    chat = True
+    end_id_ends_episode = False
+
+    def turn_written(self, ep: Episode, content: str) -> None:
+        ep.messages.append({"role": "assistant", "content": content})
+
+    def history(self, ep: Episode) -> list[dict]:
+        """The messages before the assistant's last turn: the prompt's, then earlier turns'."""
+        return prompt_messages(ep.prompt) + ep.messages[:-1]
+
+    def completion(self, ep: Episode, at_end: bool) -> list[dict] | None:
+        """The messages so far (copies), or None where the policy ended its turn with an end id
+        that is not the template's close of an assistant message (``<|endoftext|>`` where the
+        template writes ``<|im_end|>``): the episode ends there, as in the raw format."""
+        content = ep.messages[-1]["content"]
+        if at_end and ep.tokens[-1:] != [chat_closing_id(self.tokenizer, self.history(ep), content)]:
+            return None
+        return [dict(m) for m in ep.messages]
+
+    def reply_ids(
+        self, ep: Episode, reply: str, text: str | None, *, left: int, at_end: bool
+    ) -> list[int] | None:
+        """The ids of the template's framing around ``reply`` (the closing of the assistant's
+        message, the tool message, the next turn's opening), or None where they do not fit the
+        ``left`` tokens (``text`` None: surely not, untokenized), said once: a tool message is
+        never cut (TRL's rule). Where the policy wrote the close of its turn itself (``at_end``),
+        the framing continues the context before it, and its first token, that close, is the
+        policy's.
+
+        Raises:
+            ValueError: the template cannot frame the reply exactly (:func:`chat_reply_text`,
+                :func:`continuation_ids`), or its framing does not start with the end id that
+                closed the turn.
+        """
+        if text is None:
+            say_long_reply(reply, left, self.max_new_tokens, chat=True)
+            return None
+        framing = chat_reply_text(self.tokenizer, self.history(ep), ep.messages[-1]["content"], reply)
+        context = ep.context[:-1] if at_end else ep.context
+        env_ids = continuation_ids(self.tokenizer, context, framing, "the chat template's tool message")
+        if at_end:
+            if env_ids[:1] != ep.tokens[-1:]:
+                raise ValueError(
+                    "rollout.env_format=chat: the chat template's tool message does not start "
+                    f"with the end id {ep.tokens[-1]} that closed the assistant's turn, once "
+                    "tokenized after it; use rollout.env_format=raw"
+                )
+            env_ids = env_ids[1:]
+        if len(env_ids) > left:
+            say_long_reply(reply, left, self.max_new_tokens, chat=True)
+            return None
+        ep.messages.append({"role": TOOL_ROLE, "content": reply})
+        ep.ended = False
+        ep.replies.append(reply)
+        return env_ids
+
+    def text(self, ep: Episode) -> str:
+        """The messages' contents, one per line (:func:`tether.judges.contract.completion_texts`)."""
+        return "\n".join(m["content"] for m in ep.messages)
+
+    def env_offsets(self, ep: Episode, text: str) -> None:
+        """None: a chat row's messages tell where the environment's text is."""
+        return None
+
+
+@dataclass
+class ToolLoop:
+    """The turns of a batch of episodes: a policy turn for every active row at once
+    (:meth:`sample_turn`), then each row's step (:meth:`policy_turn`, :meth:`env_turn`) through
+    its format (:class:`RawText`, :class:`ChatTemplate`). Arguments as :func:`generate_turns`'."""
+
+    lm: nn.Module
+    tokenizer: object
+    env: EnvFn
+    fmt: TurnFormat
+    max_turns: int
+    max_new_tokens: int
+    temperature: float
+    stop_strings: Sequence[str]
+    env_timeout: float | None
+    ends: list[int]
+    pad: int
+
+    def run(self, episodes: list[Episode]) -> None:
+        """Turns until every episode is done, ``max_turns`` are taken or no token is left."""
+        forbidden = special_ids(self.tokenizer, self.ends)
+        for turn in range(self.max_turns):
+            active = [ep for ep in episodes if not ep.done and len(ep.tokens) < self.max_new_tokens]
+            if not active:
+                break
+            new_ids, new_logps = self.sample_turn(active, turn)
+            for i, ep in enumerate(active):
+                at_end = self.policy_turn(ep, new_ids[i], new_logps[i])
+                if ep.done or turn == self.max_turns - 1 or len(ep.tokens) >= self.max_new_tokens:
+                    ep.done = True
+                    continue
+                self.env_turn(ep, turn, at_end=at_end, forbidden=forbidden)
+
+    def sample_turn(self, active: list[Episode], turn: int) -> tuple[Tensor, Tensor]:
+        """One policy turn of the ``active`` episodes, decoded together from their contexts
+        (left-padded): ``(new_ids, sampler_logprobs)``, (A, T) each
+        (:func:`tether.models.sampling.sample_tokens`)."""
+        device = next(self.lm.parameters()).device
+        budget = self.max_new_tokens - min(len(ep.tokens) for ep in active)
+        contexts = [ep.context for ep in active]
+        width = max(len(c) for c in contexts)
+        ids = torch.tensor([[self.pad] * (width - len(c)) + c for c in contexts], device=device)  # (A, W)
+        mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts], device=device)
+        return sample_tokens(
+            self.lm,
+            ids,
+            mask,
+            max_new_tokens=budget,
+            temperature=self.temperature,
+            seeds=[turn_seed(ep.seed, turn) for ep in active],
+            ends=self.ends,
+            pad_token_id=self.pad,
+            stop_strings=list(self.stop_strings),
+            tokenizer=self.tokenizer,
+        )
+
+    def policy_turn(self, ep: Episode, new_ids: Tensor, new_logps: Tensor) -> bool:
+        """Append a turn the policy sampled, (T,) ids and log-probs: up to and including its
+        first end id, or the token completing a stop string, whichever comes first, within the
+        tokens left. Returns whether it ended at an end id (``ended``; in the raw format
+        ``done``); a turn that reached neither was cut at the token budget (``done``)."""
+        tokens = new_ids[: self.max_new_tokens - len(ep.tokens)].tolist()
+        cut = next((k + 1 for k, t in enumerate(tokens) if t in self.ends), None)
+        stop = _stop_at(self.tokenizer, ep.context, tokens[: cut or len(tokens)], self.stop_strings)
+        at_end = cut is not None and (stop is None or cut <= stop)
+        if at_end:
+            tokens, ep.ended = tokens[:cut], True
+            ep.done = self.fmt.end_id_ends_episode
+        elif stop is not None:
+            tokens = tokens[:stop]
+        else:
+            ep.done = True  # cut at the token budget
+        ep.append(tokens, new_logps[: len(tokens)].tolist())
+        content = self.tokenizer.decode([t for t in tokens if t not in self.ends], skip_special_tokens=True)
+        self.fmt.turn_written(ep, content)
+        return at_end
+
+    def env_turn(self, ep: Episode, turn: int, *, at_end: bool, forbidden: set[int]) -> None:
+        """Call the environment after the policy's ``turn`` and append its reply (its format's
+        ids), or end the episode: on its None (ended), on a reply that does not fit (cut), or, in
+        the chat format, on an end id that does not close an assistant's message.
+
+        Raises:
+            EnvFailed: the environment failed (:func:`call_env`).
+            EnvReplyError: its reply cannot be appended (:func:`reply_text`, the format's
+                ``reply_ids``), the row and the turn named.
+        """
+        so_far = self.fmt.completion(ep, at_end)
+        if so_far is None:
+            ep.done = True
+            return
+        # copies: an environment that edits what it gets must not edit the data, the group's
+        # other rows or the transcript the reward reads
+        row_columns = {k: copy.deepcopy(v) for k, v in ep.columns.items()}
+        where = f"row {ep.row} after turn {turn}"
+        reply = call_env(
+            self.env,
+            dict(prompt=copy.deepcopy(ep.prompt), completion=so_far, turn=turn, **row_columns),
+            timeout=self.env_timeout,
+            where=where,
+            so_far=so_far,
+        )
+        if reply is None:  # the environment ended the episode: it ended, not cut at a limit
+            ep.done = ep.ended = True
+            return
+        left = self.max_new_tokens - len(ep.tokens)
+        text = reply_text(
+            self.tokenizer, reply, left=left, chat=self.fmt.chat, forbidden=forbidden, where=where
+        )
+        try:
+            env_ids = self.fmt.reply_ids(ep, reply, text, left=left, at_end=at_end)
+        except ValueError as e:  # the reply cannot be appended exactly: the environment's doing
+            raise EnvReplyError(f"{e} ({where})") from None
+        if env_ids is None:  # a chat reply that does not fit, dropped: cut at the token budget
+            ep.done, ep.ended = True, False  # (the environment answered, so it had not ended)
+            return
+        ep.append(env_ids)
+        ep.done = len(ep.tokens) >= self.max_new_tokens
+
+
+def assemble(
+    episodes: list[Episode],
+    fmt: TurnFormat,
+    *,
+    prompts: list,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    pad: int,
+) -> Rollout:
+    """The :class:`Rollout` of finished ``episodes`` (module docstring, :func:`generate_turns`'s
+    Returns): their tokens right-padded with ``pad``, (B, R) each, the masks from their policy
+    flags, their texts, replies and messages through ``fmt``."""
+    device = prompt_ids.device
+    B, R = len(episodes), max(1, max((len(ep.tokens) for ep in episodes), default=0))
+    response_ids = torch.full((B, R), pad, dtype=torch.long, device=device)
+    response_mask = torch.zeros((B, R), dtype=torch.bool, device=device)
+    env_mask = torch.zeros((B, R), dtype=torch.bool, device=device)
+    sampler_logprobs = torch.zeros((B, R), dtype=torch.float32, device=device)
+    for b, ep in enumerate(episodes):
+        n = len(ep.tokens)
+        response_ids[b, :n] = torch.tensor(ep.tokens, dtype=torch.long)
+        response_mask[b, :n] = torch.tensor(ep.policy, dtype=torch.bool)
+        env_mask[b, :n] = ~torch.tensor(ep.policy, dtype=torch.bool)
+        sampler_logprobs[b, :n] = torch.tensor(ep.logprobs, dtype=torch.float32)
+    texts = [fmt.text(ep) for ep in episodes]
+    return Rollout(
+        prompts,
+        prompt_ids,
+        prompt_mask=prompt_mask,
+        response_ids=response_ids,
+        response_mask=response_mask,
+        responses=texts,
+        ended=torch.tensor([ep.ended for ep in episodes], dtype=torch.bool, device=device),
+        sampler_logprobs=sampler_logprobs,
+        env_mask=env_mask,
+        env_texts=[ep.replies for ep in episodes],
+        env_offsets=[fmt.env_offsets(ep, text) for ep, text in zip(episodes, texts)],
+        # the policy's own text (its turns, the environment's text left out): what the diversity
+        # and fluency metrics read
+        policy_texts=[
+            fmt.tokenizer.decode(
+                [t for t, p in zip(ep.tokens, ep.policy) if p and t not in fmt.ends], skip_special_tokens=True
+            )
+            for ep in episodes
+        ],
+        messages=[ep.messages for ep in episodes] if fmt.chat else None,
+        seeds=[ep.seed for ep in episodes],
+    )
+
+
 @torch.no_grad()
 def generate_turns(
     lm: nn.Module,
@@ -531,6 +914,9 @@ def generate_turns(
 ) -> Rollout:
     """Sample multi-turn responses: up to ``max_turns`` policy turns, ``max_new_tokens`` response
     tokens in all (the policy's and the environment's).
+
+    One :class:`Episode` per row, taken through its turns by a :class:`ToolLoop` in the rows'
+    format (:class:`RawText` or :class:`ChatTemplate`), then assembled (:func:`assemble`).
 
     Args:
         lm: the policy (a causal LM).
@@ -562,7 +948,7 @@ def generate_turns(
         did not fit, or ``max_turns`` after a turn that stopped at a stop string to call the
         environment). A chat turn the policy closed with an end id at ``max_turns`` counts as
         ended, as TRL counts a completion that ends with its end token (the environment was not
-        asked whether it would answer).
+        asked whether it would answer). ``seeds`` holds ``seeds``.
 
     Raises:
         ValueError: ``max_turns < 1``, a seed count that is not B; a raw row without stop strings,
@@ -580,188 +966,38 @@ def generate_turns(
         raise ValueError(f"rollout.max_turns={max_turns} must be >= 1")
     device = next(lm.parameters()).device
     prompts = list(prompts)
-    B = len(prompts)
-    if len(seeds) != B:
-        raise ValueError(f"{len(seeds)} seeds for {B} prompts")
+    if len(seeds) != len(prompts):
+        raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
     chat = turn_formats(tokenizer, prompts, env_format, stop_strings, max_turns)
     columns = columns or {}
     passed = env_column_names(env, list(columns))
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, max_prompt_tokens, device)
     ends = end_token_ids(tokenizer, lm)
-
-    def transcript(ids: list[int]) -> str:  # a raw row's text: what the reward reads
-        return tokenizer.decode([t for t in ids if t not in ends], skip_special_tokens=True)
-
     if chat and chat[0] and max_turns > 1:
         check_chat_turns_close(tokenizer, prompts[0], ends, stop_strings)
-    forbidden = special_ids(tokenizer, ends)
+    fmt = (ChatTemplate if chat and chat[0] else RawText)(tokenizer, ends, max_new_tokens)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else ends[0]
-    own = [prompt_ids[b][prompt_mask[b].bool()].tolist() for b in range(B)]  # unpadded prompts
-    resp: list[list[int]] = [[] for _ in range(B)]
-    policy: list[list[bool]] = [[] for _ in range(B)]
-    logps: list[list[float]] = [[] for _ in range(B)]
-    ended = [False] * B
-    done = [False] * B
-    replies: list[list[str]] = [[] for _ in range(B)]
-    offsets: list[list[int]] = [[] for _ in range(B)]  # raw rows: where each reply starts in the text
-    messages: list[list[dict]] = [[] for _ in range(B)]  # chat rows: the completion as messages
-    for turn in range(max_turns):
-        active = [b for b in range(B) if not done[b] and len(resp[b]) < max_new_tokens]
-        if not active:
-            break
-        budget = max_new_tokens - min(len(resp[b]) for b in active)
-        contexts = [own[b] + resp[b] for b in active]
-        width = max(len(c) for c in contexts)
-        ids = torch.tensor([[pad] * (width - len(c)) + c for c in contexts], device=device)
-        mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts], device=device)
-        new_ids, new_logps = sample_tokens(
-            lm,
-            ids,
-            mask,
-            max_new_tokens=budget,
-            temperature=temperature,
-            seeds=[turn_seed(seeds[b], turn) for b in active],
-            ends=ends,
-            pad_token_id=pad,
-            stop_strings=list(stop_strings),
-            tokenizer=tokenizer,
+    episodes = [
+        Episode(
+            row=b,
+            prompt=prompt,
+            prompt_ids=prompt_ids[b][prompt_mask[b].bool()].tolist(),
+            seed=int(seeds[b]),
+            columns={k: columns[k][b] for k in passed},
         )
-        for i, b in enumerate(active):
-            left = max_new_tokens - len(resp[b])
-            tokens = new_ids[i, :left].tolist()
-            cut = next((k + 1 for k, t in enumerate(tokens) if t in ends), None)
-            stop = _stop_at(tokenizer, own[b] + resp[b], tokens[: cut or len(tokens)], stop_strings)
-            at_end = cut is not None and (stop is None or cut <= stop)
-            if at_end:
-                tokens, ended[b] = tokens[:cut], True
-                done[b] = not chat[b]  # raw: an end id ends the episode; chat: the assistant's turn
-            elif stop is not None:
-                tokens = tokens[:stop]
-            else:
-                done[b] = True  # cut at the token budget
-            resp[b] += tokens
-            policy[b] += [True] * len(tokens)
-            logps[b] += new_logps[i, : len(tokens)].tolist()
-            content = tokenizer.decode([t for t in tokens if t not in ends], skip_special_tokens=True)
-            if chat[b]:
-                messages[b].append({"role": "assistant", "content": content})
-            if done[b] or turn == max_turns - 1 or len(resp[b]) >= max_new_tokens:
-                done[b] = True
-                continue
-            if chat[b]:
-                history = prompt_messages(prompts[b]) + messages[b][:-1]
-                if at_end and tokens[-1:] != [chat_closing_id(tokenizer, history, content)]:
-                    # the policy ended its turn with an end id that is not the template's close of
-                    # an assistant message (<|endoftext|> where the template writes <|im_end|>):
-                    # the episode ends there, as in the raw format
-                    done[b] = True
-                    continue
-                so_far: str | list[dict] = [dict(m) for m in messages[b]]
-            else:
-                so_far = tokenizer.decode(resp[b], skip_special_tokens=True)
-            # copies: an environment that edits what it gets must not edit the data, the group's
-            # other rows or the transcript the reward reads
-            row_columns = {k: copy.deepcopy(columns[k][b]) for k in passed}
-            where = f"row {b} after turn {turn}"
-            reply = call_env(
-                env,
-                dict(prompt=copy.deepcopy(prompts[b]), completion=so_far, turn=turn, **row_columns),
-                timeout=env_timeout,
-                where=where,
-                so_far=so_far,
-            )
-            if reply is None:  # the environment ended the episode: it ended, not cut at a limit
-                done[b] = ended[b] = True
-                continue
-            left = max_new_tokens - len(resp[b])
-            text = reply_text(tokenizer, reply, left=left, chat=chat[b], forbidden=forbidden, where=where)
-            if text is None:  # a chat reply longer than the tokens left, dropped as below
-                say_long_reply(reply, left, max_new_tokens, chat=True)
-                done[b], ended[b] = True, False
-                continue
-            try:
-                if chat[b]:  # the template's framing around the reply: closing, tool message, next turn
-                    framing = chat_reply_text(tokenizer, history, content, reply)
-                    # the policy wrote the close of its turn itself (at_end): the framing continues the
-                    # context before it, and its first token, that close, is the policy's
-                    context = own[b] + resp[b][:-1] if at_end else own[b] + resp[b]
-                    env_ids = continuation_ids(
-                        tokenizer, context, framing, "the chat template's tool message"
-                    )
-                    if at_end:
-                        if env_ids[:1] != tokens[-1:]:
-                            raise ValueError(
-                                "rollout.env_format=chat: the chat template's tool message does not start "
-                                f"with the end id {tokens[-1]} that closed the assistant's turn, once "
-                                "tokenized after it; use rollout.env_format=raw"
-                            )
-                        env_ids = env_ids[1:]
-                    if len(env_ids) > left:
-                        # a tool message is never cut: the episode ends without it, cut at the token
-                        # budget (the environment answered, so it had not ended)
-                        say_long_reply(reply, left, max_new_tokens, chat=True)
-                        done[b], ended[b] = True, False
-                        continue
-                    messages[b].append({"role": TOOL_ROLE, "content": reply})
-                    ended[b] = False
-                    replies[b].append(reply)
-                else:
-                    context = own[b] + resp[b]
-                    env_ids = continuation_ids(tokenizer, context, text, ENV_TEXT)
-                    if len(env_ids) > left or text != reply:
-                        say_long_reply(reply, left, max_new_tokens, chat=False)
-                    env_ids = env_ids[:left]
-                    # as appended (maybe cut), a SentencePiece word-start space kept
-                    replies[b].append(new_text(tokenizer, context, env_ids, skip_special_tokens=True))
-                    offsets[b].append(len(transcript(resp[b])))
-            except ValueError as e:  # the reply cannot be appended exactly: the environment's doing
-                raise EnvReplyError(f"{e} ({where})") from None
-            resp[b] += env_ids
-            policy[b] += [False] * len(env_ids)
-            logps[b] += [0.0] * len(env_ids)
-            done[b] = len(resp[b]) >= max_new_tokens
-    R = max(1, max(len(r) for r in resp))
-    response_ids = torch.full((B, R), pad, dtype=torch.long, device=device)
-    response_mask = torch.zeros((B, R), dtype=torch.bool, device=device)
-    env_mask = torch.zeros((B, R), dtype=torch.bool, device=device)
-    sampler_logprobs = torch.zeros((B, R), dtype=torch.float32, device=device)
-    for b in range(B):
-        n = len(resp[b])
-        response_ids[b, :n] = torch.tensor(resp[b], dtype=torch.long)
-        response_mask[b, :n] = torch.tensor(policy[b], dtype=torch.bool)
-        env_mask[b, :n] = ~torch.tensor(policy[b], dtype=torch.bool)
-        sampler_logprobs[b, :n] = torch.tensor(logps[b], dtype=torch.float32)
-    texts = [
-        # the messages' contents, one per line (tether.judges.contract.completion_texts)
-        "\n".join(m["content"] for m in messages[b]) if chat[b] else transcript(resp[b])
-        for b in range(B)
+        for b, prompt in enumerate(prompts)
     ]
-    # a raw row's replies where they stand in its text; None where the text does not hold them
-    # there (a decoding that is not local) or for a chat row (its messages tell)
-    env_offsets: list[list[int] | None] = [
-        offsets[b]
-        if not chat[b] and all(texts[b][o : o + len(r)] == r for o, r in zip(offsets[b], replies[b]))
-        else None
-        for b in range(B)
-    ]
-    # the policy's own text (its turns, the environment's text left out): what the diversity and
-    # fluency metrics read
-    own_texts = [
-        tokenizer.decode([t for t, p in zip(r, f) if p and t not in ends], skip_special_tokens=True)
-        for r, f in zip(resp, policy)
-    ]
-    return Rollout(
-        prompts,
-        prompt_ids,
-        prompt_mask=prompt_mask,
-        response_ids=response_ids,
-        response_mask=response_mask,
-        responses=texts,
-        ended=torch.tensor(ended, dtype=torch.bool, device=device),
-        sampler_logprobs=sampler_logprobs,
-        env_mask=env_mask,
-        env_texts=replies,
-        env_offsets=env_offsets,
-        policy_texts=own_texts,
-        messages=messages if any(chat) else None,
-    )
+    ToolLoop(
+        lm=lm,
+        tokenizer=tokenizer,
+        env=env,
+        fmt=fmt,
+        max_turns=max_turns,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        stop_strings=stop_strings,
+        env_timeout=env_timeout,
+        ends=ends,
+        pad=pad,
+    ).run(episodes)
+    return assemble(episodes, fmt, prompts=prompts, prompt_ids=prompt_ids, prompt_mask=prompt_mask, pad=pad)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,9 +20,10 @@ from tether.data.capability import capability_texts
 from tether.data.prompts import PromptData
 from tether.judges.contract import Scorer, score_rollout, trainer_state
 from tether.models.callables import PASSED_FROM_PYTHON
-from tether.models.sampling import generate, sample_seeds
+from tether.models.rollouts import Sampler
+from tether.models.sampling import sample_seeds
 from tether.models.scoring import rollout_logprobs
-from tether.models.turns import EnvFailed, generate_turns
+from tether.models.turns import EnvFailed
 from tether.run.announce import leash_line, z_text
 from tether.run.console import say
 from tether.run.files import read_json, write_json_file
@@ -195,31 +196,40 @@ def evaluation_state(steps: int, prompts_per_step: float, n_train_prompts: int):
     return trainer_state(steps, steps, steps * prompts_per_step / max(1, n_train_prompts))
 
 
+@dataclass(frozen=True)
+class EvalSettings:
+    """What a run's held-out evaluations draw and judge, fixed for the run (``eval.*``).
+
+    Attributes:
+        seed: the evaluation seed (``eval.seed``): sample ``j`` of prompt ``i`` is seeded by
+            ``sample_seeds(seed, 0, [i * k + j])``, and the global generators are forked and
+            seeded with it.
+        batch_size: rows per sampling call (``eval.batch_size``).
+        samples_per_prompt: k, responses per prompt (``eval.samples_per_prompt``).
+        fluency_samples: the fluency judge reads the first this many samples of each prompt
+            (``eval.fluency_samples``; None: all).
+    """
+
+    seed: int
+    batch_size: int = 64
+    samples_per_prompt: int = 1
+    fluency_samples: int | None = None
+
+
 def evaluate(
     name: str,
     lm: nn.Module,
     reference: nn.Module | None,
-    tokenizer,
     prompts: PromptData | list,
     *,
+    sampler: Sampler,
     scorers: dict[str, Scorer],
-    max_new_tokens: int,
-    temperature: float,
-    seed: int,
-    batch_size: int = 64,
-    max_prompt_tokens: int = 64,
-    samples_per_prompt: int = 1,
+    settings: EvalSettings,
     fluency: Callable[[list[str], list[str]], list[float | None]] | None = None,
-    fluency_samples: int | None = None,
     state=None,
-    env=None,
-    max_turns: int = 1,
-    stop_strings: Sequence[str] = (),
-    env_format: str = "auto",
-    env_timeout: float | None = None,
 ) -> EvalResult:
-    """Sample ``samples_per_prompt`` responses per held-out prompt with fixed seeds; score each
-    with every scorer and the fluency judge.
+    """Sample ``settings.samples_per_prompt`` responses per held-out prompt with fixed seeds;
+    score each with every scorer and the fluency judge.
 
     Sample ``j`` of prompt ``i`` is drawn with the seed ``sample_seeds(seed, 0, [i * k + j])``,
     whatever the batching, so reference and policy see the same random numbers on each sample (and
@@ -229,65 +239,39 @@ def evaluate(
     evaluation never changes the training stream, and every pass with one ``seed`` (the
     reference's, each policy's) starts their draws from one state. KL is the k1 estimate per
     sequence (unbiased) against ``reference`` on the evaluated samples, with the sampling settings
-    of training. The fluency judge reads the first ``fluency_samples`` samples of each prompt
-    (None = all); the others get None there.
+    of training (``sampler``, the run's: :meth:`tether.models.rollouts.Sampler.sample`, eagerly,
+    on ``lm``'s weights as they are). The fluency judge reads the first
+    ``settings.fluency_samples`` samples of each prompt (None = all); the others get None there.
 
     Scorers are called as TRL calls reward functions (:mod:`tether.judges.contract`), with the
     samples' ``completion_ids`` and ``state`` as ``trainer_state`` (a run passes
     :func:`evaluation_state`, so that the reference's and each policy's scores compare; None
     passes ``global_step=0``, ``max_steps=0``).
 
-    With ``env`` (``rollout.env``) the samples are multi-turn, as in training
-    (:func:`tether.models.turns.generate_turns`, ``max_turns``, ``stop_strings``, ``env_format``,
-    ``env_timeout``; its :class:`tether.models.turns.EnvFailed` names this evaluation): the KL
-    counts the policy's tokens only, the scorers read the whole transcript, and the fluency judge,
-    the diversity measures and the stored responses the policy's own text.
+    With tool turns (``rollout.env``) the samples are multi-turn, as in training (a
+    :class:`tether.models.turns.EnvFailed` names this evaluation): the KL counts the policy's
+    tokens only, the scorers read the whole transcript, and the fluency judge, the diversity
+    measures and the stored responses the policy's own text.
     """
-    k = samples_per_prompt
+    k, seed, batch_size = settings.samples_per_prompt, settings.seed, settings.batch_size
     if k > 1:  # each prompt k times in a row, with its columns
         idx = [i for i in range(len(prompts)) for _ in range(k)]
         prompts = prompts.select(idx) if isinstance(prompts, PromptData) else [prompts[i] for i in idx]
     result = EvalResult(name, [], [], {key: [] for key in scorers}, k)
+    temperature = sampler.settings.temperature
     with forked_rngs(seed):
         for i in range(0, len(prompts), batch_size):
             batch = prompts[i : i + batch_size]
-            seeds = sample_seeds(seed, 0, range(i, i + len(batch)))
-            if env is not None:
-                try:
-                    ro = generate_turns(
-                        lm,
-                        tokenizer,
-                        list(batch),
-                        env,
-                        max_turns=max_turns,
-                        max_new_tokens=max_new_tokens,
-                        temperature=temperature,
-                        seeds=seeds,
-                        stop_strings=stop_strings,
-                        max_prompt_tokens=max_prompt_tokens,
-                        columns=batch.columns if isinstance(batch, PromptData) else None,
-                        env_format=env_format,
-                        env_timeout=env_timeout,
-                    )
-                except EnvFailed as e:
-                    raise e.retold(f"held-out evaluation ({name}): {e}") from e.__cause__
-            else:
-                ro = generate(
-                    lm,
-                    tokenizer,
-                    prompts=batch,
-                    max_new_tokens=max_new_tokens,
-                    temperature=temperature,
-                    max_prompt_tokens=max_prompt_tokens,
-                    seeds=seeds,
-                )
+            try:
+                ro = sampler.sample(lm, batch, sample_seeds(seed, 0, range(i, i + len(batch))))
+            except EnvFailed as e:
+                raise e.retold(f"held-out evaluation ({name}): {e}") from e.__cause__
             if reference is not None:
                 lp = rollout_logprobs(lm, ro, temperature).logprobs
                 ref_lp = lp if reference is lm else rollout_logprobs(reference, ro, temperature).logprobs
                 result.kl_per_sequence += sequence_kl(
                     estimate_kl(lp, ref_lp, "k1"), ro.response_mask
                 ).tolist()
-            ro.columns = batch.columns if isinstance(batch, PromptData) else None
             for key, scorer in scorers.items():
                 # None: the sample is left out of this scorer's numbers
                 scores = score_rollout(
@@ -295,7 +279,7 @@ def evaluate(
                 ).total
                 result.scores[key] += [None if math.isnan(x) else x for x in scores]
             if fluency is not None:
-                judged = [n for n in range(len(batch)) if (i + n) % k < (fluency_samples or k)]
+                judged = [n for n in range(len(batch)) if (i + n) % k < (settings.fluency_samples or k)]
                 nll = fluency([ro.prompts[n] for n in judged], [ro.own_texts[n] for n in judged])
                 row: list[float | None] = [None] * len(batch)
                 for n, v in zip(judged, nll):
@@ -425,9 +409,12 @@ class Evaluator:
         if judge is not None:
             self.scorers["gold"] = judge
         self.fluency = fluency
-        from tether.run.setup import run_env  # local, as the Run type's import: needed only here
-
-        self.env = run_env(run)  # rollout.env: multi-turn samples
+        self.eval_settings = EvalSettings(
+            seed=c.eval.seed,
+            batch_size=c.eval.batch_size,
+            samples_per_prompt=c.eval.samples_per_prompt,
+            fluency_samples=c.eval.fluency_samples,
+        )
         # every judging call's trainer_state: the end of training (reference and policies alike)
         self.state = evaluation_state(
             c.train.steps, c.rollout.batch_size / (c.rollout.group_size or 1), len(run.train_prompts)
@@ -520,28 +507,17 @@ class Evaluator:
     def __call__(self, name: str, prompts: list[str], lm: nn.Module | None = None):
         """:func:`evaluate` of ``lm`` (the policy's LM by default) on ``prompts`` with the run's
         settings."""
-        c, run = self.run.config, self.run
+        run = self.run
         return evaluate(
             name,
             lm if lm is not None else run.policy.lm,
             reference=run.reference,
-            tokenizer=run.tokenizer,
             prompts=prompts,
+            sampler=run.sampler,  # the run's: one turn, or tool turns as in training
             scorers=self.scorers,
-            max_new_tokens=c.rollout.max_new_tokens,
-            temperature=c.rollout.temperature,
-            seed=c.eval.seed,
-            batch_size=c.eval.batch_size,
-            max_prompt_tokens=c.rollout.max_prompt_tokens,
-            samples_per_prompt=c.eval.samples_per_prompt,
+            settings=self.eval_settings,
             fluency=self.fluency,
-            fluency_samples=c.eval.fluency_samples,
             state=self.state,
-            env=self.env,
-            max_turns=c.rollout.max_turns,
-            stop_strings=c.rollout.stop_strings,
-            env_format=c.rollout.env_format,
-            env_timeout=c.rollout.env_timeout,
         )
 
     def set_reference(self, before: EvalResult | None, lm: nn.Module | None = None) -> None:

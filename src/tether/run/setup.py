@@ -51,6 +51,7 @@ from tether.models.reference import (
     fingerprint,
     make_reference,
 )
+from tether.models.rollouts import Sampler, SamplingSettings, make_sampler
 from tether.models.sampling import prompt_texts, use_chat_template
 from tether.models.sharding import shard_model
 from tether.models.turns import chat_reply_text, env_column_names, load_env, prompt_messages, turn_formats
@@ -507,28 +508,45 @@ class Run:
     reference_fingerprint: str | None
     reference_forwards: list[int]
     """[count] of reference forward passes of this process (a pre-hook increments it)."""
+    sampler: Sampler
+    """How this run samples (:func:`run_sampler`: one turn, or tool turns with ``rollout.env``'s
+    environment): every stage that samples calls it, the trainers (DPO's pairs and probe
+    included) and the evaluator."""
     accelerator: Accelerator | None = None
     """accelerate's handle on the processes (one without ``accelerate launch``); the trainers
     wrap the policy with ``accelerator.prepare`` (DDP when there are several)."""
     run_dir_existed: bool = False
     """The run directory existed (empty) before this run, see :func:`discard_failed_start`."""
-    env: Callable | None = None
-    """The multi-turn rollout's environment (``rollout.env`` imported, or the object passed from
-    Python), or None: read it through :func:`run_env`."""
 
 
-def run_env(run) -> Callable | None:
-    """A run's multi-turn environment: the one :func:`build_run` built or was given, else (a run
-    record made by hand, without one) ``rollout.env`` imported; None without ``rollout.env``.
+def sampling_settings(config: Config) -> SamplingSettings:
+    """The :class:`tether.models.rollouts.SamplingSettings` of a run: its ``rollout.*`` fields by
+    name, ``train.sharded_generation``, and ``rollout.compile`` as the run can use it: off for DPO
+    (its pairs and probe decode eagerly), ``auto`` off where compiled decoding is not built (LoRA,
+    FSDP; ``true`` there is refused by the config)."""
+    r = config.rollout
+    not_built = config.train.algo == "dpo" or config.model.lora or config.train.sharding == "fsdp"
+    return SamplingSettings(
+        max_new_tokens=r.max_new_tokens,
+        temperature=r.temperature,
+        max_prompt_tokens=r.max_prompt_tokens,
+        stop_strings=tuple(r.stop_strings),
+        max_turns=r.max_turns,
+        env_format=r.env_format,
+        env_timeout=r.env_timeout,
+        sharded_generation=config.train.sharded_generation,
+        compile=False if r.compile == "auto" and not_built else r.compile,
+    )
+
+
+def run_sampler(config: Config, tokenizer, *, env: Callable | None, device) -> Sampler:
+    """The run's sampler (:func:`tether.models.rollouts.make_sampler`): tool turns with ``env``,
+    else one turn, with :func:`sampling_settings`.
 
     Raises:
-        ValueError: ``rollout.env`` cannot be imported, or names an object passed from Python
-            that this run was not given (:func:`tether.models.turns.load_env`).
+        ValueError: ``rollout.compile=true`` where decoding cannot be compiled (the reason named).
     """
-    env = getattr(run, "env", None)
-    if env is None and run.config.rollout.env:
-        env = load_env(run.config.rollout.env)
-    return env
+    return make_sampler(tokenizer, sampling_settings(config), env, device=device)
 
 
 ROLLOUT_BYTES_PER_TOKEN = 24
@@ -722,6 +740,7 @@ def build_run(
             shard_model(policy, policy.lm)
             if reference is not None:
                 shard_model(reference, reference)
+        sampler = run_sampler(config, tokenizer, env=env, device=next(policy.parameters()).device)
         return Run(
             config,
             policy,
@@ -735,7 +754,7 @@ def build_run(
             reference_forwards=forwards,
             accelerator=accelerator,
             run_dir_existed=existed,
-            env=env,
+            sampler=sampler,
         )
     except BaseException:
         release_lock(writer.lock)

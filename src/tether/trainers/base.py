@@ -37,21 +37,12 @@ from tether.core.leash import KLLeash
 from tether.data.prompts import PromptSampler
 from tether.judges.contract import RewardLog, score_rollout, trainer_state
 from tether.models.callables import running
-from tether.models.sampling import (
-    COMPILE_COST_S,
-    Rollout,
-    can_compile,
-    compile_repays,
-    compile_saving,
-    compiled_mismatch,
-    generate,
-    sample_seeds,
-)
+from tether.models.sampling import Rollout, sample_seeds
 from tether.models.scoring import rollout_logprobs
-from tether.models.sharding import generation_weights, is_sharded, root_gathered
-from tether.models.turns import EnvFailed, generate_turns
+from tether.models.sharding import is_sharded, root_gathered
+from tether.models.turns import EnvFailed
 from tether.run.console import say
-from tether.run.setup import Run, run_env
+from tether.run.setup import Run
 from tether.trainers.common import (
     RolloutLogprobs,
     make_optimizer,
@@ -148,8 +139,7 @@ class OnPolicyTrainer:
                 or c.optim.micro_batch_size >= c.optim.minibatch_size // D.world_size()
             )
         )
-        self.env = run_env(run)  # rollout.env's environment (imported or passed from Python), or None
-        self.compile_rollout = self.compile_setting() if self.env is None else False
+        self.rollouts = run.sampler  # one turn, or tool turns with rollout.env (models/rollouts.py)
 
     def trainer_state(self, step: int):
         """The ``trainer_state`` reward functions get at ``step`` (TRL's ``self.state``): the steps
@@ -163,9 +153,10 @@ class OnPolicyTrainer:
         t0 = time.perf_counter()
         rollout = self.sample_rollout(step)  # 1-2. prompts (each group_size times), responses
         t_gen = time.perf_counter()
-        compiled = bool(self.compile_rollout)  # how this step's rollout was decoded
-        if self.compile_rollout is None:  # rollout.compile true or auto, at the first step sampled
-            self.compile_rollout = self.decide_compile(step, rollout=rollout, generate_s=t_gen - t0)
+        for line in self.rollouts.choose_decoding(  # rollout.compile, after the first rollout sampled
+            self.run.policy, rollout, step=step, steps=self.cfg.train.steps, generate_s=t_gen - t0
+        ):
+            say(line, self.cfg.train.progress)
         scores, reward_metrics = self.score(rollout, step)  # 3. the reward, called as TRL calls it
         minibatches = self.minibatch_indices()
         forwards = self.rollout_forwards(rollout, minibatches)  # 4. old, reference log-probs
@@ -198,81 +189,13 @@ class OnPolicyTrainer:
                 "optim/lr": lr,
                 "time/step": t_update - t0,
                 "time/generate": t_gen - t0,
-                "rollout/compiled": float(compiled),
+                "rollout/compiled": float(rollout.compiled),
                 "time/score": t_score - t_gen,
                 "time/update": t_update - t_score,
             }
         )
         self.last_experience = exp
         return row
-
-    def compile_setting(self) -> bool | None:
-        """``rollout.compile`` resolved: False (false, or auto where compiling is not built: LoRA,
-        FSDP, no C++ compiler; or off a CPU, where auto's saving and compile time are not
-        measured), None (true, or auto: decided after the first step, :meth:`decide_compile`).
-
-        Raises:
-            ValueError: ``rollout.compile=true`` and decoding cannot be compiled here.
-        """
-        setting = self.cfg.rollout.compile
-        why = can_compile(self.device)
-        if setting is True and why:
-            raise ValueError(f"rollout.compile=true: {why}; install one or use rollout.compile=false")
-        if setting == "auto":
-            built = not (why or self.cfg.model.lora or self.cfg.train.sharding == "fsdp")
-            built = built and self.device.type == "cpu"  # COMPILE_SAVINGS, COMPILE_COST_S: CPU numbers
-            return None if built else False
-        return None if setting else False
-
-    def decide_compile(self, step: int, rollout: Rollout, generate_s: float) -> bool:
-        """After the first sampled step (decoded eagerly): whether the later steps decode compiled.
-
-        ``auto`` wants it where the steps left repay the compile
-        (:func:`tether.models.sampling.compile_repays`, on the slowest process's ``generate_s``, so
-        that every process decides alike; printed); ``true`` always. Either way the step's rollout
-        is then sampled again compiled, with the same seeds, and must reproduce the eager one
-        (:func:`tether.models.sampling.compiled_mismatch`) on every process, or ``auto`` stays
-        eager and ``true`` stops: a kernel that computes another distribution is caught here, not
-        trained on.
-
-        Raises:
-            RuntimeError: ``rollout.compile=true`` and the compiled decode does not reproduce the
-                eager one (the reason is named).
-        """
-        left = self.cfg.train.steps - step - 1
-        rows = len(rollout.prompts)
-        wanted = self.cfg.rollout.compile is True
-        if not wanted:
-            slowest = float(
-                D.all_reduce_max(torch.tensor(generate_s, dtype=torch.float64, device=self.device))
-            )
-            wanted = compile_repays(slowest, left, rows)
-            if left > 0:
-                verdict = "compiling the decode step" if wanted else "eager decoding"
-                say(
-                    f"tether: rollout.compile=auto: {verdict} "
-                    f"({left} step(s) left x {slowest:.2f} s generate x {compile_saving(rows):.0%} saved at "
-                    f"{rows} rows = {left * slowest * compile_saving(rows):.0f} s, against "
-                    f"~{COMPILE_COST_S:.0f} s of compiling)",
-                    self.cfg.train.progress,
-                )
-        if not wanted or left == 0:
-            return False
-        why = compiled_mismatch(rollout, self.respond(rollout.prompts, self._seeds, compiled=True))
-        failed = float(D.all_reduce_max(torch.tensor(float(why is not None), device=self.device)))
-        if failed and self.cfg.rollout.compile is True:
-            raise RuntimeError(
-                f"rollout.compile=true: the compiled decode of step {step}'s rollout does not reproduce "
-                f"the eager one ({why or 'on another process'}); torch.compile computes another "
-                "distribution on this machine: use rollout.compile=false"
-            )
-        if failed:
-            say(
-                f"tether: rollout.compile=auto: eager decoding after all: the compiled decode of step "
-                f"{step}'s rollout does not reproduce the eager one ({why or 'on another process'})",
-                self.cfg.train.progress,
-            )
-        return not failed
 
     def sample_rollout(self, step: int) -> Rollout:
         """Steps 1-2: the step's prompts, each ``group_size`` times (consecutive rows form a
@@ -288,48 +211,10 @@ class OnPolicyTrainer:
         mine = D.shard(len(rows))
         prompts = run.train_prompts.select(rows[mine])  # this process's rows, with their columns
         seeds = sample_seeds(c.train.seed, step, range(len(rows))[mine])
-        if self.env is not None:  # rollout.env: policy turns and the environment's answers
-            try:
-                rollout = generate_turns(
-                    run.policy.lm,
-                    run.tokenizer,
-                    prompts.prompts,
-                    self.env,
-                    max_turns=c.rollout.max_turns,
-                    max_new_tokens=c.rollout.max_new_tokens,
-                    temperature=c.rollout.temperature,
-                    seeds=seeds,
-                    stop_strings=c.rollout.stop_strings,
-                    max_prompt_tokens=c.rollout.max_prompt_tokens,
-                    columns=prompts.columns,
-                    env_format=c.rollout.env_format,
-                    env_timeout=c.rollout.env_timeout,
-                )
-            except EnvFailed as e:  # the loop writes the checkpoint of the step before
-                raise e.retold(f"step {step}: {e}") from e.__cause__
-            rollout.columns = prompts.columns
-            return rollout
-        rollout = self.respond(prompts.prompts, seeds, compiled=bool(self.compile_rollout))
-        rollout.columns = prompts.columns
-        self._seeds = seeds  # the compile check (decide_compile) samples these rows again
-        return rollout
-
-    def respond(self, prompts: list, seeds: list[int], compiled: bool) -> Rollout:
-        """The current policy's responses to ``prompts``, row b seeded by ``seeds[b]``."""
-        c, run = self.cfg, self.run
-        with generation_weights(run.policy, c.train.sharded_generation) as synced:  # FSDP
-            return generate(
-                run.policy.lm,
-                run.tokenizer,
-                prompts=prompts,
-                max_new_tokens=c.rollout.max_new_tokens,
-                temperature=c.rollout.temperature,
-                max_prompt_tokens=c.rollout.max_prompt_tokens,
-                seeds=seeds,
-                share_prefix=run.policy.share_prefix,
-                synced=synced,
-                compiled=compiled,
-            )
+        try:
+            return self.rollouts.sample_policy(run.policy, prompts, seeds)
+        except EnvFailed as e:  # rollout.env failed: the loop writes the checkpoint of the step before
+            raise e.retold(f"step {step}: {e}") from e.__cause__
 
     def score(self, rollout: Rollout, step: int) -> tuple[Tensor, dict]:
         """Step 3: the responses' scores, (B,), from the reward (a reward list: their weighted

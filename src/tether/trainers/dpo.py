@@ -35,13 +35,13 @@ from tether.core.masked import masked_sum
 from tether.core.shaping import shape_rewards
 from tether.data.prompts import PromptSampler, is_heldout, load_rows, prompt_key
 from tether.judges.contract import score_rollout, trainer_state
-from tether.models.sampling import generate, sample_seeds
+from tether.models.sampling import sample_seeds
 from tether.models.scoring import (
     policy_and_reference_logprobs,
     rollout_from_responses,
     rollout_logprobs,
 )
-from tether.models.sharding import generation_weights, is_sharded, root_gathered
+from tether.models.sharding import is_sharded, root_gathered
 from tether.run.setup import Run
 from tether.trainers.base import sample_metrics
 from tether.trainers.common import make_optimizer, make_scheduler, optimization_state, restore_optimization
@@ -241,17 +241,12 @@ class DPOTrainer:
             batch = run.train_prompts.select(chosen_rows)
             candidates = run.train_prompts.select([i for i in chosen_rows for _ in range(k)])
             # seeded by candidate index (step -1: not a training step), the same on every process
-            with generation_weights(run.reference, c.train.sharded_generation) as synced:  # FSDP
-                ro = generate(
-                    run.reference,
-                    run.tokenizer,
-                    prompts=candidates.prompts,
-                    max_new_tokens=c.rollout.max_new_tokens,
-                    temperature=c.rollout.temperature,
-                    max_prompt_tokens=c.rollout.max_prompt_tokens,
-                    seeds=sample_seeds(c.train.seed, -1, range(tried * k, (tried + per_call) * k)),
-                    synced=synced,
-                )
+            ro = run.sampler.sample(
+                run.reference,
+                candidates,
+                sample_seeds(c.train.seed, -1, range(tried * k, (tried + per_call) * k)),
+                weights=run.reference,  # FSDP: gathered as train.sharded_generation says
+            )
             tried += per_call
             ro.columns = candidates.columns
             # an unscored candidate (None) is never chosen nor rejected; before the first step
@@ -411,17 +406,8 @@ class DPOTrainer:
         mine = D.shard(len(prompts))  # this process's share of the probe
         seeds = sample_seeds(c.eval.seed, step, range(len(prompts))[mine])
         prompts = prompts[mine]
-        with generation_weights(run.policy, c.train.sharded_generation) as synced:  # FSDP
-            ro = generate(
-                run.policy.lm,
-                run.tokenizer,
-                prompts=prompts.prompts,
-                max_new_tokens=c.rollout.max_new_tokens,
-                temperature=c.rollout.temperature,
-                max_prompt_tokens=c.rollout.max_prompt_tokens,
-                seeds=seeds,
-                synced=synced,
-            )
+        # FSDP: the policy's weights gathered as train.sharded_generation says
+        ro = run.sampler.sample(run.policy.lm, prompts, seeds, weights=run.policy)
         with root_gathered(run.policy, run.reference):
             pol, ref, exact = policy_and_reference_logprobs(
                 run.policy,

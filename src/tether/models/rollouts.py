@@ -1,0 +1,376 @@
+"""One sampler per run, chosen once: how a batch of prompts becomes a :class:`Rollout`.
+
+A run builds its sampler at set-up (:func:`tether.run.setup.build_run`, ``Run.sampler``) from its
+settings (:class:`SamplingSettings`, one frozen record of ``rollout.*``) and its environment, and
+every stage that samples calls it: the trainers' rollouts (``sample_policy``), the held-out
+evaluation, DPO's pairs and KL probe, the frontier's best-of-N (``sample``). Nothing else calls
+:func:`tether.models.sampling.generate` or :func:`tether.models.turns.generate_turns`, so the
+choice between one turn and tool turns is made here, once, by name (:data:`SAMPLERS`), as verl
+registers its agent loops (``@register("tool_agent")``); the trainer only ever sees the
+:class:`Rollout` (its ``response_mask``, ``env_mask``, ``seeds``).
+
+Two kinds (:data:`RolloutKind`):
+
+* ``one_turn`` (:class:`OneTurn`): one response per prompt, ended at an end id or the length cap
+  (:func:`tether.models.sampling.generate`); it also holds ``rollout.compile``'s decision
+  (:class:`CompileChoice`), taken after the first rollout it samples for training.
+* ``tool_turns`` (:class:`ToolTurns`): policy turns and an environment's answers
+  (``rollout.env``, :func:`tether.models.turns.generate_turns`), decoded eagerly.
+
+A new kind is a subclass of :class:`Sampler` registered with ``@register("name")`` (its name in
+:data:`RolloutKind`) and picked by :func:`rollout_kind` (docs/architecture.md, "How to add ... a
+rollout kind").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import torch
+from torch import nn
+
+from tether.core import distributed as D
+from tether.models.policy import PolicyWithValue
+from tether.models.sampling import (
+    COMPILE_COST_S,
+    Rollout,
+    can_compile,
+    compile_repays,
+    compile_saving,
+    compiled_mismatch,
+    generate,
+)
+from tether.models.sharding import generation_weights, is_sharded
+from tether.models.turns import EnvFn, EnvFormat, generate_turns
+
+RolloutKind = Literal["one_turn", "tool_turns"]
+"""The registered kinds of sampler (:data:`SAMPLERS`)."""
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How a run samples, fixed for the run (built once from ``rollout.*`` by
+    :func:`tether.run.setup.sampling_settings`).
+
+    Attributes:
+        max_new_tokens: response tokens at most (with tool turns, the policy's and the
+            environment's together).
+        temperature: sampling temperature (> 0); every log-probability uses the same.
+        max_prompt_tokens: the longest prompt accepted, tokens (None: not checked; the static
+            cache of compiled decoding then spans the batch's longest).
+        stop_strings: texts that end a policy turn (tool turns).
+        max_turns: policy turns at most (tool turns).
+        env_format: how the environment's text joins the response (``raw``, ``chat``, ``auto``).
+        env_timeout: seconds one environment call may take, None for no limit.
+        sharded_generation: how an FSDP-sharded model's weights are gathered for sampling
+            (``train.sharded_generation``: ``blocks`` or ``whole``,
+            :func:`tether.models.sharding.generation_weights`).
+        compile: ``rollout.compile`` as the run uses it for its training rollouts: True, False,
+            or ``"auto"`` (False where compiled decoding is not built for the run: DPO, LoRA,
+            FSDP).
+    """
+
+    max_new_tokens: int
+    temperature: float
+    max_prompt_tokens: int | None = None
+    stop_strings: tuple[str, ...] = ()
+    max_turns: int = 1
+    env_format: EnvFormat = "auto"
+    env_timeout: float | None = None
+    sharded_generation: Literal["blocks", "whole"] = "blocks"
+    compile: bool | Literal["auto"] = False
+
+
+class Sampler:
+    """Samples responses to prompts: a registered kind (:data:`SAMPLERS`), built once per run.
+
+    Args:
+        tokenizer: the run's tokenizer.
+        settings: the run's :class:`SamplingSettings`.
+        env: the environment of tool turns (:data:`tether.models.turns.EnvFn`), or None.
+        device: the device of the policy's weights (where the compile check's numbers live).
+    """
+
+    kind: ClassVar[str]
+
+    def __init__(self, tokenizer, settings: SamplingSettings, env: EnvFn | None = None, *, device="cpu"):
+        self.tokenizer, self.settings, self.env = tokenizer, settings, env
+        self.device = torch.device(device)
+
+    def sample(
+        self,
+        lm: nn.Module,
+        prompts: Sequence,
+        seeds: Sequence[int] | None,
+        *,
+        weights: nn.Module | None = None,
+        share_prefix: bool = False,
+    ) -> Rollout:
+        """One response per prompt from ``lm`` (with tool turns, an episode), decoded eagerly.
+
+        Args:
+            lm: the causal LM to sample (the policy's, the frozen reference).
+            prompts: B texts or conversations; a :class:`tether.data.prompts.PromptData` passes
+                its rows' other columns along (to the environment, and as ``Rollout.columns``).
+            seeds: B sample seeds (:func:`tether.models.sampling.sample_seeds`); row ``b``'s
+                sample depends on ``seeds[b]`` alone. None (one turn only): drawn from torch's
+                global generator.
+            weights: the FSDP-sharded module that holds ``lm``'s weights, gathered for the call
+                as ``sharded_generation`` says (every process must call); None where they are
+                whole or already gathered (rank 0 evaluating alone).
+            share_prefix: rows of a group share one prompt: run it once
+                (:func:`tether.models.sampling.generate`; a kind may ignore it).
+
+        Returns:
+            The :class:`Rollout`, ``seeds`` and ``columns`` filled.
+        """
+        raise NotImplementedError
+
+    def sample_policy(self, policy: PolicyWithValue, prompts: Sequence, seeds: Sequence[int]) -> Rollout:
+        """A training step's rollout from the policy being trained: its LM, its weights gathered
+        for the call (FSDP), its prompt sharing (``model.share_prompt_prefix`` in groups); decoded
+        as :meth:`choose_decoding` decided (``Rollout.compiled``)."""
+        return self.sample(policy.lm, prompts, seeds, weights=policy, share_prefix=policy.share_prefix)
+
+    def choose_decoding(
+        self, policy: PolicyWithValue, rollout: Rollout, *, step: int, steps: int, generate_s: float
+    ) -> Iterator[str]:
+        """After a training rollout of ``policy`` (step ``step`` of ``steps``, sampled in
+        ``generate_s`` seconds): decide how the later ones decode (``rollout.compile``). Yields
+        the lines to print as it goes; nothing here (a kind that decodes one way only)."""
+        return iter(())
+
+
+SAMPLERS: dict[str, type[Sampler]] = {}
+"""Kind name -> sampler class, filled by :func:`register` where each class is written."""
+
+
+def register(kind: str) -> Callable[[type[Sampler]], type[Sampler]]:
+    """Class decorator: register a :class:`Sampler` under ``kind`` (its name in
+    :data:`RolloutKind`), as verl's ``@register("tool_agent")`` registers an agent loop.
+
+    Raises:
+        ValueError: ``kind`` is registered already.
+    """
+
+    def add(cls: type[Sampler]) -> type[Sampler]:
+        if kind in SAMPLERS:
+            raise ValueError(f"rollout kind {kind!r} is registered already ({SAMPLERS[kind].__name__})")
+        cls.kind = kind
+        SAMPLERS[kind] = cls
+        return cls
+
+    return add
+
+
+def rollout_kind(env: EnvFn | None) -> RolloutKind:
+    """The kind a run samples with: ``tool_turns`` with an environment (``rollout.env``), else
+    ``one_turn``."""
+    return "tool_turns" if env is not None else "one_turn"
+
+
+def make_sampler(tokenizer, settings: SamplingSettings, env: EnvFn | None = None, *, device="cpu") -> Sampler:
+    """The run's sampler: the :data:`SAMPLERS` entry :func:`rollout_kind` names, built once.
+
+    Raises:
+        ValueError: ``rollout.compile=true`` where decoding cannot be compiled (:class:`CompileChoice`).
+    """
+    return SAMPLERS[rollout_kind(env)](tokenizer, settings, env, device=device)
+
+
+class CompileChoice:
+    """``rollout.compile`` for a run's training rollouts: eager until decided, decided once,
+    after the first rollout sampled (by each process, a resumed one included; :meth:`decide`).
+
+    Args:
+        setting: True, False or ``"auto"`` (:attr:`SamplingSettings.compile`).
+        device: the policy's device. ``auto`` is decided only on a CPU, where the saving
+            (:data:`tether.models.sampling.COMPILE_SAVINGS`) and the compile's cost were measured.
+
+    Attributes:
+        pending: the decision is still to be taken, after the next training rollout.
+        compiled: the training rollouts decode compiled.
+
+    Raises:
+        ValueError: ``setting`` True and decoding cannot be compiled here
+            (:func:`tether.models.sampling.can_compile`: the reason and the fix named).
+    """
+
+    def __init__(self, setting: bool | Literal["auto"], device: torch.device):
+        self.setting, self.device, self.compiled = setting, device, False
+        why = can_compile(device) if setting is not False else None
+        if setting is True and why:
+            raise ValueError(f"rollout.compile=true: {why}; install one or use rollout.compile=false")
+        self.pending = bool(setting) and not (setting == "auto" and (why or device.type != "cpu"))
+
+    def decide(
+        self, rollout: Rollout, *, step: int, steps: int, generate_s: float, again: Callable[[], Rollout]
+    ) -> Iterator[str]:
+        """Whether the later training rollouts decode compiled, after ``rollout``, the first
+        (decoded eagerly in ``generate_s`` seconds at step ``step`` of ``steps``). Yields the
+        lines to print as it goes: ``auto``'s verdict before the seconds of compiling.
+
+        ``auto`` wants it where the steps left repay the compile
+        (:func:`tether.models.sampling.compile_repays`, on the slowest process's ``generate_s``,
+        so that every process decides alike); ``true`` always. Either way the rollout is then
+        sampled again compiled (``again()``, the same prompts and seeds) and must reproduce the
+        eager one (:func:`tether.models.sampling.compiled_mismatch`) on every process, or
+        ``auto`` stays eager and ``true`` stops: a kernel that computes another distribution is
+        caught here, not trained on.
+
+        Raises:
+            RuntimeError: ``rollout.compile=true`` and the compiled decode does not reproduce the
+                eager one (the reason is named).
+        """
+        self.pending = False
+        left = steps - step - 1
+        rows = len(rollout.prompts)
+        wanted = self.setting is True
+        if not wanted:
+            slowest = float(
+                D.all_reduce_max(torch.tensor(generate_s, dtype=torch.float64, device=self.device))
+            )
+            wanted = compile_repays(slowest, left, rows)
+            if left > 0:
+                verdict = "compiling the decode step" if wanted else "eager decoding"
+                yield (
+                    f"tether: rollout.compile=auto: {verdict} "
+                    f"({left} step(s) left x {slowest:.2f} s generate x {compile_saving(rows):.0%} saved at "
+                    f"{rows} rows = {left * slowest * compile_saving(rows):.0f} s, against "
+                    f"~{COMPILE_COST_S:.0f} s of compiling)"
+                )
+        if not wanted or left == 0:
+            return
+        why = compiled_mismatch(rollout, again())
+        failed = float(D.all_reduce_max(torch.tensor(float(why is not None), device=self.device)))
+        if failed and self.setting is True:
+            raise RuntimeError(
+                f"rollout.compile=true: the compiled decode of step {step}'s rollout does not reproduce "
+                f"the eager one ({why or 'on another process'}); torch.compile computes another "
+                "distribution on this machine: use rollout.compile=false"
+            )
+        if failed:
+            yield (
+                f"tether: rollout.compile=auto: eager decoding after all: the compiled decode of step "
+                f"{step}'s rollout does not reproduce the eager one ({why or 'on another process'})"
+            )
+        self.compiled = not failed
+
+
+@register("one_turn")
+class OneTurn(Sampler):
+    """One response per prompt (:func:`tether.models.sampling.generate`); the training rollouts
+    decoded compiled once :class:`CompileChoice` decided so."""
+
+    def __init__(self, tokenizer, settings: SamplingSettings, env: EnvFn | None = None, *, device="cpu"):
+        super().__init__(tokenizer, settings, env, device=device)
+        self.compile = CompileChoice(settings.compile, self.device)
+
+    def sample(self, lm, prompts, seeds, *, weights=None, share_prefix=False) -> Rollout:
+        return self.decode(lm, prompts, seeds, weights=weights, share_prefix=share_prefix, compiled=False)
+
+    def sample_policy(self, policy, prompts, seeds) -> Rollout:
+        return self.decode(
+            policy.lm,
+            prompts,
+            seeds,
+            weights=policy,
+            share_prefix=policy.share_prefix,
+            compiled=self.compile.compiled,
+        )
+
+    def choose_decoding(self, policy, rollout, *, step, steps, generate_s) -> Iterator[str]:
+        if not self.compile.pending:
+            return iter(())
+        return self.compile.decide(
+            rollout,
+            step=step,
+            steps=steps,
+            generate_s=generate_s,
+            again=lambda: self.decode(
+                policy.lm,
+                rollout.prompts,
+                rollout.seeds,
+                weights=policy,
+                share_prefix=policy.share_prefix,
+                compiled=True,
+            ),
+        )
+
+    def decode(
+        self,
+        lm: nn.Module,
+        prompts: Sequence,
+        seeds: Sequence[int] | None,
+        *,
+        weights: nn.Module | None,
+        share_prefix: bool,
+        compiled: bool,
+    ) -> Rollout:
+        """:func:`tether.models.sampling.generate` with the run's settings, on ``weights``
+        gathered as ``sharded_generation`` says; ``compiled``: its compiled decode step."""
+        s = self.settings
+        with generation_weights(weights, s.sharded_generation) as synced:  # FSDP
+            rollout = generate(
+                lm,
+                self.tokenizer,
+                prompts=list(prompts),
+                max_new_tokens=s.max_new_tokens,
+                temperature=s.temperature,
+                max_prompt_tokens=s.max_prompt_tokens,
+                seeds=seeds,
+                share_prefix=share_prefix,
+                synced=synced,
+                compiled=compiled,
+            )
+        rollout.columns = getattr(prompts, "columns", None)
+        return rollout
+
+
+@register("tool_turns")
+class ToolTurns(Sampler):
+    """Policy turns and the environment's answers (:func:`tether.models.turns.generate_turns`),
+    decoded eagerly, prompts not shared.
+
+    Raises:
+        ValueError: no environment.
+    """
+
+    def __init__(self, tokenizer, settings: SamplingSettings, env: EnvFn | None = None, *, device="cpu"):
+        if env is None:
+            raise ValueError("tool turns need an environment (rollout.env)")
+        super().__init__(tokenizer, settings, env, device=device)
+
+    def sample(self, lm, prompts, seeds, *, weights=None, share_prefix=False) -> Rollout:
+        """:meth:`Sampler.sample`; ``share_prefix`` is ignored.
+
+        Raises:
+            ValueError: ``seeds`` None; sharded ``weights`` (tool turns are not built for FSDP:
+                ``train.sharding=fsdp`` refuses ``rollout.env``).
+            EnvFailed, EnvReplyError: as :func:`tether.models.turns.generate_turns`.
+        """
+        if seeds is None:
+            raise ValueError("tool turns need a seed per row")
+        if is_sharded(weights):
+            raise ValueError("multi-turn rollouts are not built for train.sharding=fsdp")
+        s = self.settings
+        columns = getattr(prompts, "columns", None)
+        rollout = generate_turns(
+            lm,
+            self.tokenizer,
+            list(prompts),
+            self.env,
+            max_turns=s.max_turns,
+            max_new_tokens=s.max_new_tokens,
+            temperature=s.temperature,
+            seeds=seeds,
+            stop_strings=s.stop_strings,
+            max_prompt_tokens=s.max_prompt_tokens,
+            columns=columns,
+            env_format=s.env_format,
+            env_timeout=s.env_timeout,
+        )
+        rollout.columns = columns
+        return rollout
