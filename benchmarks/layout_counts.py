@@ -112,9 +112,8 @@ def main() -> int:
         p
         for p, t in mods.items()
         if any(
-            isinstance(n, ast.Call)
-            and (getattr(n.func, "id", None) or getattr(n.func, "attr", None))
-            in ("generate", "generate_turns")
+            isinstance(n, ast.Call)  # tether's functions by name (not a model's .generate)
+            and getattr(n.func, "id", None) in ("generate", "generate_turns")
             for n in ast.walk(t)
         )
     )

@@ -525,7 +525,7 @@ def sampling_settings(config: Config) -> SamplingSettings:
     (its pairs and probe decode eagerly), ``auto`` off where compiled decoding is not built (LoRA,
     FSDP; ``true`` there is refused by the config)."""
     r = config.rollout
-    not_built = config.train.algo == "dpo" or config.model.lora or config.train.sharding == "fsdp"
+    not_built = not config.trainer.samples or config.model.lora or config.train.sharding == "fsdp"
     return SamplingSettings(
         max_new_tokens=r.max_new_tokens,
         temperature=r.temperature,
