@@ -61,18 +61,17 @@ def best_of_n_points(
     config: Config, proxy: Scorer, gold: Scorer, ns: list[int], n_prompts: int
 ) -> list[dict]:
     """Sample max(ns) reference completions per held-out prompt; best-of-N points for every N."""
+    from tether.data.prompts import unique_prompts
     from tether.models.loading import resolve_model_path
-    from tether.models.rollouts import make_sampler
     from tether.models.sampling import sample_seeds
-    from tether.models.turns import load_env
     from tether.run.evaluation import evaluation_state
     from tether.run.setup import (
+        config_sampler,
         load_prompts,
         load_run_lm,
         load_run_tokenizer,
         resolve_device,
         resolve_dtype,
-        sampling_settings,
     )
 
     c = config
@@ -81,25 +80,23 @@ def best_of_n_points(
     state = evaluation_state(
         c.train.steps, c.rollout.batch_size / (c.rollout.group_size or 1), len(train_prompts)
     )
-    prompts = held[:n_prompts]
+    prompts = unique_prompts(held, "data.prompts (its held-out share)")[:n_prompts]  # each prompt once
     # the runs' own stages (tether.run.setup): the same tokenizer set-up and weights as a run's
     path = resolve_model_path(c.model.name, c.model.revision)
     device = resolve_device(c.train.device)  # the run's device and weight dtype
     tok = load_run_tokenizer(c, path)
     lm = load_run_lm(c, path=path, dtype=resolve_dtype(c.model.dtype, device), device=device)
     m = max(ns)
-    env = load_env(c.rollout.env) if c.rollout.env else None
     # the runs' sampler (tool turns with rollout.env), decoding the reference eagerly
-    sampler = make_sampler(tok, replace(sampling_settings(c), compile=False), env, device=device)
+    sampler = config_sampler(c, tok, device=device, eager=True)
     P, G, texts = [], [], []
     with forked_rngs(c.eval.seed):
         per = max(1, c.eval.batch_size // m)
         for i in range(0, len(prompts), per):
             batch = prompts.select([j for j in range(i, min(i + per, len(prompts))) for _ in range(m)])
             with torch.no_grad():
-                # one turn: seeds drawn from torch's generator (forked above); tool turns need them
-                seeds = sample_seeds(c.eval.seed, 0, range(i * m, i * m + len(batch))) if env else None
-                ro = sampler.sample(lm, batch, seeds)
+                # sample j of the step seeded by (eval.seed, 0, j), as the evaluations' samples are
+                ro = sampler.sample(lm, batch, sample_seeds(c.eval.seed, 0, range(i * m, i * m + len(batch))))
             P.append(
                 torch.tensor(
                     # best-of-N ranks every sample: a None is refused, named
@@ -202,7 +199,7 @@ def frontier(
 ) -> Path:
     """Run the sweep ``[(algo, kl_coef), ...]`` and best-of-N; write frontier.csv and frontier.png."""
     from tether.judges.scorers import make_scorer
-    from tether.models.turns import load_env
+    from tether.run.setup import config_env
     from tether.training import train
 
     if base.eval.judge == "none":
@@ -211,8 +208,7 @@ def frontier(
             "than the demo's; name one, e.g. eval.judge=minilm-rm)"
         )
     configs = sweep_configs(base, sweep, out)  # every run's config checked before anything runs
-    if base.rollout.env:  # an environment passed from Python is refused before the folder is made
-        load_env(base.rollout.env)
+    config_env(base)  # an environment passed from Python is refused before the folder is made
     out.mkdir(parents=True, exist_ok=True)
     proxy, gold = make_scorer(base.reward.scorer, base.reward.weights), make_scorer(base.eval.judge)
     # the same held-out prompts as the runs' periodic evaluations, so both share one baseline

@@ -104,6 +104,32 @@ class Rollout:
         """B texts the policy wrote: ``policy_texts`` in a multi-turn rollout, else ``responses``."""
         return self.policy_texts if self.policy_texts is not None else self.responses
 
+    def turn_metrics(self) -> dict[str, Tensor]:
+        """Per-row numbers of a multi-turn rollout, by metric name: ``env_tokens``, (B,) float, the
+        tokens the environment wrote in each response; {} for a one-turn rollout."""
+        if self.env_mask is None:
+            return {}
+        return {"env_tokens": self.env_mask.sum(-1).float()}
+
+    def turn_row(self, i: int) -> dict:
+        """What row ``i``'s record (samples.jsonl, the report) holds of its turns: ``env`` (the
+        environment's texts, in order), ``env_at`` (where each starts in ``responses[i]``, when
+        known), ``policy_tokens`` and ``env_tokens``, ``ended`` (False: cut at a limit, not ended on
+        its own), then ``messages`` (through the chat template: the reward's completions); {} for
+        a one-turn row without messages."""
+        row: dict = {}
+        if self.env_texts is not None:  # a multi-turn rollout: what the environment wrote
+            row["env"] = self.env_texts[i]
+            at = self.env_offsets[i] if self.env_offsets is not None else None
+            if at is not None:
+                row["env_at"] = at
+            row["policy_tokens"] = int(self.response_mask[i].sum())
+            row["env_tokens"] = int(self.env_mask[i].sum()) if self.env_mask is not None else 0
+            row["ended"] = bool(self.ended[i]) if self.ended is not None else None
+        if self.messages is not None:
+            row["messages"] = self.messages[i]
+        return row
+
     @property
     def completion_ids(self) -> list[list[int]]:
         """B lists of token ids: each response's tokens where ``response_mask`` is True (up to and

@@ -286,9 +286,10 @@ def evaluate(
                     row[n] = v
                 result.fluency_nll += row
             result.responses += ro.own_texts  # the policy's own text: what diversity reads
-            if ro.env_texts is not None:  # multi-turn: what the scorers read, and the tool's part
+            turns = [ro.turn_row(n) for n in range(len(batch))]
+            if turns and "env" in turns[0]:  # multi-turn: what the scorers read, and the tool's part
                 result.transcripts += ro.responses
-                result.env += ro.env_texts
+                result.env += [t["env"] for t in turns]
     return result
 
 

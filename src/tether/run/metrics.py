@@ -218,17 +218,7 @@ def sample_rows(exp) -> list[dict]:
     for i, row in enumerate(rows):  # the row's other dataset columns travel with it
         if exp.rollout.columns:
             row["columns"] = {k: v[i] for k, v in exp.rollout.columns.items()}
-        if exp.rollout.env_texts is not None:  # a multi-turn rollout: what the environment wrote
-            row["env"] = exp.rollout.env_texts[i]
-            at = exp.rollout.env_offsets[i] if exp.rollout.env_offsets is not None else None
-            if at is not None:  # where each text starts in "response"
-                row["env_at"] = at
-            row["policy_tokens"] = int(mask[i].sum())
-            row["env_tokens"] = int(exp.rollout.env_mask[i].sum())
-            # False: cut at a limit (the token budget, max_turns after a call), not ended on its own
-            row["ended"] = bool(exp.rollout.ended[i]) if exp.rollout.ended is not None else None
-        if exp.rollout.messages is not None:  # through the chat template: the reward's completions
-            row["messages"] = exp.rollout.messages[i]
+        row |= exp.rollout.turn_row(i)  # a multi-turn sample: what the environment wrote, its messages
     for row, ids in zip(rows, exp.rollout.completion_ids):  # the gold judge's; not written
         row["completion_ids"] = ids
     return rows

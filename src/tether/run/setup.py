@@ -8,7 +8,7 @@ import logging
 import os
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -539,6 +539,25 @@ def sampling_settings(config: Config) -> SamplingSettings:
     )
 
 
+def config_env(config: Config) -> Callable | None:
+    """``rollout.env``'s environment, imported by its name, or None without one.
+
+    Raises:
+        ValueError: a name that does not import, or the name of an object passed from Python
+            (it must be passed again: :func:`tether.models.turns.load_env`).
+    """
+    return load_env(config.rollout.env) if config.rollout.env else None
+
+
+def config_sampler(config: Config, tokenizer, *, device, eager: bool = False) -> Sampler:
+    """The sampler a run of ``config`` builds (:func:`run_sampler`), its environment imported by
+    name (:func:`config_env`); ``eager``: never compiled (a one-off sampling, the frontier's)."""
+    settings = sampling_settings(config)
+    return make_sampler(
+        tokenizer, replace(settings, compile=False) if eager else settings, config_env(config), device=device
+    )
+
+
 def run_sampler(config: Config, tokenizer, *, env: Callable | None, device) -> Sampler:
     """The run's sampler (:func:`tether.models.rollouts.make_sampler`): tool turns with ``env``,
     else one turn, with :func:`sampling_settings`.
@@ -709,7 +728,7 @@ def build_run(
     accelerator, sharded, dtype = start_process(config)
     # 1. the checks that need no weights and no download, each in seconds
     run_dir = check_before_loading(config, resume=resume, model=model, scorer=scorer)
-    env = env if env is not None else load_env(config.rollout.env) if config.rollout.env else None
+    env = env if env is not None else config_env(config)
     # 2. the data, then the scorer, checked against the data's columns before any model loads
     train_prompts, heldout, scorer = load_data_and_scorer(
         config,

@@ -446,8 +446,8 @@ def sample_metrics(
         row["objective/rlhf_reward"] = rlhf_reward
     row["objective/entropy"] = D.token_mean(entropy, mask)
     row["response/length"] = D.sequence_mean(mask.sum(-1).float())
-    if rollout.env_mask is not None:  # a multi-turn rollout: the environment's tokens per response
-        row["rollout/env_tokens"] = D.sequence_mean(rollout.env_mask.sum(-1).float())
+    for name, values in rollout.turn_metrics().items():  # a multi-turn rollout: rollout/env_tokens
+        row[f"rollout/{name}"] = D.sequence_mean(values)
     # diversity of the batch's responses (words, tether.core.diversity), over all processes
     texts = [t for part in D.gather_objects(list(rollout.own_texts)) for t in part]  # the policy's
     row["response/distinct_2"] = distinct_n(texts, 2)
