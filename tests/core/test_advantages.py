@@ -290,3 +290,31 @@ def test_all_equal_groups_get_exactly_zero_advantages():
     )
     # RLOO on (0, 1, 1): 0 - 1 = -1, 1 - 0.5 = 0.5, 0.5
     torch.testing.assert_close(rloo_advantages(scores, 3)[3:], torch.tensor([-1.0, 0.5, 0.5], dtype=F64))
+
+
+def test_group_statistics_of_huge_rewards_do_not_overflow_to_zero():
+    # A reward of 1e20 squares to 1e40, past float32's 3.4e38: the group std was inf and every
+    # advantage a silent 0. The statistics are then taken in float64: [1e20, -1e20, 1e20] has
+    # mean 3.33e19 and unbiased std 1.1547e20, advantages [0.5774, -1.1547, 0.5774], as [1, -1, 1]
+    # gives (the scale cancels); float32's largest rewards give the same, all scored or not.
+    from tether.core.advantages import group_normalized_advantages, group_std, rloo_advantages
+
+    nan = math.nan
+    huge = group_normalized_advantages(
+        torch.tensor([1e20, -1e20, 1e20, nan]), 4, scored=torch.tensor([1, 1, 1, 0]).bool()
+    )
+    # the 1e-4 epsilon is nothing beside a std of 1e20: [2, -4, 2] / 3 / 1.1547 = [1, -2, 1] / sqrt(3)
+    third = 1 / math.sqrt(3)
+    assert huge.dtype == torch.float32
+    assert huge.tolist() == pytest.approx([third, -2 * third, third, 0.0], rel=1e-6)
+    top = group_normalized_advantages(torch.tensor([3e38, -3e38, 3e38, -3e38]), 4)
+    # mean 0, std sqrt(4 * 9e76 / 3) = 3.4641e38: +-3e38 / 3.4641e38 = +-0.8660
+    assert top.tolist() == pytest.approx([0.8660254, -0.8660254] * 2, rel=1e-6)
+    assert group_std(torch.tensor([1e20, -1e20, 1e20, -1e20]), 4).tolist() == pytest.approx(
+        [1.1547e20] * 4, rel=1e-4
+    )
+    # RLOO of 1e20: 1e20 - (-1e20 + 1e20 - 1e20) / 3 = 1.3333e20 (its sum 1e20 in float32 is fine;
+    # of 3e38 the leave-one-out advantage itself is beyond float32: inf, which the gradient guard refuses)
+    assert rloo_advantages(torch.tensor([1e20, -1e20, 1e20, -1e20]), 4).tolist() == pytest.approx(
+        [4e20 / 3, -4e20 / 3] * 2, rel=1e-6
+    )

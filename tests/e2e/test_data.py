@@ -10,6 +10,7 @@ import re
 import signal
 
 import pytest
+import torch
 
 from tests.conftest import (
     SHA,
@@ -595,3 +596,22 @@ def test_a_step_no_reward_scores_logs_no_score(tiny_model_dir, tmp_path, capsys)
         assert r["reward/unscored_fraction"] == 1.0 and "objective/kl" in r
     out = capsys.readouterr().out
     assert "8 of 8 samples unscored, left out" in out
+
+
+def test_a_ppo_step_with_nothing_scored_leaves_the_weights_as_they_were(tiny_model_dir, tmp_path):
+    """PPO leaves unscored samples out of its update: with none scored its minibatches hold no valid
+    token, and no optimizer step is taken (before: the loss was 0, yet AdamW's momentum and weight
+    decay moved the weights). The saved policy is the starting model, bit for bit."""
+    from safetensors.torch import load_file
+
+    data = _jsonl(tmp_path / "rows.jsonl")
+    args = _train(tmp_path, data, f"model.name={tiny_model_dir}", "reward.scorer=tests.conftest:never_scores")
+    args += ["train.save_model=true", "eval.judge=none", "eval.n_prompts=0", "optim.weight_decay=0.1"]
+    assert main(args) == 0
+    rows = metric_rows(tmp_path / "run")
+    assert all(
+        r["optim/skipped_steps"] == 2.0 and r["policy/grad_norm"] == 0.0 for r in rows
+    )  # 2 minibatches
+    start = load_file(str(next(tiny_model_dir.glob("*.safetensors"))))
+    end = load_file(str(tmp_path / "run" / "policy" / "model.safetensors"))
+    assert all(torch.equal(start[k], end[k]) for k in start)

@@ -125,10 +125,19 @@ def _groups(scores: Tensor, group_size: int) -> Tensor:
     return at_least_fp32(scores).view(-1, group_size)  # (B / G, G), consecutive rows form a group
 
 
+def _wide(g: Tensor, *results: Tensor) -> bool:
+    """Whether a group statistic computed in ``g``'s float32 overflowed (inf or NaN in ``results``
+    from finite rewards): a reward of 1e20 has a square of 1e40, past float32's 3.4e38. The
+    statistics are then taken again in float64 (squares up to 1e77 for float32's largest reward),
+    so a huge reward gives its true advantage, not a silent 0."""
+    return g.dtype == torch.float32 and not all(bool(torch.isfinite(r).all()) for r in results)
+
+
 def _scored_groups(scores: Tensor, group_size: int, scored: Tensor | None) -> tuple[Tensor, Tensor]:
-    """``(g, s)``: the scores as (B / G, G) groups with unscored slots set to 0 (never NaN), and
-    the (B / G, G) bool of the scored slots (all True when ``scored`` is None)."""
-    g = _groups(scores, group_size)
+    """``(g, s)``: the scores as (B / G, G) float64 groups with unscored slots set to 0 (never
+    NaN), and the (B / G, G) bool of the scored slots (all True when ``scored`` is None). Float64,
+    so that no square of a float32 reward overflows (:func:`_wide`)."""
+    g = _groups(scores, group_size).double()
     if scored is None:
         return g, torch.ones_like(g, dtype=torch.bool)
     if scored.shape != scores.shape:
@@ -206,16 +215,20 @@ def group_normalized_advantages(
     if scored is None:
         g = _groups(scores, group_size)
         centered = g - g.mean(-1, keepdim=True)
-        if scale_by_std and group_size > 1:
-            centered = centered / (g.std(-1, keepdim=True) + GROUP_STD_EPS)
-        # an all-equal group: exactly 0, not its rounding residue (up to 1e-17 x 10^4 after the division)
-        return torch.where(equal, 0.0, centered.reshape(-1))
+        std = g.std(-1, keepdim=True) if scale_by_std and group_size > 1 else None
+        if std is not None:
+            centered = centered / (std + GROUP_STD_EPS)
+        if not _wide(g, centered, *([std] if std is not None else [])):
+            # an all-equal group: exactly 0, not its rounding residue (up to 1e-17 x 10^4 after the division)
+            return torch.where(equal, 0.0, centered.reshape(-1))
+        scored = torch.ones_like(scores, dtype=torch.bool)  # overflowed: the float64 statistics below
     g, s = _scored_groups(scores, group_size, scored)
     _, mean, std = _scored_mean_std(g, s)
     centered = g - mean
     if scale_by_std and group_size > 1:
         centered = centered / (std + GROUP_STD_EPS)
-    return torch.where(equal | ~s.reshape(-1), 0.0, centered.reshape(-1))
+    out = torch.where(equal | ~s.reshape(-1), 0.0, centered.reshape(-1))
+    return out.to(at_least_fp32(scores).dtype)
 
 
 def group_std(scores: Tensor, group_size: int, scored: Tensor | None = None) -> Tensor:
@@ -232,9 +245,12 @@ def group_std(scores: Tensor, group_size: int, scored: Tensor | None = None) -> 
     if group_size == 1:
         return torch.zeros_like(scores)
     if scored is None:
-        return g.std(-1, keepdim=True).expand_as(g).reshape(-1)
+        std = g.std(-1, keepdim=True)
+        if not _wide(g, std):
+            return std.expand_as(g).reshape(-1)
+        scored = torch.ones_like(scores, dtype=torch.bool)
     _, _, std = _scored_mean_std(*_scored_groups(scores, group_size, scored))
-    return std.expand_as(g).reshape(-1)
+    return std.expand_as(g).reshape(-1).to(g.dtype)
 
 
 def rloo_advantages(rewards: Tensor, group_size: int, scored: Tensor | None = None) -> Tensor:
@@ -270,9 +286,13 @@ def rloo_advantages(rewards: Tensor, group_size: int, scored: Tensor | None = No
     if scored is None:
         g = _groups(rewards, group_size)
         baseline = (g.sum(-1, keepdim=True) - g) / (group_size - 1)
-        # an all-equal group: exactly 0 (the leave-one-out mean of equal floats may round off them)
-        return torch.where(equal, 0.0, (g - baseline).reshape(-1))
+        if not _wide(g, baseline):
+            # an all-equal group: exactly 0 (the leave-one-out mean of equal floats may round off them)
+            return torch.where(equal, 0.0, (g - baseline).reshape(-1))
+        scored = torch.ones_like(rewards, dtype=torch.bool)  # the sum overflowed: in float64 below
     g, s = _scored_groups(rewards, group_size, scored)
     n = s.sum(-1, keepdim=True).to(g.dtype)
+    # (n - 1) clamped at 1: a group of fewer than two scored rows is all-equal, its advantages 0
     baseline = (g.sum(-1, keepdim=True) - g) / (n - 1).clamp(min=1)  # unscored slots hold 0
-    return torch.where(equal | ~s.reshape(-1), 0.0, (g - baseline).reshape(-1))
+    out = torch.where(equal | ~s.reshape(-1), 0.0, (g - baseline).reshape(-1))
+    return out.to(at_least_fp32(rewards).dtype)

@@ -435,9 +435,10 @@ def sample_metrics(
     if bool(D.all_reduce_min(scored.all().float())):
         row["objective/scores"], row["objective/scores_std"] = D.sequence_mean(scores), D.sequence_std(scores)
         rlhf_reward = D.sequence_mean(scores + non_score)
-    elif float(D.all_reduce_sum(scored.sum())) > 0:
+    elif (n_scored := float(D.all_reduce_sum(scored.sum()))) > 0:
         row["objective/scores"] = D.token_mean(scores, scored)
-        row["objective/scores_std"] = D.sequence_std(scores[scored])
+        if n_scored >= 2:  # one scored sample has no spread (a 0 would read as one)
+            row["objective/scores_std"] = D.sequence_std(scores[scored])
         rlhf_reward = D.token_mean(scores + non_score, scored)
     else:  # no sample of the step was scored: no score to log (a 0 would read as one)
         rlhf_reward = None

@@ -189,6 +189,21 @@ def micro_shares(parts: Sequence) -> list[Tensor] | list[float]:
     return [p.num_rows / total for p in parts]
 
 
+def nothing_to_learn(parts: Sequence) -> bool:
+    """Whether a minibatch holds no valid token on any process (``share_by == "tokens"``: e.g.
+    PPO's minibatch of unscored samples, which its update mask leaves out). Its loss would be 0,
+    and an optimizer step would still move the weights by the optimizer's momentum and weight
+    decay: no step is taken (one all-reduce, so every process agrees). A row-shared record
+    (DPO's pairs) always has something."""
+    if parts[0].share_by != "tokens":
+        return False
+    local = sum(int(p.mask.sum()) for p in parts)
+    return (
+        float(D.all_reduce_sum(torch.tensor(float(local), dtype=torch.float64, device=parts[0].mask.device)))
+        == 0
+    )
+
+
 def _weighted_loss(
     minibatch_loss: Callable[..., MicroLoss],
     part,
@@ -232,7 +247,9 @@ def minibatch_update(
     ``first_micro`` is true for the first micro-batch of each gradient step only, so a term
     counted once per step (the KL leash's loss count) is counted once. The statistics are
     weighted the same way and reduced over processes once, at the end (one all-reduce); the
-    first minibatch's ratio deviation is reduced (max) after its step.
+    first minibatch's ratio deviation is reduced (max) after its step. A minibatch with no valid
+    token on any process takes no step (:func:`nothing_to_learn`; counted as
+    ``optim/skipped_steps``).
 
     Source: gradient accumulation as in Ott et al. 2018 (arXiv 1806.00187); DDP's gradient
     average, Li et al. 2020 (arXiv 2006.15704).
@@ -254,8 +271,12 @@ def minibatch_update(
     weighted: dict[str, float] = {}  # sum over gradient steps of share * statistic
     grad_norms: list[float] = []
     first_dev = None
+    skipped = 0
     for n, rows in enumerate(minibatches):
         parts = [record.select(m) for m in micro_batches(rows, micro_batch_size)]
+        if nothing_to_learn(parts):  # no step: no momentum, no decay, no schedule step
+            skipped += 1
+            continue
         shares = micro_shares(parts)
         devs: list[Tensor | None] = []
         losses = [
@@ -279,6 +300,9 @@ def minibatch_update(
     keys = sorted(weighted)
     host = torch.tensor([weighted[k] for k in keys], dtype=torch.float64, device="cpu")  # Python floats
     totals = D.all_reduce_sum(host)
-    stats = {k: float(t) / len(grad_norms) for k, t in zip(keys, totals)}
+    taken = max(1, len(grad_norms))  # every minibatch skipped: no statistic, a norm of 0
+    stats = {k: float(t) / taken for k, t in zip(keys, totals)}
+    if skipped:
+        stats["optim/skipped_steps"] = float(skipped)
     # after the backward the gradients are the same on every process, and so is their norm
-    return UpdateStats(stats, sum(grad_norms) / len(grad_norms), first_dev)
+    return UpdateStats(stats, sum(grad_norms) / taken, first_dev)
