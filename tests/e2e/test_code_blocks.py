@@ -291,10 +291,10 @@ def _tiny_train(argv: list[str], model_dir: Path, prompts: Path, out: Path) -> l
 @pytest.fixture
 def no_plots(monkeypatch):
     """The plots take 2 s a run and are tested elsewhere (tests/e2e/test_cli.py)."""
-    import tether.training
+    import tether.run.session
 
-    monkeypatch.setattr(tether.training, "plot_training", lambda *a, **k: None)
-    monkeypatch.setattr(tether.training, "plot_score_vs_kl", lambda *a, **k: None)
+    monkeypatch.setattr(tether.run.session, "plot_training", lambda *a, **k: None)
+    monkeypatch.setattr(tether.run.session, "plot_score_vs_kl", lambda *a, **k: None)
 
 
 def _doc_commands() -> dict[str, str]:
