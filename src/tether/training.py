@@ -19,7 +19,7 @@ from tether.models.turns import EnvFailed
 from tether.run.announce import announce_start
 from tether.run.best import BestPolicy
 from tether.run.checkpoint import latest_checkpoint
-from tether.run.config import Config
+from tether.run.config import Config, ConfigError
 from tether.run.console import say
 from tether.run.evaluation import Evaluator, fluency_judge, reference_eval, reference_periodic
 from tether.run.files import resume_hint
@@ -42,6 +42,7 @@ from tether.run.signals import Interrupted, install_signal_handlers
 from tether.trainers.dpo import DPOTrainer
 from tether.trainers.group import GRPOTrainer, RLOOTrainer
 from tether.trainers.ppo import PPOTrainer
+from tether.trainers.steps import ADVANTAGES
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +112,7 @@ def train(
         else None,
     )
     c = config
+    check_registered(c)
     evaluating = bool(c.eval.n_prompts or c.eval.every)
     wants_judge = judge is None and c.eval.judge != "none" and evaluating
     judges = {}
@@ -142,6 +144,26 @@ def train(
         raise
     finally:
         release_lock(run.writer.lock)  # the run folder is free for the next writer
+
+
+def check_registered(c: Config) -> None:
+    """Refuse, before anything loads, a ``train.algo`` with a row of defaults
+    (:data:`tether.run.config.TRAINER_DEFAULTS`) but no trainer class in :data:`TRAINERS`, or an
+    on-policy one with no step-6 advantage (:data:`tether.trainers.steps.ADVANTAGES`).
+
+    Raises:
+        ConfigError: naming what is missing and where it is registered.
+    """
+    if c.train.algo not in TRAINERS:
+        raise ConfigError(
+            f"train.algo={c.train.algo}: no trainer class is registered under that name in "
+            "tether.training.TRAINERS (docs/architecture.md, 'How to add a trainer')"
+        )
+    if c.trainer.samples and c.train.algo not in ADVANTAGES:
+        raise ConfigError(
+            f"train.algo={c.train.algo}: no advantage is registered under that name in "
+            "tether.trainers.steps.ADVANTAGES (docs/architecture.md, 'How to add a trainer')"
+        )
 
 
 def _train(

@@ -161,3 +161,41 @@ def test_a_toy_trainer_is_its_class_its_advantage_and_a_row_of_defaults(
     assert len(rows) == 2 and rows[0]["objective/kl"] == 0.0  # step 0: the policy is the reference
     saved = (tmp_path / "toy" / "config.yaml").read_text()
     assert "algo: toy" in saved and "group_size: null" in saved  # its default, left to the table
+
+
+def test_a_half_registered_variant_is_refused_before_anything_loads(monkeypatch, tmp_path):
+    """A trainer row without its class or its advantage, a controller whose fields name no config
+    field, a name registered twice, a controller state no tether wrote: each refused by name."""
+    from tether import training
+    from tether.core import controllers, kl
+    from tether.run import config
+    from tether.run.config import ConfigError, load_config
+
+    monkeypatch.setitem(config.TRAINER_DEFAULTS, "half", config.TrainerDefaults(2, 2, "reward", "fixed"))
+    with pytest.raises(ConfigError, match="no trainer class is registered"):
+        training.train(load_config(None, ["train.algo=half", f"train.output_dir={tmp_path / 'r'}"]))
+    monkeypatch.setitem(training.TRAINERS, "half", training.TRAINERS["rloo"])
+    with pytest.raises(ConfigError, match="no advantage is registered"):
+        training.train(load_config(None, ["train.algo=half", f"train.output_dir={tmp_path / 'r'}"]))
+    assert not (tmp_path / "r").exists()
+
+    class Typo(CountingController):
+        name = "typo"
+        fields = {"budget": "budegt"}
+
+    with pytest.raises(ValueError, match=r"reads \['kl.budegt'\]"):
+        Typo.from_fields(0.1, vars(load_config(None, []).kl))
+    with pytest.raises(ValueError, match="registered already"):
+        controllers.register(type("Shadow", (controllers.BudgetKLController,), {}))
+    with pytest.raises(ValueError, match="registered already"):
+        kl.register_estimator(kl.Estimator("k1", value=kl.kl_k2))
+    budget = controllers.make_controller("budget", 0.1, budget=1.0)
+    for saved in ({}, {"kind": "budget", "kl_coef": "0.2"}, {"kind": "budget", "kl_coef": float("nan")}):
+        with pytest.raises(ValueError, match="not one tether wrote"):
+            budget.load_state_dict(saved)
+    # a state of this kind without "dual" is not an old one: kp and kd stay
+    budget = controllers.make_controller("budget", 0.1, budget=1.0, kp=3.0)
+    budget.load_state_dict(
+        {"kind": "budget", "kl_coef": 0.2, "budget": 1.0, "eta": 0.1, "kp": 3.0, "kd": 0.0}
+    )
+    assert budget.kp == 3.0

@@ -70,8 +70,19 @@ class Controller:
     @classmethod
     def from_fields(cls: type[C], kl_coef: float, values: Mapping[str, object]) -> C:
         """The controller with beta ``kl_coef`` and its settings read from ``values`` by config
-        field name (:attr:`fields`; the config's ``kl`` section as a mapping)."""
-        return cls(kl_coef, **{arg: values[key] for arg, key in cls.fields.items() if key in values})  # type: ignore[call-arg]
+        field name (:attr:`fields`; the config's ``kl`` section as a mapping).
+
+        Raises:
+            ValueError: a field :attr:`fields` names is not in ``values`` (a typo would otherwise
+                leave the setting at the class's default, silently).
+        """
+        missing = [key for key in cls.fields.values() if key not in values]
+        if missing:
+            raise ValueError(
+                f"kl.controller={cls.name} reads {['kl.' + k for k in missing]}, which the config does not "
+                "have: add the field to KLConfig (run/config.py) or fix the controller's fields"
+            )
+        return cls(kl_coef, **{arg: values[key] for arg, key in cls.fields.items()})  # type: ignore[call-arg]
 
     @classmethod
     def refusals(
@@ -116,6 +127,7 @@ class Controller:
         A checkpoint without ``kind`` (written before tether saved it) is read by its fields
         (:func:`legacy_kind`).
         """
+        _check_saved(saved, self.state)
         kind = saved.get("kind") or legacy_kind(saved)
         if kind != self.name:
             self.adopt(float(saved["kl_coef"]))
@@ -139,12 +151,47 @@ class Controller:
 
 C = TypeVar("C", bound=Controller)
 
+
+def _check_saved(saved: dict, state: tuple[str, ...]) -> None:
+    """Refuse a controller state no tether wrote: beta (``kl_coef``) missing, or a state value
+    that is not a finite number >= 0 (``last_kl``, a KL, may be any finite number or None).
+
+    Raises:
+        ValueError: naming the field and what it holds.
+    """
+
+    def number(x) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+    bad = [] if "kl_coef" in saved else ["kl_coef (missing)"]
+    for name in {"kl_coef", *state} & saved.keys():
+        x = saved[name]
+        if name == "last_kl" and (x is None or number(x)):
+            continue
+        if not (number(x) and x >= 0) and not (x is None and name == "dual"):
+            bad.append(f"{name}={x!r}")
+    if bad:
+        raise ValueError(
+            f"the checkpoint's controller state is not one tether wrote ({', '.join(bad)}); resume from "
+            "another checkpoint, or start the run again"
+        )
+
+
 CONTROLLERS: dict[str, type[Controller]] = {}
 """``kl.controller`` -> class; :func:`register` fills it."""
 
 
 def register(cls: type[C]) -> type[C]:
-    """Class decorator: ``CONTROLLERS[cls.name] = cls``."""
+    """Class decorator: ``CONTROLLERS[cls.name] = cls``.
+
+    Raises:
+        ValueError: the name is registered already by another class (a subclass that did not set
+            its own ``name`` would replace its parent for every run of the process).
+    """
+    if CONTROLLERS.get(cls.name, cls) is not cls:
+        raise ValueError(
+            f"kl.controller={cls.name!r} is registered already ({CONTROLLERS[cls.name].__name__})"
+        )
     CONTROLLERS[cls.name] = cls
     return cls
 
@@ -436,7 +483,7 @@ class BudgetKLController(Controller):
     def resumed(self, saved: dict, *, changed: bool) -> None:
         """A checkpoint from before budget_kp ran pure dual ascent, so it goes on with it; a rise
         measured under other settings means nothing to the derivative term."""
-        if "dual" not in saved:
+        if "dual" not in saved and "kind" not in saved:
             self.kl_coef = self.dual = float(saved["kl_coef"])
             self.kp = self.kd = 0.0
         elif changed:

@@ -157,11 +157,14 @@ loss surrogates (k3+, k3_is, k1_seq) in :mod:`tether.core.losses`."""
 
 
 def register_estimator(estimator: Estimator) -> Estimator:
-    """Add ``estimator`` to :data:`ESTIMATORS` (a name registered again is replaced).
+    """Add ``estimator`` to :data:`ESTIMATORS`.
 
     Raises:
-        ValueError: a loss standing without loss terms, or loss terms without a standing.
+        ValueError: its name is registered already (a built-in would otherwise be replaced for
+            every run of the process), or a loss standing without loss terms, or the other way.
     """
+    if ESTIMATORS.get(estimator.name, estimator) != estimator:
+        raise ValueError(f"a KL estimator named {estimator.name!r} is registered already")
     if (estimator.loss is None) != (estimator.loss_terms is None):
         raise ValueError(
             f"estimator {estimator.name!r}: give both a loss standing and its loss_terms, or neither"

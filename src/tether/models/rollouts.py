@@ -94,6 +94,9 @@ class Sampler:
     """
 
     kind: ClassVar[str]
+    compiles: ClassVar[bool] = False
+    """Whether the kind decodes compiled where ``rollout.compile`` asks (one turn does); a kind
+    that does not is refused ``rollout.compile=true`` (:func:`make_sampler`)."""
 
     def __init__(self, tokenizer, settings: SamplingSettings, env: EnvFn | None = None, *, device="cpu"):
         self.tokenizer, self.settings, self.env = tokenizer, settings, env
@@ -175,9 +178,16 @@ def make_sampler(tokenizer, settings: SamplingSettings, env: EnvFn | None = None
     """The run's sampler: the :data:`SAMPLERS` entry :func:`rollout_kind` names, built once.
 
     Raises:
-        ValueError: ``rollout.compile=true`` where decoding cannot be compiled (:class:`CompileChoice`).
+        ValueError: ``rollout.compile=true`` where decoding cannot be compiled (:class:`CompileChoice`),
+            or with a kind that decodes eagerly (:attr:`Sampler.compiles`).
     """
-    return SAMPLERS[rollout_kind(env)](tokenizer, settings, env, device=device)
+    kind = rollout_kind(env)
+    cls = SAMPLERS[kind]
+    if settings.compile is True and not cls.compiles:
+        raise ValueError(
+            f"rollout.compile=true: the {kind} rollouts decode eagerly; use rollout.compile=auto or false"
+        )
+    return cls(tokenizer, settings, env, device=device)
 
 
 class CompileChoice:
@@ -263,6 +273,8 @@ class CompileChoice:
 class OneTurn(Sampler):
     """One response per prompt (:func:`tether.models.sampling.generate`); the training rollouts
     decoded compiled once :class:`CompileChoice` decided so."""
+
+    compiles: ClassVar[bool] = True
 
     def __init__(self, tokenizer, settings: SamplingSettings, env: EnvFn | None = None, *, device="cpu"):
         super().__init__(tokenizer, settings, env, device=device)

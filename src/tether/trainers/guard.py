@@ -1,0 +1,177 @@
+"""The update guard: the KL to the reference of the updated policy, checked before it is kept.
+
+The budget controller sets beta from the KL it reads; an update can still cross the budget in one
+step (a large learning rate, a sharp reward). The guard measures, after an update (one epoch of
+minibatch steps), the exact KL of the updated policy to the reference on the step's own batch,
+the batch reweighted from the policy that drew it to the updated one
+(:func:`tether.core.kl.importance_weighted_kl`). When that KL passes its limit by more than the
+tolerance, the trainable weights step back toward the ones before the update by halves,
+``theta_old + alpha (theta_new - theta_old)`` with ``alpha = 1/2, 1/4, ...``, and back to
+``theta_old`` when no fraction fits: the backtracking line search of TRPO (Schulman et al. 2015,
+"Trust Region Policy Optimization", arXiv 1502.05477, appendix C), here on the KL to the
+reference rather than to the previous policy. Torch and :mod:`tether.core` only, so the test bed
+runs the same guard on its tables.
+
+**What is acceptable.** A KL at most ``limit * (1 + tol)``, or at most the KL the update started
+from (an update that brings an over-budget policy closer is kept): ``alpha = 0`` is always
+acceptable, so the search ends.
+
+**The optimizer's state after a partial step** (derived in docs/kl.md, "The update guard"). AdamW
+keeps ``m`` and ``v``, exponential averages of the gradients and their squares at the points the
+optimizer visited, and a step count for their bias correction. A backtrack changes where the
+weights are, not what was observed: each gradient was taken at a point the kept weights'
+segment starts from, so ``m``, ``v`` and the count stay as they are. (For heavy-ball momentum,
+whose buffer is the last step itself, the buffer would be scaled by ``alpha``; Adam's moments are
+not steps.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from tether.trainers.update import UpdateStats
+
+
+@dataclass(frozen=True, kw_only=True)
+class GuardSettings:
+    """The guard of a run (``kl.guard``), built once.
+
+    Attributes:
+        limit: the KL the update may not pass, in the controller's unit (``kl.budget``; nats per
+            sequence or per token, as ``kl.target_unit``).
+        tol: the relative slack past ``limit`` before the guard acts (``kl.guard_tol``), >= 0.
+        max_halvings: backtracks before the weights are restored (``kl.guard_halvings``), >= 1.
+    """
+
+    limit: float
+    tol: float = 0.05
+    max_halvings: int = 10
+
+    @property
+    def ceiling(self) -> float:
+        """``limit * (1 + tol)``: the largest KL kept without backtracking."""
+        return self.limit * (1.0 + self.tol)
+
+
+class GuardResult(NamedTuple):
+    """What one guarded update did (every value the same on every process)."""
+
+    kl_updated: float
+    """The KL of the update as the optimizer left it (before any backtrack), the limit's unit."""
+    kl_kept: float
+    """The KL of the weights kept."""
+    fraction: float
+    """``alpha`` of the kept weights: 1 (the update whole), 1/2^k, or 0 (restored)."""
+    backtracks: int
+    """How many halvings were measured."""
+
+
+def snapshot(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """A copy of ``tensors`` (the trainable weights, or their float32 masters)."""
+    return [t.detach().clone() for t in tensors]
+
+
+@torch.no_grad()
+def guard_update(
+    tensors: Sequence[Tensor],
+    before: Sequence[Tensor],
+    *,
+    measure: Callable[[], float],
+    kl_before: float,
+    settings: GuardSettings,
+    written: Callable[[], None] = lambda: None,
+) -> GuardResult:
+    """Keep the update of ``tensors`` from ``before``, or the largest halving of it whose KL is
+    acceptable (module docstring), writing the kept weights into ``tensors`` in place.
+
+    Args:
+        tensors: the weights the update moved (float32 masters where the model's are lower
+            precision), at the updated values.
+        before: the same weights before the update (:func:`snapshot`).
+        measure: the KL of the policy the weights in ``tensors`` make now (the limit's unit); it
+            must give every process the same number.
+        kl_before: the KL of the policy at ``before`` (the same measure; for a step's first epoch,
+            the rollout's own exact KL).
+        settings: the limit, its tolerance, the halvings.
+        written: called after each write into ``tensors`` (a low-precision model copies its
+            masters into its weights).
+
+    Returns:
+        :class:`GuardResult`.
+    """
+    after = snapshot(tensors)
+    kl = measure()
+    ok = max(settings.ceiling, kl_before)
+    if kl <= ok:
+        return GuardResult(kl, kl, 1.0, 0)
+    alpha = 1.0
+    for k in range(1, settings.max_halvings + 1):
+        alpha /= 2
+        for t, a, b in zip(tensors, before, after):
+            t.copy_(a + alpha * (b - a))
+        written()
+        now = measure()
+        if now <= ok:
+            return GuardResult(kl, now, alpha, k)
+    for t, a in zip(tensors, before):
+        t.copy_(a)
+    written()
+    return GuardResult(kl, kl_before, 0.0, settings.max_halvings)
+
+
+def guarded_epochs(
+    epochs: Iterable[list[Tensor]],
+    *,
+    update: Callable[[list[Tensor]], UpdateStats],
+    tensors: Sequence[Tensor],
+    measure: Callable[[], float],
+    kl_before: float,
+    settings: GuardSettings,
+    written: Callable[[], None] = lambda: None,
+) -> tuple[UpdateStats, GuardResult]:
+    """Epochs of minibatch updates, each guarded (:func:`guard_update`), stopping at the first
+    epoch the guard cut: an epoch that would pass the limit is not followed by another.
+
+    Args:
+        epochs: each epoch's minibatches (this process's rows of each), drawn lazily: an epoch not
+            run draws nothing (its permutation is not taken from the generator).
+        update: runs one epoch's minibatches (:func:`tether.trainers.update.minibatch_update`).
+        tensors, measure, settings, written: as :func:`guard_update`.
+        kl_before: the KL of the policy before the first epoch (the rollout's exact KL).
+
+    Returns:
+        ``(stats, result)``: the epochs' statistics merged (each a mean over its gradient steps,
+        weighted by them), and the guard's account of the whole update: the KL of the last
+        epoch's update as the optimizer left it and of the weights kept, the last epoch's kept
+        fraction (an earlier epoch kept whole), the halvings of all epochs.
+    """
+    merged: list[UpdateStats] = []
+    result = GuardResult(kl_before, kl_before, 1.0, 0)
+    backtracks = 0
+    for minibatches in epochs:
+        before = snapshot(tensors)
+        merged.append(update(minibatches))
+        result = guard_update(
+            tensors, before, measure=measure, kl_before=result.kl_kept, settings=settings, written=written
+        )
+        backtracks += result.backtracks
+        if result.fraction < 1.0:
+            break
+    return merge_stats(merged), result._replace(backtracks=backtracks)
+
+
+def merge_stats(parts: Sequence[UpdateStats]) -> UpdateStats:
+    """:class:`tether.trainers.update.UpdateStats` of several calls as one: each statistic and
+    the gradient norm averaged over all their gradient steps; the first call's ratio deviation."""
+    steps = sum(p.steps for p in parts)
+    if steps == 0:
+        return parts[0]
+    keys = dict.fromkeys(k for p in parts for k in p.stats)
+    stats = {k: sum(p.stats.get(k, 0.0) * p.steps for p in parts) / steps for k in keys}
+    norm = sum(p.grad_norm * p.steps for p in parts) / steps
+    return UpdateStats(stats, norm, parts[0].first_ratio_dev, steps)
