@@ -321,3 +321,42 @@ def sequence_kl(kl: Tensor, mask: Tensor) -> Tensor:
         (B,) float32, nats per sequence.
     """
     return masked_sum(kl, mask, dim=-1)
+
+
+def importance_weighted_kl(
+    exact_kl: Tensor, logprobs: Tensor, old_logprobs: Tensor, mask: Tensor
+) -> tuple[Tensor, Tensor]:
+    """The exact KL of a policy pi to the reference, on samples drawn from another policy pi_old.
+
+    A sequence's KL is the sum of its positions' exact next-token KLs, ``KL(pi || pi_ref) =
+    E_{y ~ pi}[sum_t KL_t(y_<t)]``, and ``KL_t`` depends on the prefix ``y_<t`` alone, so
+    ``E_{y ~ pi}[KL_t(y_<t)] = E_{y ~ pi_old}[rho_<t(y) KL_t(y_<t)]`` with the prefix's
+    importance ratio ``rho_<t = prod_{t' < t} pi(y_t' | y_<t') / pi_old(y_t' | y_<t')`` over the
+    policy's tokens before t (an environment's tokens are drawn by the environment under both
+    policies alike: they enter no ratio and carry no KL). This is exact in expectation on any
+    batch of pi_old's samples; at pi = pi_old every ratio is 1 and it is the batch's exact KL.
+    The prefix ratio, not the whole sequence's (``k1_seq``'s), so no position carries the noise of
+    the tokens after it. No clamp: the guard reads it inside the region the update just left, where
+    the ratios stay near 1 (a clamp would bias it, and an overflow to inf only over-reads the KL).
+
+    Args:
+        exact_kl: (B, R) exact per-position KL(pi(.|y_<t) || pi_ref(.|y_<t)) of pi, nats.
+        logprobs: (B, R) log pi of the sampled tokens, nats.
+        old_logprobs: (B, R) log pi_old of the same tokens (the policy that drew them), nats.
+        mask: (B, R) bool, True on the policy's tokens.
+
+    Returns:
+        ``(per_sequence, weights)``: (B,) ``sum_t rho_<t KL_t`` over the valid tokens (its mean over
+        sequences estimates KL(pi || pi_ref) in nats per sequence), and (B, R) ``rho_<t`` (0 where
+        masked: their valid sum over the batch estimates the expected length under pi, for a per
+        token KL as the ratio of the two sums), float32 or float64 as the inputs.
+
+    Raises:
+        ValueError: shapes differ.
+    """
+    m = mask.bool()
+    log_ratio = torch.where(m, _log_ratio(logprobs, old_logprobs), 0.0)  # (B, R)
+    prefix = torch.cumsum(log_ratio, dim=-1) - log_ratio  # sum over t' < t
+    weights = torch.where(m, torch.exp(prefix), 0.0)  # (B, R)
+    kl = torch.where(m, at_least_fp32(exact_kl), 0.0)
+    return (weights * kl).sum(-1), weights
