@@ -326,3 +326,15 @@ def test_a_checkpoint_of_another_run_is_refused_and_one_from_before_run_ids_resu
     assert [r["step"] for r in metric_rows(a)] == [0, 1, 2]
     now = json.loads((a / "run.json").read_text())["run_id"]
     assert now != ours and json.loads((latest_checkpoint(a) / "meta.json").read_text())["run_id"] == now
+
+
+@pytest.mark.parametrize("keep", [1, 2, 5])
+def test_keep_checkpoints_keeps_as_many_as_it_says(tmp_path, keep):
+    """Issue 50b, item 1: with train.keep_checkpoints=5 and 5 checkpoints written only steps 2-4
+    were left: ``earlier[len(earlier) - (keep - 1):]`` starts at a negative index (counted from
+    the end) while fewer than keep - 1 earlier checkpoints exist."""
+    root = tmp_path / "checkpoints"
+    for step in range(7):
+        save_checkpoint(tmp_path, step, TENSORS, {"x": step}, "fp", keep=keep, run_id="a" * 32)
+        newest = list(range(max(0, step + 1 - keep), step + 1))
+        assert sorted(d.name for d in root.glob("step-*")) == [f"step-{s:06d}" for s in newest], step

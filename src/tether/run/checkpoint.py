@@ -143,7 +143,8 @@ def save_checkpoint(
     os.replace(tmp, final)
     atomic_write_text(root / "LATEST", name)
     earlier = sorted((d for d in own_checkpoints(root, run_id) if _step_of(d) < step), key=_step_of)
-    kept = {d.name for d in earlier[len(earlier) - (keep - 1) :]} if keep > 1 else set()
+    # the newest keep - 1 of them (all while there are fewer: a negative start would count from the end)
+    kept = {d.name for d in earlier[-(keep - 1) :]} if keep > 1 else set()
     for old in earlier:  # this run's checkpoints beyond the newest ``keep``
         if old.name not in kept:
             shutil.rmtree(old, ignore_errors=True)
