@@ -25,6 +25,7 @@ from tether.models.turns import EnvFailed
 from tether.run.checkpoint import (
     SHARDED,
     check_checkpoint_run,
+    check_checkpoints_ahead,
     latest_checkpoint,
     load_checkpoint,
     load_sharded_state,
@@ -37,6 +38,7 @@ from tether.run.checkpoint import (
 from tether.run.config import Config, dump_yaml, read_yaml
 from tether.run.console import say
 from tether.run.files import (
+    RunFileError,
     atomic_write_text,
     own_folder,
     read_json,
@@ -103,7 +105,9 @@ def resume_run(run: Run, trainer, monitor: HealthMonitor) -> int:
         found, notes = resume_checkpoint(w.run_dir)
         try:
             notes += check_checkpoint_run(found, w.run_id) if found is not None else []
-        except RuntimeError as e:
+            if found is not None:  # the checkpoints it will write are free or its own
+                check_checkpoints_ahead(found, run.config.train.steps - 1, w.run_id)
+        except (RuntimeError, RunFileError) as e:
             refused = str(e)
     path, refused = D.gather_objects((found, refused))[0]
     for note in notes:
