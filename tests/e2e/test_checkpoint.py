@@ -399,3 +399,35 @@ def test_a_checkpoint_folder_it_would_write_is_replaced_only_when_it_is_its_own(
     # a checkpoint beyond the steps the run will train is left alone
     assert main(["train", "--resume", str(run), "train.steps=3"]) == 0
     assert intact(run / "checkpoints" / "step-000003") and [r["step"] for r in metric_rows(run)] == [0, 1, 2]
+
+
+def test_a_second_resume_from_the_same_step_keeps_the_config_that_trained_it(
+    tiny_model_dir, prompt_file, tmp_path, capsys, monkeypatch
+):
+    """Issue 50b, item 4: --resume RUN train.seed=7 failed at step 2, before a new checkpoint;
+    then --resume RUN optim.lr=0.5 overwrote config.until-step-1.yaml with config.yaml, which held
+    seed 7 though steps 0-1 trained with seed 0. The record of the config that trained them stays."""
+    from tether.cli import main
+    from tether.run.config import load_config
+
+    monkeypatch.setenv("TETHER_TEST_EXIT_MARKER", str(tmp_path / "raised"))
+    run = tmp_path / "run"
+    scorer = "tests.conftest:raises_once_at_step_2"
+    args = tiny_run_args(
+        tiny_model_dir,
+        prompt_file,
+        run,
+        {"train.steps": 2, "train.checkpoint_every": 1, "reward.scorer": scorer, "eval.every": 0},
+    )
+    assert main(["train", *args]) == 0
+    assert main(["train", "--resume", str(run), "train.steps=4", "train.seed=7"]) == 1  # fails at step 2
+    assert latest_checkpoint(run).name == "step-000001"
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "train.steps=4", "optim.lr=0.5"]) == 0
+    said = capsys.readouterr().out
+    assert "config.until-step-1.yaml (written by an earlier resume from step 1" in said, said
+    first = load_config(run / "config.until-step-1.yaml", [])
+    assert (first.train.seed, first.train.steps, first.optim.lr) == (0, 2, 3e-4)
+    now = load_config(run / "config.yaml", [])
+    assert (now.train.seed, now.train.steps, now.optim.lr) == (7, 4, 0.5)
+    assert [r["step"] for r in metric_rows(run)] == [0, 1, 2, 3]

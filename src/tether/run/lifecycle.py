@@ -165,7 +165,12 @@ def with_defaults(saved: dict) -> dict:
 
 def record_resumed_config(run: Run, step: int) -> None:
     """When ``--resume`` changed settings, config.yaml becomes the config the run goes on with (so
-    a later plain ``--resume`` keeps them) and the one it had is kept as config.until-step-N.yaml."""
+    a later plain ``--resume`` keeps them) and the one it had is kept as config.until-step-N.yaml,
+    the config that trained the steps up to N.
+
+    A config.until-step-N.yaml already there is kept as it is: an earlier resume from the same
+    step N wrote it and stopped before its next checkpoint, so config.yaml holds that resume's
+    settings, which trained no step that is kept (this resume cut its rows away)."""
     path = run.writer.run_dir / "config.yaml"
     before = with_defaults(read_yaml(path.read_text(), f"--resume: {path}"))
     now = run.config.to_dict(resolved=False)
@@ -173,7 +178,9 @@ def record_resumed_config(run: Run, step: int) -> None:
     if now == before:
         return
     kept = path.with_name(f"config.until-step-{step}.yaml")
-    atomic_write_text(kept, path.read_text())
+    earlier = kept.exists()
+    if not earlier:
+        atomic_write_text(kept, path.read_text())
     atomic_write_text(path, dump_yaml(now))
     changed = [
         f"{sec}.{name}: {shown((before.get(sec) or {}).get(name))} -> {shown(value)}"
@@ -185,7 +192,13 @@ def record_resumed_config(run: Run, step: int) -> None:
     say(
         f"tether: resumed with {len(changed)} changed setting(s), from step {step + 1}: "
         f"{'; '.join(changed)}. "
-        f"config.yaml now holds them; the run's earlier config is {kept.name}",
+        f"config.yaml now holds them; the run's earlier config is {kept.name}"
+        + (
+            f" (written by an earlier resume from step {step}: the settings that resume put in config.yaml "
+            "trained no step that is kept)"
+            if earlier
+            else ""
+        ),
         run.config.train.progress,
     )
 
