@@ -56,7 +56,8 @@ from tether.models.sampling import prompt_texts, use_chat_template
 from tether.models.sharding import shard_model
 from tether.models.turns import chat_reply_text, env_column_names, load_env, prompt_messages, turn_formats
 from tether.run.config import Config, ConfigError, check_world_size, dump_config, read_yaml
-from tether.run.files import check_no_links, run_id
+from tether.run.files import run_id
+from tether.run.folder import check_no_links
 from tether.run.lock import RunLocked
 from tether.run.lock import acquire as acquire_lock
 from tether.run.lock import release as release_lock
