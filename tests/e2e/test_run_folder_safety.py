@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.conftest import metric_rows, tiny_run_args
-from tether import load_config
+from tether import load_config, train
 from tether.cli import main
 from tether.run.checkpoint import file_digests, latest_checkpoint, load_trainer_state, meta_digest
 from tether.run.files import RunFileError, append_lines, atomic_write_text, own_folder
@@ -282,3 +282,35 @@ def test_a_fifo_in_a_run_folder_is_refused_before_anything_blocks_on_it(
         assert main(["report", str(out)]) == 1
         assert f"{name}: a FIFO" in capsys.readouterr().err
     assert stat.S_ISFIFO(os.lstat(out / name).st_mode)
+
+
+def test_files_a_person_put_in_the_run_folder_during_the_first_step_are_kept(
+    tiny_model_dir, prompt_file, tmp_path, caplog
+):
+    """Issue 50b, item 5: a run that failed before its first step completed removed its whole
+    folder, NOTES.md and analysis/results.csv that a person wrote there meanwhile included. Only
+    tether's files go; the folder is kept with the others and the message says why the same
+    command will refuse it. A folder holding only tether's files still goes."""
+    out = tmp_path / "run"
+
+    def notes_then_fails(completions, **kwargs):
+        (out / "NOTES.md").write_text("what I saw")
+        (out / "analysis").mkdir()
+        (out / "analysis" / "results.csv").write_text("a,b\n")
+        raise ValueError("the reward failed")
+
+    config = load_config(None, tiny_run_args(tiny_model_dir, prompt_file, out, {"reward.scorer": None}))
+    with pytest.raises(Exception, match="the reward failed"):
+        train(config, reward_funcs=notes_then_fails)
+    assert sorted(os.listdir(out)) == ["NOTES.md", "analysis"]
+    assert (out / "analysis" / "results.csv").read_text() == "a,b\n"
+    assert f"kept {out}, which holds files tether did not write (NOTES.md, analysis/)" in caplog.text
+    assert "the same command will refuse this one: move them out of it" in caplog.text
+    shutil.rmtree(out)
+
+    def fails(completions, **kwargs):
+        raise ValueError("the reward failed")
+
+    with pytest.raises(Exception, match="the reward failed"):
+        train(config, reward_funcs=fails)
+    assert not out.exists()

@@ -5,6 +5,8 @@
   ``cp -al``) or an entry that is neither a file nor a folder (a FIFO, a socket, a device) is
   refused before anything in it is read, so no run file leads tether outside its folder, into
   another run's files, or into a read that never ends.
+- :func:`tether_entry`: the names tether writes at a run folder's top level, so that what it
+  removes (a run that failed before its first step) is its own and nothing a person put there.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import re
 import stat
 from pathlib import Path
 from typing import NamedTuple
+
+from tether.run.files import RUN_RECORD
 
 
 class RunFolderError(ValueError):
@@ -120,3 +124,41 @@ def check_no_links(run_dir: Path, command: str) -> None:
             "writes none, and reading one would hang or fail. Remove each (rm PATH)"
         )
     raise RunFolderError(f"{command} {run_dir}: {'; and '.join(said)}, then run again")
+
+
+RUN_FILES = (
+    "config.yaml",
+    RUN_RECORD,
+    "reference.json",
+    "data.json",
+    "eval.json",
+    "eval_reference.json",
+    "eval_reference_capability.json",
+    "eval_reference_periodic.json",
+    "metrics.jsonl",
+    "samples.jsonl",
+    "warnings.jsonl",
+    "training.png",
+    "score_vs_kl.png",
+    "report.html",
+    ".tether.lock",
+    ".tether.lock.mutex",
+)
+"""The files tether writes at a run folder's top level (config.until-step-N.yaml too)."""
+RUN_FOLDERS = ("checkpoints", "best", "policy", "tensorboard", ".aim")
+"""The folders tether writes at a run folder's top level: its checkpoints, its best and final
+policies, and the folders of the trackers it starts there (``train.report_to``: TensorBoard's,
+Aim's)."""
+
+
+def tether_entry(name: str) -> bool:
+    """Whether ``name``, at a run folder's top level, is what tether writes there: one of
+    :data:`RUN_FILES` or :data:`RUN_FOLDERS`, a config.until-step-N.yaml, or the temporary file or
+    folder of one (``.NAME.tmpPID``, the best policy's ``.best.oldPID``)."""
+    temporary = re.fullmatch(r"\.(.+)\.tmp\d+|\.(best)\.old\d+", name)
+    base = (temporary.group(1) or temporary.group(2)) if temporary else name
+    return (
+        base in RUN_FILES
+        or base in RUN_FOLDERS
+        or re.fullmatch(r"config\.until-step-\d+\.yaml", base) is not None
+    )

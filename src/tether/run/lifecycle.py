@@ -314,7 +314,12 @@ def raise_stopped_in_step(
             run, e, f"checkpoint {path} holds the run after step {step - 1}; {resume_hint(w.run_dir)}"
         )
     if step == 0 and not w.history:  # a fresh run's first step: train() removes the folder
-        raise_stopped(run, e, "no step completed, so the run folder is removed: start the run again")
+        raise_stopped(
+            run,
+            e,
+            "no step completed, so the run folder is removed (files tether did not write are kept): "
+            "start the run again",
+        )
     kept = latest_checkpoint(w.run_dir)
     raise_stopped(
         run, e, f"{f'the last checkpoint, {kept}, is kept; ' if kept else ''}{resume_hint(w.run_dir)}"
