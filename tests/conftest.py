@@ -526,3 +526,26 @@ def unprivileged():
         )
 
     return run
+
+
+@pytest.fixture()
+def hang_guard():
+    """``with hang_guard(seconds):`` fails with TimeoutError where the code inside blocks longer
+    (opening a FIFO no one writes to): SIGALRM's handler raises, which interrupts the call."""
+    import contextlib
+    import signal
+
+    @contextlib.contextmanager
+    def guard(seconds: int = 60):
+        def hung(*_):
+            raise TimeoutError(f"blocked for {seconds} s (opening a FIFO?)")
+
+        previous = signal.signal(signal.SIGALRM, hung)
+        signal.alarm(seconds)
+        try:
+            yield
+        finally:
+            signal.alarm(0)
+            signal.signal(signal.SIGALRM, previous)
+
+    return guard

@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     if resume:
         from pathlib import Path
 
-        from tether.run.files import RunFolderError, check_no_links
+        from tether.run.folder import RunFolderError, check_no_links
 
         try:  # before config.yaml is read: it too may be a link
             check_no_links(Path(resume), "--resume")

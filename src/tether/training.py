@@ -238,7 +238,10 @@ def _stopped_at_once(run: Run, stop: list[str], resume: bool) -> str:
     w = run.writer
     what = f"a second {stop[0]}" if stop else "KeyboardInterrupt"
     if not resume and not w.history:  # train() removes the folder of a run that trained nothing
-        return f"tether: stopped at once by {what}; no step completed, so the run folder is removed"
+        return (
+            f"tether: stopped at once by {what}; no step completed, so the run folder is removed (files "
+            "tether did not write are kept)"
+        )
     kept = latest_checkpoint(w.run_dir)
     return (
         f"tether: stopped at once by {what}: "

@@ -326,3 +326,108 @@ def test_a_checkpoint_of_another_run_is_refused_and_one_from_before_run_ids_resu
     assert [r["step"] for r in metric_rows(a)] == [0, 1, 2]
     now = json.loads((a / "run.json").read_text())["run_id"]
     assert now != ours and json.loads((latest_checkpoint(a) / "meta.json").read_text())["run_id"] == now
+
+
+@pytest.mark.parametrize("keep", [1, 2, 5])
+def test_keep_checkpoints_keeps_as_many_as_it_says(tmp_path, keep):
+    """Issue 50b, item 1: with train.keep_checkpoints=5 and 5 checkpoints written only steps 2-4
+    were left: ``earlier[len(earlier) - (keep - 1):]`` starts at a negative index (counted from
+    the end) while fewer than keep - 1 earlier checkpoints exist."""
+    root = tmp_path / "checkpoints"
+    for step in range(7):
+        save_checkpoint(tmp_path, step, TENSORS, {"x": step}, "fp", keep=keep, run_id="a" * 32)
+        newest = list(range(max(0, step + 1 - keep), step + 1))
+        assert sorted(d.name for d in root.glob("step-*")) == [f"step-{s:06d}" for s in newest], step
+
+
+def test_a_checkpoint_folder_it_would_write_is_replaced_only_when_it_is_its_own(
+    tiny_model_dir, prompt_file, tmp_path, capsys
+):
+    """Issue 50b, item 2: run B's checkpoints/step-000003 copied into run A (whose newest is step
+    1) was replaced by A's on --resume A, silently. tether replaces only its own checkpoints: the
+    resume is refused before it trains, naming the folder and the fix, and save_checkpoint refuses
+    another run's checkpoint, a folder without meta.json and a file at the name it would write."""
+    from tether.cli import main
+    from tether.run.checkpoint import file_digests, load_trainer_state
+
+    a, ours, theirs = tmp_path / "a", "a" * 32, "b" * 32
+    save_checkpoint(tmp_path / "b", 3, TENSORS, {"x": 3}, "fp", run_id=theirs)
+    b3 = tmp_path / "b" / "checkpoints" / "step-000003"
+    before = file_digests(b3) | {"meta.json": (b3 / "meta.json").read_text()}
+
+    def intact(folder: Path) -> bool:
+        return file_digests(folder) | {"meta.json": (folder / "meta.json").read_text()} == before
+
+    # save_checkpoint itself: nothing replaced, nothing left behind, LATEST unmoved
+    save_checkpoint(a, 1, TENSORS, {"x": 1}, "fp", keep=5, run_id=ours)
+    root = a / "checkpoints"
+    shutil.copytree(b3, root / "step-000003")
+    with pytest.raises(
+        RunFileError, match=r"step-000003 holds a checkpoint of another run \(run id b+,"
+    ) as e:
+        save_checkpoint(a, 3, TENSORS, {"x": 3}, "fp", keep=5, run_id=ours)
+    assert "Move step-000003 out of" in str(e.value)
+    assert intact(root / "step-000003") and latest_checkpoint(a).name == "step-000001"
+    assert sorted(os.listdir(root)) == ["LATEST", "step-000001", "step-000003"]  # no temporary left
+    (root / "step-000004").mkdir()  # a folder tether did not write (no meta.json)
+    (root / "step-000004" / "notes.txt").write_text("mine")
+    (root / "step-000005").write_text("a file")
+    for step in (4, 5):
+        with pytest.raises(RunFileError, match=f"step-00000{step} holds something tether did not write"):
+            save_checkpoint(a, step, TENSORS, {"x": step}, "fp", keep=5, run_id=ours)
+    assert (root / "step-000004" / "notes.txt").read_text() == "mine"
+    assert (root / "step-000005").read_text() == "a file"
+    # its own checkpoint at that name (a kill before LATEST named it) is replaced
+    save_checkpoint(a, 6, TENSORS, {"x": 6}, "fp", keep=5, run_id=ours)
+    (root / "LATEST").write_text("step-000001")
+    save_checkpoint(a, 6, TENSORS, {"x": 66}, "fp", keep=5, run_id=ours)
+    assert load_trainer_state(root / "step-000006" / "trainer.pt") == {"x": 66}
+
+    # --resume: refused before any step, naming the folder; B's checkpoint and A's rows intact
+    run = tmp_path / "run"
+    args = tiny_run_args(tiny_model_dir, prompt_file, run, {"train.steps": 2, "train.checkpoint_every": 1})
+    assert main(["train", *args]) == 0
+    rows = metric_rows(run)
+    shutil.copytree(b3, run / "checkpoints" / "step-000003")
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "train.steps=5"]) == 1
+    err = capsys.readouterr().err
+    print(err)
+    assert f"{run / 'checkpoints' / 'step-000003'} holds a checkpoint of another run (run id {theirs}" in err
+    assert f"Move step-000003 out of {run / 'checkpoints'}" in err
+    assert intact(run / "checkpoints" / "step-000003") and metric_rows(run) == rows
+    # a checkpoint beyond the steps the run will train is left alone
+    assert main(["train", "--resume", str(run), "train.steps=3"]) == 0
+    assert intact(run / "checkpoints" / "step-000003") and [r["step"] for r in metric_rows(run)] == [0, 1, 2]
+
+
+def test_a_second_resume_from_the_same_step_keeps_the_config_that_trained_it(
+    tiny_model_dir, prompt_file, tmp_path, capsys, monkeypatch
+):
+    """Issue 50b, item 4: --resume RUN train.seed=7 failed at step 2, before a new checkpoint;
+    then --resume RUN optim.lr=0.5 overwrote config.until-step-1.yaml with config.yaml, which held
+    seed 7 though steps 0-1 trained with seed 0. The record of the config that trained them stays."""
+    from tether.cli import main
+    from tether.run.config import load_config
+
+    monkeypatch.setenv("TETHER_TEST_EXIT_MARKER", str(tmp_path / "raised"))
+    run = tmp_path / "run"
+    scorer = "tests.conftest:raises_once_at_step_2"
+    args = tiny_run_args(
+        tiny_model_dir,
+        prompt_file,
+        run,
+        {"train.steps": 2, "train.checkpoint_every": 1, "reward.scorer": scorer, "eval.every": 0},
+    )
+    assert main(["train", *args]) == 0
+    assert main(["train", "--resume", str(run), "train.steps=4", "train.seed=7"]) == 1  # fails at step 2
+    assert latest_checkpoint(run).name == "step-000001"
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "train.steps=4", "optim.lr=0.5"]) == 0
+    said = capsys.readouterr().out
+    assert "config.until-step-1.yaml (written by an earlier resume from step 1" in said, said
+    first = load_config(run / "config.until-step-1.yaml", [])
+    assert (first.train.seed, first.train.steps, first.optim.lr) == (0, 2, 3e-4)
+    now = load_config(run / "config.yaml", [])
+    assert (now.train.seed, now.train.steps, now.optim.lr) == (7, 4, 0.5)
+    assert [r["step"] for r in metric_rows(run)] == [0, 1, 2, 3]

@@ -5,22 +5,19 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import stat
+import subprocess
 
 import pytest
 import torch
 
-from tests.conftest import metric_rows
-from tether import load_config
+from tests.conftest import metric_rows, tiny_run_args
+from tether import load_config, train
 from tether.cli import main
 from tether.run.checkpoint import file_digests, latest_checkpoint, load_trainer_state, meta_digest
-from tether.run.files import (
-    RunFileError,
-    RunFolderError,
-    append_lines,
-    atomic_write_text,
-    check_no_links,
-    own_folder,
-)
+from tether.run.files import RunFileError, append_lines, atomic_write_text, own_folder
+from tether.run.folder import RunFolderError, check_no_links
 
 
 class Payload:
@@ -224,3 +221,96 @@ def test_report_on_a_read_only_run_names_out(tmp_path, unprivileged):
         assert r.returncode == 0 and "<h1>tether run run</h1>" in elsewhere.read_text()
     finally:
         run.chmod(0o755)
+
+
+def test_a_run_folder_copied_with_hard_links_is_refused(tiny_model_dir, prompt_file, tmp_path, capsys):
+    """Issue 50b, item 3: ``cp -al run copy; tether train --resume copy`` appended the copy's steps
+    to run's metrics.jsonl and samples.jsonl (one file, two names). A run folder holding a file
+    with other hard links is refused on --resume, tether report and tether push, naming the file
+    and the fix (cp -r)."""
+    out, copy = tmp_path / "run", tmp_path / "copy"
+    _run_folder(tiny_model_dir, prompt_file, out)
+    rows, samples = metric_rows(out), (out / "samples.jsonl").read_bytes()
+    subprocess.run(["cp", "-al", str(out), str(copy)], check=True)
+    capsys.readouterr()
+    assert main(["train", "--resume", str(copy), "train.steps=3"]) == 1
+    err = capsys.readouterr().err
+    print(err)
+    assert "the run folder holds files with other hard links" in err and "config.yaml (2 links)" in err
+    assert "copy it with cp -r instead" in err
+    assert metric_rows(out) == rows and (out / "samples.jsonl").read_bytes() == samples
+    assert main(["report", str(copy)]) == 1 and "files with other hard links" in capsys.readouterr().err
+    assert main(["push", str(copy), "org/name"]) == 1 and "cp -al" in capsys.readouterr().err
+    with pytest.raises(RunFolderError, match=r"config\.yaml \(2 links\)"):
+        check_no_links(out, "--resume")  # the original is refused too: its files have two names now
+    # the lock is the one file tether hard-links itself (written beside its name, then linked)
+    shutil.rmtree(copy)
+    (out / ".tether.lock").write_text("{}")
+    os.link(out / ".tether.lock", out / f"..tether.lock.tmp{os.getpid()}")
+    check_no_links(out, "--resume")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "metrics.jsonl",
+        "run.json",
+        ".tether.lock",
+        "checkpoints/LATEST",
+        "data.json",
+        "samples.jsonl",
+        "config.yaml",
+    ],
+)
+def test_a_fifo_in_a_run_folder_is_refused_before_anything_blocks_on_it(
+    tiny_model_dir, prompt_file, tmp_path, capsys, hang_guard, name
+):
+    """Issue 50b, item 3: a FIFO at a run file's name made --resume (and tether report, at
+    metrics.jsonl) hang; a FIFO config.yaml was "not a tether run directory (no config.yaml)".
+    Entries that are neither files nor folders are refused, naming them, before any is opened."""
+    out = tmp_path / "run"
+    args = tiny_run_args(tiny_model_dir, prompt_file, out, {"train.steps": 1, "train.checkpoint_every": 1})
+    assert main(["train", *args]) == 0
+    (out / name).unlink(missing_ok=True)
+    os.mkfifo(out / name)
+    capsys.readouterr()
+    with hang_guard():
+        assert main(["train", "--resume", str(out), "train.steps=2"]) == 1
+        err = capsys.readouterr().err
+        assert f"holds entries that are neither files nor folders: {name}: a FIFO" in err, err
+        assert "Remove each (rm PATH)" in err
+        assert main(["report", str(out)]) == 1
+        assert f"{name}: a FIFO" in capsys.readouterr().err
+    assert stat.S_ISFIFO(os.lstat(out / name).st_mode)
+
+
+def test_files_a_person_put_in_the_run_folder_during_the_first_step_are_kept(
+    tiny_model_dir, prompt_file, tmp_path, caplog
+):
+    """Issue 50b, item 5: a run that failed before its first step completed removed its whole
+    folder, NOTES.md and analysis/results.csv that a person wrote there meanwhile included. Only
+    tether's files go; the folder is kept with the others and the message says why the same
+    command will refuse it. A folder holding only tether's files still goes."""
+    out = tmp_path / "run"
+
+    def notes_then_fails(completions, **kwargs):
+        (out / "NOTES.md").write_text("what I saw")
+        (out / "analysis").mkdir()
+        (out / "analysis" / "results.csv").write_text("a,b\n")
+        raise ValueError("the reward failed")
+
+    config = load_config(None, tiny_run_args(tiny_model_dir, prompt_file, out, {"reward.scorer": None}))
+    with pytest.raises(Exception, match="the reward failed"):
+        train(config, reward_funcs=notes_then_fails)
+    assert sorted(os.listdir(out)) == ["NOTES.md", "analysis"]
+    assert (out / "analysis" / "results.csv").read_text() == "a,b\n"
+    assert f"kept {out}, which holds files tether did not write (NOTES.md, analysis/)" in caplog.text
+    assert "the same command will refuse this one: move them out of it" in caplog.text
+    shutil.rmtree(out)
+
+    def fails(completions, **kwargs):
+        raise ValueError("the reward failed")
+
+    with pytest.raises(Exception, match="the reward failed"):
+        train(config, reward_funcs=fails)
+    assert not out.exists()

@@ -181,3 +181,130 @@ def test_two_runs_on_one_folder_one_writes(tiny_model_dir, prompt_file, tmp_path
     assert (first.returncode, second.returncode) == (0, 1), (first_out, second_out)
     assert f"in use by another tether process (pid {first.pid}" in second_out
     assert _steps(out) == list(range(40))
+
+
+TAKE = """
+import json, os, sys, time
+from pathlib import Path
+import tether.run.lock as L
+
+run_dir, me, pause = Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "pause"
+read = L._read
+
+
+def read_then_wait(path):  # read the stale lock, then wait for the test's go before acting on it
+    holder = read(path)
+    (run_dir.parent / f"{me}-read").touch()
+    deadline = time.monotonic() + 20
+    while not (run_dir.parent / "go").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return holder
+
+
+if pause:
+    L._read = read_then_wait
+print("trying", flush=True)
+try:
+    L.acquire(run_dir)
+    print("took", flush=True)
+except L.RunLocked as e:
+    print("refused:", e, flush=True)
+deadline = time.monotonic() + 20
+while not (run_dir.parent / "done").exists() and time.monotonic() < deadline:  # hold it, alive
+    time.sleep(0.01)
+"""
+
+
+def test_two_processes_taking_over_one_stale_lock_one_holds_it(tmp_path):
+    """Issue 50b, item 6: two processes found the same stale lock; the first removed it and took
+    its own, then the second removed the first's and took its own: both held the run. Here the
+    first is paused between reading the stale lock and removing it while the second tries; the
+    read, removal and new lock happen under a flock of RUN/.tether.lock.mutex, so the second waits,
+    then finds the first's live lock and is refused."""
+    run = tmp_path / "run"
+    _write_lock(run, socket.gethostname(), 2**22 + 12345)  # no such pid: stale
+
+    def start(name: str, pause: bool):
+        env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
+        cmd = [sys.executable, "-c", TAKE, str(run), name, "pause" if pause else "-"]
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    first = start("first", pause=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "first-read").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert (tmp_path / "first-read").exists(), first.stdout
+        second = start("second", pause=False)
+        assert second.stdout.readline() == "trying\n"
+        time.sleep(1.0)  # the second has read the stale lock and acted on it, or waits for the first
+        (tmp_path / "go").touch()
+        assert first.stdout.readline() == "trying\n"
+        said = {"first": first.stdout.readline(), "second": second.stdout.readline()}
+    finally:
+        (tmp_path / "done").touch()
+        outs = [p.communicate(timeout=30)[0] for p in (first, second)]
+    print(said, outs)
+    assert said["first"].startswith("took"), said
+    assert said["second"].startswith(
+        f"refused: {run} is in use by another tether process (pid {first.pid}"
+    ), said
+    assert json.loads((run / LOCK_NAME).read_text())["pid"] == first.pid
+
+
+def test_a_stale_lock_taken_by_several_processes_at_once_has_one_holder(tmp_path):
+    """Issue 50b, item 6, as the reviewer found it: 4 processes take one stale lock at once, a few
+    times; each time exactly one holds it."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    for trial in range(3):
+        run = tmp_path / str(trial)
+        _write_lock(run, socket.gethostname(), 2**22 + 12345)
+        results = ctx.Queue()
+        start = time.time() + 0.3
+        procs = [ctx.Process(target=_take_at, args=(run, start, results)) for _ in range(4)]
+        for p in procs:
+            p.start()
+        got = [results.get(timeout=30) for _ in procs]
+        for p in procs:
+            p.join(timeout=30)
+        assert sorted(got).count("took") == 1, got
+
+
+def _take_at(run: Path, start: float, results) -> None:
+    while time.time() < start:  # all at once
+        pass
+    try:
+        acquire(run)
+        results.put("took")
+        time.sleep(0.5)  # alive and holding while the others look
+    except RunLocked:
+        results.put("refused")
+
+
+def test_a_process_that_holds_the_lock_is_refused_a_second_time(tmp_path):
+    """Issue 50b, item 6: acquire() called twice in one process (two train() calls, a notebook)
+    said it "took over a stale lock (pid X is gone)", X being the live process itself. It is refused;
+    a lock of this pid written by a process started at another time (the pid reused) is stale."""
+    path, _ = acquire(tmp_path)
+    with pytest.raises(
+        RunLocked, match=f"this process \\(pid {os.getpid()}\\) already holds the lock of {tmp_path}"
+    ):
+        acquire(tmp_path)
+    assert json.loads(path.read_text())["pid"] == os.getpid()
+    if lock.started(os.getpid()) is not None:
+        record = {"host": socket.gethostname(), "pid": os.getpid(), "started": "other-boot:1"}
+        path.write_text(json.dumps(record))
+        taken, note = acquire(tmp_path)
+        assert note is not None and "the holder is gone" in note
+        assert json.loads(taken.read_text())["started"] == lock.started(os.getpid())
+    release(path)
+    assert not path.exists()
+
+
+def test_a_lock_that_is_not_a_file_is_refused_without_blocking(tmp_path, hang_guard):
+    """A FIFO at the lock's name blocked acquire() in its read; it is refused, named."""
+    os.mkfifo(tmp_path / LOCK_NAME)
+    with hang_guard(), pytest.raises(RunLocked, match=f"{LOCK_NAME} is a FIFO"):
+        acquire(tmp_path)

@@ -289,6 +289,35 @@ def test_a_key_given_twice_is_refused_with_both_lines(tmp_path, text, words):
     assert words in str(e.value) and str(path) in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("train:\n  steps: 3\n  <<: {steps: 100}\n", "train.<< (line 3) is a YAML merge key"),
+        (
+            "optim:\n  lr: 0.1\ntrain:\n  <<: {steps: 5}\n  <<: {steps: 7}\n",
+            "train.<< (line 4) is a YAML merge key",
+        ),
+        ("<<: {train: {steps: 5}}\n", "--config FILE: << (line 1) is a YAML merge key"),
+        ("train:\n  !!merge <<: {steps: 5}\n", "train.<< (line 2) is a YAML merge key"),
+    ],
+)
+def test_a_merge_key_is_refused_with_its_key_and_line(tmp_path, text, words):
+    """Issue 50b, item 7: ``train: {steps: 3, <<: {steps: 100}}`` loaded steps 3, and two merge
+    keys with steps 5 then 7 loaded 7, silently: a merge key gives a key twice without the
+    repeated-key refusal seeing it. Merge keys are refused as aliases are."""
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    message = str(e.value).replace(str(path), "FILE")
+    assert words in message and "write the values out in full" in message, message
+    with pytest.raises(ConfigError, match=r"rollout.stop_strings\[0\]\.<< \(line 1\) is a YAML merge key"):
+        load_config(None, ["rollout.stop_strings=[{<<: {a: x}}]"])
+    path.write_text('train:\n  "<<": 5\n')  # a quoted "<<" is a key like any other (and unknown here)
+    with pytest.raises(ConfigError, match="unknown config key"):
+        load_config(path)
+
+
 def test_a_key_given_twice_in_an_override_value_is_refused():
     with pytest.raises(ConfigError, match=r"override rollout.stop_strings: line 1 repeats the key 'a' under"):
         load_config(None, ["rollout.stop_strings=[{a: x, a: y}]"])

@@ -9,7 +9,8 @@ import json
 import os
 from pathlib import Path
 
-from tether.run.files import RunFileError, atomic_write_text, check_no_links, read_jsonl
+from tether.run.files import RunFileError, atomic_write_text, read_jsonl
+from tether.run.folder import check_no_links
 from tether.run.metrics import response_pieces
 
 

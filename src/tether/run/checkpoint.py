@@ -24,6 +24,7 @@ its fingerprint compared with the one recorded when the run started.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -36,7 +37,16 @@ from safetensors import SafetensorError
 
 from tether.core import distributed as D
 from tether.models.sharding import load_full_state_dict
-from tether.run.files import RUN_RECORD, atomic_write_text, own_folder, read_json, remove_tree, write_error
+from tether.run.files import (
+    RUN_RECORD,
+    RunFileError,
+    atomic_write_text,
+    own_folder,
+    read_json,
+    remove_tree,
+    resume_hint,
+    write_error,
+)
 
 SHARDED = "sharded"
 """The folder of a sharded run's checkpoint (``train.sharding=fsdp``) that holds its weights and
@@ -112,11 +122,14 @@ def save_checkpoint(
             a checkpoint of another run.
 
     Raises:
-        tether.run.files.RunFileError: a write failed (a full disk, a file-size limit), or
-            ``checkpoints/`` is a symbolic link; names the file and the checkpoint that is kept.
+        tether.run.files.RunFileError: a write failed (a full disk, a file-size limit),
+            ``checkpoints/`` is a symbolic link, or ``step-N`` holds what tether may not replace
+            (another run's checkpoint: :func:`check_replaceable`); names the file and the
+            checkpoint that is kept.
     """
     root = own_folder(Path(run_dir) / "checkpoints")
     name = f"step-{step:06d}"
+    check_replaceable(root / name, run_id)  # before the work of writing it
     tmp = sharded if sharded is not None else root / f".{name}.tmp{os.getpid()}"
     try:
         if sharded is None:
@@ -139,11 +152,17 @@ def save_checkpoint(
             + (f"{before} is kept" if before else "there is no earlier checkpoint"),
         ) from None
     final = root / name
-    remove_tree(final)
+    try:
+        check_replaceable(final, run_id)  # again: something may have been put there meanwhile
+    except RunFileError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    remove_tree(final)  # a checkpoint of this run (one a kill left before LATEST named it)
     os.replace(tmp, final)
     atomic_write_text(root / "LATEST", name)
     earlier = sorted((d for d in own_checkpoints(root, run_id) if _step_of(d) < step), key=_step_of)
-    kept = {d.name for d in earlier[len(earlier) - (keep - 1) :]} if keep > 1 else set()
+    # the newest keep - 1 of them (all while there are fewer: a negative start would count from the end)
+    kept = {d.name for d in earlier[-(keep - 1) :]} if keep > 1 else set()
     for old in earlier:  # this run's checkpoints beyond the newest ``keep``
         if old.name not in kept:
             shutil.rmtree(old, ignore_errors=True)
@@ -171,6 +190,55 @@ def own_checkpoint(folder: Path, run_id: str | None) -> bool:
         return read_json(folder / "meta.json").get("run_id", run_id) == run_id
     except (OSError, ValueError):
         return False
+
+
+def check_replaceable(folder: Path, run_id: str | None) -> None:
+    """Check that tether may write checkpoint ``folder`` (``checkpoints/step-N``), replacing what is
+    there: nothing, or a checkpoint of the run ``run_id`` (:func:`own_checkpoint`; one a kill left
+    before ``LATEST`` named it). tether deletes only its own.
+
+    Raises:
+        RunFileError: ``folder`` holds another run's checkpoint (its meta.json names another run
+            id) or something tether did not write there; names it and the fix.
+    """
+    folder = Path(folder)
+    if not (folder.exists() or folder.is_symlink()) or own_checkpoint(folder, run_id):
+        return
+    try:
+        theirs = read_json(folder / "meta.json").get("run_id") if folder.is_dir() else None
+    except (OSError, ValueError):
+        theirs = None
+    what = (
+        f"a checkpoint of another run (run id {theirs}, not this run's {run_id})"
+        if isinstance(theirs, str) and not folder.is_symlink()
+        else "something tether did not write there"
+        + (" (a symbolic link)" if folder.is_symlink() else "" if folder.is_dir() else " (not a folder)")
+    )
+    root = folder.parent
+    raise RunFileError(
+        errno.EEXIST,
+        f"{folder} holds {what}; tether would write the checkpoint of step {_step_of(folder)} there and "
+        f"replaces only its own run's checkpoints, so it writes nothing there. Move {folder.name} out of "
+        f"{root} (to keep it), then {resume_hint(root.parent)}",
+    )
+
+
+def check_checkpoints_ahead(resumed: Path, last: int, run_id: str | None) -> None:
+    """Before a resume from checkpoint ``resumed`` (``step-N``) trains steps N + 1 to ``last``:
+    check that each checkpoint folder it may write is free or this run's
+    (:func:`check_replaceable`), so that a folder copied in from another run is refused now, not
+    after the training.
+
+    Raises:
+        RunFileError: the first such folder that is not, named with the fix.
+    """
+    root, step = Path(resumed).parent, _step_of(Path(resumed))
+    ahead = sorted(
+        (d for d in root.iterdir() if CHECKPOINT.fullmatch(d.name) and step < _step_of(d) <= last),
+        key=_step_of,
+    )
+    for folder in ahead:
+        check_replaceable(folder, run_id)
 
 
 def own_checkpoints(root: Path, run_id: str | None) -> list[Path]:

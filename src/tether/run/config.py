@@ -100,12 +100,17 @@ is copied recursively again, so a few hundred levels would hit Python's recursio
 frames) as a traceback instead of an error naming the line."""
 
 
+MERGE_TAG = "tag:yaml.org,2002:merge"
+"""The tag of YAML's merge key ``<<`` (refused: :class:`_UserYaml`)."""
+
+
 class _UserYaml:
     """What tether's loaders of YAML a user wrote (config files, overrides, a run's config.yaml)
     add to PyYAML's: they refuse an alias (``*a``: 400 bytes of aliases expand to 387 million
     strings, the "billion laughs"), a key given twice in one mapping (YAML keeps the last, and the
-    first is lost silently), nesting deeper than :data:`MAX_YAML_DEPTH` and a number too long to
-    read, each naming the source, the key and the line."""
+    first is lost silently), a merge key (``<<``, a way to give a key twice), nesting deeper than
+    :data:`MAX_YAML_DEPTH` and a number too long to read, each naming the source, the key and the
+    line."""
 
     source = "YAML"
     """What is read, for messages: ``--config FILE``, ``override FIELD``."""
@@ -158,9 +163,21 @@ class _UserYaml:
     def construct_mapping(self, node, deep=False):
         seen: dict = {}
         for key_node, _ in node.value:
-            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+            line = key_node.start_mark.line + 1
+            # a merge key (``<<: {steps: 100}``) gives keys a second time without repeating them:
+            # the mapping's own key wins, or the last of two merges, and the other is dropped silently
+            if key_node.tag == MERGE_TAG or (
+                isinstance(key_node, yaml.ScalarNode) and key_node.value == "<<" and key_node.style is None
+            ):
+                where = self._where.get(id(node))
+                raise ConfigError(
+                    f"{self.source}: {f'{where}.<<' if where else '<<'} (line {line}) is a YAML merge key; "
+                    "tether reads configs without merge keys (a merged key beside the same key keeps one "
+                    "value and drops the other silently): write the values out in full"
+                )
+            if not isinstance(key_node, yaml.ScalarNode):
                 continue
-            key, line = self.construct_object(key_node), key_node.start_mark.line + 1
+            key = self.construct_object(key_node)
             if key in seen:
                 where = self._where.get(id(node))
                 raise ConfigError(
@@ -182,7 +199,7 @@ class _UserTextLoader(_UserYaml, yaml.BaseLoader):
 
 def read_yaml(text: str, source: str, *, texts: bool = False, at: str = "") -> Any:
     """``text``, YAML a user wrote, as plain data: safe tags only (no code runs), and no aliases,
-    repeated keys or runaway nesting (:class:`_UserYaml`).
+    repeated keys, merge keys or runaway nesting (:class:`_UserYaml`).
 
     With ``texts``, every scalar stays text (``yaml.BaseLoader``): in a list of texts
     ``[yes, 010, 1:30, null]`` is ``['yes', '010', '1:30', 'null']``, where the safe loader's
@@ -196,7 +213,7 @@ def read_yaml(text: str, source: str, *, texts: bool = False, at: str = "") -> A
         at: the key ``text`` stands at (an override's field), prefixed to the keys messages name.
 
     Raises:
-        ConfigError: an alias, a repeated key, nesting over :data:`MAX_YAML_DEPTH` levels or an
+        ConfigError: an alias, a repeated key, a merge key, nesting over :data:`MAX_YAML_DEPTH` levels or an
             unreadable number: naming ``source``, the key, the line and the fix.
         yaml.YAMLError: ``text`` is not YAML.
     """

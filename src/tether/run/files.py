@@ -11,10 +11,9 @@ Four rules, one function each:
 - :func:`read_jsonl`: a file's rows; a last line without its newline that does not parse (a
   process killed inside a write, or a disk that failed under another writer) is dropped and said
   so; a bad line anywhere else is an error naming ``FILE:LINE``.
-- :func:`check_no_links`: a run folder handed over (``--resume``, ``tether push``, ``tether
-  report``) that holds a symbolic link is refused before anything in it is read, and no write
-  goes through a link (``O_NOFOLLOW``; a link planted while the run goes on stops the write), so
-  no run file leads tether outside its folder.
+- :func:`link_error`: no write goes through a symbolic link (``O_NOFOLLOW``; a link planted
+  while the run goes on stops the write, naming it), so no run file leads tether outside its
+  folder (a run folder handed over is checked whole first: :func:`tether.run.folder.check_no_links`).
 
 Errors name the file and the fix (:class:`RunFileError`, an ``OSError`` with the errno kept).
 """
@@ -148,50 +147,6 @@ def replace_whole(path: Path, data: bytes) -> None:
     except OSError:
         tmp.unlink(missing_ok=True)
         raise
-
-
-class RunFolderError(ValueError):
-    """A run folder that holds a symbolic link: tether neither reads nor writes it; the message
-    names the links and the fix."""
-
-
-def run_folder_links(run_dir: Path) -> list[Path]:
-    """Every symbolic link under ``run_dir`` (links are not followed into), in walk order."""
-    found = []
-    for folder, dirs, files in os.walk(run_dir):
-        found += [Path(folder, n) for n in sorted(dirs + files) if os.path.islink(os.path.join(folder, n))]
-    return found
-
-
-def check_no_links(run_dir: Path, command: str) -> None:
-    """Refuse a run folder that holds a symbolic link, before anything in it is read or written.
-
-    tether writes no links, and one would let a run folder handed over lead a read (into a report,
-    an upload) or a write (an appended row, a deleted checkpoint) outside itself, or turn one run
-    file into another: a link to a file or a folder is refused wherever it points (the run folder
-    itself may be reached through links: it is resolved first).
-
-    Raises:
-        RunFolderError: names up to three links with their targets, and the fix.
-    """
-    root = Path(run_dir).resolve()
-    links = run_folder_links(root)
-    if not links:
-        return
-
-    def shown(link: Path) -> str:
-        target = Path(os.path.realpath(link))
-        where = "inside the run" if target == root or root in target.parents else "outside the run"
-        return f"{link.relative_to(root)} -> {os.readlink(link)} ({where})"
-
-    more = f", and {len(links) - 3} more" if len(links) > 3 else ""
-    raise RunFolderError(
-        f"{command} {run_dir}: the run folder holds symbolic links: "
-        f"{'; '.join(map(shown, links[:3]))}{more}. "
-        "tether reads and writes a run only inside its folder and never through a link. Replace each "
-        "link with a copy of what it points to, or remove it (rm LINK removes the link alone), then "
-        "run again"
-    )
 
 
 def link_error(path: Path) -> RunFileError:

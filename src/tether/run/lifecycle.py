@@ -25,6 +25,7 @@ from tether.models.turns import EnvFailed
 from tether.run.checkpoint import (
     SHARDED,
     check_checkpoint_run,
+    check_checkpoints_ahead,
     latest_checkpoint,
     load_checkpoint,
     load_sharded_state,
@@ -37,6 +38,7 @@ from tether.run.checkpoint import (
 from tether.run.config import Config, dump_yaml, read_yaml
 from tether.run.console import say
 from tether.run.files import (
+    RunFileError,
     atomic_write_text,
     own_folder,
     read_json,
@@ -103,7 +105,9 @@ def resume_run(run: Run, trainer, monitor: HealthMonitor) -> int:
         found, notes = resume_checkpoint(w.run_dir)
         try:
             notes += check_checkpoint_run(found, w.run_id) if found is not None else []
-        except RuntimeError as e:
+            if found is not None:  # the checkpoints it will write are free or its own
+                check_checkpoints_ahead(found, run.config.train.steps - 1, w.run_id)
+        except (RuntimeError, RunFileError) as e:
             refused = str(e)
     path, refused = D.gather_objects((found, refused))[0]
     for note in notes:
@@ -161,7 +165,12 @@ def with_defaults(saved: dict) -> dict:
 
 def record_resumed_config(run: Run, step: int) -> None:
     """When ``--resume`` changed settings, config.yaml becomes the config the run goes on with (so
-    a later plain ``--resume`` keeps them) and the one it had is kept as config.until-step-N.yaml."""
+    a later plain ``--resume`` keeps them) and the one it had is kept as config.until-step-N.yaml,
+    the config that trained the steps up to N.
+
+    A config.until-step-N.yaml already there is kept as it is: an earlier resume from the same
+    step N wrote it and stopped before its next checkpoint, so config.yaml holds that resume's
+    settings, which trained no step that is kept (this resume cut its rows away)."""
     path = run.writer.run_dir / "config.yaml"
     before = with_defaults(read_yaml(path.read_text(), f"--resume: {path}"))
     now = run.config.to_dict(resolved=False)
@@ -169,7 +178,9 @@ def record_resumed_config(run: Run, step: int) -> None:
     if now == before:
         return
     kept = path.with_name(f"config.until-step-{step}.yaml")
-    atomic_write_text(kept, path.read_text())
+    earlier = kept.exists()
+    if not earlier:
+        atomic_write_text(kept, path.read_text())
     atomic_write_text(path, dump_yaml(now))
     changed = [
         f"{sec}.{name}: {shown((before.get(sec) or {}).get(name))} -> {shown(value)}"
@@ -181,7 +192,13 @@ def record_resumed_config(run: Run, step: int) -> None:
     say(
         f"tether: resumed with {len(changed)} changed setting(s), from step {step + 1}: "
         f"{'; '.join(changed)}. "
-        f"config.yaml now holds them; the run's earlier config is {kept.name}",
+        f"config.yaml now holds them; the run's earlier config is {kept.name}"
+        + (
+            f" (written by an earlier resume from step {step}: the settings that resume put in config.yaml "
+            "trained no step that is kept)"
+            if earlier
+            else ""
+        ),
         run.config.train.progress,
     )
 
@@ -297,7 +314,12 @@ def raise_stopped_in_step(
             run, e, f"checkpoint {path} holds the run after step {step - 1}; {resume_hint(w.run_dir)}"
         )
     if step == 0 and not w.history:  # a fresh run's first step: train() removes the folder
-        raise_stopped(run, e, "no step completed, so the run folder is removed: start the run again")
+        raise_stopped(
+            run,
+            e,
+            "no step completed, so the run folder is removed (files tether did not write are kept): "
+            "start the run again",
+        )
     kept = latest_checkpoint(w.run_dir)
     raise_stopped(
         run, e, f"{f'the last checkpoint, {kept}, is kept; ' if kept else ''}{resume_hint(w.run_dir)}"

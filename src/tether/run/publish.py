@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tether.run.files import check_no_links
+from tether.run.folder import check_no_links
 
 OFFLINE_VALUES = ("1", "ON", "YES", "TRUE")
 """Values of ``HF_HUB_OFFLINE`` that mean offline, as ``huggingface_hub`` reads them."""

@@ -6,7 +6,6 @@ import copy
 import datetime as _dt
 import logging
 import os
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -56,7 +55,8 @@ from tether.models.sampling import prompt_texts, use_chat_template
 from tether.models.sharding import shard_model
 from tether.models.turns import chat_reply_text, env_column_names, load_env, prompt_messages, turn_formats
 from tether.run.config import Config, ConfigError, check_world_size, dump_config, read_yaml
-from tether.run.files import check_no_links, run_id
+from tether.run.files import remove_tree, run_id
+from tether.run.folder import check_no_links, tether_entry
 from tether.run.lock import RunLocked
 from tether.run.lock import acquire as acquire_lock
 from tether.run.lock import release as release_lock
@@ -1099,16 +1099,37 @@ def discard_failed_start(run_dir: Path, existed: bool) -> None:
     """Remove what a run that failed before its first step wrote (config.yaml, the reference's
     evaluation ...), so the same command can be run again once the input is fixed.
 
-    The folder was checked to be empty or absent when the run started, so everything in it is
-    this run's; a folder that existed (empty) is emptied, not removed.
+    The folder was empty or absent when the run started, but a person may have put files in it
+    since (notes, an analysis, while the first step ran): only what tether writes goes
+    (:func:`tether.run.folder.tether_entry`, its lock last), and the folder itself only when
+    nothing else is left and it did not exist before. A folder kept for other files is said so,
+    with what they are and why the same command will refuse it.
     """
-    if not run_dir.exists():
+    if not run_dir.is_dir() or run_dir.is_symlink():
         return
-    if not existed:
-        shutil.rmtree(run_dir, ignore_errors=True)
-        return
-    for child in run_dir.iterdir():
-        if child.is_dir() and not child.is_symlink():
-            shutil.rmtree(child, ignore_errors=True)
+    theirs, lock = [], []
+    for child in sorted(run_dir.iterdir()):
+        if not tether_entry(child.name):
+            theirs.append(child.name + ("/" if child.is_dir() and not child.is_symlink() else ""))
+        elif child.name.startswith(".tether.lock"):
+            lock.append(child)
         else:
-            child.unlink(missing_ok=True)
+            remove_tree(child)
+    for child in lock:  # the folder stays claimed until the rest of tether's files are gone
+        remove_tree(child)
+    if theirs:
+        more = f", and {len(theirs) - 5} more" if len(theirs) > 5 else ""
+        log.warning(
+            "tether: kept %s, which holds files tether did not write (%s%s): put there while the run "
+            "started, they are not tether's to delete; tether's own files are removed. A new run refuses a "
+            "folder that is not empty, so the same command will refuse this one: move them out of it (or "
+            "choose another train.output_dir), then run it again",
+            run_dir,
+            ", ".join(theirs[:5]),
+            more,
+        )
+    elif not existed:
+        try:
+            run_dir.rmdir()
+        except OSError:  # something appeared meanwhile: kept
+            pass
