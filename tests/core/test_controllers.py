@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -108,6 +110,8 @@ def test_adaptive_reach_is_the_product_of_the_largest_steps():
     for _ in range(16):
         c.update(100.0, n_steps=32)
     assert c.kl_coef == pytest.approx(0.05 * adaptive_reach(32, 10_000, 16), rel=1e-12)
+    # beyond a float (train.steps=1e8 raised "OverflowError: Numerical result out of range"): inf
+    assert adaptive_reach(64, 10_000, 10**8) == math.inf
 
 
 def test_adaptive_horizon_for_can_double_beta():

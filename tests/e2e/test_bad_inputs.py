@@ -175,7 +175,11 @@ SCORER_CASES = [
     ("scorer returns NaN", "nan_score", ["step 2", "non-finite", "nan for"]),
     ("scorer returns inf", "inf_score", ["step 2", "non-finite", "inf for"]),
     ("scorer returns 1e39 (inf in float32)", "huge_score", ["step 2", "float32"]),
-    ("scorer returns text", "text_score", ["step 2", "scorer failed", "one float per text"]),
+    (
+        "scorer returns text",
+        "text_score",
+        ["step 2", "the scorer returned a str ('good')", "must be a number"],
+    ),
 ]
 
 

@@ -69,3 +69,10 @@ def test_rollout_compile_takes_words_and_booleans():
     c = load_config(None, [])
     c.rollout.compile = "off"  # edited after loading, as a word
     assert c.for_run().rollout.compile is False
+
+
+def test_a_huge_train_steps_loads_with_the_adaptive_controller():
+    """``train.steps=1e8 kl.controller=adaptive`` ended in a raw OverflowError from the note on
+    how far beta can move (``1.00128 ** 1e8``); that reach is now inf, and no note is due."""
+    c = load_config(None, ["train.steps=1e8", "kl.controller=adaptive"])
+    assert c.train.steps == 10**8 and not [w for w in c.placement.warnings if "moves beta by at most" in w]

@@ -320,8 +320,15 @@ def adaptive_reach(n_steps: int, horizon: float, updates: int) -> float:
     Example:
         32 samples per step, horizon 10000, 16 steps: 1.00064 ** 16 = 1.0103: beta moves by at
         most 1% over the run, a fixed beta in all but name.
+
+    Returns:
+        The factor, or ``inf`` where it exceeds a float (``train.steps=1e8``: ``x ** updates``
+        overflows, and a reach that large is as good as unbounded).
     """
-    return (1.0 + ADAPTIVE_ERROR_CLIP * n_steps / horizon) ** updates
+    try:
+        return (1.0 + ADAPTIVE_ERROR_CLIP * n_steps / horizon) ** updates
+    except OverflowError:
+        return math.inf
 
 
 def adaptive_horizon_for(n_steps: int, updates: int) -> float:

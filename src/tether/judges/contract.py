@@ -42,6 +42,7 @@ import asyncio
 import inspect
 import logging
 import math
+import numbers
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -323,11 +324,14 @@ def _reported(where: str, n_texts: int, scorer: Callable) -> Iterator[None]:
     """Turn what a user's scorer raises into tether's errors, with the step (``where``) named:
     ``SystemExit`` and ``KeyboardInterrupt`` into :class:`ScorerStopped` (never a silent end with
     the scorer's status), any other exception into a :class:`ScorerFailed` (never a bare
-    traceback); a :class:`ScorerStopped` of a reward inside a reward list passes unchanged."""
+    traceback); a :class:`ScorerStopped` or :class:`ScorerFailed` of a reward inside a reward list
+    is told once, ``where`` put before its own message (not wrapped in a second "failed")."""
     try:
         yield
-    except ScorerStopped:
-        raise
+    except (ScorerStopped, ScorerFailed) as e:  # a reward of a list's, told already: where added
+        if not where or str(e).startswith(f"{where}: "):
+            raise
+        raise type(e)(f"{where}: {e}") from e.__cause__
     except SystemExit as e:
         raise ScorerStopped(
             f"{where}: the scorer raised SystemExit({e.code!r}), as sys.exit() raises; a reward "
@@ -360,14 +364,56 @@ def _call(scorer: Scorer, call: RewardCall):
     return scorer(**_keywords(scorer, call))
 
 
-def _floats(raw, allow_none: bool) -> tuple[list, list[float]]:
-    """``(raw as a list, its floats)``: None becomes NaN where ``allow_none``, else refused."""
-    raw = list(raw)
+def _kind(value) -> str:
+    """A value's kind in words, for a refusal: ``a dict``, ``a str``, ``a 2-D ndarray``."""
+    name = type(value).__name__
+    ndim = getattr(value, "ndim", None)
+    if isinstance(ndim, int) and ndim != 1 and hasattr(value, "tolist"):
+        return f"a {ndim}-D {name}"
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
+
+
+def _score(s):
+    """A returned score as a Python value: a NumPy or torch scalar (a 0-D array or tensor) as
+    the number it holds, anything else as it is."""
+    if getattr(s, "ndim", None) == 0 and hasattr(s, "item"):
+        return s.item()
+    return s
+
+
+def _floats(raw, allow_none: bool, where: str) -> tuple[list, list[float]]:
+    """``(raw as a list, its floats)``: None becomes NaN where ``allow_none``, else refused.
+
+    ``raw`` must be a sequence (a list, a tuple; a 1-D NumPy array or torch tensor, read with
+    ``tolist``) of real numbers (``int``, ``float``, ``bool``, NumPy and torch scalars) or None.
+    Anything else is refused by name, never iterated into scores: a dict's keys, a string's
+    characters or a list of numeric strings would each read as numbers.
+
+    Raises:
+        ScorerFailed: ``raw`` is not such a sequence, holds what is not such a number, or holds
+            None without ``allow_none``; ``where`` and the fix named.
+    """
+    if hasattr(raw, "tolist") and getattr(raw, "ndim", None) == 1:  # a NumPy array, a tensor
+        raw = raw.tolist()
+    if not isinstance(raw, Sequence) or isinstance(raw, (str, bytes, bytearray)):
+        raise ScorerFailed(
+            f"{where}: the scorer returned {_kind(raw)}; it must return a list of one float per text "
+            "(None for a text it does not score)"
+        )
+    raw = [_score(s) for s in raw]
+    bad = [(i, s) for i, s in enumerate(raw) if s is not None and not isinstance(s, numbers.Real)]
+    if bad:
+        i, s = bad[0]
+        raise ScorerFailed(
+            f"{where}: the scorer returned {_kind(s)} ({shown(s, 60)}) for text {i}"
+            + (f" and {len(bad) - 1} more" if len(bad) > 1 else "")
+            + "; each score must be a number (int or float), or None for a text it does not score"
+        )
     if not allow_none and any(s is None for s in raw):
-        raise ValueError(
-            "it returned None for a sample; this call needs a score for every sample (None, 'does "
-            "not apply', is taken where the samples are trained on or compared: an unscored sample "
-            "leaves the statistics, as in TRL)"
+        raise ScorerFailed(
+            f"{where}: the scorer returned None for a sample; this call needs a score for every sample "
+            "(None, 'does not apply', is taken where the samples are trained on or compared: an "
+            "unscored sample leaves the statistics, as in TRL)"
         )
     return raw, [float("nan") if s is None else float(s) for s in raw]
 
@@ -471,10 +517,10 @@ def _scores(scorer: Scorer, call: RewardCall, *, allow_none: bool) -> Scores:
 
     with _reported(call.where, len(call.texts), scorer):
         raw = awaited(_call(scorer.scored if isinstance(scorer, WeightedReward) else scorer, call))
-        parts = raw.parts if isinstance(raw, Scores) else {}
-        if isinstance(raw, Scores):  # a reward list's: its unscored sums are TRL's None
-            raw = [None if math.isnan(x) else x for x in raw.total]
-        raw, scores = _floats(raw, allow_none)
+    parts = raw.parts if isinstance(raw, Scores) else {}
+    if isinstance(raw, Scores):  # a reward list's: its unscored sums are TRL's None
+        raw = [None if math.isnan(x) else x for x in raw.total]
+    raw, scores = _floats(raw, allow_none, call.where)
     return Scores(_validated(scores, raw, call.texts, call.where, allow_none), parts)
 
 
@@ -611,9 +657,15 @@ class WeightedReward:
             completions=completions,
             env_replies=env_replies,
         )
-        for name, scorer in self.scorers.items():
-            with _reported(f"reward {shown(name)}", len(texts), scorer):
-                raws[name] = _call(scorer, call._replace(step=f"reward {shown(name)}"))
+        try:
+            for name, scorer in self.scorers.items():
+                with _reported(f"reward {shown(name)}", len(texts), scorer):
+                    raws[name] = _call(scorer, call._replace(step=f"reward {shown(name)}"))
+        except BaseException:  # the async rewards called before it will not be awaited: closed
+            for raw in raws.values():
+                if inspect.iscoroutine(raw):
+                    raw.close()
+            raise
         pending = [name for name, raw in raws.items() if inspect.isawaitable(raw)]
         if pending:  # every async reward at once, on one loop (TRL: asyncio.gather)
 
@@ -630,8 +682,7 @@ class WeightedReward:
         parts = {}
         for name, raw in raws.items():
             where = f"reward {shown(name)}"
-            with _reported(where, len(texts), self.scorers[name]):
-                raw, scores = _floats(raw, allow_none=True)
+            raw, scores = _floats(raw, True, where)
             parts[name] = _validated(scores, raw, texts, where, allow_none=True)
         logged.replay(log_metric, log_extra)
         total: list[float] = []
