@@ -24,8 +24,9 @@ from tether.run.console import say
 from tether.run.evaluation import Evaluator, fluency_judge, reference_eval, reference_periodic
 from tether.run.files import resume_hint
 from tether.run.lifecycle import (
-    raise_stopped,
+    Unmeasured,
     raise_stopped_in_step,
+    raise_unmeasured,
     resume_run,
     start_run,
     state_before_step,
@@ -36,9 +37,10 @@ from tether.run.metrics import flat_config, sample_rows
 from tether.run.monitor import HealthMonitor, health_thresholds
 from tether.run.passed import passed_objects
 from tether.run.reporting import Reporter, check_callbacks
-from tether.run.session import Session, evaluates, finish, log_step
+from tether.run.session import Session, StepLog, evaluates, finish, log_step
 from tether.run.setup import Run, build_run, discard_failed_start
 from tether.run.signals import Interrupted, install_signal_handlers
+from tether.trainers.common import UnmeasuredUpdate
 from tether.trainers.dpo import DPOTrainer
 from tether.trainers.group import GRPOTrainer, RLOOTrainer
 from tether.trainers.ppo import PPOTrainer
@@ -222,7 +224,7 @@ def _train(
         run=run, trainer=trainer, evaluator=evaluator, monitor=monitor, reporter=reporter, best=best
     )
     try:
-        last = _loop(session, start=start, stop=stop)
+        last, saved = _loop(session, start=start, stop=stop)
     except KeyboardInterrupt:  # a second signal (user code tells its own apart): stopped at once
         say(_stopped_at_once(run, stop, resume), show)
         raise Interrupted(str(w.run_dir)) from None
@@ -230,7 +232,7 @@ def _train(
         for sig, h in previous_handlers.items():
             signal.signal(sig, h)
     reporter.end_loop()
-    return finish(session, before=before, t_start=t_start, last=last)
+    return finish(session, before=before, t_start=t_start, last=last, saved=saved)
 
 
 def _stopped_at_once(run: Run, stop: list[str], resume: bool) -> str:
@@ -250,9 +252,10 @@ def _stopped_at_once(run: Run, stop: list[str], resume: bool) -> str:
     )
 
 
-def _loop(session: Session, *, start: int, stop: list[str]) -> int:
+def _loop(session: Session, *, start: int, stop: list[str]) -> tuple[int, int]:
     """Train from step ``start``; returns the last step run (earlier than the last of
-    ``train.steps`` when eval.patience stopped it)."""
+    ``train.steps`` when eval.patience stopped it) and the step the newest checkpoint holds (-1:
+    none)."""
     run, trainer = session.run, session.trainer
     c, w, show = run.config, run.writer, run.config.train.progress
     main = D.is_main()
@@ -268,8 +271,11 @@ def _loop(session: Session, *, start: int, stop: list[str]) -> int:
     saved = start - 1  # the step the newest checkpoint holds: a resumed run's, or none (-1)
     for step in bar:
         before = state_before_step(run, trainer)
+        unmeasured = None  # user code that failed after the step's update, in what measures it
         try:
             row = trainer.step(step)  # every process; the row holds the global metrics
+        except UnmeasuredUpdate as e:  # DPO's probe: the update is done and kept
+            row, unmeasured = e.row, Unmeasured(e.error, e.missing)
         except (
             ScorerStopped,
             ScorerFailed,
@@ -287,8 +293,10 @@ def _loop(session: Session, *, start: int, stop: list[str]) -> int:
                 )
             ) from None
         sample_step = (
-            step % c.train.sample_every == 0 or step == c.train.steps - 1
-        ) and trainer.last_experience is not None
+            (step % c.train.sample_every == 0 or step == c.train.steps - 1)
+            and trainer.last_experience is not None
+            and unmeasured is None
+        )
         # the sample table holds the samples of every process
         rows = (
             [r for part in D.gather_objects(sample_rows(trainer.last_experience)) for r in part]
@@ -296,26 +304,39 @@ def _loop(session: Session, *, start: int, stop: list[str]) -> int:
             else None
         )
         # rank 0 evaluates alone; under FSDP on weights every process gathered (then goes on to
-        # the all-reduce below and waits there)
-        with gathered(run.policy, run.reference) if evaluates(c, step) else nullcontext():
-            try:
-                early = log_step(session, bar, step=step, row=row, rows=rows) if main else None
-            except (
-                ScorerStopped,
-                ScorerFailed,
-                EnvFailed,
-            ) as e:  # in the periodic evaluation: the row is not logged
-                raise_stopped(run, e, f"in the evaluation after step {step}; {resume_hint(w.run_dir)}")
-        # every process asks: did any process get a signal, or rank 0's evaluation say stop?
-        # (so that all stop after the same step)
-        stopping, stop_early = (
-            bool(x) for x in D.all_reduce_max(torch.tensor([float(bool(stop)), float(bool(early))]))
+        # the all-reduce below and waits there). The reward or the environment failing in the
+        # evaluation, or in the samples' gold judge, is returned: the step is done, so it is kept
+        with (
+            gathered(run.policy, run.reference)
+            if evaluates(c, step) and unmeasured is None
+            else nullcontext()
+        ):
+            logged = (
+                log_step(session, bar, step=step, row=row, rows=rows, unmeasured=unmeasured)
+                if main
+                else StepLog(unmeasured=unmeasured)
+            )
+        # every process asks: did any process get a signal, or rank 0's evaluation say stop, or
+        # did user code fail after the update? (so that all stop after the same step)
+        stopping, stop_early, failed = (
+            bool(x)
+            for x in D.all_reduce_max(
+                torch.tensor(
+                    [float(bool(stop)), float(bool(logged.early)), float(logged.unmeasured is not None)]
+                )
+            )
         )
         every = c.train.checkpoint_every
         # also after the last step, so that --resume with a larger train.steps extends the run
-        if stopping or (every and ((step + 1) % every == 0 or step + 1 == c.train.steps or stop_early)):
+        if (
+            stopping
+            or failed
+            or (every and ((step + 1) % every == 0 or step + 1 == c.train.steps or stop_early))
+        ):
             path = write_checkpoint(run, trainer, step)
             saved = step
+            if failed:  # the step's update is kept, checkpointed; its row lacks what failed
+                raise_unmeasured(run, logged.unmeasured, step, path)
             error = session.reporter.error
             if stopping and error is not None:  # a callback or tracker failed: trained steps kept
                 raise type(error)(
@@ -331,7 +352,7 @@ def _loop(session: Session, *, start: int, stop: list[str]) -> int:
                 )
                 raise Interrupted(str(w.run_dir))
         if stop_early:
-            say(f"tether: stopping early after step {step}: {early}", show)
+            say(f"tether: stopping early after step {step}: {logged.early}", show)
             break
     bar.close()
-    return step
+    return step, saved

@@ -744,11 +744,11 @@ def _scripted_log_step(real, scores):
     """log_step with the periodic evaluation's proxy score replaced by ``scores[step]``."""
     from tether.run import evaluation
 
-    def log_step(session, bar, *, step, row, rows):
+    def log_step(session, bar, *, step, **kwargs):
         original = evaluation.Evaluator.periodic_row
         evaluation.Evaluator.periodic_row = lambda self: {"eval/proxy_score": scores[step], "eval/kl": 0.0}
         try:
-            return real(session, bar, step=step, row=row, rows=rows)
+            return real(session, bar, step=step, **kwargs)
         finally:
             evaluation.Evaluator.periodic_row = original
 

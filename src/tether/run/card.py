@@ -70,6 +70,7 @@ def model_card_text(
     adapter: bool,
     repo_id: str | None = None,
     name: str | None = None,
+    no_evaluation: str | None = None,
 ) -> str:
     """The model card's Markdown, YAML metadata first.
 
@@ -80,6 +81,8 @@ def model_card_text(
         adapter: the policy folder holds a LoRA adapter (peft) rather than whole weights.
         repo_id: the Hub repository the card is for, in the loading example (None: a local path).
         name: the title's run name (None: ``train.run_name``).
+        no_evaluation: what the card says when ``evaluation`` is None (default: none was run,
+            eval.n_prompts=0).
     """
     from huggingface_hub import ModelCardData
 
@@ -195,7 +198,8 @@ def model_card_text(
             )
         lines.append("")
     else:
-        lines += ["## Held-out results", "", "No final held-out evaluation was run (eval.n_prompts=0).", ""]
+        said = no_evaluation or "No final held-out evaluation was run (eval.n_prompts=0)."
+        lines += ["## Held-out results", "", said, ""]
     lines += ["## Plots", "", "![training](training.png)", "", "![reward against KL](score_vs_kl.png)", ""]
     where = repo_id or "PATH/TO/policy"
     if adapter:
@@ -229,9 +233,16 @@ def model_card_text(
 
 
 def write_model_card(
-    folder: Path, *, run_dir: Path, config: dict, history: list[dict], evaluation: dict | None
+    folder: Path,
+    *,
+    run_dir: Path,
+    config: dict,
+    history: list[dict],
+    evaluation: dict | None,
+    no_evaluation: str | None = None,
 ) -> Path:
-    """Write ``folder/README.md`` and copy the run's plots beside it; returns the card's path.
+    """Write ``folder/README.md`` and copy the run's plots beside it; returns the card's path
+    (``no_evaluation``: :func:`model_card_text`'s).
 
     Raises:
         OSError: a write failed (the caller names what is kept).
@@ -239,7 +250,14 @@ def write_model_card(
     folder = Path(folder)
     adapter = (folder / "adapter_config.json").exists()
     name = config["train"].get("run_name") or Path(run_dir).name
-    text = model_card_text(config=config, history=history, evaluation=evaluation, adapter=adapter, name=name)
+    text = model_card_text(
+        config=config,
+        history=history,
+        evaluation=evaluation,
+        adapter=adapter,
+        name=name,
+        no_evaluation=no_evaluation,
+    )
     for name in PLOTS:
         if (Path(run_dir) / name).exists():
             shutil.copyfile(Path(run_dir) / name, folder / name)

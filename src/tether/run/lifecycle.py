@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import NoReturn
+from typing import NamedTuple, NoReturn
 
 import torch
 
@@ -253,6 +253,35 @@ UserCodeStop = ScorerStopped | ScorerFailed | EnvFailed
 """What user code ends a step with: a scorer's exit or interrupt (:class:`ScorerStopped`), its
 failure (:class:`ScorerFailed`), an environment's failure, deadline or interrupt
 (:class:`tether.models.turns.EnvFailed`)."""
+
+USER_CODE_STOPS = (ScorerStopped, ScorerFailed, EnvFailed)
+""":data:`UserCodeStop`'s classes, as an ``except`` clause takes them."""
+
+
+class Unmeasured(NamedTuple):
+    """User code failed after a step's update, in what measures the step (the periodic
+    evaluation, DPO's probe, the gold judge of the step's samples): the step itself is done."""
+
+    error: UserCodeStop
+    """The failure, as the user code's caller raised it."""
+    missing: str
+    """What the step's record lacks, for the message: ``its periodic evaluation``."""
+
+
+def raise_unmeasured(run: Run, failure: Unmeasured | None, step: int, path: Path) -> NoReturn:
+    """Raise the failure of what measured step ``step`` after its update (:class:`Unmeasured`),
+    once the checkpoint of that step (``path``) is written: its row is in metrics.jsonl without the
+    measurement, and ``--resume`` goes on at step ``step + 1``. Collective: every process calls it
+    (``failure`` None where this process had none: rank 0's is raised, which it evaluated alone)."""
+    ranks = D.gather_objects((failure, path))
+    failure = failure or next(f for f, _ in ranks if f is not None)
+    path = ranks[0][1]  # rank 0 wrote the checkpoint: the others hold its folder's parent
+    raise_stopped(
+        run,
+        failure.error,
+        f"after step {step}, whose update is kept: its row is logged without {failure.missing}; "
+        f"checkpoint {path} holds the run after step {step}; {resume_hint(run.writer.run_dir)}",
+    )
 
 
 def state_before_step(run: Run, trainer) -> dict | None:

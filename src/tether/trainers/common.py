@@ -18,6 +18,23 @@ from tether.trainers.precision import MasterWeights
 # the update loop's pieces live in tether.trainers.update (torch only, shared with the test bed)
 
 
+class UnmeasuredUpdate(Exception):
+    """User code (the reward, the environment) failed in what a step measures after its update
+    (DPO's probe): the update is applied, and the step is kept. The training loop logs ``row``
+    (the step's metrics without that measurement), checkpoints the step and raises ``error``
+    (:func:`tether.run.lifecycle.raise_unmeasured`).
+
+    Attributes:
+        error: the user code's failure (a ``ScorerStopped``, ``ScorerFailed`` or ``EnvFailed``).
+        row: the step's metrics row without the measurement.
+        missing: what the row lacks, in words (``its probe's metrics``).
+    """
+
+    def __init__(self, error: BaseException, row: dict, missing: str):
+        super().__init__(str(error))
+        self.error, self.row, self.missing = error, row, missing
+
+
 def make_optimizer(params: list, lr: float, weight_decay: float, fused: bool = True) -> MasterWeights:
     """AdamW (Loshchilov & Hutter 2019) over ``params``; torch's fused kernel when ``fused``.
 

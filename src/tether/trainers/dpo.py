@@ -34,7 +34,7 @@ from tether.core.losses import DPOLoss, dpo_loss
 from tether.core.masked import masked_sum
 from tether.core.shaping import shape_rewards
 from tether.data.prompts import PromptSampler, is_heldout, load_rows, prompt_key
-from tether.judges.contract import score_rollout, trainer_state
+from tether.judges.contract import ScorerFailed, ScorerStopped, score_rollout, trainer_state
 from tether.models.sampling import sample_seeds
 from tether.models.scoring import (
     policy_and_reference_logprobs,
@@ -42,9 +42,16 @@ from tether.models.scoring import (
     rollout_logprobs,
 )
 from tether.models.sharding import is_sharded, root_gathered
+from tether.models.turns import EnvFailed
 from tether.run.setup import Run
 from tether.trainers.base import sample_metrics
-from tether.trainers.common import make_optimizer, make_scheduler, optimization_state, restore_optimization
+from tether.trainers.common import (
+    UnmeasuredUpdate,
+    make_optimizer,
+    make_scheduler,
+    optimization_state,
+    restore_optimization,
+)
 from tether.trainers.steps import Experience, dpo_pair_loss
 from tether.trainers.update import MicroLoss, minibatch_update
 
@@ -376,15 +383,31 @@ class DPOTrainer:
             scheduler=self.scheduler,
         )
         t_update = time.perf_counter()
-        # 3. the real KL and score of the policy's own samples on held-out prompts
-        probe = self.probe(step)
-        t_probe = time.perf_counter()
-        # 4. metrics
-        row = {
+        head = {
             "step": step,
             "samples": (step + 1) * len(batch),
             "objective/kl_coef": c.dpo.beta,
             "optim/lr": lr,
+        }
+        # 3. the real KL and score of the policy's own samples on held-out prompts
+        try:
+            probe = self.probe(step)
+        except (ScorerStopped, ScorerFailed, EnvFailed) as e:  # after the update, which is kept
+            self.last_experience = None  # no samples of this step to log
+            raise UnmeasuredUpdate(
+                e,
+                {
+                    **head,
+                    **update.metrics(),
+                    "time/step": time.perf_counter() - t0,
+                    "time/update": t_update - t0,
+                },
+                "its probe's metrics (objective/*, the policy's samples after the update)",
+            ) from None
+        t_probe = time.perf_counter()
+        # 4. metrics
+        row = {
+            **head,
             **probe,
             **update.metrics(),
             "time/step": t_probe - t0,
