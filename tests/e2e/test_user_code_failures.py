@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.conftest import metric_rows, tiny_run_args
 from tether.cli import main
 from tether.run.checkpoint import latest_checkpoint
@@ -196,3 +198,39 @@ def test_a_judge_failing_on_a_steps_samples_keeps_the_step(tiny_model_dir, promp
     assert metric_rows(stopped) == metric_rows(full)
     steps = [json.loads(line)["step"] for line in (stopped / "samples.jsonl").read_text().splitlines()]
     assert sorted(set(steps)) == [0, 2]
+
+
+@pytest.mark.parametrize("reward", ["never_scores", "all_but_one_of_each_prompt"])
+def test_dpo_says_when_the_reward_left_candidates_unscored(
+    tiny_model_dir, prompt_file, tmp_path, capsys, reward
+):
+    """DPO's pair sampling said "only 0 of 8 prompts gave candidates with different scores ...
+    (ties are skipped)" when the reward had returned None for the candidates: now it counts them."""
+    scorer = (
+        f"tests.conftest:{reward}"
+        if reward == "never_scores"
+        else f"tests.e2e.test_user_code_failures:{reward}"
+    )
+    out = tmp_path / "run"
+    args = _args(
+        tiny_model_dir,
+        prompt_file,
+        out,
+        reward__scorer=scorer,
+        train__algo="dpo",
+        dpo__n_pairs=2,
+        dpo__candidates=4,
+    )
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    unscored = "320 of 320" if reward == "never_scores" else "240 of 320"
+    assert (
+        "only 0 of 2 prompts gave candidates with different scores after 80 tries (ties are skipped; the "
+        f"reward returned None for {unscored} candidates, which are never paired: a prompt needs two "
+        "scored ones)"
+    ) in err, err
+
+
+def all_but_one_of_each_prompt(completions, **kwargs) -> list:
+    """Scores the first of every 4 candidates (DPO's dpo.candidates=4 of a prompt), None for the rest."""
+    return [float(len(c)) if i % 4 == 0 else None for i, c in enumerate(completions)]

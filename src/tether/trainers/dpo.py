@@ -236,13 +236,21 @@ class DPOTrainer:
         sampler = PromptSampler(run.train_prompts, c.train.seed + 1)
         prompts, chosen, rejected = [], [], []
         per_call = max(1, c.eval.batch_size // k)
-        tried = 0
+        tried = unscored = 0
         while len(prompts) < c.dpo.n_pairs:
             if tried >= 4 * c.dpo.n_pairs + 64:
                 raise ValueError(
                     f"dpo.pairs=sampled: only {len(prompts)} of {c.dpo.n_pairs} prompts gave candidates with "
-                    f"different scores after {tried} tries (ties are skipped); raise dpo.candidates or "
-                    "rollout.max_new_tokens, use a finer-grained reward.scorer, or give a pairs file"
+                    f"different scores after {tried} tries (ties are skipped"
+                    + (
+                        f"; the reward returned None for {unscored} of {tried * k} candidates, which are "
+                        "never paired: a prompt needs two scored ones"
+                        if unscored
+                        else ""
+                    )
+                    + "); raise dpo.candidates or rollout.max_new_tokens, use a finer-grained reward.scorer"
+                    + (" (or one that scores these candidates)" if unscored else "")
+                    + ", or give a pairs file"
                 )
             chosen_rows = sampler.next_indices(per_call)
             batch = run.train_prompts.select(chosen_rows)
@@ -263,6 +271,7 @@ class DPOTrainer:
             scores = torch.tensor(total, device="cpu").view(
                 -1, k
             )  # (prompts, k), read on the host one by one
+            unscored += int(torch.isnan(scores).sum())
             for g, prompt in enumerate(batch):
                 scored = ~torch.isnan(scores[g])  # (k,) a candidate no reward scored is left out
                 if int(scored.sum()) < 2:
