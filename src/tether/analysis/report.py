@@ -9,6 +9,7 @@ import json
 import os
 from pathlib import Path
 
+from tether.run.console import number
 from tether.run.files import RunFileError, atomic_write_text, read_jsonl
 from tether.run.folder import check_no_links
 from tether.run.metrics import response_pieces
@@ -51,12 +52,20 @@ def shown_prompt(prompt) -> str:
     return str(prompt)
 
 
+def _gain(ev: dict, key: str) -> str:
+    """eval.json's change ``key`` with its SE (``gain`` with ``gain_se_paired``, ``x_change`` with
+    ``x_change_se``): ``+0.137 ± 0.041``, ``n/a`` where there is none (no sample was scored)."""
+    se = ev.get(f"{key}_se_paired" if key.endswith("gain") else f"{key}_se")  # a gain's SE is paired
+    value = number(ev.get(key), "+.3f")
+    return value if value == "n/a" or number(se) == "n/a" else f"{value} ± {number(se)}"
+
+
 def _table(rows: list[dict], cols: list[str]) -> str:
     def cell(v):
         if isinstance(v, _Html):
             return str(v)
-        if isinstance(v, float):
-            return f"{v:.4g}"
+        if v is None or isinstance(v, float):  # None: a NaN JSON saved as null (no scored sample)
+            return number(v, ".4g")
         return html.escape(str(v))
 
     head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
@@ -127,14 +136,10 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
         parts.append(
             "<h2>Frontier point (held-out prompts)</h2>"
             + _table(pts, cols)
-            + f"<p>proxy gain {ev.get('gain', float('nan')):+.3f} ± {ev.get('gain_se_paired', 0):.3f}"
-            + (
-                f"; gold gain {ev['gold_gain']:+.3f} ± {ev['gold_gain_se_paired']:.3f}"
-                if "gold_gain" in ev
-                else ""
-            )
+            + f"<p>proxy gain {_gain(ev, 'gain')}"
+            + (f"; gold gain {_gain(ev, 'gold_gain')}" if "gold_gain" in ev else "")
             + "".join(
-                f"; {label} {ev[f'{key}_change']:+.3f} ± {ev[f'{key}_change_se']:.3f}"
+                f"; {label} {_gain(ev, f'{key}_change')}"
                 for key, label in (
                     ("fluency_nll", "fluency NLL change"),
                     ("capability_nll", "capability NLL change"),

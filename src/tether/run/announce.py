@@ -9,7 +9,7 @@ from tether.core import distributed as D
 from tether.data.tasks import TASK_SETTINGS, TASKS
 from tether.models.sharding import is_sharded, local_bytes
 from tether.run.config import Config
-from tether.run.console import say
+from tether.run.console import number, say
 
 if TYPE_CHECKING:  # run.setup builds the run; the type only
     from tether.run.setup import Run
@@ -92,14 +92,23 @@ def z_text(z: float | None) -> str:
     return "n/a" if z is None else f"{z:.1f}"
 
 
+def change_text(value, se, spec: str = "+.3f") -> str:
+    """A change with its standard error, ``+0.137 ± 0.041``, or ``n/a`` where it has no number
+    (a NaN: no scored sample, a distinct-2 of responses under two words)."""
+    text = number(value, spec)
+    return text if text == "n/a" or number(se) == "n/a" else f"{text} ± {number(se, spec.lstrip('+'))}"
+
+
 def leash_line(result: dict) -> str:
-    """What the leash protects, reference -> policy on the held-out prompts, with SEs."""
+    """What the leash protects, reference -> policy on the held-out prompts, with SEs (``n/a``
+    where a number is NaN)."""
     ref, pol = result["reference"], result["policy"]
     parts = []
     if "fluency_nll_change" in result:
+        change = change_text(result["fluency_nll_change"], result["fluency_nll_change_se"], "+.2f")
         parts.append(
-            f"fluency NLL {ref['fluency_nll_mean']:.2f} -> {pol['fluency_nll_mean']:.2f} nats/token "
-            f"({result['fluency_nll_change']:+.2f} ± {result['fluency_nll_change_se']:.2f})"
+            f"fluency NLL {number(ref['fluency_nll_mean'], '.2f')} -> "
+            f"{number(pol['fluency_nll_mean'], '.2f')} nats/token ({change})"
         )
     for key, label in (
         ("distinct_2", "distinct-2"),
@@ -108,8 +117,8 @@ def leash_line(result: dict) -> str:
     ):
         if f"{key}_change" in result:
             parts.append(
-                f"{label} {ref[key]:.3f} -> {pol[key]:.3f} ({result[f'{key}_change']:+.3f} ± "
-                f"{result[f'{key}_change_se']:.3f})"
+                f"{label} {number(ref[key])} -> {number(pol[key])} "
+                f"({change_text(result[f'{key}_change'], result[f'{key}_change_se'])})"
             )
     return "tether: what the leash protects (held out): " + "; ".join(parts)
 

@@ -15,18 +15,19 @@ from pathlib import Path
 
 from tether.core.controllers import CONTROLLERS
 from tether.run.config import TRAINER_DEFAULTS
+from tether.run.console import number
 from tether.run.files import replace_whole
 
 PLOTS = ("training.png", "score_vs_kl.png")
 """The run's plots the card shows; copied into the policy folder."""
 
 
-def _pm(value: float, se: float | None = None, digits: int = 3) -> str:
+def _pm(value: float | None, se: float | None = None, digits: int = 3) -> str:
     """``+0.137 ± 0.041`` (a value with its standard error), or ``n/a``."""
-    if value is None or not math.isfinite(value):
+    if number(value) == "n/a" or not math.isfinite(value):
         return "n/a"
     text = f"{value:+.{digits}f}"
-    if se is not None and math.isfinite(se):
+    if number(se) != "n/a" and math.isfinite(se):
         text += f" ± {se:.{digits}f}"
     return text
 
@@ -55,7 +56,7 @@ def _code(text) -> str:
 
 
 def _beta_path(history: list[dict]) -> str:
-    betas = [r["objective/kl_coef"] for r in history if "objective/kl_coef" in r]
+    betas = [r["objective/kl_coef"] for r in history if number(r.get("objective/kl_coef")) != "n/a"]
     if not betas:
         return "not logged"
     lo, hi = min(betas), max(betas)
@@ -144,7 +145,7 @@ def model_card_text(
         kl_row,
         leash_row,
         *([beta_row] if beta_row else []),
-        f"| KL at the last step | {last.get('objective/kl', float('nan')):.3f} nats per sequence "
+        f"| KL at the last step | {number(last.get('objective/kl'))} nats per sequence "
         "(on the policy's own samples) |",
         f"| LoRA | {'yes, this folder is the adapter' if adapter else 'no, whole weights'} |",
         "",
@@ -161,16 +162,16 @@ def model_card_text(
             "",
             "| measure | reference | policy | change |",
             "|---|---|---|---|",
-            f"| reward (proxy) | {ref['proxy_mean']:.3f} | {pol['proxy_mean']:.3f} | "
-            f"{_pm(evaluation['gain'], evaluation.get('gain_se_paired'))} |",
+            f"| reward (proxy) | {number(ref.get('proxy_mean'))} | {number(pol.get('proxy_mean'))} | "
+            f"{_pm(evaluation.get('gain'), evaluation.get('gain_se_paired'))} |",
         ]
         if "gold_gain" in evaluation:
             lines.append(
-                f"| gold judge | {ref.get('gold_mean', math.nan):.3f} | "
-                f"{pol.get('gold_mean', math.nan):.3f} | "
+                f"| gold judge | {number(ref.get('gold_mean'))} | "
+                f"{number(pol.get('gold_mean'))} | "
                 f"{_pm(evaluation['gold_gain'], evaluation.get('gold_gain_se_paired'))} |"
             )
-        lines.append(f"| held-out KL (nats per sequence) | 0 | {pol.get('kl', float('nan')):.3f} | |")
+        lines.append(f"| held-out KL (nats per sequence) | 0 | {number(pol.get('kl'))} | |")
         lines += [
             "",
             "### What the leash protects",
@@ -187,14 +188,15 @@ def model_card_text(
             mean = "fluency_nll_mean" if key == "fluency_nll" else key
             if mean in pol and f"{key}_change" in evaluation:
                 lines.append(
-                    f"| {name} | {ref[mean]:.3f} | {pol[mean]:.3f} | "
+                    f"| {name} | {number(ref.get(mean))} | {number(pol.get(mean))} | "
                     f"{_pm(evaluation[f'{key}_change'], evaluation.get(f'{key}_change_se'))} |"
                 )
         if "capability_nll" in evaluation:
+            change = _pm(evaluation.get("capability_nll_change"), evaluation.get("capability_nll_change_se"))
             lines.append(
                 f"| capability NLL ({evaluation.get('capability_texts', '?')} human sentences) | "
-                f"{evaluation['ref_capability_nll']:.3f} | {evaluation['capability_nll']:.3f} | "
-                f"{_pm(evaluation['capability_nll_change'], evaluation.get('capability_nll_change_se'))} |"
+                f"{number(evaluation.get('ref_capability_nll'))} | {number(evaluation['capability_nll'])} | "
+                f"{change} |"
             )
         lines.append("")
     else:

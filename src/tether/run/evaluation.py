@@ -24,8 +24,8 @@ from tether.models.rollouts import Sampler
 from tether.models.sampling import sample_seeds
 from tether.models.scoring import rollout_logprobs
 from tether.models.turns import EnvFailed
-from tether.run.announce import leash_line, z_text
-from tether.run.console import say
+from tether.run.announce import change_text, leash_line, z_text
+from tether.run.console import number, say
 from tether.run.files import read_json, write_json_file
 from tether.run.monitor import HELDOUT_RULES
 from tether.run.rngs import forked_rngs
@@ -655,12 +655,29 @@ def reference_eval(evaluator: Evaluator, run_dir: Path, show: bool):
     )
     s = before.summary()
     say(
-        f"tether: reference held-out proxy score {s['proxy_mean']:.3f} ± {s['proxy_se']:.3f}"
-        + (f", gold {s['gold_mean']:.3f} ± {s['gold_se']:.3f}" if "gold_mean" in s else "")
+        f"tether: reference held-out proxy score {mean_text(s['proxy_mean'], s['proxy_se'])}"
+        + (f", gold {mean_text(s['gold_mean'], s['gold_se'])}" if "gold_mean" in s else "")
         + f" (n={len(evaluator.heldout)}{unscored_note(s)})",
         show,
     )
     return before
+
+
+def mean_text(mean: float, se: float) -> str:
+    """A mean score with its standard error, ``0.412 ± 0.031``, or ``n/a: no sample was scored``
+    (every score None: the mean of none is NaN)."""
+    if number(mean) == "n/a":
+        return "n/a: no sample was scored"
+    return change_text(mean, se, ".3f")
+
+
+def gain_text(result: dict) -> str:
+    """The final evaluation's proxy gain with its paired SE and z, or what stands in for it where
+    no prompt has a sample the reward scored under both models."""
+    if number(result["gain"]) == "n/a":
+        return "no gain: no prompt has a scored sample of both the reference and the policy"
+    gain = change_text(result["gain"], result["gain_se_paired"])
+    return f"gain {gain} SE, z = {z_text(result['gain_z_paired'])}"
 
 
 def unscored_note(summary: dict) -> str:
@@ -724,15 +741,22 @@ def final_evaluation(
         reporter.final_evaluation(result)
     evals = [result["reference"], result["policy"]]
     gold = (
-        f"; gold {result['gold_gain']:+.3f} ± {result['gold_gain_se_paired']:.3f}"
+        f"; gold {change_text(result['gold_gain'], result['gold_gain_se_paired'])}"
+        if number(result.get("gold_gain")) != "n/a"
+        else "; gold n/a (no prompt has a sample the judge scored for both)"
         if "gold_gain" in result
         else ""
     )
+    ref, pol = result["reference"], result["policy"]
+    proxy = (
+        f"{number(ref['proxy_mean'])} -> {number(pol['proxy_mean'])} ({gain_text(result)}"
+        f"{unscored_note(pol)})"
+        if number(ref["proxy_mean"]) != "n/a" or number(pol["proxy_mean"]) != "n/a"
+        else f"n/a: no sample was scored (the reward returned None for all {ref['n']} of the reference's "
+        f"samples and all {pol['n']} of the policy's)"
+    )
     say(
-        f"tether: held-out proxy score {result['reference']['proxy_mean']:.3f} -> "
-        f"{result['policy']['proxy_mean']:.3f} (gain {result['gain']:+.3f} ± "
-        f"{result['gain_se_paired']:.3f} SE, z = {z_text(result['gain_z_paired'])}"
-        f"{unscored_note(result['policy'])}){gold}; "
+        f"tether: held-out proxy score {proxy}{gold}; "
         + (
             f"held-out KL {after.kl:.2f} nats/seq"
             if after.kl == after.kl

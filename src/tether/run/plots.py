@@ -114,7 +114,8 @@ def plot_training(
                 ev = [(s, r[ekey]) for s, r in zip(steps, history) if isinstance(r.get(ekey), (int, float))]
                 if ev:
                     ax.plot(*zip(*ev), marker="s", lw=1, label=elabel)
-            ax.legend(fontsize=7)
+            if ax.get_legend_handles_labels()[0]:  # none where no sample was scored (all None)
+                ax.legend(fontsize=7)
         if key == "response/length":  # a multi-turn run: the environment's tokens beside the policy's
             env = [
                 (s, r["rollout/env_tokens"])
