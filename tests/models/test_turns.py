@@ -103,6 +103,52 @@ def test_an_environment_must_return_text_or_none(tiny_tokenizer, tiny_lm):
         turns(tiny_lm, tiny_tokenizer, lambda **kw: 7)
 
 
+def test_a_reply_that_cannot_be_tokenized_is_the_environments_failure(tiny_tokenizer, tiny_lm):
+    """A reply holding a lone surrogate (" \\ud800") ended the run in the tokenizer's raw
+    TypeError ("TextEncodeInput must be Union[...]"), a traceback, and the step before was not
+    kept. Now it is the environment's failure (EnvReplyError, an EnvFailed: the loop keeps the step
+    before), naming the row, the turn and the character; so is any reply the tokenizer refuses."""
+    from tether.models.turns import EnvFailed, EnvReplyError
+
+    with pytest.raises(EnvReplyError) as e:
+        turns(tiny_lm, tiny_tokenizer, lambda **kw: " \ud800")
+    assert isinstance(e.value, EnvFailed)
+    assert str(e.value).startswith(
+        "rollout.env returned text that is not valid Unicode for row 0 after turn 0: '\\ud800' at character 1"
+    ), e.value
+
+    class Refusing:  # a tokenizer that refuses a text (as the fast tokenizer refuses a surrogate)
+        def __init__(self, tok):
+            self.tok = tok
+
+        def __getattr__(self, name):
+            return getattr(self.tok, name)
+
+        def __call__(self, text, **kw):
+            if isinstance(text, str) and "refused" in text:
+                raise TypeError(
+                    "TextEncodeInput must be Union[TextInputSequence, Tuple[InputSequence, InputSequence]]"
+                )
+            return self.tok(text, **kw)
+
+    with pytest.raises(
+        EnvReplyError, match=r"rollout.env's reply for row 0 after turn 0 cannot be tokenized \(TypeError"
+    ):
+        turns(tiny_lm, Refusing(tiny_tokenizer), lambda **kw: " refused")
+
+
+def test_a_chat_reply_that_is_not_valid_unicode_is_refused():
+    from tests.conftest import make_chat_tokenizer
+    from tether.models.turns import EnvReplyError
+
+    tok = make_chat_tokenizer()
+    with pytest.raises(EnvReplyError, match=r"not valid Unicode for row \d after turn 0"):
+        generate_turns(
+            chat_lm(tok, end_boost=1.0), tok, CONVERSATIONS, lambda **kw: "4\udc802", max_turns=2,
+            max_new_tokens=40, temperature=1.0, seeds=list(range(4)),
+        )  # fmt: skip
+
+
 def test_turn_seeds():
     assert turn_seed(123, 0) == 123  # a one-turn rollout samples what generate samples
     assert len({turn_seed(123, t) for t in range(5)}) == 5 and 0 <= turn_seed(123, 3) < 2**63

@@ -308,13 +308,23 @@ def reply_text(tokenizer, reply, *, left: int, chat: bool, forbidden: set[int], 
     for an accent that composes with the template's last character).
 
     Raises:
-        EnvReplyError: not a string; special tokens (:func:`special_ids`) in the text tokenized.
+        EnvReplyError: not a string; a string that is not valid Unicode (a lone surrogate, which
+            no tokenizer takes); special tokens (:func:`special_ids`) in the text tokenized.
     """
     if not isinstance(reply, str):
         raise EnvReplyError(
             f"rollout.env returned {type(reply).__name__} for {where}; "
             "it must return the text to append (a str) or None to end the episode"
         )
+    try:
+        reply.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise EnvReplyError(
+            f"rollout.env returned text that is not valid Unicode for {where}: "
+            f"{reply[e.start : e.end]!r} at character {e.start} ({e.reason}), which the tokenizer cannot "
+            f"take ({reply[:80]!r}); return text that encodes as UTF-8 (a lone surrogate comes from "
+            "bytes decoded with errors='surrogateescape' or a cut UTF-16 pair: decode with errors='replace')"
+        ) from None
     if chat and normalized_length(tokenizer, reply) > (left + 1) * longest_token_chars(tokenizer):
         return None
     text = reply if chat else reply_head(tokenizer, reply, left)
@@ -809,8 +819,8 @@ class ToolLoop:
 
         Raises:
             EnvFailed: the environment failed (:func:`call_env`).
-            EnvReplyError: its reply cannot be appended (:func:`reply_text`, the format's
-                ``reply_ids``), the row and the turn named.
+            EnvReplyError: its reply cannot be tokenized or appended (:func:`reply_text`, the
+                format's ``reply_ids``), the row and the turn named.
         """
         so_far = self.fmt.completion(ep, at_end)
         if so_far is None:
@@ -831,13 +841,20 @@ class ToolLoop:
             ep.done = ep.ended = True
             return
         left = self.max_new_tokens - len(ep.tokens)
-        text = reply_text(
-            self.tokenizer, reply, left=left, chat=self.fmt.chat, forbidden=forbidden, where=where
-        )
         try:
+            text = reply_text(
+                self.tokenizer, reply, left=left, chat=self.fmt.chat, forbidden=forbidden, where=where
+            )
             env_ids = self.fmt.reply_ids(ep, reply, text, left=left, at_end=at_end)
+        except EnvReplyError:
+            raise
         except ValueError as e:  # the reply cannot be appended exactly: the environment's doing
             raise EnvReplyError(f"{e} ({where})") from None
+        except TypeError as e:  # the tokenizer (or the chat template) refused the reply's text
+            raise EnvReplyError(
+                f"rollout.env's reply for {where} cannot be tokenized ({type(e).__name__}: {e}): "
+                f"{str(reply)[:80]!r}"
+            ) from None
         if env_ids is None:  # a chat reply that does not fit, dropped: cut at the token budget
             ep.done, ep.ended = True, False  # (the environment answered, so it had not ended)
             return
