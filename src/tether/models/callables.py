@@ -78,6 +78,12 @@ def running(what: str):
         RUNNING.pop()
 
 
+class SignalStop(KeyboardInterrupt):
+    """What tether's handler raises on a second Ctrl-C or SIGTERM
+    (:func:`tether.run.signals.install_signal_handlers`): a ``KeyboardInterrupt``, told apart from
+    one a user's code raises itself when it ends a call that runs on this thread."""
+
+
 class Abandoned(Exception):
     """tether stopped waiting for a user's call (:func:`call_with_deadline`): its deadline passed
     (``interrupted`` False) or a signal came while it ran (a second Ctrl-C: ``interrupted`` True).

@@ -45,7 +45,14 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from tether.models.callables import PASSED_FROM_PYTHON, Abandoned, call_with_deadline, import_callable
+from tether.models.callables import (
+    PASSED_FROM_PYTHON,
+    Abandoned,
+    SignalStop,
+    call_with_deadline,
+    import_callable,
+    running,
+)
 from tether.models.sampling import (
     CHAT_TEMPLATE_FLAG,
     Rollout,
@@ -62,7 +69,8 @@ EnvFn = Callable[..., "str | None"]
 after the policy's ``turn``-th turn (0-based), given the prompt and the response so far: as text
 (raw format), or as messages (chat format: ``[{"role": "assistant", "content": ...}, {"role":
 "tool", ...}, ...]``, the last the turn just written). It may be ``async def``; each call runs
-on a worker thread, at most ``rollout.env_timeout`` seconds (:func:`call_env`)."""
+on a worker thread, at most ``rollout.env_timeout`` seconds, or, with no limit, on the calling
+thread (:func:`call_env`)."""
 
 EnvFormat = Literal["auto", "chat", "raw"]
 
@@ -182,20 +190,32 @@ def awaited(reply):
         return pool.submit(asyncio.run, wait()).result()
 
 
+SIGNAL_ON_A_THREAD = "signal only works in main thread"
+"""The start of the ValueError Python raises when code sets a signal handler (``signal.signal``,
+as a ``signal.alarm`` timeout does) on a thread other than the main one."""
+
+
 def call_env(env: EnvFn, kwargs: dict, *, timeout: float | None, where: str, so_far) -> str | None:
-    """``env(**kwargs)`` on a worker thread, at most ``timeout`` seconds (None: no limit), awaited
-    when it is ``async def`` (:func:`tether.models.callables.call_with_deadline`): Ctrl-C is heard
-    while it runs, and an environment that never answers ends the rollout instead of the run
-    hanging. ``where`` (``row 1 after turn 0``) and ``so_far`` (the completion it got) name the call.
+    """``env(**kwargs)``, awaited when it is ``async def``: with a ``timeout``, on a worker thread
+    for at most that many seconds (:func:`tether.models.callables.call_with_deadline`), so that an
+    environment that never answers ends the rollout instead of the run hanging; with none
+    (``rollout.env_timeout=null``), on this thread, so that code that needs the main thread (a
+    ``signal.alarm`` timeout of its own) works. Ctrl-C is heard while it runs either way (the first
+    said, naming the call; a second ends it). ``where`` (``row 1 after turn 0``) and ``so_far``
+    (the completion it got) name the call.
 
     Raises:
         EnvFailed: it raised anything (``SystemExit`` and ``KeyboardInterrupt`` too: a tool's
-            ``exit()`` would end the run silently), its deadline passed (``rollout.env_timeout``
-            named), or a signal ended the wait (``interrupted``).
+            ``exit()`` would end the run silently; a signal handler set on the worker thread: the
+            fix named), its deadline passed (``rollout.env_timeout`` named), or a signal ended the
+            wait or the call (``interrupted``).
     """
     what = f"rollout.env ({where})"
     shown = f"completion so far {str(so_far)[-80:]!r}"
     try:
+        if timeout is None:
+            with running(what):
+                return awaited(env(**kwargs))
         return call_with_deadline(
             lambda: env(**kwargs), timeout=timeout, what=what, limit_name="rollout.env_timeout"
         )
@@ -207,8 +227,18 @@ def call_env(env: EnvFn, kwargs: dict, *, timeout: float | None, where: str, so_
             "the call is left running on a thread of its own. Find what it waits on (a tool that calls a "
             "service: give it a timeout of its own), or raise rollout.env_timeout (null: no limit)"
         ) from None
+    except SignalStop:  # a second Ctrl-C while it ran on this thread
+        raise EnvFailed(f"stopped while waiting for {what}", interrupted=True) from None
     except (Exception, SystemExit, KeyboardInterrupt) as e:
         said = f": {e}" if str(e) else ""
+        if isinstance(e, ValueError) and str(e).startswith(SIGNAL_ON_A_THREAD):
+            said += (
+                f". It sets a signal handler (signal.signal, as a signal.alarm timeout does), which Python "
+                f"allows on the main thread only, and tether calls it on a worker thread to hold it to "
+                f"rollout.env_timeout={timeout:g} s: drop its own timeout (tether enforces "
+                "rollout.env_timeout itself), or set rollout.env_timeout=null to call it on the main thread, "
+                "with no deadline"
+            )
         raise EnvFailed(f"rollout.env raised {type(e).__name__} on {where} ({shown}){said}") from e
 
 
@@ -952,7 +982,8 @@ def generate_turns(
         env_format: ``raw``, ``chat`` or ``auto`` (chat for the rows whose prompt the chat
             template rendered), module docstring.
         env_timeout: seconds one call of ``env`` may take (``rollout.env_timeout``), None for no
-            limit. Every call runs on a worker thread (:func:`call_env`).
+            limit. With a limit every call runs on a worker thread, without one on this thread
+            (:func:`call_env`).
 
     Returns:
         A :class:`tether.models.sampling.Rollout` whose ``response_mask`` is True on the policy's

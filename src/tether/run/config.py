@@ -596,11 +596,13 @@ class RolloutConfig(_Defaulted):
     across them by policy token (docs/kl.md), the reward reads the whole transcript and
     samples.jsonl lists them under ``env``. PPO, GRPO, RLOO; decoded eagerly."""
     env_timeout: float | None = 60.0
-    """Seconds one call of ``rollout.env`` may take (null: no limit). Each call runs on a worker
-    thread while tether waits, so Ctrl-C is heard while it runs; past the limit the run stops
-    with the checkpoint of the step before and a message naming the row and the step (the call is
-    left running on its thread). 60: a step makes up to batch_size x (max_turns - 1) calls, one
-    after another, so a tool that takes a minute already makes a 16-call step a quarter of an hour."""
+    """Seconds one call of ``rollout.env`` may take (null: no limit). With a limit each call runs
+    on a worker thread while tether waits (code that needs the main thread, a ``signal.alarm``
+    timeout, cannot run there: null calls it on the main thread); Ctrl-C is heard while it runs
+    either way. Past the limit the run stops with the checkpoint of the step before and a message
+    naming the row and the step (the call is left running on its thread). 60: a step makes up to
+    batch_size x (max_turns - 1) calls, one after another, so a tool that takes a minute already
+    makes a 16-call step a quarter of an hour."""
     env_format: Literal["auto", "chat", "raw"] = "auto"
     """How ``rollout.env``'s text joins the response. raw: appended as it is, and an end id ends
     the episode. chat: through the chat template, as TRL's tool loop does: each policy turn is an

@@ -7,7 +7,7 @@ import signal
 import sys
 
 from tether.core import distributed as D
-from tether.models.callables import waiting_for
+from tether.models.callables import SignalStop, waiting_for
 
 
 class Interrupted(Exception):
@@ -30,8 +30,10 @@ def stopping_line(name: str) -> str:
 def install_signal_handlers() -> tuple[list[str], dict]:
     """On SIGINT / SIGTERM, finish the current step, checkpoint, and stop (the list gets the name);
     the first signal is said at once (:func:`stopping_line`, on stderr, by the process that
-    speaks), even while user code runs: an environment's call runs on a thread of its own
-    (:func:`tether.models.callables.call_with_deadline`), so this thread hears it.
+    speaks), even while user code runs: an environment's call with a deadline runs on a thread of
+    its own (:func:`tether.models.callables.call_with_deadline`), so this thread hears it, and one
+    without runs on this thread, which runs the handler between its bytecodes and in its waits. A
+    second signal raises :class:`tether.models.callables.SignalStop` (a ``KeyboardInterrupt``).
 
     Returns the stop list and the previous handlers, which ``train`` restores when it returns.
     """
@@ -40,7 +42,7 @@ def install_signal_handlers() -> tuple[list[str], dict]:
 
     def handler(signum, frame):
         if stop:  # a second signal: stop now
-            raise KeyboardInterrupt
+            raise SignalStop
         name = signal.Signals(signum).name
         stop.append(name)
         if D.is_main():
