@@ -118,3 +118,34 @@ def test_a_prompt_with_no_quality_value_is_left_out_not_zero():
     assert rep[0].tolist() == [0.5, 0.5] and rep[1].isnan().all()
     keep = ~rep.isnan().any(-1)
     assert bon_scores(torch.zeros(1, 2), rep[keep], 1)[1] == 0.5
+
+
+def test_a_frontier_with_a_reward_named_on_the_command_line(tiny_model_dir, prompt_file, tmp_path, capsys):
+    """``tether frontier ... reward.scorer=module:function`` failed before its first run: the
+    frontier passed each run the reward it had built while the config named it ("train(scorer=...)
+    and reward.scorer='...' both give the reward"). Each run now builds it from the config, whose
+    config.yaml then names it, so ``tether train --resume`` rebuilds it."""
+    from tests.conftest import tiny_run_args
+    from tether.cli import main
+    from tether.run.config import load_config
+
+    out = tmp_path / "frontier"
+    overrides = {
+        "reward.scorer": "tests.conftest:length_judge",
+        "eval.judge": "tests.conftest:one_if_long",
+        "eval.n_prompts": 4,
+        "eval.every": 1,
+        "eval.periodic_prompts": 4,
+        "train.steps": 2,
+        "train.checkpoint_every": 2,  # the frontier sets 0: a checkpoint to resume from
+    }
+    args = tiny_run_args(tiny_model_dir, prompt_file, out, overrides)
+    args = [a for a in args if not a.startswith("train.output_dir=")]
+    code = main(
+        ["frontier", "--out", str(out), "--sweep", "ppo:0.05", "--bon", "1,2", "--bon-prompts", "4", *args]
+    )
+    assert code == 0, capsys.readouterr().err
+    run = out / "ppo-beta0.05"
+    assert load_config(run / "config.yaml", []).reward.scorer == "tests.conftest:length_judge"
+    assert (out / "frontier.csv").exists()
+    assert main(["train", "--resume", str(run), "train.steps=3"]) == 0

@@ -215,7 +215,11 @@ def frontier(
     points = best_of_n_points(base, proxy, gold, ns, bon_prompts or base.eval.periodic_prompts)
     ref_proxy, ref_gold = points[0]["proxy"], points[0]["gold"]  # N = 1 is the reference
     for (algo, beta), c in zip(sweep, configs):
-        run_dir = train(c, scorer=proxy, judge=gold)
+        # each run builds its reward from reward.scorer, as `tether train` would, so that its
+        # config.yaml names it and `tether train --resume RUN` rebuilds it (the object passed as
+        # well was refused: "train(scorer=...) and reward.scorer=... both give the reward"); the
+        # judge, which may be fitted, is built once and shared
+        run_dir = train(c, judge=gold)
         points += run_points(run_dir, f"{algo} beta={beta:g}")
         _write_csv(points, out / "frontier.csv")
     _write_csv(points, out / "frontier.csv")
