@@ -36,6 +36,10 @@ EXACT = {
     "optim/lr",
     "rollout/compiled",  # how the rollout was decoded: a flag
     "rollout/env_tokens",  # the environment's tokens of the same samples, counted
+    # the update guard's decision, a comparison of the KL against kl.budget * (1 + kl.guard_tol):
+    # the same halvings unless a grouping's rounding lands on the ceiling itself
+    "guard/fraction",
+    "guard/backtracks",
 }
 """Same samples or same counts: compared with ==."""
 
@@ -60,6 +64,10 @@ def term_magnitudes(row: dict) -> dict[str, float]:
     return {
         "objective/kl": L * m_tok,
         "objective/kl_exact": L * m_tok,
+        # the importance-weighted exact KL of the updated policy on the same batch: the same terms,
+        # each times a prefix ratio near 1
+        "guard/kl_updated": L * m_tok,
+        "guard/kl_kept": L * m_tok,
         "objective/kl_per_token": m_tok,
         "objective/kl_exact_per_token": m_tok,
         "policy/approx_kl": m_tok,

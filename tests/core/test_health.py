@@ -28,6 +28,8 @@ def healthy(n: int = 20) -> list[dict]:
                 "response/length": 24.0 - 0.1 * (s % 3),
                 "rollout/logprob_mismatch": 2e-6,  # rounding only
                 "rollout/env_tokens": 0.0 if s == 0 else 4.0,  # a tool called from step 1 on
+                "guard/fraction": 0.0 if s in (9, 10) else 1.0,  # two restored updates, not three
+                "guard/kl_kept": 2.0,
             }
         )
         if s % 2 == 0:  # eval points: proxy and gold rise together
@@ -68,6 +70,8 @@ def with_pattern(rule: str) -> list[dict]:
             r["objective/kl_per_token"] = -0.02
         if rule == "env_never_answered":
             r["rollout/env_tokens"] = 0.0  # no turn ever stopped for the tool
+        if rule == "budget_spent" and s >= 17:
+            r["guard/fraction"] = 0.0  # the guard restored the weights in the last 3 steps
         if rule == "logprob_mismatch" and s == 19:
             r["rollout/logprob_mismatch"] = 0.028  # bf16 sampling scored in float32
         if rule == "sample_quality" and "eval/fluency_nll" in r and s >= 12:
@@ -202,3 +206,18 @@ def test_an_environment_that_never_answers_is_named_from_the_second_step():
     assert alarm is not None and alarm.step == 1 and "rollout.stop_strings" in alarm.fix
     assert RULES["env_never_answered"](silent[:2] + [{"step": 2, "rollout/env_tokens": 0.25}], T) is None
     assert RULES["env_never_answered"]([{"step": s} for s in range(3)], T) is None
+
+
+def test_budget_spent_fires_after_three_restored_updates_in_a_row():
+    from tether.core.health import budget_spent
+
+    t = HealthThresholds()
+    rows = [
+        {"step": i, "guard/fraction": f, "guard/kl_kept": 2.6} for i, f in enumerate([1.0, 0.0, 0.0, 0.0])
+    ]
+    alarm = budget_spent(rows, t)
+    assert alarm is not None and alarm.step == 3 and "kl.budget" in alarm.fix and "2.6" in alarm.message
+    assert budget_spent(rows[:3], t) is None  # two in a row
+    halved = [*rows[:3], {"step": 3, "guard/fraction": 0.5, "guard/kl_kept": 2.6}]
+    assert budget_spent(halved, t) is None  # a half of an update fit: not spent
+    assert budget_spent([{"step": 0}], t) is None  # no guard

@@ -124,8 +124,9 @@ def test_other_trainers_cli_end_to_end(algo, tiny_model_dir, prompt_file, tmp_pa
         assert rows[0]["objective/kl_exact"] > 0.0
     else:  # policy == reference at step 0
         assert rows[0]["objective/kl"] == 0.0 and rows[0]["objective/kl_exact"] == 0.0
-    if algo == "grpo":
-        assert rows[-1]["kl/applied_in_loss"] > 0 and rows[-1]["kl/applied_in_reward"] == 0
+    if algo == "grpo":  # the KL term enters the loss on the steps whose beta is not 0 (the budget's)
+        in_loss = any(r["objective/kl_coef"] > 0 for r in rows)
+        assert (rows[-1]["kl/applied_in_loss"] > 0) == in_loss and rows[-1]["kl/applied_in_reward"] == 0
         # the std divides the advantages, not the KL term: the exchange rate actually used is logged
         assert all(r["objective/kl_coef_effective"] >= 0 for r in rows)
     else:
@@ -348,8 +349,9 @@ def test_report_and_tensorboard(tiny_model_dir, prompt_file, tmp_path, capsys):
 
 @pytest.mark.parametrize("signal", ["estimator", "exact"])
 def test_budget_controller_run_follows_its_rule(tiny_model_dir, prompt_file, tmp_path, signal):
-    # a PPO run under kl.controller=budget: each logged beta is the previous step's beta moved
-    # by the rule on the previous step's logged KL (the signal it reads), never recomputed apart
+    # a PPO run under kl.controller=budget: each logged beta is the rule applied to the same
+    # step's logged KL (the signal it reads before the update), never recomputed apart; a step
+    # whose update the guard cut moves the dual once more, by the KL the update wanted
     out = tmp_path / "run"
     eps, eta, kp = 0.01, 2.0, 3.0
     args = _tiny_args(tiny_model_dir, prompt_file, out) + [
@@ -358,7 +360,7 @@ def test_budget_controller_run_follows_its_rule(tiny_model_dir, prompt_file, tmp
         f"kl.budget_eta={eta}",
         f"kl.budget_kp={kp}",
         f"kl.controller_signal={signal}",
-        "kl.kl_coef=0.1",
+        "kl.kl_coef=0.5",
         "optim.lr=3e-3",
         "train.steps=4",
         "train.save_model=false",
@@ -368,13 +370,17 @@ def test_budget_controller_run_follows_its_rule(tiny_model_dir, prompt_file, tmp
     assert main(args) == 0
     rows = metric_rows(out, timings=True)
     key = "objective/kl" if signal == "estimator" else "objective/kl_exact"
-    dual = 0.1
-    assert rows[0]["objective/kl_coef"] == pytest.approx(0.1)
-    for prev, row in zip(rows, rows[1:]):
-        error = prev[key] - eps
+    dual = 0.5
+    for row in rows:
+        error = row[key] - eps
         dual = max(0.0, dual + eta * error)
         assert row["objective/kl_coef"] == pytest.approx(max(0.0, dual + kp * error), abs=1e-6)
+        if row["guard/fraction"] < 1.0:
+            dual = max(0.0, dual + eta * (row["guard/kl_updated"] - eps))
+    # step 0 reads KL 0 before its own update: dual 0.5 + 2 * (0 - 0.01) = 0.48, beta 0.48 + 3 * (0 - 0.01)
+    assert rows[0]["objective/kl_coef"] == pytest.approx(0.45, abs=1e-9)
     assert len({r["objective/kl_coef"] for r in rows}) > 2  # beta really moved
+    assert any(r["guard/fraction"] < 1.0 for r in rows)  # the guard cut an update (a budget of 0.01)
 
 
 def test_grpo_with_long_shared_prompts_end_to_end(tiny_model_dir, tmp_path, monkeypatch):
@@ -401,8 +407,11 @@ def test_grpo_with_long_shared_prompts_end_to_end(tiny_model_dir, tmp_path, monk
     assert rows[0]["objective/kl"] == 0.0 and rows[0]["policy/ratio_max_dev_first"] == 0.0
     assert rows[0]["objective/kl_exact"] == 0.0
     # each of the 3 steps: generation (4 rows), then per minibatch of 2 rows the policy's and the
-    # reference's scoring, then 2 epochs x 2 minibatches of the update (evaluation has no groups)
-    assert [shape[0] for shape in prefix_rows] == ([4] + [2] * 8) * 3
+    # reference's scoring, then 2 epochs x 2 minibatches of the update, each epoch followed by the
+    # update guard's measure of the policy in the same 2-row groups (the reference's hidden states
+    # kept from its scoring: no second reference forward; the budget is far, no halving); the
+    # evaluation has no groups
+    assert [shape[0] for shape in prefix_rows] == ([4] + [2] * 4 + ([2] * 2 + [2] * 2) * 2) * 3
     assert all(shape[1] >= tm.SHARED_PREFIX_MIN_POSITIONS for shape in prefix_rows)
 
 
@@ -756,10 +765,10 @@ def _scripted_log_step(real, scores):
 
 
 def test_resume_with_another_controller_carries_beta_into_it(tiny_model_dir, prompt_file, tmp_path, caplog):
-    # step 0 under the adaptive controller: KL 0 (policy == reference), so
-    # beta = 0.05 * (1 - 0.2 * 4 / 10000);
-    # then the budget controller from that beta, with its proportional term (not the pure dual
-    # ascent that an old budget checkpoint without "dual" resumes with)
+    # step 0 under the adaptive controller: it reads the batch's KL, 0 (policy == reference),
+    # before the update, so step 0's beta = 0.05 * (1 - 0.2 * 4 / 10000); then the budget
+    # controller from that beta, reading step 1's KL before step 1's update, with its proportional
+    # term (not the pure dual ascent that an old budget checkpoint without "dual" resumes with)
     eps, eta, kp = 1e-9, 0.3, 1.0
     rows = _run_then_resume(
         tiny_model_dir,
@@ -776,12 +785,12 @@ def test_resume_with_another_controller_carries_beta_into_it(tiny_model_dir, pro
         ],
     )
     assert "kl.controller changed (adaptive -> budget)" in caplog.text
-    beta1 = 0.05 * (1 - 0.2 * 4 / 10_000)
-    assert rows[1]["objective/kl_coef"] == pytest.approx(beta1, rel=1e-12)
+    beta0 = 0.05 * (1 - 0.2 * 4 / 10_000)
+    assert rows[0]["objective/kl_coef"] == pytest.approx(beta0, rel=1e-12)
     error = rows[1]["objective/kl_exact"] - eps
     assert error > 1e-6  # so that kp = 1 and kp = 0 give different betas
-    dual = max(0.0, beta1 + eta * error)
-    assert rows[2]["objective/kl_coef"] == pytest.approx(max(0.0, dual + kp * error), abs=1e-9)
+    dual = max(0.0, beta0 + eta * error)
+    assert rows[1]["objective/kl_coef"] == pytest.approx(max(0.0, dual + kp * error), abs=1e-9)
 
 
 def test_a_kept_policy_is_evaluated_on_prompts_it_was_not_chosen_on(caplog):
@@ -869,3 +878,22 @@ def test_grpo_logs_its_all_equal_groups_on_a_01_reward(tiny_model_dir, prompt_fi
     for r in rows:
         equal, best, worst = (r[f"rollout/groups_all_{k}"] for k in ("equal", "best", "worst"))
         assert equal in (0.0, 0.5, 1.0) and best + worst == equal, r
+
+
+def test_a_guarded_run_resumed_in_the_middle_equals_the_uninterrupted_one(
+    tiny_model_dir, prompt_file, tmp_path
+):
+    # a budget of 0.01 nats at lr 3e-3: the guard cuts updates (guard/fraction < 1) and the dual
+    # takes its extra steps; cut after step 1 and resumed, the rows are the uninterrupted run's,
+    # bit for bit (the guard keeps no state between steps; the controller's is checkpointed)
+    leash = ["kl.budget=0.01", "optim.lr=3e-3", "kl.controller_signal=exact"]
+    full = _run_then_resume(tiny_model_dir, prompt_file, tmp_path / "full", [*leash, "train.steps=4"], [])
+    cut = _run_then_resume(
+        tiny_model_dir, prompt_file, tmp_path / "cut", [*leash, "train.steps=2"], ["train.steps=4"]
+    )
+
+    def untimed(rows):
+        return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+
+    assert untimed(cut) == untimed(full)
+    assert any(r["guard/fraction"] < 1.0 for r in full)  # the guard acted in the run

@@ -68,8 +68,9 @@ def test_a_toy_controller_needs_its_own_file_only_and_resumes_bit_for_bit(
     assert main(_args(tiny_model_dir, prompt_file, cut, **{"train.steps": 2})) == 0
     assert main(["train", "--resume", str(cut), "train.steps=4"]) == 0
     rows = metric_rows(full)
-    # beta of step t is the one after t updates: 0.2 * (1 + t) / (1 + 0.5 t)
-    betas = [0.2 * (1 + t) / (1 + 0.5 * t) for t in range(4)]
+    # the controller reads step t's KL before step t's update, so beta of step t is the one after
+    # t + 1 updates: 0.2 * (2 + t) / (1 + 0.5 (t + 1)); step 0's: 0.2 * 2 / 1.5 = 0.26667
+    betas = [0.2 * (2 + t) / (1 + 0.5 * (t + 1)) for t in range(4)]
     assert [r["objective/kl_coef"] for r in rows] == pytest.approx(betas, rel=1e-12)
     assert metric_rows(cut) == rows  # the update count survived the resume
     card = (full / "policy" / "README.md").read_text()

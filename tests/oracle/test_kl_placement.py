@@ -361,3 +361,50 @@ def test_exact_shaping_lowers_the_gradient_variance_on_the_bed():
         ratios[beta] = exact / sampled
         print(f"beta {beta}: one-sequence gradient variance, sampled k1 {sampled:.4f}, exact {exact:.4f}")
     assert ratios[3.0] < 0.8 and ratios[0.7] < 1.0, ratios
+
+
+def test_importance_weighted_kl_is_the_updated_policys_kl_in_expectation():
+    # On a bed of V = 5, T = 3 (125 sequences), pi_old and pi two random table policies: the
+    # prefix-ratio estimate summed over pi_old's sequences with their probabilities is
+    # KL(pi || pi_ref) exactly (an equality of sums, float64); at pi = pi_old it is the exact KL of
+    # each sequence's own positions, whose pi-weighted sum is the same KL again.
+    from tether.core.kl import importance_weighted_kl
+
+    bed = tb.random_sequence_bed(seed=3, reward_scale=1.0)
+    g = torch.Generator().manual_seed(5)
+    old = bed.ref_logits.to(F64) + torch.randn(bed.ref_logits.shape, generator=g, dtype=F64)
+    new = old + 0.5 * torch.randn(bed.ref_logits.shape, generator=g, dtype=F64)
+    seqs = tb.all_sequences(bed.vocab, bed.length)
+    rows = tb.prefix_indices(seqs, bed.vocab)
+    mask = torch.ones(seqs.shape, dtype=torch.bool)
+    p_old = tb.sequence_logprobs(old, bed.vocab, bed.length).exp()  # (125,)
+    per_seq, weights = importance_weighted_kl(
+        tb.position_kl(new, bed.ref_logits, rows),
+        tb.token_logprobs(new, seqs, bed.vocab),
+        tb.token_logprobs(old, seqs, bed.vocab),
+        mask,
+    )
+    truth = tb.exact_kl(
+        tb.sequence_logprobs(new, bed.vocab, bed.length),
+        tb.sequence_logprobs(bed.ref_logits.to(F64), bed.vocab, bed.length),
+    )
+    assert float((p_old * per_seq).sum()) == pytest.approx(float(truth), rel=1e-12)
+    # the weights' expectation at each position is 1 (E_old[rho_<t] = 1), so the length under pi
+    assert (p_old[:, None] * weights).sum(0).tolist() == pytest.approx([1.0, 1.0, 1.0], rel=1e-12)
+    # a mask with a hole: position 1 is an environment's (no ratio, no KL): the estimate is the KL of
+    # positions 0 and 2 under pi with position 1 drawn alike (here by the old table, as the bed
+    # cannot tell who drew it: the ratio skips it)
+    hole = torch.tensor([True, False, True]).expand_as(mask)
+    per_seq_h, _ = importance_weighted_kl(
+        tb.position_kl(new, bed.ref_logits, rows),
+        tb.token_logprobs(new, seqs, bed.vocab),
+        tb.token_logprobs(old, seqs, bed.vocab),
+        hole,
+    )
+    # by enumeration: sequences drawn with position 1 from pi_old and 0, 2 from pi
+    lp_new, lp_old = tb.token_logprobs(new, seqs, bed.vocab), tb.token_logprobs(old, seqs, bed.vocab)
+    mixed = (lp_new[:, 0] + lp_old[:, 1] + lp_new[:, 2]).exp()
+    pk = tb.position_kl(new, bed.ref_logits, rows)
+    assert float((p_old * per_seq_h).sum()) == pytest.approx(
+        float((mixed * (pk[:, 0] + pk[:, 2])).sum()), rel=1e-12
+    )

@@ -159,6 +159,13 @@ def test_the_bed_runs_the_step_settings_of_a_default_run(algo):
     bed = StepSettings(algo=algo, group_size=run.group_size, gamma=s.gamma, gae_lambda=s.gae_lambda)
     assert bed == run
     assert run.scale_returns and run.controller_signal == "exact"  # the two the oracle once left out
+    # the update guard: on with the budget controller in both, with the config's tolerance and halvings
+    from tether.trainers.guard import GuardSettings
+
+    cfg = load_config(None, [f"train.algo={algo}"]).for_run()
+    guard = GuardSettings(limit=cfg.kl.budget)
+    assert cfg.kl.guard and (guard.tol, guard.max_halvings) == (cfg.kl.guard_tol, cfg.kl.guard_halvings)
+    assert BudgetKLController.guarded and not FixedKLController.guarded
     # the KL surrogate in the loss (GRPO's placement, any algorithm's kl.kl_in_loss): the bed's
     # default is the CLI's and the leash's, k3_is (exact on the update's off-policy minibatches)
     bed_estimator = inspect.signature(tb.train_on_policy).parameters["loss_estimator"].default
@@ -953,3 +960,54 @@ def test_scale_kl_by_std_run_lands_on_its_exact_fixed_point():
     )
     print(msg)
     assert to_fp < gap / 4 and to_dr > 3 * to_fp, msg
+
+
+def sequence_kl_cv(bed: tb.TabularBed, beta: float) -> float:
+    """The coefficient of variation of a sequence's exact-KL sum under pi*(beta), by enumeration:
+    the guard's batch estimate of the KL has relative standard error cv / sqrt(B) there."""
+    table = tb.optimal_table(bed, beta)
+    seqs = tb.all_sequences(bed.vocab, bed.length)
+    per = tb.position_kl(table, bed.ref_logits, tb.prefix_indices(seqs, bed.vocab)).sum(-1)
+    p = tb.sequence_logprobs(table, bed.vocab, bed.length).exp()
+    mean = (p * per).sum()
+    return float(((p * (per - mean) ** 2).sum()).sqrt() / mean)
+
+
+@functools.cache
+def guard_runs(bed_name: str, algo: str, guarded: bool) -> tuple[tb.RunLog, float]:
+    bed, eps, lr = (bed_bandit(), 0.3, 0.05) if bed_name == "bandit" else (seq_bed(), 0.5, 0.1)
+    c = BudgetKLController(kl_coef=1.0, budget=eps, eta=0.2, kp=1.0)
+    settings = tb.TrainSettings(steps=150, batch_size=1024, group_size=G, lr_final_fraction=0.2, lr=lr)
+    log = tb.train_on_policy(bed, algo, c, settings, guard="auto" if guarded else None)
+    return log, c.dual
+
+
+@pytest.mark.parametrize("bed_name", ["bandit", "sequence"])
+@pytest.mark.parametrize("algo", ["ppo", "rloo"])
+def test_the_guard_holds_the_budget_and_reaches_the_constrained_optimum(bed_name, algo):
+    # A learning rate at which one unguarded update crosses the budget (the bandit at lr 0.05, the
+    # sequence bed at 0.1: unguarded PPO peaks 97% and 23% over). Guarded (the budget
+    # controller's default): the exact KL of the policy at every batch stays within the ceiling
+    # budget * 1.05, up to the guard's own sampling error on the sequence bed, 3 standard errors
+    # of its batch estimate (cv / sqrt(1024), by enumeration at pi*: 1.9%); on the bandit one
+    # position makes the estimate exact. And the run lands on pi* of the beta that spends the
+    # budget exactly (KL < 1e-3 nats), the multiplier on that beta (within 5%).
+    bed, eps = (bed_bandit(), 0.3) if bed_name == "bandit" else (seq_bed(), 0.5)
+    beta_star = beta_for_budget(bed, eps)
+    cv = 0.0 if bed_name == "bandit" else sequence_kl_cv(bed, beta_star)
+    ceiling = eps * 1.05 * (1 + 3 * cv / math.sqrt(1024)) + 1e-9
+    log, dual = guard_runs(bed_name, algo, True)
+    unguarded, _ = guard_runs(bed_name, "ppo", False)
+    peak, free_peak = max(log.exact_kls), max(unguarded.exact_kls)
+    dist = tb.kl_to(log.table, bed, pi_star(bed, beta_star))
+    cut = sum(g.fraction < 1 for g in log.guard)
+    msg = (
+        f"{bed_name} {algo}: exact KL peak {peak:.4f} (ceiling {eps * 1.05:.4f}, with the estimate's "
+        f"noise {ceiling:.4f}; unguarded PPO {free_peak:.4f}), the guard cut {cut} of {len(log.guard)} "
+        f"updates; KL(pi || pi*(beta*)) = {dist:.2e}, dual {dual:.4f} vs beta* {beta_star:.4f}"
+    )
+    print(msg)
+    assert free_peak > eps * 1.05, msg  # the learning rate crosses the budget unguarded
+    assert peak <= ceiling, msg
+    assert dist < 1e-3, msg
+    assert abs(dual - beta_star) / beta_star < 0.05, msg

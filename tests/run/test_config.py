@@ -91,6 +91,8 @@ def test_config_is_plain_data():
             ["kl.kl_coef=0: no KL leash", "adaptive multiplies beta, so it stays 0"],
         ),
         (["kl.kl_coef=0", "kl.controller=fixed"], ["kl.kl_coef=0: no KL leash"]),
+        (["kl.exact=false"], ["without the update guard (kl.exact=false turns it off)", "not a bound"]),
+        (["train.algo=rloo", "kl.guard=false"], ["without the update guard (kl.guard=false)"]),
         (
             [
                 "train.algo=grpo",

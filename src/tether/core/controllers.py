@@ -58,6 +58,9 @@ class Controller:
     """Whether beta follows the measured KL (so the KL it reads must be unbiased)."""
     raises_from_zero: ClassVar[bool] = False
     """Whether beta can rise from 0 (then the KL must be measured, and placed, even at kl_coef 0)."""
+    guarded: ClassVar[bool] = False
+    """Whether the update guard is on by default with it (``kl.guard`` unset): a controller that
+    holds a budget, which one update must not cross (:mod:`tether.trainers.guard`)."""
     for_dpo: ClassVar[bool] = False
     """Whether DPO takes it: DPO's leash is its fixed ``dpo.beta``, so only a controller that
     never moves beta is meaningful there."""
@@ -436,6 +439,7 @@ class BudgetKLController(Controller):
     state: ClassVar[tuple[str, ...]] = ("kl_coef", "dual", "last_kl")
     held: ClassVar[str | None] = "budget"
     raises_from_zero: ClassVar[bool] = True
+    guarded: ClassVar[bool] = True
 
     kl_coef: float
     budget: float

@@ -68,6 +68,9 @@ class HealthThresholds:
     quality_min_z: float = 2.0
     """... each change also more than this many standard errors of the difference (from the
     ``eval/*_se`` keys, when logged), so that a few noisy prompts do not raise it."""
+    guard_rejected_steps: int = 3
+    """Budget spent: the update guard restored the weights (``guard/fraction`` 0: no fraction of
+    the update fit under kl.budget) in this many steps in a row."""
     capability_margin: float = 0.05
     """Capability loss: the policy's per-token NLL of the capability text (``eval/capability_nll``,
     human sentences no run trains on) more than this above the reference's (nats per token; 0.05
@@ -87,6 +90,10 @@ class HealthThresholds:
         for name in ("quality_fluency_margin", "quality_repetition_margin", "capability_margin"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"health.{name}={getattr(self, name)!r} is invalid: must be > 0")
+        if self.guard_rejected_steps < 1:
+            raise ValueError(
+                f"health.guard_rejected_steps={self.guard_rejected_steps!r} is invalid: must be >= 1"
+            )
         if not 0 < self.entropy_collapse_fraction < 1:
             raise ValueError(
                 f"health.entropy_collapse_fraction={self.entropy_collapse_fraction!r} "
@@ -360,7 +367,28 @@ def env_never_answered(history: list[dict], t: HealthThresholds) -> Alarm | None
     )
 
 
+def budget_spent(history: list[dict], t: HealthThresholds) -> Alarm | None:
+    """The update guard rejected whole updates (``guard/fraction`` 0) in the last
+    ``guard_rejected_steps`` steps in a row: the policy sits at its KL budget and every update
+    would pass it, so the run spends compute without moving."""
+    s = _series(history, "guard/fraction")[-t.guard_rejected_steps :]
+    if len(s) < t.guard_rejected_steps or any(v > 0 for _, v in s):
+        return None
+    kept = _series(history, "guard/kl_kept")
+    return Alarm(
+        "budget_spent",
+        s[-1][0],
+        f"the update guard restored the weights in each of the last {len(s)} steps: no fraction of an "
+        f"update fit under kl.budget (the KL kept: {kept[-1][1] if kept else float('nan'):.3g})",
+        "the policy has spent its KL budget: beta's pull and the reward's push balance at the budget, "
+        "and each update would pass it",
+        "raise kl.budget if more KL is acceptable, or stop the run here (the policy is at its "
+        "constrained optimum for this budget); a smaller optim.lr makes updates that fit",
+    )
+
+
 RULES: dict[str, Callable[[list[dict], HealthThresholds], Alarm | None]] = {
+    "budget_spent": budget_spent,
     "env_never_answered": env_never_answered,
     "kl_exploding": kl_exploding,
     "kl_stuck": kl_stuck,

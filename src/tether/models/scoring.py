@@ -88,6 +88,9 @@ class TokenStats:
     entropy: Tensor | None = None
     logits: Tensor | None = None
     """(B, R, V) kept only when asked (exact KL)."""
+    hidden: Tensor | None = None
+    """(B, R, d) the model's last hidden states at the response positions, kept only when asked
+    (the reference's, for the update guard's later measures: the reference is frozen)."""
 
 
 def rollout_logprobs(
@@ -129,6 +132,8 @@ def policy_and_reference_logprobs(
     exact_kl: bool = False,
     policy_logits: Tensor | None = None,
     kl_chunk_size: int = 1024,
+    ref_hidden: Tensor | None = None,
+    keep_ref_hidden: bool = False,
 ) -> tuple[TokenStats, TokenStats | None, Tensor | None]:
     """No-grad scoring of a rollout by the policy and the reference, one LM-head slice at a time.
 
@@ -154,6 +159,10 @@ def policy_and_reference_logprobs(
         policy_logits: (B, R, V) the policy's logits when already computed (the update's update_forward
             forward, detached): the policy's trunk is then not run again.
         kl_chunk_size: positions per float32 chunk inside :func:`tether.core.kl.exact_kl_from_logits`.
+        ref_hidden: (B, R, d) the reference's last hidden states on this rollout, kept from an
+            earlier call (``keep_ref_hidden``): its trunk is then not run again (frozen weights,
+            the same rows: the same numbers up to the batching of the earlier call).
+        keep_ref_hidden: return the reference's hidden states in its TokenStats (``hidden``).
 
     Returns:
         (policy TokenStats with logprobs, entropy and values if asked; reference TokenStats with logprobs
@@ -166,9 +175,11 @@ def policy_and_reference_logprobs(
     if policy_logits is None:
         policy_lm, hidden = response_hidden(policy, rollout)
         values = policy.values(hidden) if with_values else None
-    ref_lm, ref_hidden = (
-        response_hidden(reference, rollout, policy.share_prefix) if reference is not None else (None, None)
-    )
+    ref_lm = None
+    if reference is not None and ref_hidden is not None:
+        ref_lm = reference.lm if isinstance(reference, PolicyWithValue) else reference
+    elif reference is not None:
+        ref_lm, ref_hidden = response_hidden(reference, rollout, policy.share_prefix)
     device = tokens.device
     logprobs, entropy = torch.empty(B, R, device=device), torch.empty(B, R, device=device)
     ref_logprobs = torch.empty(B, R, device=device) if reference is not None else None
@@ -186,7 +197,11 @@ def policy_and_reference_logprobs(
                 exact[rows] = exact_kl_from_logits(z, z_ref, temperature, kl_chunk_size)
             del z_ref
         del z
-    ref = TokenStats(ref_logprobs) if reference is not None else None
+    ref = (
+        TokenStats(ref_logprobs, hidden=ref_hidden if keep_ref_hidden else None)
+        if reference is not None
+        else None
+    )
     return TokenStats(logprobs, values, entropy), ref, exact
 
 

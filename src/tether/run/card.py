@@ -63,6 +63,24 @@ def _beta_path(history: list[dict]) -> str:
     return f"{betas[0]:.4g} at step 0, {lo:.4g} to {hi:.4g} over the run, {betas[-1]:.4g} at the end"
 
 
+def _guard_row(k: dict, history: list[dict]) -> str:
+    """The card's row of the update guard (kl.guard): what it guarantees, and how often it acted;
+    "" when off."""
+    cuts = [r for r in history if isinstance(r.get("guard/fraction"), (int, float))]
+    if not k.get("guard") or not cuts:
+        return ""
+    unit = k.get("target_unit", "nats_per_sequence").replace("_", " ")
+    ceiling = k["budget"] * (1 + k.get("guard_tol", 0.0))
+    acted = sum(r["guard/fraction"] < 1 for r in cuts)
+    restored = sum(r["guard/fraction"] == 0 for r in cuts)
+    return (
+        f"| update guard | each update kept only where its exact KL on its own batch (reweighted from "
+        f"the policy that drew it) stays under {ceiling:g} {unit} (kl.budget x (1 + kl.guard_tol)); it cut "
+        f"{acted} of {len(cuts)} updates, {restored} of them whole. Not bounded: the KL on other prompts, "
+        "and a fresh batch's sampling noise (docs/kl.md, 'The update guard') |"
+    )
+
+
 def model_card_text(
     *,
     config: dict,
@@ -105,6 +123,7 @@ def model_card_text(
     unit = k.get("target_unit", "nats_per_sequence").replace("_", " ")
     leash_row = f"| leash | `kl.controller={k['controller']}`, {controller.describe(unit)} |"
     beta_row = f"| beta's path | {_beta_path(history)} |"
+    guard_row = _guard_row(k, history)
     if TRAINER_DEFAULTS[algo].placement is None:  # no KL term: DPO's beta is the implicit KL coefficient
         kl_row = (
             "| KL placement | implicit, in DPO's loss (Rafailov et al. 2023, eq. 7); the KL is measured, "
@@ -145,6 +164,7 @@ def model_card_text(
         kl_row,
         leash_row,
         *([beta_row] if beta_row else []),
+        *([guard_row] if guard_row else []),
         f"| KL at the last step | {number(last.get('objective/kl'))} nats per sequence "
         "(on the policy's own samples) |",
         f"| LoRA | {'yes, this folder is the adapter' if adapter else 'no, whole weights'} |",

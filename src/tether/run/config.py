@@ -767,6 +767,17 @@ class KLConfig(_Defaulted):
     KL). Off by default: measured on SmolLM2 it cut the held-out KL's peak from 30% to 22% over
     the budget, within noise of the gain; it also turns batch noise of a rising KL into beta
     (use it with kl.controller_signal=exact). Scale it like budget_kp for nats_per_token."""
+    guard: bool | None = None
+    """Check each update before it is kept: after an epoch of minibatch steps, the exact KL of the
+    updated policy on the step's batch (reweighted from the policy that drew it) must stay within
+    kl.budget * (1 + kl.guard_tol), or the weights step back toward the ones before by halves, and
+    back to them when no half fits (trainers/guard.py; docs/kl.md, "The update guard"). None = on
+    with the budget controller, off with the others; true with another controller holds kl.budget
+    too. Needs kl.exact."""
+    guard_tol: float = 0.05
+    """The guard's slack past kl.budget, a fraction (0.05: 5%)."""
+    guard_halvings: int = 10
+    """Halvings of a rejected update the guard measures before it restores the weights (TRPO's 10)."""
     controller_signal: Literal["auto", "estimator", "exact"] = "auto"
     """The KL the adaptive and budget controllers read: ``estimator`` (the logged ``kl.estimator``
     values, as in Ziegler et al.), ``exact`` (the exact per-token KL summed along the samples,
@@ -835,6 +846,8 @@ class KLConfig(_Defaulted):
             self.budget_kd,
             "must be >= 0 (0 = no derivative term)",
         )
+        _check(self.guard_tol >= 0, "kl.guard_tol", self.guard_tol, "must be >= 0 (a fraction of kl.budget)")
+        _check(self.guard_halvings >= 1, "kl.guard_halvings", self.guard_halvings, "must be >= 1")
         _check(
             self.controller_signal in ("auto", "estimator", "exact"),
             "kl.controller_signal",
@@ -1329,6 +1342,8 @@ class Config:
             "shapes with the exact per-position KL, which kl.exact=false turns off; set kl.exact=true or "
             "ppo.kl_shaping=sampled",
         )
+        if self.kl.guard:
+            self._check_guard()
         if self.train.sharding == "fsdp":
             self._check_sharding()
         if self.rollout.compile is True:
@@ -1393,6 +1408,29 @@ class Config:
             "process at rank 0's word); use eval.best_by=none with fsdp",
         )
 
+    def _check_guard(self) -> None:
+        """What ``kl.guard`` reads: the rollout's update, the exact KL, the reference."""
+        _check(
+            self.trainer.samples,
+            "kl.guard",
+            True,
+            f"guards an update of sampled rollouts, and {self.train.algo} learns from pairs; leave it unset",
+        )
+        _check(
+            self.kl.exact,
+            "kl.guard",
+            True,
+            "reads the exact KL of the updated policy, which kl.exact=false turns off; set kl.exact=true or "
+            "kl.guard=false",
+        )
+        _check(
+            self.placement.needs_reference,
+            "kl.guard",
+            True,
+            "needs the reference model, which kl.kl_coef=0 with kl.monitor=false leaves out; set "
+            "kl.monitor=true or kl.guard=false",
+        )
+
     def _check_compile(self) -> None:
         """``rollout.compile=true`` only where compiled decoding is built and tested."""
         why = None
@@ -1442,6 +1480,13 @@ class Config:
                 "weight pi / pi_old, a biased gradient on the path to the same fixed point; "
                 "kl.loss_estimator=k3_is (the default) weighs it"
             )
+        if self.kl.controller_class.guarded and self.trainer.samples and not k.guard:
+            why = "kl.exact=false turns it off" if not k.exact else "kl.guard=false"
+            self.placement.warnings.append(
+                f"kl.controller={k.controller} without the update guard ({why}): beta acts on the KL it "
+                'reads, and an update taken below the budget can land past it (docs/kl.md, "The update '
+                'guard"); the budget is a target here, not a bound'
+            )
         if self.train.tensorboard:
             self.placement.warnings.append(
                 "train.tensorboard=true is deprecated: it now means train.report_to=tensorboard "
@@ -1477,6 +1522,8 @@ class Config:
         )
         self.kl._fill("kl_in_reward", spec.placement == "reward" and not self.kl.kl_in_loss)
         self.kl._fill("kl_in_loss", spec.placement == "loss" and not self.kl.kl_in_reward)
+        # the guard holds what a budget controller holds, where the exact KL is measured
+        self.kl._fill("guard", self.kl.controller_class.guarded and spec.samples and self.kl.exact)
         self.eval._fill("judge", "minilm-rm" if self.embedded_data else "none")
         self.eval._fill("capability_texts", 32 if self.embedded_data else 0)
         from tether.data.tasks import TASK_SCORERS
@@ -1559,6 +1606,7 @@ DEFAULTED_FIELDS = (
     ("kl", "kl_in_reward"),
     ("kl", "kl_in_loss"),
     ("kl", "controller"),
+    ("kl", "guard"),
     ("eval", "judge"),
     ("eval", "capability_texts"),
     ("reward", "scorer"),
@@ -1863,6 +1911,9 @@ FIELD_UNITS: dict[str, str] = {
     "kl.budget_eta": "reward units per nat, per unit of KL error",
     "kl.budget_kp": "reward units per nat, per unit of KL error",
     "kl.budget_kd": "reward units per nat, per unit of KL rise per step",
+    "kl.guard": "",
+    "kl.guard_tol": "fraction of kl.budget",
+    "kl.guard_halvings": "",
     "kl.controller_signal": "",
     "kl.exact": "",
     "kl.exact_chunk_size": "token positions",
@@ -1934,6 +1985,7 @@ FIELD_UNITS: dict[str, str] = {
     "health.quality_distinct_share": "fraction of the reference's distinct-2",
     "health.quality_min_z": "standard errors",
     "health.capability_margin": "nats per token",
+    "health.guard_rejected_steps": "steps",
     # train
     "train.algo": "",
     "train.steps": "steps",

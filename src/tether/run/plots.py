@@ -135,6 +135,28 @@ def plot_training(
             ]
             if exact:
                 ax.plot(*zip(*exact), lw=1, alpha=0.7, label="exact (full vocab)")
+            # the update guard (kl.guard): the KL its kept update reads, and where it cut one
+            kept = [
+                (s, r["guard/kl_kept"])
+                for s, r in zip(steps, history)
+                if isinstance(r.get("guard/kl_kept"), (int, float))
+            ]
+            if kept:
+                ax.plot(*zip(*kept), lw=1, ls=":", label="after the update (guarded)")
+                cut = [
+                    (s, r["guard/kl_updated"])
+                    for s, r in zip(steps, history)
+                    if r.get("guard/fraction", 1.0) < 1.0
+                ]
+                if cut:
+                    ax.scatter(
+                        *zip(*cut),
+                        marker="x",
+                        c="crimson",
+                        s=18,
+                        zorder=3,
+                        label="update the guard cut (its KL)",
+                    )
             if kl_target is not None:
                 ax.axhline(kl_target, ls="--", c="gray", label=target_label)
             if ax.get_legend_handles_labels()[0]:  # nothing to name without a reference

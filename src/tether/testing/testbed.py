@@ -73,13 +73,15 @@ from tether.core.logprobs import logprobs_from_logits
 from tether.core.losses import KLLossEstimator
 from tether.core.masked import masked_sum
 from tether.run.config import TRAINER_DEFAULTS
+from tether.trainers.guard import GuardResult, GuardSettings, guarded_epochs
 from tether.trainers.steps import (
     Experience,
     StepSettings,
     clipped_policy_loss,
-    controller_input,
     dpo_pair_loss,
+    kl_reading,
     make_experience,
+    updated_kl,
 )
 from tether.trainers.update import MicroLoss, minibatch_update
 
@@ -606,6 +608,8 @@ class RunLog:
             gradient step, ``epochs x minibatches`` per batch in order: the first of each batch
             is the policy that sampled it (pi_old), the others how far the update had moved
             from it when each minibatch was taken.
+        guard: per batch, the update guard's account (:class:`tether.trainers.guard.GuardResult`),
+            when the run was guarded.
     """
 
     table: Tensor
@@ -614,6 +618,7 @@ class RunLog:
     kl_coefs: list[float] = field(default_factory=list)
     counts: dict = field(default_factory=dict)
     step_logprobs: list[Tensor] = field(default_factory=list)
+    guard: list[GuardResult] = field(default_factory=list)
 
 
 class _Averager:
@@ -731,6 +736,7 @@ def train_on_policy(
     loss_estimator: KLLossEstimator = "k3_is",
     kl_shaping: Literal["sampled", "exact"] = "sampled",
     mask_env_tokens: bool = True,
+    guard: GuardSettings | None | Literal["auto"] = "auto",
     **step: Any,
 ) -> RunLog:
     """PPO, GRPO or RLOO on the bed, step for step as :class:`tether.trainers.base.OnPolicyTrainer`.
@@ -793,6 +799,11 @@ def train_on_policy(
         values = torch.zeros(bed.num_prefixes, dtype=F64, requires_grad=True)  # V(prefix)
         params.append({"params": [values], "lr": s.value_lr})
     opt = torch.optim.Adam(params)
+    guarding = (
+        (GuardSettings(limit=controller.held_kl()) if controller.guarded else None)
+        if guard == "auto"
+        else guard
+    )
     leash = KLLeash(kl_in_reward, kl_in_loss, loss_estimator, kl_shaping)
     ref_seq_logp = rollout_logprobs(bed, bed.ref_logits)
     avg = _Averager()
@@ -814,7 +825,16 @@ def train_on_policy(
             ref_logprobs = token_logprobs(bed.ref_logits.to(F64), tokens, V)
             old_values = values[rows] if values is not None else None
             log.exact_kls.append(float(exact_kl(rollout_logprobs(bed, table), ref_seq_logp)))
-        # 5-6. per-token KL, leashed rewards and advantages: the trainers' own call, with the run's
+        # 5-6. the KL the batch was drawn at, as a run's controller reads it, and beta from it
+        exact_now = position_kl(table, bed.ref_logits, rows)
+        reading = kl_reading(
+            kl=estimate_kl(old_logprobs, ref_logprobs, step_settings.estimator),
+            exact_kl=exact_now,
+            mask=mask,
+            settings=step_settings,
+        )
+        controller.update(reading, n_steps=B)
+        # 7-8. per-token KL, leashed rewards and advantages: the trainers' own call, with the run's
         #      settings; ``estimate_kl`` is this module's name for the estimator, so a test can
         #      flip its sign
         kl_coef = controller.kl_coef
@@ -824,7 +844,7 @@ def train_on_policy(
             old_logprobs=old_logprobs,
             ref_logprobs=ref_logprobs,
             values=old_values,
-            exact_kl=position_kl(table, bed.ref_logits, rows),
+            exact_kl=exact_now,
             minibatches=[],
             kl_coef=kl_coef,
             leash=leash,
@@ -832,10 +852,10 @@ def train_on_policy(
             estimate=estimate_kl,
         )
         kl = exp.kl  # (B, T)
-        # 7. epochs of minibatch updates
-        minibatch_update(
+        # 9-10. epochs of minibatch updates, each guarded as a run's (kl.guard)
+        run_minibatches = partial(
+            minibatch_update,
             exp,
-            epoch_minibatches(B, s, gen),
             minibatch_loss=partial(
                 table_policy_loss,
                 table=table,
@@ -853,9 +873,31 @@ def train_on_policy(
             max_grad_norm=math.inf,
             name=algo,
         )
-        # 8. the controller reads what a run's reads (the exact KL per sequence by default)
-        controller.update(controller_input(exp, step_settings), n_steps=B)
-        # 9. log
+        if guarding is None:
+            run_minibatches(epoch_minibatches(B, s, gen))
+        else:
+            epochs = (
+                list(torch.randperm(B, generator=gen).split(B // s.minibatches)) for _ in range(s.epochs)
+            )
+            measure = partial(
+                _table_updated_kl,
+                table=table,
+                bed=bed,
+                exp=exp,
+                target_unit=step_settings.target_unit,
+            )
+            _, result = guarded_epochs(
+                epochs,
+                update=run_minibatches,
+                tensors=[table] if values is None else [table, values],
+                measure=measure,
+                kl_before=reading,
+                settings=guarding,
+            )
+            log.guard.append(result)
+            if result.fraction < 1.0:  # the update wanted more KL than the budget: the dual learns it
+                controller.update(result.kl_updated, n_steps=B)
+        # 11. log
         log.kl_estimates.append(sequence_kl(kl, mask).detach())
         log.kl_coefs.append(kl_coef)
         if step >= s.average_from * s.steps:
@@ -863,6 +905,21 @@ def train_on_policy(
     log.table = avg.mean()
     log.counts = dict(leash.counts)
     return log
+
+
+def _table_updated_kl(*, table: Tensor, bed: TabularBed, exp: Experience, target_unit: str) -> float:
+    """The update guard's measure on the bed: the table policy's exact KL on the batch its
+    pi_old drew (:func:`tether.trainers.steps.updated_kl`), from its log-probs of the tokens and
+    its exact per-position KL (:func:`position_kl`)."""
+    samples = exp.rollout
+    with torch.no_grad():
+        return updated_kl(
+            exact_kl=position_kl(table, bed.ref_logits, samples.rows),
+            logprobs=token_logprobs(table, samples.tokens, bed.vocab),
+            old_logprobs=exp.old_logprobs,
+            mask=samples.response_mask,
+            target_unit=target_unit,
+        )
 
 
 def train_ppo(bed: TabularBed, beta: float, settings: TrainSettings = TrainSettings(), **kw) -> RunLog:

@@ -32,13 +32,13 @@ from torch import Tensor
 
 from tether.core import distributed as D
 from tether.core.diversity import distinct_n, repetition
-from tether.core.kl import kl_k3, sequence_kl
+from tether.core.kl import estimate_kl, kl_k3, sequence_kl
 from tether.core.leash import KLLeash
 from tether.data.prompts import PromptSampler
 from tether.judges.contract import RewardLog, score_rollout, trainer_state
 from tether.models.callables import running
 from tether.models.sampling import Rollout, sample_seeds
-from tether.models.scoring import rollout_logprobs
+from tether.models.scoring import policy_and_reference_logprobs, rollout_logprobs
 from tether.models.sharding import is_sharded, root_gathered
 from tether.models.turns import EnvFailed
 from tether.run.console import say
@@ -51,12 +51,35 @@ from tether.trainers.common import (
     optimization_state,
     restore_optimization,
 )
-from tether.trainers.steps import Experience, StepSettings, controller_input, make_experience
+from tether.trainers.guard import GuardResult, GuardSettings, guarded_epochs
+from tether.trainers.precision import MasterWeights
+from tether.trainers.steps import Experience, StepSettings, kl_reading, make_experience, updated_kl
 from tether.trainers.update import MicroLoss, UpdateStats, minibatch_update
 
 __all__ = ["OnPolicyTrainer", "sample_metrics", "step_settings"]
 
 log = logging.getLogger(__name__)
+
+
+def guard_settings(config) -> GuardSettings | None:
+    """The update guard of a run (:class:`tether.trainers.guard.GuardSettings`: ``kl.budget`` in
+    ``kl.target_unit``, ``kl.guard_tol``, ``kl.guard_halvings``), or None with ``kl.guard`` off."""
+    k = config.kl
+    if not k.guard:
+        return None
+    return GuardSettings(limit=k.budget, tol=k.guard_tol, max_halvings=k.guard_halvings)
+
+
+def guard_metrics(result: GuardResult) -> dict:
+    """``guard/*``: the KL of the update as the optimizer left it and of the weights kept (the
+    controller's unit), the kept fraction of the last epoch's step (1 whole, 0 restored), the
+    halvings measured."""
+    return {
+        "guard/kl_updated": result.kl_updated,
+        "guard/kl_kept": result.kl_kept,
+        "guard/fraction": result.fraction,
+        "guard/backtracks": float(result.backtracks),
+    }
 
 
 def step_settings(config, algo: str) -> StepSettings:
@@ -96,6 +119,7 @@ class OnPolicyTrainer:
         self.controller = c.kl.new_controller()  # kl.controller with its settings
         self.leash = KLLeash(c.kl.kl_in_reward, c.kl.kl_in_loss, c.kl.loss_estimator, c.kl_reward_form)
         self.settings = step_settings(c, self.name)
+        self.guard = guard_settings(c)  # kl.guard: each epoch's update checked before it is kept
         if not self.uses_values:  # no loss reaches the value head: frozen, so DDP waits for no gradient of it
             run.policy.value_head.requires_grad_(False)
         self.params = [p for p in run.policy.parameters() if p.requires_grad]
@@ -161,8 +185,11 @@ class OnPolicyTrainer:
         minibatches = self.minibatch_indices()
         forwards = self.rollout_forwards(rollout, minibatches)  # 4. old, reference log-probs
         t_score = time.perf_counter()
+        reading = self.kl_reading(forwards, rollout)  # 5. the KL the batch was drawn at
+        if reading is not None:  # 6. beta from it, for this step's update
+            self.controller.update(reading, n_steps=self.cfg.rollout.batch_size)
         kl_coef = self.controller.kl_coef
-        exp = make_experience(  # 5-6. per-token KL, leashed rewards, advantages
+        exp = make_experience(  # 7-8. per-token KL, leashed rewards, advantages
             rollout=rollout,
             scores=scores,
             old_logprobs=forwards.old_logprobs,
@@ -177,12 +204,14 @@ class OnPolicyTrainer:
             reused_logprobs=forwards.update_forward.logprobs if forwards.update_forward is not None else None,
         )
         lr = self.optimizer.param_groups[0]["lr"]  # the rate of this step's first optimizer step
-        update = self.update(exp, kl_coef)  # 7. epochs of minibatch updates
+        # 9-10. epochs of minibatch updates, each checked by the update guard (kl.guard)
+        update, guarded = self.update(exp, kl_coef, forwards=forwards, kl_before=reading)
+        if guarded is not None and guarded.fraction < 1.0:  # the update wanted more KL: the dual learns it
+            self.controller.update(guarded.kl_updated, n_steps=self.cfg.rollout.batch_size)
         t_update = time.perf_counter()
-        signal = controller_input(exp, self.settings)  # 8. beta from the KL that was logged
-        if signal is not None:
-            self.controller.update(signal, n_steps=self.cfg.rollout.batch_size)
-        row = self.metrics(step, exp, forwards, update, kl_coef)  # 9. metrics, over every process
+        row = self.metrics(step, exp, forwards, update, kl_coef)  # 11. metrics, over every process
+        if guarded is not None:
+            row.update(guard_metrics(guarded))
         row.update(reward_metrics)
         row.update(
             {
@@ -262,6 +291,7 @@ class OnPolicyTrainer:
                 exact_kl=c.kl.exact,
                 exact_chunk_size=c.kl.exact_chunk_size,
                 reuse_forward_of=self.model if self.reuse_forward else None,
+                keep_ref_hidden=self.guard is not None,  # the guard's measures reuse them
             )
         return forwards
 
@@ -337,8 +367,57 @@ class OnPolicyTrainer:
         for epoch in range(self.cfg.optim.epochs):
             yield from exp.minibatches if epoch == 0 else self.minibatch_indices()
 
-    def update(self, exp: Experience, kl_coef: float) -> UpdateStats:
-        """Epochs of minibatch steps (:func:`tether.trainers.update.minibatch_update`).
+    def kl_reading(self, forwards: RolloutLogprobs, rollout: Rollout) -> float | None:
+        """Step 5: the KL the batch was drawn at, as the controller reads it
+        (:func:`tether.trainers.steps.kl_reading`), or None without a reference."""
+        kl = None
+        if forwards.ref_logprobs is not None:
+            kl = estimate_kl(forwards.old_logprobs, forwards.ref_logprobs, self.settings.estimator)
+        return kl_reading(
+            kl=kl, exact_kl=forwards.exact_kl, mask=rollout.response_mask, settings=self.settings
+        )
+
+    def updated_kl(self, exp: Experience, forwards: RolloutLogprobs) -> float:
+        """The exact KL to the reference of the policy as its weights are now, on the step's batch
+        (:func:`tether.trainers.steps.updated_kl`), in the controller's unit: a no-grad forward of
+        the policy in the groups step 4 scored, the reference's kept hidden states through its LM
+        head. The update guard's measure."""
+        run, c = self.run, self.cfg
+        B, R = exp.rollout.response_ids.shape
+        logprobs = torch.zeros(B, R, device=self.device)
+        exact = torch.zeros(B, R, device=self.device)
+        with root_gathered(run.policy, run.reference):
+            for idx in exp.minibatches or [torch.arange(B, device=self.device)]:
+                pol, _, kl = policy_and_reference_logprobs(
+                    run.policy,
+                    run.reference,
+                    exp.rollout.select(idx),
+                    c.rollout.temperature,
+                    exact_kl=True,
+                    kl_chunk_size=c.kl.exact_chunk_size,
+                    ref_hidden=forwards.ref_hidden[idx] if forwards.ref_hidden is not None else None,
+                )
+                logprobs[idx], exact[idx] = pol.logprobs, kl
+        return updated_kl(
+            exact_kl=exact,
+            logprobs=logprobs,
+            old_logprobs=exp.old_logprobs,
+            mask=exp.rollout.response_mask,
+            target_unit=self.settings.target_unit,
+        )
+
+    def update(
+        self,
+        exp: Experience,
+        kl_coef: float,
+        *,
+        forwards: RolloutLogprobs | None = None,
+        kl_before: float | None = None,
+    ) -> tuple[UpdateStats, GuardResult | None]:
+        """Steps 9-10: epochs of minibatch steps (:func:`tether.trainers.update.minibatch_update`),
+        each epoch checked by the update guard when ``kl.guard`` is on
+        (:func:`tether.trainers.guard.guarded_epochs`; ``forwards`` and ``kl_before``, the
+        batch's KL reading, are its start).
 
         Each process holds ``minibatch_size / world`` rows of a minibatch. Its token-mean loss
         ``L_r`` times its share of the minibatch's valid tokens sums over processes to the
@@ -348,11 +427,15 @@ class OnPolicyTrainer:
         (:func:`tether.core.distributed.token_shares`), the gradients accumulating until the one
         optimizer step: the same update, up to float summation order. The statistics (losses,
         clip fractions, approx_kl: token means) are reduced the same way, once at the end.
+
+        Returns:
+            ``(stats, guard)``: the update's statistics, and the guard's account (None without
+            the guard).
         """
         o = self.cfg.optim
-        return minibatch_update(
+        run_minibatches = partial(
+            minibatch_update,
             exp,
-            self.epoch_minibatches(exp),
             minibatch_loss=partial(self.minibatch_loss, kl_coef=kl_coef),
             optimizer=self.optimizer,
             params=self.params,
@@ -362,6 +445,19 @@ class OnPolicyTrainer:
             model=self.model,
             micro_batch_size=o.micro_batch_size,
             scheduler=self.scheduler,
+        )
+        if self.guard is None or forwards is None or kl_before is None:
+            return run_minibatches(self.epoch_minibatches(exp)), None
+        epochs = (exp.minibatches if e == 0 else self.minibatch_indices() for e in range(o.epochs))
+        masters = isinstance(self.optimizer, MasterWeights)
+        return guarded_epochs(
+            epochs,
+            update=run_minibatches,
+            tensors=self.optimizer.masters if masters else self.params,
+            measure=partial(self.updated_kl, exp, forwards),
+            kl_before=kl_before,
+            settings=self.guard,
+            written=self.optimizer.write_back if masters else lambda: None,
         )
 
     def metrics(

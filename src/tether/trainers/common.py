@@ -214,6 +214,9 @@ class RolloutLogprobs:
     update_forward: TokenStats | None = None
     """The policy's forward with its autograd graph, when ``old_and_ref_logprobs`` was given a
     ``reuse_forward_of`` (one minibatch): the update differentiates it instead of a second forward."""
+    ref_hidden: Tensor | None = None
+    """(B, R, d) the reference's last hidden states at the response positions, when asked
+    (``keep_ref_hidden``: the update guard's measures run the LM head on them, not the trunk)."""
 
 
 @torch.no_grad()
@@ -228,6 +231,7 @@ def old_and_ref_logprobs(
     exact_kl: bool,
     exact_chunk_size: int = 256,
     reuse_forward_of: nn.Module | None = None,
+    keep_ref_hidden: bool = False,
 ) -> RolloutLogprobs:
     """Policy and reference log-probabilities (and values, entropy, exact KL) of a rollout.
 
@@ -246,7 +250,7 @@ def old_and_ref_logprobs(
         raise ValueError(f"reuse_forward_of needs one row group, got {len(row_chunks)}")
     device = rollout.response_ids.device
     out = {k: torch.zeros(B, R, device=device) for k in ("old", "ref", "values", "entropy", "exact")}
-    update_forward = policy_logits = None
+    update_forward = policy_logits = ref_hidden = None
     for idx in row_chunks:
         part = rollout.select(idx)
         if reuse_forward_of is not None:
@@ -263,7 +267,12 @@ def old_and_ref_logprobs(
             exact_kl=exact_kl,
             policy_logits=policy_logits,
             kl_chunk_size=exact_chunk_size,
+            keep_ref_hidden=keep_ref_hidden,
         )
+        if keep_ref_hidden and ref is not None and ref.hidden is not None:
+            if ref_hidden is None:
+                ref_hidden = ref.hidden.new_empty(B, R, ref.hidden.shape[-1])  # (B, R, d)
+            ref_hidden[idx] = ref.hidden
         out["old"][idx], out["entropy"][idx] = pol.logprobs, pol.entropy
         if with_values:
             out["values"][idx] = pol.values
@@ -278,6 +287,7 @@ def old_and_ref_logprobs(
         entropy=out["entropy"],
         exact_kl=out["exact"] if exact_kl else None,
         update_forward=update_forward,
+        ref_hidden=ref_hidden,
     )
 
 

@@ -168,10 +168,10 @@ def guarded_epochs(
 def merge_stats(parts: Sequence[UpdateStats]) -> UpdateStats:
     """:class:`tether.trainers.update.UpdateStats` of several calls as one: each statistic and
     the gradient norm averaged over all their gradient steps; the first call's ratio deviation."""
-    steps = sum(p.steps for p in parts)
+    steps, skipped = sum(p.steps for p in parts), sum(p.skipped for p in parts)
     if steps == 0:
-        return parts[0]
-    keys = dict.fromkeys(k for p in parts for k in p.stats)
+        return parts[0]._replace(skipped=skipped)
+    keys = sorted({k for p in parts for k in p.stats})
     stats = {k: sum(p.stats.get(k, 0.0) * p.steps for p in parts) / steps for k in keys}
     norm = sum(p.grad_norm * p.steps for p in parts) / steps
-    return UpdateStats(stats, norm, parts[0].first_ratio_dev, steps)
+    return UpdateStats(stats, norm, parts[0].first_ratio_dev, steps=steps, skipped=skipped)

@@ -128,6 +128,14 @@ class MasterWeights:
             if self.good_steps % SCALE_GROWTH_INTERVAL == 0:
                 self.loss_scale *= 2
 
+    @torch.no_grad()
+    def write_back(self) -> None:
+        """Round the masters into the low-precision parameters (after they were set from outside:
+        the update guard's backtrack)."""
+        for p, m in zip(self.params, self.masters):
+            if m is not p:
+                p.copy_(m)
+
     def state_dict(self) -> dict:
         """The inner optimizer's state, the float32 masters of low-precision parameters (a
         resumed run goes on from them, not from the rounded weights) and the loss scale."""

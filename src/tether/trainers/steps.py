@@ -35,7 +35,7 @@ from tether.core.advantages import (
     return_scale,
     rloo_advantages,
 )
-from tether.core.kl import estimate_kl, kl_k1, sequence_kl
+from tether.core.kl import estimate_kl, importance_weighted_kl, kl_k1, sequence_kl
 from tether.core.leash import KLLeash
 from tether.core.losses import clipped_value_loss, dpo_loss, ppo_policy_loss
 from tether.core.masked import at_least_fp32, masked_sum
@@ -558,28 +558,64 @@ def make_experience(
 
 
 def controller_input(exp: Experience, settings: StepSettings) -> float | None:
-    """Step 8: the KL the controller reads, the same number that is logged: the batch mean over
-    every process of the exact or the estimated KL (``settings.controller_signal``), per sequence
-    (the per-sequence sum, nats) or per token (the token-weighted mean, nats per token) as
-    ``settings.target_unit``.
+    """:func:`kl_reading` of a record: the KL its batch was drawn at (step 5, the controller's)."""
+    return kl_reading(kl=exp.kl, exact_kl=exp.exact_kl, mask=exp.rollout.response_mask, settings=settings)
+
+
+def kl_reading(
+    *, kl: Tensor | None, exact_kl: Tensor | None, mask: Tensor, settings: StepSettings
+) -> float | None:
+    """Step 5: the KL the controller reads (and the guard starts from), the same number that is
+    logged: the batch mean over every process of the exact or the estimated KL of the policy that
+    drew the batch (``settings.controller_signal``), per sequence (the per-sequence sum, nats) or
+    per token (the token-weighted mean, nats per token) as ``settings.target_unit``. Read before
+    the step's update, so the beta of that update follows the KL it starts from (issue 52: read
+    after it, beta acted one step late).
+
+    Args:
+        kl: (B, R) the estimator's per-token KL, nats, or None without a reference.
+        exact_kl: (B, R) the exact per-position KL, nats, or None (``kl.exact=false``).
+        mask: (B, R) bool, every sample the policy drew (scored or not).
+        settings: :class:`StepSettings`.
 
     Returns:
         The float, or None without a reference (no KL: the controller is not updated).
 
     Raises:
-        ValueError: the exact signal on a record without ``exact_kl``.
+        ValueError: the exact signal without ``exact_kl``.
     """
-    if exp.kl is None:
+    if kl is None:
         return None
-    signal = exp.kl
+    signal = kl
     if settings.controller_signal == "exact":
-        if exp.exact_kl is None:
+        if exact_kl is None:
             raise ValueError("controller_signal='exact' needs the exact KL (kl.exact=true), got none")
-        signal = exp.exact_kl
-    mask = exp.rollout.response_mask  # every sample the policy drew, scored or not
+        signal = exact_kl
     if settings.target_unit == "nats_per_sequence":
         return float(D.sequence_mean(sequence_kl(signal, mask)))
     return float(D.token_mean(signal, mask))
+
+
+def updated_kl(
+    *, exact_kl: Tensor, logprobs: Tensor, old_logprobs: Tensor, mask: Tensor, target_unit: str
+) -> float:
+    """The exact KL to the reference of an updated policy, on the batch the policy before it drew
+    (:func:`tether.core.kl.importance_weighted_kl`), over every process, in ``target_unit``: per
+    sequence the mean of the weighted sums, per token their total over the weights' (the expected
+    length under the updated policy).
+
+    Args:
+        exact_kl: (B, R) the updated policy's exact per-position KL, nats.
+        logprobs: (B, R) its log-probs of the batch's tokens, nats.
+        old_logprobs: (B, R) the drawing policy's, nats.
+        mask: (B, R) bool, the policy's tokens.
+        target_unit: ``nats_per_sequence`` or ``nats_per_token``.
+    """
+    per_sequence, weights = importance_weighted_kl(exact_kl, logprobs, old_logprobs, mask)
+    if target_unit == "nats_per_sequence":
+        return float(D.sequence_mean(per_sequence))
+    total, length = D.all_reduce_sum(torch.stack([per_sequence.sum(), weights.sum()]).to(torch.float64))
+    return float(total / length) if length > 0 else 0.0  # no valid token anywhere: no KL
 
 
 def clipped_policy_loss(

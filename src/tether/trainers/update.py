@@ -63,11 +63,19 @@ class UpdateStats(NamedTuple):
     first_ratio_dev: float | None
     """``max |ratio - 1|`` over the first minibatch (before any update, exactly 0 when the old
     log-probs were scored as the update scores them), or None when the hook gives no ratio."""
+    steps: int = 0
+    """The optimizer steps taken (what the means are over)."""
+    skipped: int = 0
+    """Minibatches with no valid token on any process: no step taken (:func:`nothing_to_learn`)."""
 
     def metrics(self) -> dict[str, float]:
-        """The logged row: the statistics (sorted by name), ``policy/grad_norm`` and, when there is
-        one, ``policy/ratio_max_dev_first``."""
-        row = {**self.stats, "policy/grad_norm": self.grad_norm}
+        """The logged row: the statistics (sorted by name), ``optim/skipped_steps`` when a
+        minibatch was skipped, ``policy/grad_norm`` and, when there is one,
+        ``policy/ratio_max_dev_first``."""
+        row = {**self.stats}
+        if self.skipped:
+            row["optim/skipped_steps"] = float(self.skipped)
+        row["policy/grad_norm"] = self.grad_norm
         if self.first_ratio_dev is not None:
             row["policy/ratio_max_dev_first"] = self.first_ratio_dev
         return row
@@ -302,7 +310,5 @@ def minibatch_update(
     totals = D.all_reduce_sum(host)
     taken = max(1, len(grad_norms))  # every minibatch skipped: no statistic, a norm of 0
     stats = {k: float(t) / taken for k, t in zip(keys, totals)}
-    if skipped:
-        stats["optim/skipped_steps"] = float(skipped)
     # after the backward the gradients are the same on every process, and so is their norm
-    return UpdateStats(stats, sum(grad_norms) / taken, first_dev)
+    return UpdateStats(stats, sum(grad_norms) / taken, first_dev, steps=len(grad_norms), skipped=skipped)

@@ -1,0 +1,124 @@
+"""The update guard by hand (tether.trainers.guard): a one-weight "policy" whose KL is x^2, so
+every halving's KL is worked out in the comments."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tether.trainers.guard import GuardSettings, guard_update, guarded_epochs, merge_stats
+from tether.trainers.update import UpdateStats
+
+
+def test_a_step_within_the_ceiling_is_kept_whole():
+    # x: 0 -> 1, KL(x) = x^2 = 1 <= limit 1 * 1.05: kept, no halving measured after the first
+    x = torch.tensor([1.0], dtype=torch.float64)
+    out = guard_update(
+        [x],
+        [torch.tensor([0.0], dtype=torch.float64)],
+        measure=lambda: float(x[0] ** 2),
+        kl_before=0.0,
+        settings=GuardSettings(limit=1.0),
+    )
+    assert out == (1.0, 1.0, 1.0, 0) and x.tolist() == [1.0]
+
+
+def test_a_step_past_the_ceiling_is_halved_until_it_fits():
+    # x: 0 -> 2, KL 4 > 1.05; alpha 1/2: x = 1, KL 1 <= 1.05: kept, one halving
+    x = torch.tensor([2.0], dtype=torch.float64)
+    out = guard_update(
+        [x],
+        [torch.tensor([0.0], dtype=torch.float64)],
+        measure=lambda: float(x[0] ** 2),
+        kl_before=0.0,
+        settings=GuardSettings(limit=1.0),
+    )
+    assert out == (4.0, 1.0, 0.5, 1) and x.tolist() == [1.0]
+    # x: 0 -> 8, KL 64: 4 (16), 2 (4), 1 (1): alpha 1/8 after three halvings
+    x = torch.tensor([8.0], dtype=torch.float64)
+    out = guard_update(
+        [x],
+        [torch.tensor([0.0], dtype=torch.float64)],
+        measure=lambda: float(x[0] ** 2),
+        kl_before=0.0,
+        settings=GuardSettings(limit=1.0),
+    )
+    assert out == (64.0, 1.0, 0.125, 3) and x.tolist() == [1.0]
+
+
+def test_no_halving_fits_and_the_weights_are_restored_exactly():
+    # from x = 0.5 (KL 0.25) to 1e6; 2 halvings allowed: 5e5, 2.5e5, both past: restored to 0.5,
+    # bit for bit, and the kept KL is the one it started from; written() ran after each write
+    x, writes = torch.tensor([1e6], dtype=torch.float64), []
+    out = guard_update(
+        [x],
+        [torch.tensor([0.5], dtype=torch.float64)],
+        measure=lambda: float(x[0] ** 2),
+        kl_before=0.25,
+        settings=GuardSettings(limit=1.0, max_halvings=2),
+        written=lambda: writes.append(float(x[0])),
+    )
+    assert out == (1e12, 0.25, 0.0, 2) and x.tolist() == [0.5]
+    assert writes == [500000.25, 250000.375, 0.5]
+
+
+def test_an_update_that_brings_an_over_budget_policy_closer_is_kept():
+    # from KL 9 (x = 3, over the 1.05 ceiling already) to x = 2.5 (6.25): no worse than the start,
+    # so kept whole; to x = 4 (16): halved to 3.5 (12.25), 3.25 (10.56) ... never <= 9, restored
+    x = torch.tensor([2.5], dtype=torch.float64)
+    s = GuardSettings(limit=1.0, max_halvings=4)
+    assert (
+        guard_update(
+            [x],
+            [torch.tensor([3.0], dtype=torch.float64)],
+            measure=lambda: float(x[0] ** 2),
+            kl_before=9.0,
+            settings=s,
+        )[2]
+        == 1.0
+    )
+    x = torch.tensor([4.0], dtype=torch.float64)
+    out = guard_update(
+        [x],
+        [torch.tensor([3.0], dtype=torch.float64)],
+        measure=lambda: float(x[0] ** 2),
+        kl_before=9.0,
+        settings=s,
+    )
+    assert out.fraction == 0.0 and x.tolist() == [3.0]
+
+
+def test_guarded_epochs_stop_at_the_first_epoch_the_guard_cut():
+    # three epochs, each adds 1 to x (KL x^2, limit 4: ceiling 4.2); epoch 1: 1 (kept), epoch 2:
+    # 2 (4, kept), epoch 3: 3 (9) halved to 2.5 (6.25), 2.25 (5.06), 2.125 (4.52), 2.0625 (4.25),
+    # 2.03125 (4.126 <= 4.2): alpha 1/32; no fourth epoch is drawn
+    x, drawn = torch.tensor([0.0], dtype=torch.float64), []
+
+    def epochs():
+        for e in range(4):
+            drawn.append(e)
+            yield [torch.tensor([e], dtype=torch.float64)]
+
+    def one_epoch(minibatches):
+        x.add_(1.0)
+        return UpdateStats({"policy/loss": float(x[0])}, grad_norm=1.0, first_ratio_dev=0.0, steps=1)
+
+    stats, out = guarded_epochs(
+        epochs(),
+        update=one_epoch,
+        tensors=[x],
+        measure=lambda: float(x[0] ** 2),
+        kl_before=0.0,
+        settings=GuardSettings(limit=4.0),
+    )
+    assert drawn == [0, 1, 2] and out.fraction == 1 / 32 and out.backtracks == 5
+    assert x.tolist() == [2.03125] and out.kl_kept == pytest.approx(2.03125**2)
+    assert stats.steps == 3 and stats.stats["policy/loss"] == pytest.approx((1 + 2 + 3) / 3)
+
+
+def test_merge_stats_weighs_by_steps():
+    a = UpdateStats({"l": 1.0}, grad_norm=2.0, first_ratio_dev=0.0, steps=1)
+    b = UpdateStats({"l": 4.0}, grad_norm=5.0, first_ratio_dev=0.3, steps=3, skipped=1)
+    m = merge_stats([a, b])  # (1 + 3 * 4) / 4 = 3.25; (2 + 15) / 4 = 4.25
+    assert m.stats == {"l": 3.25} and m.grad_norm == 4.25 and m.first_ratio_dev == 0.0
+    assert (m.steps, m.skipped) == (4, 1)
