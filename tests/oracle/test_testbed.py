@@ -988,9 +988,10 @@ def test_the_guard_holds_the_budget_and_reaches_the_constrained_optimum(bed_name
     # A learning rate at which one unguarded update crosses the budget (the bandit at lr 0.05, the
     # sequence bed at 0.1: unguarded PPO peaks 97% and 23% over). Guarded (the budget
     # controller's default): the exact KL of the policy at every batch stays within the ceiling
-    # budget * 1.05, up to the guard's own sampling error on the sequence bed, 3 standard errors
-    # of its batch estimate (cv / sqrt(1024), by enumeration at pi*: 1.9%); on the bandit one
-    # position makes the estimate exact. And the run lands on pi* of the beta that spends the
+    # budget * 1.05, up to the guard's own error on the sequence bed: it reads the KL at the
+    # prefixes of the policy that drew the batch, and kl.guard_z = 2 standard errors leave a 2.3%
+    # tail; 3 standard errors of its batch estimate (cv / sqrt(1024), by enumeration at pi*: 1.9%)
+    # allowed. On the bandit one position makes the estimate exact (its SE 0). And the run lands on pi* of the beta that spends the
     # budget exactly (KL < 1e-3 nats), the multiplier on that beta (within 5%).
     bed, eps = (bed_bandit(), 0.3) if bed_name == "bandit" else (seq_bed(), 0.5)
     beta_star = beta_for_budget(bed, eps)

@@ -16,11 +16,11 @@ def test_a_step_within_the_ceiling_is_kept_whole():
     out = guard_update(
         [x],
         [torch.tensor([0.0], dtype=torch.float64)],
-        measure=lambda: float(x[0] ** 2),
+        measure=lambda: (float(x[0] ** 2), 0.0),
         kl_before=0.0,
         settings=GuardSettings(limit=1.0),
     )
-    assert out == (1.0, 1.0, 1.0, 0) and x.tolist() == [1.0]
+    assert out[:4] == (1.0, 1.0, 1.0, 0) and x.tolist() == [1.0]
 
 
 def test_a_step_past_the_ceiling_is_halved_until_it_fits():
@@ -29,21 +29,21 @@ def test_a_step_past_the_ceiling_is_halved_until_it_fits():
     out = guard_update(
         [x],
         [torch.tensor([0.0], dtype=torch.float64)],
-        measure=lambda: float(x[0] ** 2),
+        measure=lambda: (float(x[0] ** 2), 0.0),
         kl_before=0.0,
         settings=GuardSettings(limit=1.0),
     )
-    assert out == (4.0, 1.0, 0.5, 1) and x.tolist() == [1.0]
+    assert out[:4] == (4.0, 1.0, 0.5, 1) and x.tolist() == [1.0]
     # x: 0 -> 8, KL 64: 4 (16), 2 (4), 1 (1): alpha 1/8 after three halvings
     x = torch.tensor([8.0], dtype=torch.float64)
     out = guard_update(
         [x],
         [torch.tensor([0.0], dtype=torch.float64)],
-        measure=lambda: float(x[0] ** 2),
+        measure=lambda: (float(x[0] ** 2), 0.0),
         kl_before=0.0,
         settings=GuardSettings(limit=1.0),
     )
-    assert out == (64.0, 1.0, 0.125, 3) and x.tolist() == [1.0]
+    assert out[:4] == (64.0, 1.0, 0.125, 3) and x.tolist() == [1.0]
 
 
 def test_no_halving_fits_and_the_weights_are_restored_exactly():
@@ -53,12 +53,12 @@ def test_no_halving_fits_and_the_weights_are_restored_exactly():
     out = guard_update(
         [x],
         [torch.tensor([0.5], dtype=torch.float64)],
-        measure=lambda: float(x[0] ** 2),
+        measure=lambda: (float(x[0] ** 2), 0.0),
         kl_before=0.25,
         settings=GuardSettings(limit=1.0, max_halvings=2),
         written=lambda: writes.append(float(x[0])),
     )
-    assert out == (1e12, 0.25, 0.0, 2) and x.tolist() == [0.5]
+    assert out[:4] == (1e12, 0.25, 0.0, 2) and x.tolist() == [0.5]
     assert writes == [500000.25, 250000.375, 0.5]
 
 
@@ -71,7 +71,7 @@ def test_an_update_that_brings_an_over_budget_policy_closer_is_kept():
         guard_update(
             [x],
             [torch.tensor([3.0], dtype=torch.float64)],
-            measure=lambda: float(x[0] ** 2),
+            measure=lambda: (float(x[0] ** 2), 0.0),
             kl_before=9.0,
             settings=s,
         )[2]
@@ -81,7 +81,7 @@ def test_an_update_that_brings_an_over_budget_policy_closer_is_kept():
     out = guard_update(
         [x],
         [torch.tensor([3.0], dtype=torch.float64)],
-        measure=lambda: float(x[0] ** 2),
+        measure=lambda: (float(x[0] ** 2), 0.0),
         kl_before=9.0,
         settings=s,
     )
@@ -107,13 +107,50 @@ def test_guarded_epochs_stop_at_the_first_epoch_the_guard_cut():
         epochs(),
         update=one_epoch,
         tensors=[x],
-        measure=lambda: float(x[0] ** 2),
+        measure=lambda: (float(x[0] ** 2), 0.0),
         kl_before=0.0,
         settings=GuardSettings(limit=4.0),
     )
     assert drawn == [0, 1, 2] and out.fraction == 1 / 32 and out.backtracks == 5
     assert x.tolist() == [2.03125] and out.kl_kept == pytest.approx(2.03125**2)
     assert stats.steps == 3 and stats.stats["policy/loss"] == pytest.approx((1 + 2 + 3) / 3)
+
+
+def test_the_standard_errors_count_against_the_ceiling():
+    # KL x^2 with a standard error 0.1 x, z = 2, ceiling 1.05. x: 0 -> 1: 1 + 2 * 0.1 = 1.2 > 1.05;
+    # alpha 1/2: x = 0.5, 0.25 + 2 * 0.05 = 0.35 <= 1.05: kept, its SE 0.05 reported. With z = 0
+    # the same step is kept whole (1 <= 1.05): only the SE made the difference.
+    for z, want in ((2.0, (1.0, 0.25, 0.5, 1, 0.05)), (0.0, (1.0, 1.0, 1.0, 0, 0.1))):
+        x = torch.tensor([1.0], dtype=torch.float64)
+        out = guard_update(
+            [x],
+            [torch.tensor([0.0], dtype=torch.float64)],
+            measure=lambda x=x: (float(x[0] ** 2), 0.1 * float(x[0])),
+            kl_before=0.0,
+            settings=GuardSettings(limit=1.0, z=z),
+        )
+        assert tuple(out) == pytest.approx(want, rel=1e-15)
+
+
+def test_updated_kl_and_its_standard_error_by_hand():
+    from tether.trainers.steps import updated_kl
+
+    # three sequences, exact KL per position (masked positions hold junk that must not count):
+    # s = [0.1 + 0.3, 0.6, 0.2 + 0.2 + 0.2] = [0.4, 0.6, 0.6], n = [2, 1, 3]
+    kl = torch.tensor([[0.1, 0.3, 99.0], [0.6, 99.0, 99.0], [0.2, 0.2, 0.2]])
+    mask = torch.tensor([[True, True, False], [True, False, False], [True, True, True]])
+    # per sequence: m = 1.6 / 3; deviations 0.4 - m = -0.1333, 0.0667, 0.0667; their squares sum to
+    # 0.017778 + 0.004444 + 0.004444 = 0.026667; SE = sqrt(0.026667 / (3 * 2)) = 0.066667
+    kl_seq, se_seq = updated_kl(exact_kl=kl, mask=mask, target_unit="nats_per_sequence")
+    assert kl_seq == pytest.approx(1.6 / 3, rel=1e-6) and se_seq == pytest.approx(0.2 / 3, rel=1e-6)
+    # per token: m = 1.6 / 6 = 0.26667; residuals s - m n = 0.4 - 0.5333 = -0.1333, 0.6 - 0.2667 =
+    # 0.3333, 0.6 - 0.8 = -0.2; squares 0.017778 + 0.111111 + 0.04 = 0.168889;
+    # SE = sqrt(3 / 2 * 0.168889) / 6 = sqrt(0.253333) / 6 = 0.083887
+    kl_tok, se_tok = updated_kl(exact_kl=kl, mask=mask, target_unit="nats_per_token")
+    assert kl_tok == pytest.approx(1.6 / 6, rel=1e-6) and se_tok == pytest.approx(0.253333**0.5 / 6, rel=1e-5)
+    # one sequence: no spread to read, SE 0; no valid token: KL 0, SE 0 (never NaN)
+    assert updated_kl(exact_kl=kl[:1], mask=mask[:1], target_unit="nats_per_sequence")[1] == 0.0
+    assert updated_kl(exact_kl=kl, mask=torch.zeros_like(mask), target_unit="nats_per_token") == (0.0, 0.0)
 
 
 def test_merge_stats_weighs_by_steps():

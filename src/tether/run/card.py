@@ -74,8 +74,9 @@ def _guard_row(k: dict, history: list[dict]) -> str:
     acted = sum(r["guard/fraction"] < 1 for r in cuts)
     restored = sum(r["guard/fraction"] == 0 for r in cuts)
     return (
-        f"| update guard | each update kept only where its exact KL on its own batch (reweighted from "
-        f"the policy that drew it) stays under {ceiling:g} {unit} (kl.budget x (1 + kl.guard_tol)); it cut "
+        f"| update guard | each update kept only where its exact KL at its own batch's prefixes, plus "
+        f"{k.get('guard_z', 0.0):g} standard errors, stays under {ceiling:g} {unit} "
+        f"(kl.budget x (1 + kl.guard_tol)); it cut "
         f"{acted} of {len(cuts)} updates, {restored} of them whole. Not bounded: the KL on other prompts, "
         "and a fresh batch's sampling noise (docs/kl.md, 'The update guard') |"
     )

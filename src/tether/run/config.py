@@ -769,7 +769,7 @@ class KLConfig(_Defaulted):
     (use it with kl.controller_signal=exact). Scale it like budget_kp for nats_per_token."""
     guard: bool | None = None
     """Check each update before it is kept: after an epoch of minibatch steps, the exact KL of the
-    updated policy on the step's batch (reweighted from the policy that drew it) must stay within
+    updated policy at the step's batch's prefixes, plus kl.guard_z standard errors, must stay within
     kl.budget * (1 + kl.guard_tol), or the weights step back toward the ones before by halves, and
     back to them when no half fits (trainers/guard.py; docs/kl.md, "The update guard"). None = on
     with the budget controller, off with the others; true with another controller holds kl.budget
@@ -778,6 +778,11 @@ class KLConfig(_Defaulted):
     """The guard's slack past kl.budget, a fraction (0.05: 5%)."""
     guard_halvings: int = 10
     """Halvings of a rejected update the guard measures before it restores the weights (TRPO's 10)."""
+    guard_z: float = 2.0
+    """Standard errors of the batch's KL the guard adds before comparing it with the ceiling: it
+    keeps a policy whose KL is under kl.budget * (1 + kl.guard_tol) with about the one-sided
+    normal confidence of z (2: 97.7%), so the next batch's reading stays under it too. 0 compares
+    the batch mean alone."""
     controller_signal: Literal["auto", "estimator", "exact"] = "auto"
     """The KL the adaptive and budget controllers read: ``estimator`` (the logged ``kl.estimator``
     values, as in Ziegler et al.), ``exact`` (the exact per-token KL summed along the samples,
@@ -848,6 +853,12 @@ class KLConfig(_Defaulted):
         )
         _check(self.guard_tol >= 0, "kl.guard_tol", self.guard_tol, "must be >= 0 (a fraction of kl.budget)")
         _check(self.guard_halvings >= 1, "kl.guard_halvings", self.guard_halvings, "must be >= 1")
+        _check(
+            math.isfinite(self.guard_z) and self.guard_z >= 0,
+            "kl.guard_z",
+            self.guard_z,
+            "must be finite and >= 0 (standard errors; 0 = the batch mean alone)",
+        )
         _check(
             self.controller_signal in ("auto", "estimator", "exact"),
             "kl.controller_signal",
@@ -1914,6 +1925,7 @@ FIELD_UNITS: dict[str, str] = {
     "kl.guard": "",
     "kl.guard_tol": "fraction of kl.budget",
     "kl.guard_halvings": "",
+    "kl.guard_z": "standard errors of the batch's KL mean",
     "kl.controller_signal": "",
     "kl.exact": "",
     "kl.exact_chunk_size": "token positions",

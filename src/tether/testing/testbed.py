@@ -907,16 +907,16 @@ def train_on_policy(
     return log
 
 
-def _table_updated_kl(*, table: Tensor, bed: TabularBed, exp: Experience, target_unit: str) -> float:
-    """The update guard's measure on the bed: the table policy's exact KL on the batch its
-    pi_old drew (:func:`tether.trainers.steps.updated_kl`), from its log-probs of the tokens and
-    its exact per-position KL (:func:`position_kl`)."""
+def _table_updated_kl(
+    *, table: Tensor, bed: TabularBed, exp: Experience, target_unit: str
+) -> tuple[float, float]:
+    """The update guard's measure on the bed: the table policy's exact KL at the prefixes of the
+    batch its pi_old drew (:func:`tether.trainers.steps.updated_kl`), from its exact per-position
+    KL (:func:`position_kl`)."""
     samples = exp.rollout
     with torch.no_grad():
         return updated_kl(
             exact_kl=position_kl(table, bed.ref_logits, samples.rows),
-            logprobs=token_logprobs(table, samples.tokens, bed.vocab),
-            old_logprobs=exp.old_logprobs,
             mask=samples.response_mask,
             target_unit=target_unit,
         )

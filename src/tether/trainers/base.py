@@ -63,11 +63,12 @@ log = logging.getLogger(__name__)
 
 def guard_settings(config) -> GuardSettings | None:
     """The update guard of a run (:class:`tether.trainers.guard.GuardSettings`: ``kl.budget`` in
-    ``kl.target_unit``, ``kl.guard_tol``, ``kl.guard_halvings``), or None with ``kl.guard`` off."""
+    ``kl.target_unit``, ``kl.guard_tol``, ``kl.guard_halvings``, ``kl.guard_z``), or None with
+    ``kl.guard`` off."""
     k = config.kl
     if not k.guard:
         return None
-    return GuardSettings(limit=k.budget, tol=k.guard_tol, max_halvings=k.guard_halvings)
+    return GuardSettings(limit=k.budget, tol=k.guard_tol, max_halvings=k.guard_halvings, z=k.guard_z)
 
 
 def guard_metrics(result: GuardResult) -> dict:
@@ -77,6 +78,7 @@ def guard_metrics(result: GuardResult) -> dict:
     return {
         "guard/kl_updated": result.kl_updated,
         "guard/kl_kept": result.kl_kept,
+        "guard/kl_kept_se": result.se_kept,
         "guard/fraction": result.fraction,
         "guard/backtracks": float(result.backtracks),
     }
@@ -377,18 +379,17 @@ class OnPolicyTrainer:
             kl=kl, exact_kl=forwards.exact_kl, mask=rollout.response_mask, settings=self.settings
         )
 
-    def updated_kl(self, exp: Experience, forwards: RolloutLogprobs) -> float:
+    def updated_kl(self, exp: Experience, forwards: RolloutLogprobs) -> tuple[float, float]:
         """The exact KL to the reference of the policy as its weights are now, on the step's batch
-        (:func:`tether.trainers.steps.updated_kl`), in the controller's unit: a no-grad forward of
-        the policy in the groups step 4 scored, the reference's kept hidden states through its LM
-        head. The update guard's measure."""
+        (:func:`tether.trainers.steps.updated_kl`), in the controller's unit, with its standard
+        error: a no-grad forward of the policy in the groups step 4 scored, the reference's kept
+        hidden states through its LM head. The update guard's measure."""
         run, c = self.run, self.cfg
         B, R = exp.rollout.response_ids.shape
-        logprobs = torch.zeros(B, R, device=self.device)
         exact = torch.zeros(B, R, device=self.device)
         with root_gathered(run.policy, run.reference):
             for idx in exp.minibatches or [torch.arange(B, device=self.device)]:
-                pol, _, kl = policy_and_reference_logprobs(
+                _, _, kl = policy_and_reference_logprobs(
                     run.policy,
                     run.reference,
                     exp.rollout.select(idx),
@@ -397,13 +398,9 @@ class OnPolicyTrainer:
                     kl_chunk_size=c.kl.exact_chunk_size,
                     ref_hidden=forwards.ref_hidden[idx] if forwards.ref_hidden is not None else None,
                 )
-                logprobs[idx], exact[idx] = pol.logprobs, kl
+                exact[idx] = kl
         return updated_kl(
-            exact_kl=exact,
-            logprobs=logprobs,
-            old_logprobs=exp.old_logprobs,
-            mask=exp.rollout.response_mask,
-            target_unit=self.settings.target_unit,
+            exact_kl=exact, mask=exp.rollout.response_mask, target_unit=self.settings.target_unit
         )
 
     def update(

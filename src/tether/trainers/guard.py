@@ -2,19 +2,22 @@
 
 The budget controller sets beta from the KL it reads; an update can still cross the budget in one
 step (a large learning rate, a sharp reward). The guard measures, after an update (one epoch of
-minibatch steps), the exact KL of the updated policy to the reference on the step's own batch,
-the batch reweighted from the policy that drew it to the updated one
-(:func:`tether.core.kl.importance_weighted_kl`). When that KL passes its limit by more than the
-tolerance, the trainable weights step back toward the ones before the update by halves,
+minibatch steps), the exact KL of the updated policy to the reference at the prefixes of the
+step's own batch (:func:`tether.trainers.steps.updated_kl`), with its standard error. When that
+KL plus ``z`` standard errors passes its limit by more than the tolerance, the trainable
+weights step back toward the ones before the update by halves,
 ``theta_old + alpha (theta_new - theta_old)`` with ``alpha = 1/2, 1/4, ...``, and back to
 ``theta_old`` when no fraction fits: the backtracking line search of TRPO (Schulman et al. 2015,
 "Trust Region Policy Optimization", arXiv 1502.05477, appendix C), here on the KL to the
 reference rather than to the previous policy. Torch and :mod:`tether.core` only, so the test bed
 runs the same guard on its tables.
 
-**What is acceptable.** A KL at most ``limit * (1 + tol)``, or at most the KL the update started
-from (an update that brings an over-budget policy closer is kept): ``alpha = 0`` is always
-acceptable, so the search ends.
+**What is acceptable.** A KL whose upper bound ``kl + z * se`` is at most ``limit * (1 + tol)``,
+or a KL at most the one the update started from (an update that brings an over-budget policy
+closer is kept): ``alpha = 0`` is always acceptable, so the search ends. The ``z`` standard errors
+are the batch's sampling noise: the guard keeps a policy whose KL (its expectation, not this
+batch's mean) is under the ceiling with about the one-sided normal confidence of ``z`` (97.7% at
+2), so the next batch's reading stays near it too.
 
 **The optimizer's state after a partial step** (derived in docs/kl.md, "The update guard"). AdamW
 keeps ``m`` and ``v``, exponential averages of the gradients and their squares at the points the
@@ -46,11 +49,14 @@ class GuardSettings:
             sequence or per token, as ``kl.target_unit``).
         tol: the relative slack past ``limit`` before the guard acts (``kl.guard_tol``), >= 0.
         max_halvings: backtracks before the weights are restored (``kl.guard_halvings``), >= 1.
+        z: standard errors of the batch's KL added before comparing with the ceiling
+            (``kl.guard_z``), >= 0; 0 compares the batch mean alone.
     """
 
     limit: float
     tol: float = 0.05
     max_halvings: int = 10
+    z: float = 2.0
 
     @property
     def ceiling(self) -> float:
@@ -69,6 +75,8 @@ class GuardResult(NamedTuple):
     """``alpha`` of the kept weights: 1 (the update whole), 1/2^k, or 0 (restored)."""
     backtracks: int
     """How many halvings were measured."""
+    se_kept: float = 0.0
+    """The standard error of ``kl_kept`` (its batch's sampling noise), the limit's unit."""
 
 
 def snapshot(tensors: Sequence[Tensor]) -> list[Tensor]:
@@ -81,7 +89,7 @@ def guard_update(
     tensors: Sequence[Tensor],
     before: Sequence[Tensor],
     *,
-    measure: Callable[[], float],
+    measure: Callable[[], tuple[float, float]],
     kl_before: float,
     settings: GuardSettings,
     written: Callable[[], None] = lambda: None,
@@ -93,8 +101,8 @@ def guard_update(
         tensors: the weights the update moved (float32 masters where the model's are lower
             precision), at the updated values.
         before: the same weights before the update (:func:`snapshot`).
-        measure: the KL of the policy the weights in ``tensors`` make now (the limit's unit); it
-            must give every process the same number.
+        measure: ``(kl, se)``: the KL of the policy the weights in ``tensors`` make now (the
+            limit's unit) and its standard error; it must give every process the same numbers.
         kl_before: the KL of the policy at ``before`` (the same measure; for a step's first epoch,
             the rollout's own exact KL).
         settings: the limit, its tolerance, the halvings.
@@ -105,19 +113,22 @@ def guard_update(
         :class:`GuardResult`.
     """
     after = snapshot(tensors)
-    kl = measure()
-    ok = max(settings.ceiling, kl_before)
-    if kl <= ok:
-        return GuardResult(kl, kl, 1.0, 0)
+
+    def acceptable(kl: float, se: float) -> bool:
+        return kl + settings.z * se <= settings.ceiling or kl <= kl_before
+
+    kl, se = measure()
+    if acceptable(kl, se):
+        return GuardResult(kl, kl, 1.0, 0, se)
     alpha = 1.0
     for k in range(1, settings.max_halvings + 1):
         alpha /= 2
         for t, a, b in zip(tensors, before, after):
             t.copy_(a + alpha * (b - a))
         written()
-        now = measure()
-        if now <= ok:
-            return GuardResult(kl, now, alpha, k)
+        now, now_se = measure()
+        if acceptable(now, now_se):
+            return GuardResult(kl, now, alpha, k, now_se)
     for t, a in zip(tensors, before):
         t.copy_(a)
     written()
@@ -129,7 +140,7 @@ def guarded_epochs(
     *,
     update: Callable[[list[Tensor]], UpdateStats],
     tensors: Sequence[Tensor],
-    measure: Callable[[], float],
+    measure: Callable[[], tuple[float, float]],
     kl_before: float,
     settings: GuardSettings,
     written: Callable[[], None] = lambda: None,

@@ -18,6 +18,7 @@ exact-optimum tests check the code that trains:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, Protocol
@@ -35,7 +36,7 @@ from tether.core.advantages import (
     return_scale,
     rloo_advantages,
 )
-from tether.core.kl import estimate_kl, importance_weighted_kl, kl_k1, sequence_kl
+from tether.core.kl import estimate_kl, kl_k1, sequence_kl
 from tether.core.leash import KLLeash
 from tether.core.losses import clipped_value_loss, dpo_loss, ppo_policy_loss
 from tether.core.masked import at_least_fp32, masked_sum
@@ -596,26 +597,52 @@ def kl_reading(
     return float(D.token_mean(signal, mask))
 
 
-def updated_kl(
-    *, exact_kl: Tensor, logprobs: Tensor, old_logprobs: Tensor, mask: Tensor, target_unit: str
-) -> float:
-    """The exact KL to the reference of an updated policy, on the batch the policy before it drew
-    (:func:`tether.core.kl.importance_weighted_kl`), over every process, in ``target_unit``: per
-    sequence the mean of the weighted sums, per token their total over the weights' (the expected
-    length under the updated policy).
+def updated_kl(*, exact_kl: Tensor, mask: Tensor, target_unit: str) -> tuple[float, float]:
+    """The exact KL to the reference of an updated policy at the prefixes of the batch the policy
+    before it drew, over every process, in ``target_unit``, with the standard error of that batch
+    mean. The update guard's measure (:mod:`tether.trainers.guard`).
+
+    Exact over the vocabulary at each prefix; the prefixes are pi_old's, not the updated policy's:
+    the state distribution of the policy that drew them, as TRPO's constraint reads it (Schulman
+    et al. 2015, eq. 12). Not reweighted by the prefix's importance ratio
+    (:func:`tether.core.kl.importance_weighted_kl`, exact in expectation): on the batch the update
+    was just fitted to, that ratio is what the update raised (on the demo's first step it read
+    716,872 nats where the next batch's exact KL was 0.27; docs/kl.md, "The update guard").
+
+    With ``s_i`` a sequence's summed exact KL, ``n_i`` its policy tokens (1 per sequence for
+    ``nats_per_sequence``) and ``m = sum s_i / sum n_i`` over the ``B`` sequences of every
+    process, the standard error is the ratio estimator's, ``sqrt(B / (B - 1) * sum_i (s_i - m
+    n_i)^2) / sum_i n_i`` (Cochran 1977, eq. 6.9; per sequence the usual ``std / sqrt(B)``);
+    0 for ``B = 1`` (no spread to read) or no valid token.
 
     Args:
         exact_kl: (B, R) the updated policy's exact per-position KL, nats.
-        logprobs: (B, R) its log-probs of the batch's tokens, nats.
-        old_logprobs: (B, R) the drawing policy's, nats.
         mask: (B, R) bool, the policy's tokens.
         target_unit: ``nats_per_sequence`` or ``nats_per_token``.
+
+    Returns:
+        ``(kl, se)``: the KL, nats per sequence or per token (the reading's reduction,
+        :func:`kl_reading`), and its standard error in the same unit.
     """
-    per_sequence, weights = importance_weighted_kl(exact_kl, logprobs, old_logprobs, mask)
-    if target_unit == "nats_per_sequence":
-        return float(D.sequence_mean(per_sequence))
-    total, length = D.all_reduce_sum(torch.stack([per_sequence.sum(), weights.sum()]).to(torch.float64))
-    return float(total / length) if length > 0 else 0.0  # no valid token anywhere: no KL
+    m = mask.bool()
+    s = sequence_kl(exact_kl, m).to(torch.float64)  # (B,)
+    n = torch.ones_like(s) if target_unit == "nats_per_sequence" else m.sum(-1).to(torch.float64)
+    kl = float(D.sequence_mean(s)) if target_unit == "nats_per_sequence" else float(D.token_mean(exact_kl, m))
+    rows, total_n, ss, sn, nn = D.all_reduce_sum(
+        torch.stack(
+            [
+                torch.tensor(float(len(s)), dtype=torch.float64, device=s.device),
+                n.sum(),
+                (s * s).sum(),
+                (s * n).sum(),
+                (n * n).sum(),
+            ]
+        )
+    ).tolist()
+    if rows < 2 or total_n <= 0:
+        return kl, 0.0
+    residual = max(0.0, ss - 2 * kl * sn + kl * kl * nn)  # sum (s_i - m n_i)^2; rounding can dip below 0
+    return kl, math.sqrt(rows / (rows - 1) * residual) / total_n
 
 
 def clipped_policy_loss(
