@@ -26,6 +26,7 @@ import hashlib, resource, sys, time
 sys.path.insert(0, {repo!r})
 import torch
 from tests.conftest import make_chat_tokenizer, make_tiny_llama, make_tokenizer
+from tether.models.sampling import SamplingSettings
 from tether.models.turns import generate_turns
 
 chat = {chat!r}
@@ -37,7 +38,8 @@ prompts = [[{{"role": "user", "content": "the movie"}}]] * 4 if chat else ["the 
 def env(prompt, completion, turn, **columns):
     return reply if turn == 0 else None
 
-kw = dict(max_turns=2, max_new_tokens={tokens}, temperature=1.0, seeds=list(range(4)), stop_strings=["e"])
+settings = SamplingSettings(max_new_tokens={tokens}, temperature=1.0, stop_strings=("e",), max_turns=2)
+kw = dict(settings=settings, seeds=list(range(4)))
 generate_turns(lm, tok, prompts, lambda **k: None, **kw)  # warm: the model's first forward
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 t0 = time.perf_counter()

@@ -19,7 +19,7 @@ from tether.models.turns import EnvFailed
 from tether.run.announce import announce_start
 from tether.run.best import BestPolicy
 from tether.run.checkpoint import latest_checkpoint
-from tether.run.config import Config, ConfigError
+from tether.run.config import Config
 from tether.run.console import say
 from tether.run.evaluation import Evaluator, fluency_judge, reference_eval, reference_periodic
 from tether.run.files import resume_hint
@@ -41,15 +41,10 @@ from tether.run.session import Session, StepLog, evaluates, finish, log_step
 from tether.run.setup import Run, build_run, discard_failed_start
 from tether.run.signals import Interrupted, install_signal_handlers
 from tether.trainers.common import UnmeasuredUpdate
-from tether.trainers.dpo import DPOTrainer
-from tether.trainers.group import GRPOTrainer, RLOOTrainer
-from tether.trainers.ppo import PPOTrainer
-from tether.trainers.steps import ADVANTAGES
+from tether.trainers.registry import TRAINERS as TRAINERS  # re-exported: the registry's own dict
+from tether.trainers.registry import trainer_class
 
 log = logging.getLogger(__name__)
-
-TRAINERS = {"ppo": PPOTrainer, "grpo": GRPOTrainer, "rloo": RLOOTrainer, "dpo": DPOTrainer}
-"""``train.algo`` -> trainer class; each has ``step(step) -> dict`` and ``last_experience``."""
 
 
 def train(
@@ -114,7 +109,8 @@ def train(
         else None,
     )
     c = config
-    check_registered(c)
+    # before anything loads: a train.algo with a row of defaults needs its class (and advantage)
+    trainer_class(c.train.algo, samples=c.trainer.samples)
     evaluating = bool(c.eval.n_prompts or c.eval.every)
     wants_judge = judge is None and c.eval.judge != "none" and evaluating
     judges = {}
@@ -148,26 +144,6 @@ def train(
         release_lock(run.writer.lock)  # the run folder is free for the next writer
 
 
-def check_registered(c: Config) -> None:
-    """Refuse, before anything loads, a ``train.algo`` with a row of defaults
-    (:data:`tether.run.config.TRAINER_DEFAULTS`) but no trainer class in :data:`TRAINERS`, or an
-    on-policy one with no step-6 advantage (:data:`tether.trainers.steps.ADVANTAGES`).
-
-    Raises:
-        ConfigError: naming what is missing and where it is registered.
-    """
-    if c.train.algo not in TRAINERS:
-        raise ConfigError(
-            f"train.algo={c.train.algo}: no trainer class is registered under that name in "
-            "tether.training.TRAINERS (docs/architecture.md, 'How to add a trainer')"
-        )
-    if c.trainer.samples and c.train.algo not in ADVANTAGES:
-        raise ConfigError(
-            f"train.algo={c.train.algo}: no advantage is registered under that name in "
-            "tether.trainers.steps.ADVANTAGES (docs/architecture.md, 'How to add a trainer')"
-        )
-
-
 def _train(
     run: Run,
     judge: Scorer | None,
@@ -179,7 +155,7 @@ def _train(
 ) -> Path:
     c = run.config
     w, show = run.writer, c.train.progress
-    trainer = TRAINERS[c.train.algo](run)
+    trainer = trainer_class(c.train.algo, samples=c.trainer.samples)(run)
     evaluator = Evaluator(run, judge, fluency_judge(run))
     monitor = HealthMonitor(health_thresholds(c), w.run_dir / "warnings.jsonl")
     start = resume_run(run, trainer, monitor) if resume else start_run(run)

@@ -53,6 +53,7 @@ def _four_ranks(rank: int, world: int, init_file: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         from tether.trainers.base import sample_metrics
+        from tether.trainers.common import RolloutLogprobs
 
         kl, mask = torch.tensor(FOUR_KL[rank]), torch.tensor(FOUR_MASK[rank])
         ids = torch.zeros(1, 2, dtype=torch.long)
@@ -64,15 +65,9 @@ def _four_ranks(rank: int, world: int, init_file: str, out_dir: str) -> None:
             response_mask=mask,
             responses=["r"],
         )
-        row = sample_metrics(
-            ro,
-            torch.tensor([0.5]),
-            kl=kl,
-            entropy=torch.zeros(1, 2),
-            exact_kl=None,
-            kl_coef=0.1,
-            estimator="k1",
-        )
+        zeros = torch.zeros(1, 2)
+        learner = RolloutLogprobs(zeros, None, values=None, entropy=zeros, exact_kl=None)
+        row = sample_metrics(ro, torch.tensor([0.5]), kl=kl, forwards=learner, kl_coef=0.1, estimator="k1")
         values, vmask, scores = _rank_data(rank)
         out = {
             "rank": D.rank(),

@@ -25,6 +25,7 @@ from tether.models.scoring import rollout_logprobs
 from tether.run.config import ConfigError, load_config
 from tether.run.setup import build_run, resolve_device, resolve_dtype
 from tether.trainers.base import sample_metrics
+from tether.trainers.common import RolloutLogprobs
 from tether.trainers.precision import INITIAL_LOSS_SCALE, MasterWeights
 from tether.trainers.update import optimizer_step
 from tether.training import TRAINERS
@@ -160,10 +161,7 @@ def test_k3_is_takes_k3_plus_first_minibatch_step_bit_for_bit(
     exp = make_experience(
         rollout=rollout,
         scores=scores,
-        old_logprobs=forwards.old_logprobs,
-        ref_logprobs=forwards.ref_logprobs,
-        values=forwards.values,
-        exact_kl=forwards.exact_kl,
+        forwards=forwards.step_forwards(),
         minibatches=minibatches,
         kl_coef=0.5,
         leash=trainer.leash,
@@ -380,16 +378,10 @@ def test_logprob_mismatch_is_k3_of_sampler_against_learner():
         sampler_logprobs=torch.tensor([[-1.0, -2.0, 0.0]]),
     )
     zeros = torch.zeros(1, 3)
-    row = sample_metrics(
-        ro,
-        torch.zeros(1),
-        kl=zeros,
-        entropy=zeros,
-        exact_kl=None,
-        kl_coef=0.1,
-        estimator="k1",
-        logprobs=torch.tensor([[-1.0, -2.5, -9.0]]),
+    learner = RolloutLogprobs(
+        torch.tensor([[-1.0, -2.5, -9.0]]), None, values=None, entropy=zeros, exact_kl=None
     )
+    row = sample_metrics(ro, torch.zeros(1), kl=zeros, forwards=learner, kl_coef=0.1, estimator="k1")
     assert float(row["rollout/logprob_mismatch"]) == pytest.approx(0.0532653, abs=1e-6)
     assert float(row["rollout/logprob_diff_max"]) == 0.5
 

@@ -73,11 +73,8 @@ def test_tool_turns_sample_what_generate_turns_samples(tiny_tokenizer, tiny_lm):
         tiny_tokenizer,
         PROMPTS,
         tool,
-        max_turns=2,
-        max_new_tokens=24,
-        temperature=1.0,
+        settings=SamplingSettings(max_new_tokens=24, temperature=1.0, stop_strings=("e",), max_turns=2),
         seeds=seeds,
-        stop_strings=["e"],
     )
     assert torch.equal(ro.response_ids, ref.response_ids) and torch.equal(ro.env_mask, ref.env_mask)
     assert ro.responses == ref.responses and ro.env_texts == ref.env_texts

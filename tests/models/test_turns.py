@@ -6,12 +6,19 @@ import pytest
 import torch
 
 from tether.core.logprobs import logprobs_from_logits
-from tether.models.sampling import generate
+from tether.models.sampling import SamplingSettings, generate
 from tether.models.scoring import response_forward
 from tether.models.turns import generate_turns, turn_seed
 
 PROMPTS = ["the movie was", "a film with great acting", "the music", "it was"]
 TOOL = " [tool: 42]"
+
+
+def tool_turns(lm, tok, prompts, env, *, seeds, columns=None, **settings):
+    """:func:`generate_turns` with its sampling settings by keyword (:class:`SamplingSettings`' fields)."""
+    return generate_turns(
+        lm, tok, prompts, env, settings=SamplingSettings(**settings), seeds=seeds, columns=columns
+    )
 
 
 def tool(prompt, completion, turn, **columns):
@@ -24,12 +31,12 @@ def turns(lm, tok, env, **settings):
     tokens, temperature 1, stop string "e": in most of the tiny vocabulary's words, so every row
     stops within a few tokens) unless ``settings`` change them."""
     kw = dict(max_turns=2, max_new_tokens=24, temperature=1.0, seeds=list(range(4)), stop_strings=["e"])
-    return generate_turns(lm, tok, PROMPTS, env, **{**kw, **settings})
+    return tool_turns(lm, tok, PROMPTS, env, **{**kw, **settings})
 
 
 def test_one_turn_without_stop_strings_is_generate(tiny_tokenizer, tiny_lm):
     kw = dict(max_new_tokens=6, temperature=1.0, seeds=list(range(4)))
-    one = generate_turns(tiny_lm, tiny_tokenizer, PROMPTS, tool, max_turns=1, **kw)
+    one = tool_turns(tiny_lm, tiny_tokenizer, PROMPTS, tool, max_turns=1, **kw)
     ref = generate(tiny_lm, tiny_tokenizer, PROMPTS, 6, 1.0, seeds=range(4))
     assert torch.equal(one.response_mask, ref.response_mask)
     assert torch.equal(one.response_ids[ref.response_mask], ref.response_ids[ref.response_mask])
@@ -85,7 +92,7 @@ def test_an_episode_the_environment_ends_is_ended_and_one_cut_at_max_turns_is_no
     old code counted both as cut. Stop string "e" with a 24-token budget: most rows' first turn
     stops at it before the budget (asserted); a row cut at the budget stays not ended."""
     kw = dict(max_turns=1, max_new_tokens=24, temperature=1.0, seeds=list(range(4)), stop_strings=["e"])
-    cut = generate_turns(tiny_lm, tiny_tokenizer, PROMPTS, lambda **k: None, **kw)
+    cut = tool_turns(tiny_lm, tiny_tokenizer, PROMPTS, lambda **k: None, **kw)
     end_id = tiny_tokenizer.eos_token_id
     lengths = cut.response_mask.sum(-1).tolist()
     own = [cut.response_ids[b][cut.response_mask[b]].tolist() for b in range(4)]
@@ -93,7 +100,7 @@ def test_an_episode_the_environment_ends_is_ended_and_one_cut_at_max_turns_is_no
     budget = [b for b in range(4) if lengths[b] == 24 and end_id not in own[b]]
     assert len(stopped) >= 2, "the test needs turns ended by the stop string"
     assert not cut.ended[stopped + budget].any()  # max_turns=1: stopped to call the tool, cut
-    over = generate_turns(tiny_lm, tiny_tokenizer, PROMPTS, lambda **k: None, **{**kw, "max_turns": 2})
+    over = tool_turns(tiny_lm, tiny_tokenizer, PROMPTS, lambda **k: None, **{**kw, "max_turns": 2})
     assert torch.equal(over.response_ids, cut.response_ids)  # the same turn; then the env's None
     assert over.ended[stopped].all() and not over.ended[budget].any()
 
@@ -143,7 +150,7 @@ def test_a_chat_reply_that_is_not_valid_unicode_is_refused():
 
     tok = make_chat_tokenizer()
     with pytest.raises(EnvReplyError, match=r"not valid Unicode for row \d after turn 0"):
-        generate_turns(
+        tool_turns(
             chat_lm(tok, end_boost=1.0), tok, CONVERSATIONS, lambda **kw: "4\udc802", max_turns=2,
             max_new_tokens=40, temperature=1.0, seeds=list(range(4)),
         )  # fmt: skip
@@ -245,7 +252,7 @@ def test_chat_turns_put_the_tools_reply_in_the_template():
     lm = chat_lm(tok, end_boost=1.0)
     end = tok.convert_tokens_to_ids("<|im_end|>")
     calls: list = []
-    ro = generate_turns(
+    ro = tool_turns(
         lm, tok, CONVERSATIONS, recording_env(calls), max_turns=3, max_new_tokens=40, temperature=1.0,
         seeds=list(range(4)),
     )  # fmt: skip
@@ -284,7 +291,7 @@ def test_chat_turns_that_end_at_a_stop_string_get_the_assistants_closing_from_th
 
     tok = make_chat_tokenizer()
     lm = make_tiny_llama(len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    ro = generate_turns(
+    ro = tool_turns(
         lm, tok, CONVERSATIONS * 2, recording_env([]), max_turns=2, max_new_tokens=40, temperature=1.0,
         seeds=list(range(8)), stop_strings=["e"],
     )  # fmt: skip
@@ -312,7 +319,7 @@ def test_a_chat_reply_that_does_not_fit_is_dropped_whole():
 
     tok = make_chat_tokenizer()
     lm = chat_lm(tok, end_boost=1.5)  # every first turn is one <|im_end|>; the framing is 19 tokens
-    ro = generate_turns(
+    ro = tool_turns(
         lm, tok, CONVERSATIONS, recording_env([]), max_turns=2, max_new_tokens=12, temperature=1.0,
         seeds=list(range(4)),
     )  # fmt: skip
@@ -344,7 +351,7 @@ def test_chat_formats_that_cannot_be_exact_are_refused(tiny_tokenizer, tiny_lm):
     with pytest.raises(ValueError, match="env_format=chat needs prompts rendered by the chat template"):
         turns(tiny_lm, tiny_tokenizer, tool, env_format="chat")
     with pytest.raises(ValueError, match="mix conversations and texts"):
-        generate_turns(
+        tool_turns(
             tiny_lm, tok, [CONVERSATIONS[0], "plain"], tool, max_turns=2, max_new_tokens=8, temperature=1.0,
             seeds=[0, 1], stop_strings=["e"],
         )  # fmt: skip
@@ -360,7 +367,7 @@ def test_raw_format_on_conversations_appends_the_text_as_before(tiny_tokenizer):
 
     tok = make_chat_tokenizer()
     lm = make_tiny_llama(len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    ro = generate_turns(
+    ro = tool_turns(
         lm, tok, CONVERSATIONS, tool, max_turns=2, max_new_tokens=24, temperature=1.0,
         seeds=list(range(4)), stop_strings=["e"], env_format="raw",
     )  # fmt: skip
@@ -413,7 +420,7 @@ def test_an_environment_that_edits_its_arguments_edits_nothing_else():
         notes.append(2)
         return " 42" if turn == 0 else None
 
-    ro = generate_turns(
+    ro = tool_turns(
         lm, tok, list(batch), meddles, max_turns=3, max_new_tokens=24, temperature=1.0,
         seeds=list(range(4)), stop_strings=["e"], columns=batch.columns, env_format="raw",
     )  # fmt: skip
@@ -478,7 +485,7 @@ def test_a_metaspace_tokenizer_appends_the_tools_text_without_a_space():
         ids = continuation_ids(tok, context, text, "text")
         assert tok.decode(context + ids) == tok.decode(context) + text, text
     lm = make_tiny_llama(len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    ro = generate_turns(
+    ro = tool_turns(
         lm, tok, ["the movie was", "a film that"] * 2, lambda turn, **kw: "5" if turn == 0 else None,
         max_turns=2, max_new_tokens=20, temperature=1.0, seeds=list(range(4)), stop_strings=["e"],
     )  # fmt: skip
@@ -517,7 +524,7 @@ def test_a_stop_string_with_a_leading_space_stops_a_turns_first_token():
     # every turn's first token that starts a word holds a space: with stop string " ", every such
     # turn stops at its first token and the environment answers it
     lm = make_tiny_llama(len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    ro = generate_turns(
+    ro = tool_turns(
         lm, tok, PROMPTS * 2, lambda turn, **kw: "5" if turn == 0 else None,
         max_turns=2, max_new_tokens=12, temperature=1.0, seeds=list(range(8)), stop_strings=[" "],
     )  # fmt: skip
@@ -546,7 +553,7 @@ def test_a_chat_turn_ended_by_another_end_id_ends_the_episode():
         lm.model.embed_tokens.weight[:, 5] += 3.0
         lm.model.embed_tokens.weight[tok.eos_token_id, 5] += 1.0
     calls: list = []
-    ro = generate_turns(
+    ro = tool_turns(
         lm, tok, CONVERSATIONS, recording_env(calls), max_turns=2, max_new_tokens=40, temperature=1.0,
         seeds=list(range(4)),
     )  # fmt: skip
@@ -570,9 +577,9 @@ def test_chat_turns_whose_close_is_not_an_end_id_need_stop_strings():
     with pytest.raises(
         ValueError, match=r"rollout.stop_strings is empty.*'<\|im_end\|>' \(id 301, the first token"
     ):
-        generate_turns(lm, tok, CONVERSATIONS, recording_env([]), **kw)
-    generate_turns(lm, tok, CONVERSATIONS, recording_env([]), stop_strings=["e"], **kw)
-    generate_turns(lm, tok, CONVERSATIONS, recording_env([]), **{**kw, "max_turns": 1})  # no env call
+        tool_turns(lm, tok, CONVERSATIONS, recording_env([]), **kw)
+    tool_turns(lm, tok, CONVERSATIONS, recording_env([]), stop_strings=["e"], **kw)
+    tool_turns(lm, tok, CONVERSATIONS, recording_env([]), **{**kw, "max_turns": 1})  # no env call
 
 
 def test_an_async_environment_is_awaited(tiny_tokenizer, tiny_lm):
@@ -802,9 +809,9 @@ def test_a_long_chat_reply_is_dropped_untokenized():
     kw = dict(max_turns=2, max_new_tokens=40, temperature=1.0, seeds=list(range(4)))
     type(tok).__call__ = recording
     try:
-        ro = generate_turns(lm, tok, CONVERSATIONS, lambda turn, **k: reply if turn == 0 else None, **kw)
+        ro = tool_turns(lm, tok, CONVERSATIONS, lambda turn, **k: reply if turn == 0 else None, **kw)
     finally:
         type(tok).__call__ = real_call
     assert max(longest) < 1000 and not ro.env_mask.any() and not ro.ended.any()
-    short = generate_turns(lm, tok, CONVERSATIONS, lambda turn, **k: reply[:400] if turn == 0 else None, **kw)
+    short = tool_turns(lm, tok, CONVERSATIONS, lambda turn, **k: reply[:400] if turn == 0 else None, **kw)
     assert torch.equal(ro.response_ids, short.response_ids)  # also dropped: the same rollout

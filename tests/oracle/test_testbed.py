@@ -991,8 +991,9 @@ def test_the_guard_holds_the_budget_and_reaches_the_constrained_optimum(bed_name
     # budget * 1.05, up to the guard's own error on the sequence bed: it reads the KL at the
     # prefixes of the policy that drew the batch, and kl.guard_z = 2 standard errors leave a 2.3%
     # tail; 3 standard errors of its batch estimate (cv / sqrt(1024), by enumeration at pi*: 1.9%)
-    # allowed. On the bandit one position makes the estimate exact (its SE 0). And the run lands on pi* of the beta that spends the
-    # budget exactly (KL < 1e-3 nats), the multiplier on that beta (within 5%).
+    # allowed. On the bandit one position makes the estimate exact (its SE 0). And the run lands
+    # on pi* of the beta that spends the budget exactly (KL < 1e-3 nats), the multiplier on that
+    # beta (within 5%).
     bed, eps = (bed_bandit(), 0.3) if bed_name == "bandit" else (seq_bed(), 0.5)
     beta_star = beta_for_budget(bed, eps)
     cv = 0.0 if bed_name == "bandit" else sequence_kl_cv(bed, beta_star)

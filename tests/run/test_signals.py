@@ -10,12 +10,20 @@ import time
 
 import pytest
 
+from tether.models.sampling import SamplingSettings
 from tether.models.turns import EnvFailed, generate_turns
 from tether.run.signals import install_signal_handlers
 
 
-def _rollout(lm, tok, env):
+def tool_turns(lm, tok, prompts, env, *, seeds, columns=None, **settings):
+    """:func:`generate_turns` with its sampling settings by keyword (:class:`SamplingSettings`' fields)."""
     return generate_turns(
+        lm, tok, prompts, env, settings=SamplingSettings(**settings), seeds=seeds, columns=columns
+    )
+
+
+def _rollout(lm, tok, env):
+    return tool_turns(
         lm, tok, ["the movie was", "a film that"], env, max_turns=2, max_new_tokens=24, temperature=1.0,
         seeds=[0, 1], stop_strings=["e"], env_timeout=30.0,
     )  # fmt: skip
@@ -115,7 +123,7 @@ def test_an_environment_with_a_signal_alarm_runs_without_a_deadline(tiny_tokeniz
     """Since every call of rollout.env ran on a worker thread, an environment timing itself with
     signal.alarm always failed ("signal only works in main thread"), even with
     rollout.env_timeout=null. With no deadline it runs on the calling thread again, as before."""
-    ro = generate_turns(
+    ro = tool_turns(
         tiny_lm, tiny_tokenizer, ["the movie was", "a film that"], alarm_env, max_turns=2, max_new_tokens=24,
         temperature=1.0, seeds=[0, 1], stop_strings=["e"], env_timeout=None,
     )  # fmt: skip
@@ -159,12 +167,12 @@ def test_ctrl_c_while_an_environment_without_a_deadline_runs(tiny_tokenizer, tin
     )
     t0 = time.monotonic()
     try:
-        ro = generate_turns(tiny_lm, tiny_tokenizer, ["the movie was", "a film that"], env, **settings)
+        ro = tool_turns(tiny_lm, tiny_tokenizer, ["the movie was", "a film that"], env, **settings)
         said = capsys.readouterr().err
         with pytest.raises(
             EnvFailed, match=r"stopped while waiting for rollout.env \(row 0 after turn 0\)"
         ) as e:
-            generate_turns(tiny_lm, tiny_tokenizer, ["the movie was", "a film that"], hangs, **settings)
+            tool_turns(tiny_lm, tiny_tokenizer, ["the movie was", "a film that"], hangs, **settings)
     finally:
         for sig, h in previous.items():
             signal.signal(sig, h)

@@ -16,6 +16,8 @@ from tether.core.leash import KLLeash
 from tether.testing.testbed import TableSamples
 from tether.trainers.steps import (
     ADVANTAGES,
+    ClipSettings,
+    Forwards,
     StepSettings,
     broadcast_sequence_advantages,
     clipped_policy_loss,
@@ -43,10 +45,12 @@ def experience(algo: str, leash: KLLeash, kl_coef: float, **settings):
     return make_experience(
         rollout=samples([[True]] * 4),
         scores=torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=F64),
-        old_logprobs=torch.tensor([[-1.0], [-1.0], [-1.0], [-1.0]], dtype=F64),
-        ref_logprobs=torch.tensor([[-1.5], [-1.0], [-1.0], [-0.5]], dtype=F64),
-        values=torch.zeros(4, 1, dtype=F64) if algo == "ppo" else None,
-        exact_kl=torch.tensor([[0.2], [0.1], [0.1], [0.4]], dtype=F64),
+        forwards=Forwards(
+            old_logprobs=torch.tensor([[-1.0], [-1.0], [-1.0], [-1.0]], dtype=F64),
+            ref_logprobs=torch.tensor([[-1.5], [-1.0], [-1.0], [-0.5]], dtype=F64),
+            values=torch.zeros(4, 1, dtype=F64) if algo == "ppo" else None,
+            exact_kl=torch.tensor([[0.2], [0.1], [0.1], [0.4]], dtype=F64),
+        ),
         minibatches=[torch.arange(4)],
         kl_coef=kl_coef,
         leash=leash,
@@ -105,10 +109,12 @@ def unscored_experience(algo: str, leash: KLLeash, kl_coef: float = 0.0, **setti
     return make_experience(
         rollout=samples([[True]] * 4),
         scores=torch.tensor([math.nan, 1.0, 0.25, 1.0], dtype=F64),
-        old_logprobs=torch.tensor([[-1.0]] * 4, dtype=F64),
-        ref_logprobs=torch.tensor([[-1.5], [-1.0], [-1.0], [-0.5]], dtype=F64),
-        values=torch.zeros(4, 1, dtype=F64) if algo == "ppo" else None,
-        exact_kl=torch.tensor([[0.2], [0.1], [0.1], [0.4]], dtype=F64),
+        forwards=Forwards(
+            old_logprobs=torch.tensor([[-1.0]] * 4, dtype=F64),
+            ref_logprobs=torch.tensor([[-1.5], [-1.0], [-1.0], [-0.5]], dtype=F64),
+            values=torch.zeros(4, 1, dtype=F64) if algo == "ppo" else None,
+            exact_kl=torch.tensor([[0.2], [0.1], [0.1], [0.4]], dtype=F64),
+        ),
         minibatches=[torch.arange(4)],
         kl_coef=kl_coef,
         leash=leash,
@@ -152,7 +158,9 @@ def test_unscored_samples_leave_ppos_update():
     assert mb.update_mask.flatten().tolist() == [False, True] and mb.scored.tolist() == [False, True]
     # the loss of a micro-batch holding only the unscored row is 0 and has no gradient on it
     logprobs = torch.tensor([[-1.0]], dtype=F64, requires_grad=True)
-    out = clipped_policy_loss(exp.select(torch.tensor([0])), logprobs, 0.2, KLLeash(True, False), 0.0)
+    out = clipped_policy_loss(
+        exp.select(torch.tensor([0])), logprobs, ClipSettings(0.2), KLLeash(True, False), 0.0
+    )
     out.loss.backward()
     assert out.loss.item() == 0.0 and logprobs.grad.abs().sum().item() == 0.0
 
@@ -198,10 +206,12 @@ def hole_experience(algo: str, leash: KLLeash, kl_coef: float, **settings):
     return make_experience(
         rollout=samples([[True, False, True, False]] * 2),
         scores=torch.tensor([2.0, 1.0], dtype=F64),
-        old_logprobs=old,
-        ref_logprobs=old - k1,
-        values=None,
-        exact_kl=k1.abs(),
+        forwards=Forwards(
+            old_logprobs=old,
+            ref_logprobs=old - k1,
+            values=None,
+            exact_kl=k1.abs(),
+        ),
         minibatches=[torch.arange(2)],
         kl_coef=kl_coef,
         leash=leash,
@@ -228,7 +238,7 @@ def test_group_trainers_with_a_hole_in_the_mask_by_hand():
     want = torch.tensor([[a, 0, a, 0], [-a, 0, -a, 0]], dtype=F64)
     torch.testing.assert_close(exp.advantages.to(F64), want, atol=1e-6, rtol=0)  # float32 statistics
     logprobs = exp.old_logprobs.clone().requires_grad_(True)
-    out = clipped_policy_loss(exp, logprobs, 0.2, leash, 0.1)
+    out = clipped_policy_loss(exp, logprobs, ClipSettings(0.2), leash, 0.1)
     assert out.stats["policy/kl_loss"].item() == pytest.approx(0.00225, rel=1e-12)
     assert out.loss.item() == pytest.approx(0.00225, abs=1e-9)  # float32 advantages: 1e-9 of +-0.7
     out.loss.backward()
@@ -242,10 +252,12 @@ def test_controller_input_reads_the_signal_and_unit_asked_for():
     exp = make_experience(
         rollout=samples([[True, True], [True, False]]),
         scores=torch.tensor([0.0, 0.0], dtype=F64),
-        old_logprobs=torch.tensor([[0.1, 0.2], [0.3, 7.0]], dtype=F64),
-        ref_logprobs=torch.zeros(2, 2, dtype=F64),
-        values=torch.zeros(2, 2, dtype=F64),
-        exact_kl=torch.tensor([[0.5, 0.5], [1.0, 9.9]], dtype=F64),
+        forwards=Forwards(
+            old_logprobs=torch.tensor([[0.1, 0.2], [0.3, 7.0]], dtype=F64),
+            ref_logprobs=torch.zeros(2, 2, dtype=F64),
+            values=torch.zeros(2, 2, dtype=F64),
+            exact_kl=torch.tensor([[0.5, 0.5], [1.0, 9.9]], dtype=F64),
+        ),
         minibatches=[],
         kl_coef=0.0,
         leash=KLLeash(True, False),
@@ -260,8 +272,11 @@ def test_controller_input_reads_the_signal_and_unit_asked_for():
     assert read("estimator", "nats_per_sequence") == pytest.approx((0.3 + 0.3) / 2)
     assert read("estimator", "nats_per_token") == pytest.approx((0.1 + 0.2 + 0.3) / 3)
     with pytest.raises(ValueError, match="kl.exact=true"):
-        controller_input(exp._replace(exact_kl=None), StepSettings(algo="ppo"))
-    assert controller_input(exp._replace(kl=None), StepSettings(algo="ppo")) is None  # no reference
+        controller_input(
+            exp._replace(forwards=exp.forwards._replace(exact_kl=None)), StepSettings(algo="ppo")
+        )
+    no_reference = exp._replace(leashed=exp.leashed._replace(kl=None))
+    assert controller_input(no_reference, StepSettings(algo="ppo")) is None
 
 
 # ---- each function of steps.py called directly, by hand ----------------------------------------
@@ -401,7 +416,7 @@ def test_clipped_policy_loss_by_hand():
         kl_weights=None,
     )
     no_kl = KLLeash(True, False)
-    out = clipped_policy_loss(rows, logprobs, 0.2, no_kl, 0.1)
+    out = clipped_policy_loss(rows, logprobs, ClipSettings(0.2), no_kl, 0.1)
     approx_kl = (0.5 - math.log(1.5) + -0.5 - math.log(0.5)) / 2
     assert out.loss.item() == pytest.approx(-0.85, rel=1e-15)
     assert out.stats["policy/clipfrac"].item() == 0.5
@@ -417,7 +432,7 @@ def test_clipped_policy_loss_by_hand():
     k2 = 0.1 * (0.5 * math.log(1.5) ** 2 + 0.5 * math.log(0.5) ** 2) / 2
     leash = KLLeash(False, True, "k2")
     values = torch.tensor([[0.7, -0.3, 4.0]], dtype=F64, requires_grad=True)
-    out = clipped_policy_loss(rows, logprobs, 0.2, leash, 0.1, values=values, clip_eps_value=0.2, vf_coef=0.5)
+    out = clipped_policy_loss(rows, logprobs, ClipSettings(0.2, 0.2, 0.5), leash, 0.1, values=values)
     assert out.stats["value/loss"].item() == pytest.approx(0.0625, rel=1e-14)
     assert out.stats["value/clipfrac"].item() == 0.5
     assert out.stats["policy/kl_loss"].item() == pytest.approx(k2, rel=1e-14)
@@ -425,7 +440,7 @@ def test_clipped_policy_loss_by_hand():
     assert leash.counts["loss"] == 1
     # a later micro-batch of the same gradient step is not counted again; row weights scale the term
     weighted = SimpleNamespace(**{**vars(rows), "kl_weights": torch.tensor([2.0], dtype=F64)})
-    out = clipped_policy_loss(weighted, logprobs, 0.2, leash, 0.1, first_micro=False)
+    out = clipped_policy_loss(weighted, logprobs, ClipSettings(0.2), leash, 0.1, first_micro=False)
     assert out.stats["policy/kl_loss"].item() == pytest.approx(2 * k2, rel=1e-14)
     assert leash.counts["loss"] == 1
     out.loss.backward()
@@ -515,10 +530,12 @@ def test_a_mask_with_holes_reads_as_the_policys_tokens_squeezed_together(case):
         exp = make_experience(
             rollout=samples(m.tolist()),
             scores=scores,
-            old_logprobs=f(old),
-            ref_logprobs=f(ref),
-            values=f(values) if values is not None else None,
-            exact_kl=f(exact),
+            forwards=Forwards(
+                old_logprobs=f(old),
+                ref_logprobs=f(ref),
+                values=f(values) if values is not None else None,
+                exact_kl=f(exact),
+            ),
             minibatches=[torch.arange(4)],
             kl_coef=0.2,
             leash=leash,
@@ -528,7 +545,12 @@ def test_a_mask_with_holes_reads_as_the_policys_tokens_squeezed_together(case):
         v = f(values + 0.1).clone().requires_grad_(True) if values is not None else None
         mb = exp.select(torch.tensor([3, 0, 2]))  # a minibatch in another order
         out = clipped_policy_loss(
-            mb, logprobs[[3, 0, 2]], 0.2, leash, 0.2, values=v[[3, 0, 2]] if v is not None else None
+            mb,
+            logprobs[[3, 0, 2]],
+            ClipSettings(0.2),
+            leash,
+            0.2,
+            values=v[[3, 0, 2]] if v is not None else None,
         )
         out.loss.backward()
         controls = [

@@ -25,7 +25,6 @@ rollout kind").
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import torch
@@ -36,6 +35,7 @@ from tether.models.policy import PolicyWithValue
 from tether.models.sampling import (
     COMPILE_COST_S,
     Rollout,
+    SamplingSettings,
     can_compile,
     compile_repays,
     compile_saving,
@@ -43,44 +43,10 @@ from tether.models.sampling import (
     generate,
 )
 from tether.models.sharding import generation_weights, is_sharded
-from tether.models.turns import EnvFn, EnvFormat, generate_turns
+from tether.models.turns import EnvFn, generate_turns
 
 RolloutKind = Literal["one_turn", "tool_turns"]
 """The registered kinds of sampler (:data:`SAMPLERS`)."""
-
-
-@dataclass(frozen=True)
-class SamplingSettings:
-    """How a run samples, fixed for the run (built once from ``rollout.*`` by
-    :func:`tether.run.setup.sampling_settings`).
-
-    Attributes:
-        max_new_tokens: response tokens at most (with tool turns, the policy's and the
-            environment's together).
-        temperature: sampling temperature (> 0); every log-probability uses the same.
-        max_prompt_tokens: the longest prompt accepted, tokens (None: not checked; the static
-            cache of compiled decoding then spans the batch's longest).
-        stop_strings: texts that end a policy turn (tool turns).
-        max_turns: policy turns at most (tool turns).
-        env_format: how the environment's text joins the response (``raw``, ``chat``, ``auto``).
-        env_timeout: seconds one environment call may take, None for no limit.
-        sharded_generation: how an FSDP-sharded model's weights are gathered for sampling
-            (``train.sharded_generation``: ``blocks`` or ``whole``,
-            :func:`tether.models.sharding.generation_weights`).
-        compile: ``rollout.compile`` as the run uses it for its training rollouts: True, False,
-            or ``"auto"`` (False where compiled decoding is not built for the run: DPO, LoRA,
-            FSDP).
-    """
-
-    max_new_tokens: int
-    temperature: float
-    max_prompt_tokens: int | None = None
-    stop_strings: tuple[str, ...] = ()
-    max_turns: int = 1
-    env_format: EnvFormat = "auto"
-    env_timeout: float | None = None
-    sharded_generation: Literal["blocks", "whole"] = "blocks"
-    compile: bool | Literal["auto"] = False
 
 
 class Sampler:
@@ -367,22 +333,9 @@ class ToolTurns(Sampler):
             raise ValueError("tool turns need a seed per row")
         if is_sharded(weights):
             raise ValueError("multi-turn rollouts are not built for train.sharding=fsdp")
-        s = self.settings
         columns = getattr(prompts, "columns", None)
         rollout = generate_turns(
-            lm,
-            self.tokenizer,
-            list(prompts),
-            self.env,
-            max_turns=s.max_turns,
-            max_new_tokens=s.max_new_tokens,
-            temperature=s.temperature,
-            seeds=seeds,
-            stop_strings=s.stop_strings,
-            max_prompt_tokens=s.max_prompt_tokens,
-            columns=columns,
-            env_format=s.env_format,
-            env_timeout=s.env_timeout,
+            lm, self.tokenizer, list(prompts), self.env, settings=self.settings, seeds=seeds, columns=columns
         )
         rollout.columns = columns
         return rollout

@@ -12,6 +12,7 @@ import shutil
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
@@ -35,6 +36,46 @@ from tether.models.head import (
     position_ids_from_mask,
 )
 from tether.models.lora import AdapterReference
+
+EnvFormat = Literal["auto", "chat", "raw"]
+"""How an environment's text joins a tool-turn response (``rollout.env_format``,
+:mod:`tether.models.turns`)."""
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How a run samples, fixed for the run (built once from ``rollout.*`` by
+    :func:`tether.run.setup.sampling_settings`): what its sampler
+    (:class:`tether.models.rollouts.Sampler`) and the tool-turn loop
+    (:func:`tether.models.turns.generate_turns`) read.
+
+    Attributes:
+        max_new_tokens: response tokens at most (with tool turns, the policy's and the
+            environment's together).
+        temperature: sampling temperature (> 0); every log-probability uses the same.
+        max_prompt_tokens: the longest prompt accepted, tokens (None: not checked; the static
+            cache of compiled decoding then spans the batch's longest).
+        stop_strings: texts that end a policy turn (tool turns).
+        max_turns: policy turns at most (tool turns).
+        env_format: how the environment's text joins the response (``raw``, ``chat``, ``auto``).
+        env_timeout: seconds one environment call may take, None for no limit.
+        sharded_generation: how an FSDP-sharded model's weights are gathered for sampling
+            (``train.sharded_generation``: ``blocks`` or ``whole``,
+            :func:`tether.models.sharding.generation_weights`).
+        compile: ``rollout.compile`` as the run uses it for its training rollouts: True, False,
+            or ``"auto"`` (False where compiled decoding is not built for the run: DPO, LoRA,
+            FSDP).
+    """
+
+    max_new_tokens: int
+    temperature: float
+    max_prompt_tokens: int | None = None
+    stop_strings: tuple[str, ...] = ()
+    max_turns: int = 1
+    env_format: EnvFormat = "auto"
+    env_timeout: float | None = None
+    sharded_generation: Literal["blocks", "whole"] = "blocks"
+    compile: bool | Literal["auto"] = False
 
 
 @dataclass

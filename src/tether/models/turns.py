@@ -40,7 +40,6 @@ import logging
 import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 from torch import Tensor, nn
@@ -55,7 +54,9 @@ from tether.models.callables import (
 )
 from tether.models.sampling import (
     CHAT_TEMPLATE_FLAG,
+    EnvFormat,
     Rollout,
+    SamplingSettings,
     end_token_ids,
     keyed_seed,
     new_text,
@@ -71,8 +72,6 @@ after the policy's ``turn``-th turn (0-based), given the prompt and the response
 "tool", ...}, ...]``, the last the turn just written). It may be ``async def``; each call runs
 on a worker thread, at most ``rollout.env_timeout`` seconds, or, with no limit, on the calling
 thread (:func:`call_env`)."""
-
-EnvFormat = Literal["auto", "chat", "raw"]
 
 ENV_ARGUMENTS = ("prompt", "completion", "turn")
 """The keywords every environment call passes. A dataset column of one of these names is not
@@ -775,25 +774,25 @@ class ToolLoop:
     tokenizer: object
     env: EnvFn
     fmt: TurnFormat
-    max_turns: int
-    max_new_tokens: int
-    temperature: float
-    stop_strings: Sequence[str]
-    env_timeout: float | None
+    settings: SamplingSettings
     ends: list[int]
     pad: int
 
     def run(self, episodes: list[Episode]) -> None:
         """Turns until every episode is done, ``max_turns`` are taken or no token is left."""
         forbidden = special_ids(self.tokenizer, self.ends)
-        for turn in range(self.max_turns):
-            active = [ep for ep in episodes if not ep.done and len(ep.tokens) < self.max_new_tokens]
+        for turn in range(self.settings.max_turns):
+            active = [ep for ep in episodes if not ep.done and len(ep.tokens) < self.settings.max_new_tokens]
             if not active:
                 break
             new_ids, new_logps = self.sample_turn(active, turn)
             for i, ep in enumerate(active):
                 at_end = self.policy_turn(ep, new_ids[i], new_logps[i])
-                if ep.done or turn == self.max_turns - 1 or len(ep.tokens) >= self.max_new_tokens:
+                if (
+                    ep.done
+                    or turn == self.settings.max_turns - 1
+                    or len(ep.tokens) >= self.settings.max_new_tokens
+                ):
                     ep.done = True
                     continue
                 self.env_turn(ep, turn, at_end=at_end, forbidden=forbidden)
@@ -803,7 +802,7 @@ class ToolLoop:
         (left-padded): ``(new_ids, sampler_logprobs)``, (A, T) each
         (:func:`tether.models.sampling.sample_tokens`)."""
         device = next(self.lm.parameters()).device
-        budget = self.max_new_tokens - min(len(ep.tokens) for ep in active)
+        budget = self.settings.max_new_tokens - min(len(ep.tokens) for ep in active)
         contexts = [ep.context for ep in active]
         width = max(len(c) for c in contexts)
         ids = torch.tensor([[self.pad] * (width - len(c)) + c for c in contexts], device=device)  # (A, W)
@@ -813,11 +812,11 @@ class ToolLoop:
             ids,
             mask,
             max_new_tokens=budget,
-            temperature=self.temperature,
+            temperature=self.settings.temperature,
             seeds=[turn_seed(ep.seed, turn) for ep in active],
             ends=self.ends,
             pad_token_id=self.pad,
-            stop_strings=list(self.stop_strings),
+            stop_strings=list(self.settings.stop_strings),
             tokenizer=self.tokenizer,
         )
 
@@ -826,9 +825,9 @@ class ToolLoop:
         first end id, or the token completing a stop string, whichever comes first, within the
         tokens left. Returns whether it ended at an end id (``ended``; in the raw format
         ``done``); a turn that reached neither was cut at the token budget (``done``)."""
-        tokens = new_ids[: self.max_new_tokens - len(ep.tokens)].tolist()
+        tokens = new_ids[: self.settings.max_new_tokens - len(ep.tokens)].tolist()
         cut = next((k + 1 for k, t in enumerate(tokens) if t in self.ends), None)
-        stop = _stop_at(self.tokenizer, ep.context, tokens[: cut or len(tokens)], self.stop_strings)
+        stop = _stop_at(self.tokenizer, ep.context, tokens[: cut or len(tokens)], self.settings.stop_strings)
         at_end = cut is not None and (stop is None or cut <= stop)
         if at_end:
             tokens, ep.ended = tokens[:cut], True
@@ -863,14 +862,14 @@ class ToolLoop:
         reply = call_env(
             self.env,
             dict(prompt=copy.deepcopy(ep.prompt), completion=so_far, turn=turn, **row_columns),
-            timeout=self.env_timeout,
+            timeout=self.settings.env_timeout,
             where=where,
             so_far=so_far,
         )
         if reply is None:  # the environment ended the episode: it ended, not cut at a limit
             ep.done = ep.ended = True
             return
-        left = self.max_new_tokens - len(ep.tokens)
+        left = self.settings.max_new_tokens - len(ep.tokens)
         try:
             text = reply_text(
                 self.tokenizer, reply, left=left, chat=self.fmt.chat, forbidden=forbidden, where=where
@@ -889,7 +888,7 @@ class ToolLoop:
             ep.done, ep.ended = True, False  # (the environment answered, so it had not ended)
             return
         ep.append(env_ids)
-        ep.done = len(ep.tokens) >= self.max_new_tokens
+        ep.done = len(ep.tokens) >= self.settings.max_new_tokens
 
 
 def assemble(
@@ -949,18 +948,12 @@ def generate_turns(
     prompts: list,
     env: EnvFn,
     *,
-    max_turns: int,
-    max_new_tokens: int,
-    temperature: float,
+    settings: SamplingSettings,
     seeds: Sequence[int],
-    stop_strings: Sequence[str] = (),
-    max_prompt_tokens: int | None = None,
     columns: dict[str, list] | None = None,
-    env_format: EnvFormat = "auto",
-    env_timeout: float | None = None,
 ) -> Rollout:
-    """Sample multi-turn responses: up to ``max_turns`` policy turns, ``max_new_tokens`` response
-    tokens in all (the policy's and the environment's).
+    """Sample multi-turn responses: up to ``settings.max_turns`` policy turns,
+    ``settings.max_new_tokens`` response tokens in all (the policy's and the environment's).
 
     One :class:`Episode` per row, taken through its turns by a :class:`ToolLoop` in the rows'
     format (:class:`RawText` or :class:`ChatTemplate`), then assembled (:func:`assemble`).
@@ -970,20 +963,23 @@ def generate_turns(
         prompts: B prompt texts or conversations.
         env: the environment (:data:`EnvFn`); called after each policy turn that ended at a stop
             string (chat format: or at an end id), while turns and tokens are left.
-        max_turns: policy turns at most (>= 1).
-        max_new_tokens: response tokens at most, policy and environment together. A raw reply is
-            cut to the tokens left; a chat one that does not fit whole is dropped and the episode
-            ends (TRL's rule: a tool message is never cut).
-        temperature: sampling temperature of every policy turn.
+        settings: the run's :class:`tether.models.sampling.SamplingSettings`; read here:
+
+            * ``max_turns``: policy turns at most (>= 1);
+            * ``max_new_tokens``: response tokens at most, policy and environment together. A raw
+              reply is cut to the tokens left; a chat one that does not fit whole is dropped and
+              the episode ends (TRL's rule: a tool message is never cut);
+            * ``temperature``: sampling temperature of every policy turn;
+            * ``stop_strings``: texts that end a policy turn (the token completing one is the
+              turn's last);
+            * ``max_prompt_tokens``: as in :func:`tether.models.sampling.generate`;
+            * ``env_format``: ``raw``, ``chat`` or ``auto`` (chat for the rows whose prompt the
+              chat template rendered), module docstring;
+            * ``env_timeout``: seconds one call of ``env`` may take (``rollout.env_timeout``),
+              None for no limit. With a limit every call runs on a worker thread, without one on
+              this thread (:func:`call_env`).
         seeds: B sample seeds (:func:`tether.models.sampling.sample_seeds`).
-        stop_strings: texts that end a policy turn (the token completing one is the turn's last).
-        max_prompt_tokens: as in :func:`tether.models.sampling.generate`.
         columns: the rows' other dataset columns, passed to ``env`` by name, one value per row.
-        env_format: ``raw``, ``chat`` or ``auto`` (chat for the rows whose prompt the chat
-            template rendered), module docstring.
-        env_timeout: seconds one call of ``env`` may take (``rollout.env_timeout``), None for no
-            limit. With a limit every call runs on a worker thread, without one on this thread
-            (:func:`call_env`).
 
     Returns:
         A :class:`tether.models.sampling.Rollout` whose ``response_mask`` is True on the policy's
@@ -1010,20 +1006,21 @@ def generate_turns(
             within ``env_timeout``, or a signal ended the wait (:func:`call_env`); the row and the
             turn named. A RuntimeError.
     """
-    if max_turns < 1:
-        raise ValueError(f"rollout.max_turns={max_turns} must be >= 1")
+    s = settings
+    if s.max_turns < 1:
+        raise ValueError(f"rollout.max_turns={s.max_turns} must be >= 1")
     device = next(lm.parameters()).device
     prompts = list(prompts)
     if len(seeds) != len(prompts):
         raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-    chat = turn_formats(tokenizer, prompts, env_format, stop_strings, max_turns)
+    chat = turn_formats(tokenizer, prompts, s.env_format, s.stop_strings, s.max_turns)
     columns = columns or {}
     passed = env_column_names(env, list(columns))
-    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, max_prompt_tokens, device)
+    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, s.max_prompt_tokens, device)
     ends = end_token_ids(tokenizer, lm)
-    if chat and chat[0] and max_turns > 1:
-        check_chat_turns_close(tokenizer, prompts[0], ends, stop_strings)
-    fmt = (ChatTemplate if chat and chat[0] else RawText)(tokenizer, ends, max_new_tokens)
+    if chat and chat[0] and s.max_turns > 1:
+        check_chat_turns_close(tokenizer, prompts[0], ends, s.stop_strings)
+    fmt = (ChatTemplate if chat and chat[0] else RawText)(tokenizer, ends, s.max_new_tokens)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else ends[0]
     episodes = [
         Episode(
@@ -1035,17 +1032,5 @@ def generate_turns(
         )
         for b, prompt in enumerate(prompts)
     ]
-    ToolLoop(
-        lm=lm,
-        tokenizer=tokenizer,
-        env=env,
-        fmt=fmt,
-        max_turns=max_turns,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        stop_strings=stop_strings,
-        env_timeout=env_timeout,
-        ends=ends,
-        pad=pad,
-    ).run(episodes)
+    ToolLoop(lm=lm, tokenizer=tokenizer, env=env, fmt=fmt, settings=s, ends=ends, pad=pad).run(episodes)
     return assemble(episodes, fmt, prompts=prompts, prompt_ids=prompt_ids, prompt_mask=prompt_mask, pad=pad)

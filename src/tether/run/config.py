@@ -30,7 +30,7 @@ from tether.core.text import SHOWN_CHARS, shown
 class TrainerDefaults:
     """What the config knows of a trainer before it is built: its defaults and the facts its
     rules read (:data:`TRAINER_DEFAULTS`). The trainer's class is registered in
-    ``tether.training.TRAINERS`` under the same name.
+    ``tether.trainers.registry.TRAINERS`` under the same name.
 
     Attributes:
         group_size: ``rollout.group_size`` when left unset; ``min_group_size`` the least it takes.
@@ -726,6 +726,20 @@ class RolloutConfig(_Defaulted):
             self.batch_size,
             f"must be a multiple of rollout.group_size={self.group_size}",
         )
+
+    def sampling_fields(self) -> dict:
+        """The ``rollout.*`` fields that decide what a prompt's samples are, by their dotted names
+        (a held-out evaluation records them: :meth:`tether.run.evaluation.Evaluator.settings`).
+        Kept beside the fields, so that a new one that changes the samples is added here."""
+        return {
+            "rollout.max_new_tokens": self.max_new_tokens,
+            "rollout.temperature": self.temperature,
+            "rollout.max_prompt_tokens": self.max_prompt_tokens,
+            "rollout.env": self.env,
+            "rollout.max_turns": self.max_turns,
+            "rollout.stop_strings": list(self.stop_strings),
+            "rollout.env_format": self.env_format,
+        }
 
 
 @dataclass

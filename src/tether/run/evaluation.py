@@ -6,7 +6,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -111,12 +111,11 @@ class EvalResult:
     def head(self, n_prompts: int) -> EvalResult:
         """The result restricted to its first ``n_prompts`` prompts (all their samples)."""
         n = n_prompts * self.samples_per_prompt
-        return EvalResult(
-            self.name,
-            self.responses[:n],
+        return replace(  # every per-sample list cut; the name and the samples per prompt kept
+            self,
+            responses=self.responses[:n],
             kl_per_sequence=self.kl_per_sequence[:n],
             scores={k: v[:n] for k, v in self.scores.items()},
-            samples_per_prompt=self.samples_per_prompt,
             fluency_nll=self.fluency_nll[:n],
             transcripts=self.transcripts[:n],
             env=self.env[:n],
@@ -140,16 +139,9 @@ class EvalResult:
 
     @classmethod
     def from_json(cls, d: dict) -> EvalResult:
-        return cls(
-            name=d["name"],
-            responses=d["responses"],
-            kl_per_sequence=d["kl_per_sequence"],
-            scores=d["scores"],
-            samples_per_prompt=d.get("samples_per_prompt", 1),
-            fluency_nll=d.get("fluency_nll", []),
-            transcripts=d.get("transcripts", []),
-            env=d.get("env", []),
-        )
+        """The result :meth:`to_json` wrote (other keys ignored); a field an older file lacks
+        (``samples_per_prompt``, ``fluency_nll``, ``transcripts``, ``env``) takes its default."""
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
     def diversity(self) -> dict[str, float]:
         """distinct-1 and distinct-2 over all responses, self-BLEU between the responses of each
@@ -487,15 +479,9 @@ class Evaluator:
         resume that changes one does not compare the policy with a reference sampled or scored
         another way (:func:`reference_eval`)."""
         c = self.run.config
-        r, e = c.rollout, c.eval
+        e = c.eval
         return {
-            "rollout.max_new_tokens": r.max_new_tokens,
-            "rollout.temperature": r.temperature,
-            "rollout.max_prompt_tokens": r.max_prompt_tokens,
-            "rollout.env": r.env,
-            "rollout.max_turns": r.max_turns,
-            "rollout.stop_strings": list(r.stop_strings),
-            "rollout.env_format": r.env_format,
+            **c.rollout.sampling_fields(),
             "eval.seed": e.seed,
             "eval.n_prompts": e.n_prompts,
             "eval.samples_per_prompt": e.samples_per_prompt,

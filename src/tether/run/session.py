@@ -46,7 +46,8 @@ class Session:
 
     run: Run
     trainer: object
-    """The ``tether.training.TRAINERS`` instance: ``step(step) -> dict``, ``last_experience``, state dicts."""
+    """The :data:`tether.trainers.registry.TRAINERS` instance: ``step(step) -> dict``,
+    ``last_experience``, state dicts."""
     evaluator: Evaluator
     monitor: HealthMonitor
     reporter: Reporter

@@ -75,7 +75,9 @@ from tether.core.masked import masked_sum
 from tether.run.config import TRAINER_DEFAULTS
 from tether.trainers.guard import GuardResult, GuardSettings, guarded_epochs
 from tether.trainers.steps import (
+    ClipSettings,
     Experience,
+    Forwards,
     StepSettings,
     clipped_policy_loss,
     dpo_pair_loss,
@@ -83,7 +85,7 @@ from tether.trainers.steps import (
     make_experience,
     updated_kl,
 )
-from tether.trainers.update import MicroLoss, minibatch_update
+from tether.trainers.update import MicroLoss, Optimization, minibatch_update
 
 F64 = torch.float64
 
@@ -162,10 +164,11 @@ class TabularBed:
         return num_prefixes(self.vocab, self.length)
 
     @property
-    def env_mask(self) -> Tensor:
-        """(T,) bool, True at the positions the environment writes."""
-        mask = torch.zeros(self.length, dtype=torch.bool)
-        mask[list(self.env_positions)] = True
+    def policy_mask(self) -> Tensor:
+        """(T,) bool, True at the positions the policy writes, False at ``env_positions``: a
+        multi-turn rollout's ``response_mask``, the same for every sequence."""
+        mask = torch.ones(self.length, dtype=torch.bool)
+        mask[list(self.env_positions)] = False
         return mask
 
     def env_rows(self) -> Tensor:
@@ -313,7 +316,7 @@ def rollout_logprobs(bed: TabularBed, table: Tensor) -> Tensor:
     if bed.env_logits is not None:
         rows = prefix_indices(seqs, bed.vocab)
         env = bed.env_logits.to(F64)[rows].gather(-1, seqs[..., None])[..., 0]  # (V^T, T)
-        logp = torch.where(bed.env_mask.to(table.device), env, logp)
+        logp = torch.where(bed.policy_mask.to(table.device), logp, env)
     return logp.sum(-1)
 
 
@@ -676,10 +679,7 @@ def table_policy_loss(
     *,
     table: Tensor,
     value_table: Tensor | None,
-    vocab: int,
-    clip_eps: float,
-    clip_eps_value: float,
-    vf_coef: float,
+    clip: ClipSettings,
     leash: KLLeash,
     kl_coef: float,
     record: list[Tensor] | None = None,
@@ -694,7 +694,7 @@ def table_policy_loss(
         mb: the micro-batch's rows of the batch's :class:`Experience` (rollout: :class:`TableSamples`).
         first_micro: first micro-batch of the gradient step (the leash counts its loss term once).
         table: (P, V) policy logits, with grad. value_table: (P,) values with grad (PPO) or None.
-        vocab: V. clip_eps, clip_eps_value, vf_coef: PPO's clip ranges and value weight.
+        clip: PPO's clip ranges and value weight (:class:`tether.trainers.steps.ClipSettings`).
         leash: the KL placement. kl_coef: beta of the step.
         record: a list the policy's per-row log-probs are appended to before each gradient step
             (at its first micro-batch), or None.
@@ -707,14 +707,12 @@ def table_policy_loss(
     samples = mb.rollout
     return clipped_policy_loss(
         mb,
-        token_logprobs(table, samples.tokens, vocab),
-        clip_eps=clip_eps,
+        token_logprobs(table, samples.tokens, table.shape[-1]),  # (P, V): V
+        clip=clip,
         leash=leash,
         kl_coef=kl_coef,
         first_micro=first_micro,
         values=value_table[samples.rows] if value_table is not None else None,
-        clip_eps_value=clip_eps_value,
-        vf_coef=vf_coef,
     )
 
 
@@ -805,11 +803,18 @@ def train_on_policy(
         else guard
     )
     leash = KLLeash(kl_in_reward, kl_in_loss, loss_estimator, kl_shaping)
+    clip = ClipSettings(clip_eps=s.clip_eps, clip_eps_value=s.clip_eps_value, vf_coef=s.vf_coef)
+    optimization = Optimization(
+        optimizer=opt,
+        params=[table] if values is None else [table, values],
+        max_grad_norm=math.inf,
+        name=algo,
+    )
     ref_seq_logp = rollout_logprobs(bed, bed.ref_logits)
     avg = _Averager()
     log = RunLog(table=table)
     # fixed length: every token the policy writes counts, none the environment writes
-    counts = ~bed.env_mask if mask_env_tokens else torch.ones(T, dtype=torch.bool)
+    counts = bed.policy_mask if mask_env_tokens else torch.ones(T, dtype=torch.bool)
     mask = counts.expand(B, T).clone()
     for step in range(s.steps):
         for group, base in zip(opt.param_groups, (s.lr, s.value_lr)):
@@ -841,11 +846,9 @@ def train_on_policy(
         exp = make_experience(
             rollout=TableSamples(tokens, rows, mask),
             scores=scores,
-            old_logprobs=old_logprobs,
-            ref_logprobs=ref_logprobs,
-            values=old_values,
-            exact_kl=exact_now,
-            minibatches=[],
+            forwards=Forwards(
+                old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, values=old_values, exact_kl=exact_now
+            ),
             kl_coef=kl_coef,
             leash=leash,
             settings=step_settings,
@@ -860,18 +863,12 @@ def train_on_policy(
                 table_policy_loss,
                 table=table,
                 value_table=values,
-                vocab=V,
-                clip_eps=s.clip_eps,
-                clip_eps_value=s.clip_eps_value,
-                vf_coef=s.vf_coef,
+                clip=clip,
                 leash=leash,
                 kl_coef=kl_coef,
                 record=log.step_logprobs,
             ),
-            optimizer=opt,
-            params=[table] if values is None else [table, values],
-            max_grad_norm=math.inf,
-            name=algo,
+            optimization=optimization,
         )
         if guarding is None:
             run_minibatches(epoch_minibatches(B, s, gen))
@@ -1038,10 +1035,7 @@ def train_dpo(bed: TabularBed, beta: float, settings: TrainSettings = TrainSetti
             TablePairs(chosen, rejected, ref_c, ref_r, mask),
             epoch_minibatches(B, s, gen),
             minibatch_loss=partial(table_dpo_loss, table=table, vocab=V, beta=beta),
-            optimizer=opt,
-            params=[table],
-            max_grad_norm=math.inf,
-            name="DPO",
+            optimization=Optimization(optimizer=opt, params=[table], max_grad_norm=math.inf, name="DPO"),
         )
         with torch.no_grad():  # probe: the policy's own samples, k1 per sequence
             probe = sample(table, V, T, B, gen)

@@ -50,10 +50,18 @@ from tether.trainers.common import (
     old_and_ref_logprobs,
     optimization_state,
     restore_optimization,
+    trainer_optimization,
 )
 from tether.trainers.guard import GuardResult, GuardSettings, guarded_epochs
 from tether.trainers.precision import MasterWeights
-from tether.trainers.steps import Experience, StepSettings, kl_reading, make_experience, updated_kl
+from tether.trainers.steps import (
+    ClipSettings,
+    Experience,
+    StepSettings,
+    kl_reading,
+    make_experience,
+    updated_kl,
+)
 from tether.trainers.update import MicroLoss, UpdateStats, minibatch_update
 
 __all__ = ["OnPolicyTrainer", "sample_metrics", "step_settings"]
@@ -121,6 +129,9 @@ class OnPolicyTrainer:
         self.controller = c.kl.new_controller()  # kl.controller with its settings
         self.leash = KLLeash(c.kl.kl_in_reward, c.kl.kl_in_loss, c.kl.loss_estimator, c.kl_reward_form)
         self.settings = step_settings(c, self.name)
+        self.clip = ClipSettings(
+            clip_eps=c.ppo.clip_eps, clip_eps_value=c.ppo.clip_eps_value, vf_coef=c.ppo.vf_coef
+        )
         self.guard = guard_settings(c)  # kl.guard: each epoch's update checked before it is kept
         if not self.uses_values:  # no loss reaches the value head: frozen, so DDP waits for no gradient of it
             run.policy.value_head.requires_grad_(False)
@@ -194,16 +205,12 @@ class OnPolicyTrainer:
         exp = make_experience(  # 7-8. per-token KL, leashed rewards, advantages
             rollout=rollout,
             scores=scores,
-            old_logprobs=forwards.old_logprobs,
-            ref_logprobs=forwards.ref_logprobs,
-            values=forwards.values,
-            exact_kl=forwards.exact_kl,
+            # step 4's numbers; optim.reuse_forward: with its forward of the current policy, with grad
+            forwards=forwards.step_forwards(),
             minibatches=minibatches,
             kl_coef=kl_coef,
             leash=self.leash,
             settings=self.settings,
-            # optim.reuse_forward: step 4's forward of the current policy, with grad, for step 7
-            reused_logprobs=forwards.update_forward.logprobs if forwards.update_forward is not None else None,
         )
         lr = self.optimizer.param_groups[0]["lr"]  # the rate of this step's first optimizer step
         # 9-10. epochs of minibatch updates, each checked by the update guard (kl.guard)
@@ -434,14 +441,8 @@ class OnPolicyTrainer:
             minibatch_update,
             exp,
             minibatch_loss=partial(self.minibatch_loss, kl_coef=kl_coef),
-            optimizer=self.optimizer,
-            params=self.params,
-            max_grad_norm=o.max_grad_norm,
-            name=self.name,
-            accelerator=self.accelerator,
-            model=self.model,
+            optimization=trainer_optimization(self, self.name),
             micro_batch_size=o.micro_batch_size,
-            scheduler=self.scheduler,
         )
         if self.guard is None or forwards is None or kl_before is None:
             return run_minibatches(self.epoch_minibatches(exp)), None
@@ -467,11 +468,9 @@ class OnPolicyTrainer:
                 exp.rollout,
                 exp.scores,
                 kl=exp.kl,
-                entropy=forwards.entropy,
-                exact_kl=forwards.exact_kl,
+                forwards=forwards,
                 kl_coef=kl_coef,
                 estimator=self.cfg.kl.estimator,
-                logprobs=forwards.old_logprobs,
             ),
             "kl/applied_in_reward": self.leash.counts["reward"],
             "kl/applied_in_loss": self.leash.counts["loss"],
@@ -486,12 +485,10 @@ def sample_metrics(
     rollout: Rollout,
     scores: Tensor,
     kl: Tensor | None,
-    entropy: Tensor,
-    exact_kl: Tensor | None,
+    forwards: RolloutLogprobs,
     *,
     kl_coef: float,
     estimator: str,
-    logprobs: Tensor | None = None,
 ) -> dict:
     """The ``objective/*``, ``response/*`` and ``rollout/*`` metrics of a batch of the policy's samples.
 
@@ -509,17 +506,19 @@ def sample_metrics(
         scores: (B,) scorer values, NaN on an unscored sample (left out of the score's mean, its
             spread and ``objective/rlhf_reward``; its KL and entropy count).
         kl: (B, R) per-token KL estimate (nats), or None without a reference.
-        entropy: (B, R) policy entropy, nats.
-        exact_kl: (B, R) exact per-token KL, or None.
+        forwards: the learner's forwards of the samples
+            (:class:`tether.trainers.common.RolloutLogprobs`): its ``entropy`` (B, R) nats, its
+            ``exact_kl`` (B, R) exact per-token KL or None, and its ``old_logprobs`` (B, R), the
+            log-probs the update's ratio starts from, nats. With the sampler's own
+            (``rollout.sampler_logprobs``) those give ``rollout/logprob_mismatch``: the k3 estimate
+            of KL(sampler || learner) on the sampled tokens, nats per token (0 when both compute
+            the same numbers; the seeds' "precision mismatch" bug made visible), and
+            ``rollout/logprob_diff_max``, the largest ``|sampler - learner|`` log-prob difference
+            of any valid token.
         kl_coef: beta of this step.
         estimator: name of the estimator behind ``kl``.
-        logprobs: (B, R) the learner's log-probs of the samples (the old log-probs the update's
-            ratio starts from), nats. With the sampler's own (``rollout.sampler_logprobs``) they
-            give ``rollout/logprob_mismatch``: the k3 estimate of KL(sampler || learner) on the
-            sampled tokens, nats per token (0 when both compute the same numbers; the seeds'
-            "precision mismatch" bug made visible), and ``rollout/logprob_diff_max``, the largest
-            ``|sampler - learner|`` log-prob difference of any valid token.
     """
+    entropy, exact_kl, logprobs = forwards.entropy, forwards.exact_kl, forwards.old_logprobs
     mask = rollout.response_mask
     # the objective's two terms per sequence, whatever the placement: J = score - beta * KL
     non_score = -kl_coef * sequence_kl(kl, mask) if kl is not None else torch.zeros_like(scores)  # (B,)

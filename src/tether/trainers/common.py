@@ -14,6 +14,8 @@ from tether.core import distributed as D
 from tether.models.sampling import Rollout
 from tether.models.scoring import TokenStats, policy_and_reference_logprobs, rollout_logprobs
 from tether.trainers.precision import MasterWeights
+from tether.trainers.steps import Forwards
+from tether.trainers.update import Optimization
 
 # the update loop's pieces live in tether.trainers.update (torch only, shared with the test bed)
 
@@ -218,6 +220,18 @@ class RolloutLogprobs:
     """(B, R, d) the reference's last hidden states at the response positions, when asked
     (``keep_ref_hidden``: the update guard's measures run the LM head on them, not the trunk)."""
 
+    def step_forwards(self) -> Forwards:
+        """What steps 5 to 7 read of these (:class:`tether.trainers.steps.Forwards`): the old and
+        reference log-probs, the values, the exact KL and, with ``update_forward``, its log-probs
+        with grad (``optim.reuse_forward``: step 7's only update differentiates them)."""
+        return Forwards(
+            old_logprobs=self.old_logprobs,
+            ref_logprobs=self.ref_logprobs,
+            values=self.values,
+            exact_kl=self.exact_kl,
+            reused_logprobs=self.update_forward.logprobs if self.update_forward is not None else None,
+        )
+
 
 @torch.no_grad()
 def old_and_ref_logprobs(
@@ -292,6 +306,21 @@ def old_and_ref_logprobs(
 
 
 log = logging.getLogger(__name__)
+
+
+def trainer_optimization(trainer, name: str) -> Optimization:
+    """A trainer's :class:`tether.trainers.update.Optimization` as it stands: its optimizer,
+    trainable parameters, accelerator, wrapped model and schedule (a resume replaces the schedule:
+    :func:`restore_optimization`), and ``optim.max_grad_norm``; ``name`` for messages."""
+    return Optimization(
+        optimizer=trainer.optimizer,
+        params=trainer.params,
+        max_grad_norm=trainer.cfg.optim.max_grad_norm,
+        name=name,
+        accelerator=trainer.accelerator,
+        model=trainer.model,
+        scheduler=trainer.scheduler,
+    )
 
 
 def optimization_state(trainer) -> dict:

@@ -46,13 +46,15 @@ from tether.models.turns import EnvFailed
 from tether.run.setup import Run
 from tether.trainers.base import sample_metrics
 from tether.trainers.common import (
+    RolloutLogprobs,
     UnmeasuredUpdate,
     make_optimizer,
     make_scheduler,
     optimization_state,
     restore_optimization,
+    trainer_optimization,
 )
-from tether.trainers.steps import Experience, dpo_pair_loss
+from tether.trainers.steps import Advantages, Experience, KLRewards, dpo_pair_loss
 from tether.trainers.update import MicroLoss, minibatch_update
 
 log = logging.getLogger(__name__)
@@ -382,14 +384,8 @@ class DPOTrainer:
             P,
             self.minibatches(batch),
             minibatch_loss=self.minibatch_loss,
-            optimizer=self.optimizer,
-            params=self.params,
-            max_grad_norm=c.optim.max_grad_norm,
-            name="DPO",
-            accelerator=self.accelerator,
-            model=self.model,
+            optimization=trainer_optimization(self, "DPO"),
             micro_batch_size=c.optim.micro_batch_size,
-            scheduler=self.scheduler,
         )
         t_update = time.perf_counter()
         head = {
@@ -459,28 +455,18 @@ class DPOTrainer:
         # an unscored sample (None) leaves the score's statistics (NaN)
         scores = torch.tensor(score_rollout(run.scorer, ro, step, state=state).total, device=self.device)
         shaped = shape_rewards(torch.nan_to_num(scores, nan=0.0), kl, c.dpo.beta, mask)
+        forwards = RolloutLogprobs(
+            pol.logprobs, ref.logprobs, values=None, entropy=pol.entropy, exact_kl=exact
+        )
         self.last_experience = Experience(
             rollout=ro,
             scores=scores,
-            old_logprobs=pol.logprobs,
-            ref_logprobs=ref.logprobs,
-            values=None,
-            kl=kl,
-            rewards=shaped.rewards,
-            non_score_reward=shaped.non_score_reward,
-            advantages=torch.zeros_like(kl),
-            returns=None,
+            forwards=forwards.step_forwards(),
+            leashed=KLRewards(kl=kl, rewards=shaped.rewards, non_score_reward=shaped.non_score_reward),
+            adv=Advantages(advantages=torch.zeros_like(kl), returns=None, return_scale=None),
             minibatches=[],
-            exact_kl=exact,
         )
         # beta is DPO's leash; the row's objective/kl_coef is set by the caller to the same beta
         return sample_metrics(
-            ro,
-            scores,
-            kl=kl,
-            entropy=pol.entropy,
-            exact_kl=exact,
-            kl_coef=c.dpo.beta,
-            estimator=c.kl.estimator,
-            logprobs=pol.logprobs,
+            ro, scores, kl=kl, forwards=forwards, kl_coef=c.dpo.beta, estimator=c.kl.estimator
         )

@@ -39,7 +39,7 @@ class GroupTrainer(OnPolicyTrainer):
         return clipped_policy_loss(
             mb,
             logprobs,
-            clip_eps=self.cfg.ppo.clip_eps,
+            clip=self.clip,
             leash=self.leash,
             kl_coef=kl_coef,
             first_micro=first_micro,

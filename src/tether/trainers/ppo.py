@@ -26,13 +26,11 @@ class PPOTrainer(OnPolicyTrainer):
         return clipped_policy_loss(
             mb,
             new.logprobs,
-            clip_eps=c.ppo.clip_eps,
+            clip=self.clip,
             leash=self.leash,
             kl_coef=kl_coef,
             first_micro=first_micro,
             values=new.values,
-            clip_eps_value=c.ppo.clip_eps_value,
-            vf_coef=c.ppo.vf_coef,
         )
 
     def metrics(

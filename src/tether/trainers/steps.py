@@ -5,7 +5,8 @@ functions with their models' log-probabilities, and the tabular test bed
 (:mod:`tether.testing.testbed`) calls the very same ones with its logit tables', so its
 exact-optimum tests check the code that trains:
 
-* :class:`StepSettings`, the per-run constants of steps 5, 6 and 8, built by name;
+* :class:`StepSettings` and :class:`ClipSettings`, the per-run constants of steps 5 to 8, built by
+  name;
 * :func:`make_experience`, steps 5 and 6 in one call: :class:`Experience`, the record of one
   rollout batch from scoring to update (and its :meth:`Experience.select`);
 * step 5, :func:`kl_and_rewards`: the per-token KL estimate and the leashed rewards;
@@ -19,7 +20,7 @@ exact-optimum tests check the code that trains:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, Protocol
 
@@ -53,56 +54,142 @@ class Samples(Protocol):
     def select(self, idx: Tensor) -> Samples: ...
 
 
+def _rows(t: Tensor | None, idx: Tensor) -> Tensor | None:
+    """Rows ``idx`` of a per-row tensor, or None."""
+    return t[idx] if t is not None else None
+
+
+class Forwards(NamedTuple):
+    """Step 4's per-token numbers of a rollout batch, what steps 5 to 7 read; each (B, R), log-probs
+    and KL in nats, values in reward units.
+
+    The trainers take them from their no-grad forwards
+    (:meth:`tether.trainers.common.RolloutLogprobs.step_forwards`), the test bed from its tables.
+    """
+
+    old_logprobs: Tensor
+    """log pi_old(y_t | ...) of the sampled tokens, no grad."""
+    ref_logprobs: Tensor | None = None
+    """log pi_ref(y_t | ...); None without a reference model (no KL)."""
+    values: Tensor | None = None
+    """the value head's predictions at rollout time (PPO), else None."""
+    exact_kl: Tensor | None = None
+    """exact full-vocabulary KL(pi_old(.|s_t) || pi_ref(.|s_t)) at each sampled position, or None
+    when not computed (``kl.exact=false``)."""
+    reused_logprobs: Tensor | None = None
+    """log-probs of the rollout under the current policy, with grad: step 4's forward, kept for
+    step 7's only update (``optim.reuse_forward``), or None."""
+
+    def select(self, idx: Tensor) -> Forwards:
+        """Rows ``idx`` ((n,) long) of every tensor."""
+        return Forwards(
+            old_logprobs=self.old_logprobs[idx],
+            ref_logprobs=_rows(self.ref_logprobs, idx),
+            values=_rows(self.values, idx),
+            exact_kl=_rows(self.exact_kl, idx),
+            reused_logprobs=_rows(self.reused_logprobs, idx),
+        )
+
+
 class Experience(NamedTuple):
-    """A scored rollout batch, from step 4 to the update epochs; tensors (B, R) unless noted.
+    """A scored rollout batch, from step 4 to the update epochs: the rollout, its scores and the
+    record of each step (:class:`Forwards`, :class:`KLRewards`, :class:`Advantages`); tensors
+    (B, R) unless noted.
 
     Minibatch code takes its rows once, ``mb = exp.select(idx)``, and reads ``mb.old_logprobs``,
-    ``mb.advantages``, ... (every per-row tensor and the rollout restricted to those rows).
+    ``mb.advantages``, ... (every per-row tensor, by its name, and the rollout restricted to those
+    rows).
     """
 
     rollout: Samples
     scores: Tensor
     """(B,) scorer values; NaN where no reward scored the sample (``scored`` False)."""
-    old_logprobs: Tensor
-    """log pi_old(y_t | ...), nats, no grad."""
-    ref_logprobs: Tensor | None
-    """log pi_ref(y_t | ...), nats; None without a reference model."""
-    values: Tensor | None
-    """the value head's predictions at rollout time (PPO), else None."""
-    kl: Tensor | None
-    """per-token KL estimate, nats (the one logged, shaped and controlled on)."""
-    rewards: Tensor
-    """per-token shaped rewards (score on the last token, ``-kl_coef * kl_t`` if in the reward)."""
-    non_score_reward: Tensor
-    """``-kl_coef * kl_t`` on valid tokens when the KL is in the reward, else 0."""
-    advantages: Tensor
-    returns: Tensor | None
-    """value targets (PPO), else None."""
+    forwards: Forwards
+    """step 4: old and reference log-probs, values, the exact KL, the reused forward."""
+    leashed: KLRewards
+    """step 5: the per-token KL estimate (the one logged, shaped and controlled on) and the
+    rewards shaped from it."""
+    adv: Advantages
+    """step 6: advantages, PPO's value targets, its return scale and update mask, GRPO's KL weights."""
     minibatches: list[Tensor]
     """this process's rows of each epoch-0 minibatch (also the groups scored in step 4); empty
     for a record returned by :meth:`select`."""
-    kl_weights: Tensor | None = None
-    """(B,) weight of each row's KL-in-loss terms (GRPO with ``grpo.scale_kl_by_std``: one over
-    its group's reward std, as its advantage), or None (weight 1)."""
-    exact_kl: Tensor | None = None
-    """exact full-vocabulary KL(pi_old(.|s_t) || pi_ref(.|s_t)) at each sampled position, nats,
-    or None when not computed (``kl.exact=false``)."""
-    return_scale: Tensor | None = None
-    """() float64: what PPO divided the rewards by (``ppo.scale_returns``; 1 without), reward
-    units; None for GRPO and RLOO."""
     scored: Tensor | None = None
     """(B,) bool: False on a sample no reward scored (every reward returned None, TRL's
     "unscorable"), or None when every sample was scored (:func:`make_experience`)."""
-    update_mask: Tensor | None = None
-    """(B, R) bool: the tokens the update's losses count when that is not the response mask
-    (PPO leaves its unscored samples out of the update), else None."""
-    reused_logprobs: Tensor | None = None
-    """(B, R) log-probs of the rollout under the current policy, with grad: step 4's forward,
-    kept for step 7's only update (``optim.reuse_forward``), or None."""
 
     share_by = "tokens"
     """The losses are token means: a micro-batch weighs its share of the valid tokens
     (:func:`tether.trainers.update.micro_shares`)."""
+
+    @property
+    def old_logprobs(self) -> Tensor:
+        """log pi_old(y_t | ...), nats, no grad."""
+        return self.forwards.old_logprobs
+
+    @property
+    def ref_logprobs(self) -> Tensor | None:
+        """log pi_ref(y_t | ...), nats; None without a reference model."""
+        return self.forwards.ref_logprobs
+
+    @property
+    def values(self) -> Tensor | None:
+        """the value head's predictions at rollout time (PPO), else None."""
+        return self.forwards.values
+
+    @property
+    def exact_kl(self) -> Tensor | None:
+        """exact per-position KL of the sampling policy, nats, or None (``kl.exact=false``)."""
+        return self.forwards.exact_kl
+
+    @property
+    def reused_logprobs(self) -> Tensor | None:
+        """step 4's forward of the current policy, with grad (``optim.reuse_forward``), or None."""
+        return self.forwards.reused_logprobs
+
+    @property
+    def kl(self) -> Tensor | None:
+        """per-token KL estimate, nats (the one logged, shaped and controlled on); None without a
+        reference."""
+        return self.leashed.kl
+
+    @property
+    def rewards(self) -> Tensor:
+        """per-token shaped rewards (score on the last token, ``-kl_coef * kl_t`` if in the reward)."""
+        return self.leashed.rewards
+
+    @property
+    def non_score_reward(self) -> Tensor:
+        """``-kl_coef * kl_t`` on valid tokens when the KL is in the reward, else 0."""
+        return self.leashed.non_score_reward
+
+    @property
+    def advantages(self) -> Tensor:
+        """per-token advantages, 0 where masked."""
+        return self.adv.advantages
+
+    @property
+    def returns(self) -> Tensor | None:
+        """value targets (PPO), else None."""
+        return self.adv.returns
+
+    @property
+    def return_scale(self) -> Tensor | None:
+        """() float64: what PPO divided the rewards by (``ppo.scale_returns``; 1 without), reward
+        units; None for GRPO and RLOO."""
+        return self.adv.return_scale
+
+    @property
+    def update_mask(self) -> Tensor | None:
+        """(B, R) bool: the tokens the update's losses count when that is not the response mask
+        (PPO leaves its unscored samples out of the update), else None."""
+        return self.adv.update_mask
+
+    @property
+    def kl_weights(self) -> Tensor | None:
+        """(B,) weight of each row's KL-in-loss terms (GRPO with ``grpo.scale_kl_by_std``), or
+        None (weight 1)."""
+        return self.adv.kl_weights
 
     @property
     def mask(self) -> Tensor:
@@ -112,32 +199,18 @@ class Experience(NamedTuple):
         return self.update_mask if self.update_mask is not None else self.rollout.response_mask
 
     def select(self, idx: Tensor) -> Experience:
-        """This record restricted to rows ``idx`` ((n,) long): every per-row tensor and the rollout.
+        """This record restricted to rows ``idx`` ((n,) long): the rollout and each step's record.
 
         ``minibatches`` refer to the whole batch's rows, so the selection has none.
         """
-
-        def rows(t: Tensor | None) -> Tensor | None:
-            return t[idx] if t is not None else None
-
         return Experience(
             rollout=self.rollout.select(idx),
             scores=self.scores[idx],
-            old_logprobs=self.old_logprobs[idx],
-            ref_logprobs=rows(self.ref_logprobs),
-            values=rows(self.values),
-            kl=rows(self.kl),
-            rewards=self.rewards[idx],
-            non_score_reward=self.non_score_reward[idx],
-            advantages=self.advantages[idx],
-            returns=rows(self.returns),
+            forwards=self.forwards.select(idx),
+            leashed=self.leashed.select(idx),
+            adv=self.adv.select(idx),
             minibatches=[],
-            kl_weights=rows(self.kl_weights),
-            exact_kl=rows(self.exact_kl),
-            return_scale=self.return_scale,
-            scored=rows(self.scored),
-            update_mask=rows(self.update_mask),
-            reused_logprobs=rows(self.reused_logprobs),
+            scored=_rows(self.scored, idx),
         )
 
 
@@ -177,6 +250,22 @@ class StepSettings:
     target_unit: Literal["nats_per_sequence", "nats_per_token"] = "nats_per_sequence"
 
 
+@dataclass(frozen=True)
+class ClipSettings:
+    """PPO's clip ranges and value weight, fixed for a run: what :func:`clipped_policy_loss` reads
+    besides the batch (GRPO and RLOO read ``clip_eps`` alone).
+
+    Attributes:
+        clip_eps: the ratio's clip range (``ppo.clip_eps``).
+        clip_eps_value: the value prediction's clip range (``ppo.clip_eps_value``).
+        vf_coef: the value loss's weight (``ppo.vf_coef``).
+    """
+
+    clip_eps: float = 0.2
+    clip_eps_value: float = 0.2
+    vf_coef: float = 0.5
+
+
 class KLRewards(NamedTuple):
     """Output of :func:`kl_and_rewards`; tensors (B, R)."""
 
@@ -190,6 +279,15 @@ class KLRewards(NamedTuple):
     token_correction: Tensor | None = None
     """the exact reward form's ``-kl_coef * (k1_t - KL_t)``, for token t's advantage alone
     (:func:`ppo_advantages`); None otherwise."""
+
+    def select(self, idx: Tensor) -> KLRewards:
+        """Rows ``idx`` ((n,) long) of every tensor."""
+        return KLRewards(
+            kl=_rows(self.kl, idx),
+            rewards=self.rewards[idx],
+            non_score_reward=self.non_score_reward[idx],
+            token_correction=_rows(self.token_correction, idx),
+        )
 
 
 def kl_and_rewards(
@@ -386,6 +484,19 @@ class Advantages(NamedTuple):
     update_mask: Tensor | None = None
     """(B, R) bool: the tokens the update counts when not the response mask (PPO leaves its
     unscored samples out), else None."""
+    kl_weights: Tensor | None = None
+    """(B,) weight of each row's KL-in-loss terms (GRPO with ``grpo.scale_kl_by_std``: one over
+    its group's reward std, as its advantage; :func:`make_experience` sets it), or None (weight 1)."""
+
+    def select(self, idx: Tensor) -> Advantages:
+        """Rows ``idx`` ((n,) long) of every per-row tensor; ``return_scale`` is the batch's."""
+        return Advantages(
+            advantages=self.advantages[idx],
+            returns=_rows(self.returns, idx),
+            return_scale=self.return_scale,
+            update_mask=_rows(self.update_mask, idx),
+            kl_weights=_rows(self.kl_weights, idx),
+        )
 
 
 def _ppo_step_advantages(
@@ -473,22 +584,18 @@ def make_experience(
     *,
     rollout: Samples,
     scores: Tensor,
-    old_logprobs: Tensor,
-    ref_logprobs: Tensor | None,
-    values: Tensor | None,
-    exact_kl: Tensor | None,
-    minibatches: list[Tensor],
+    forwards: Forwards,
     kl_coef: float,
     leash: KLLeash,
     settings: StepSettings,
+    minibatches: Sequence[Tensor] = (),
     estimate: Callable[[Tensor, Tensor, str], Tensor] = estimate_kl,
-    reused_logprobs: Tensor | None = None,
 ) -> Experience:
     """Steps 5 and 6 of PPO, GRPO and RLOO: the scored batch becomes the record the update reads.
 
     Step 5 (:func:`kl_and_rewards`): the per-token KL estimate and the leashed rewards (the exact
-    reward form shapes with ``exact_kl``). Step 6 (:data:`ADVANTAGES`): advantages, PPO's value
-    targets and return scale; GRPO's per-group KL weights where :func:`uses_kl_weights`.
+    reward form shapes with ``forwards.exact_kl``). Step 6 (:data:`ADVANTAGES`): advantages, PPO's
+    value targets and return scale; GRPO's per-group KL weights where :func:`uses_kl_weights`.
 
     A NaN score marks a sample no reward scored (every reward returned None: TRL's
     "unscorable"). Its score enters no statistic: GRPO and RLOO leave it out of its group's
@@ -499,62 +606,50 @@ def make_experience(
     Args:
         rollout: the samples; its ``response_mask`` (B, R) bool masks everything.
         scores: (B,) scorer values, NaN where the sample is unscored.
-        old_logprobs, ref_logprobs: (B, R) log-probs of the sampled tokens under the sampling
-            policy and the reference, nats; ``ref_logprobs`` None without a reference (no KL).
-        values: (B, R) value predictions at rollout time (PPO), else None.
-        exact_kl: (B, R) exact per-position KL of the sampling policy, nats, or None.
-        minibatches: the rows of each epoch-0 minibatch (kept in the record).
+        forwards: step 4's :class:`Forwards`: old and reference log-probs (``ref_logprobs`` None
+            without a reference: no KL), the values (PPO; required), the exact KL, the reused
+            forward; kept in the record.
         kl_coef: beta >= 0 of this step, reward units per nat.
         leash: the KL placement (:class:`tether.core.leash.KLLeash`); its reward count is updated.
         settings: :class:`StepSettings`.
+        minibatches: the rows of each epoch-0 minibatch, kept in the record; none where the caller
+            draws every epoch's itself (the test bed).
         estimate: the estimator function (a test may substitute a wrong one).
-        reused_logprobs: (B, R) the update's own forward with grad (``optim.reuse_forward``),
-            kept in the record for step 7, or None.
 
     Returns:
-        :class:`Experience`, with ``exact_kl`` and ``return_scale``.
+        :class:`Experience`.
 
     Raises:
-        ValueError: the exact reward form without ``exact_kl``; PPO without ``values``.
+        ValueError: the exact reward form without ``forwards.exact_kl``; PPO without
+            ``forwards.values``.
     """
-    mask = rollout.response_mask
+    f, mask = forwards, rollout.response_mask
     unscored = torch.isnan(scores)  # (B,)
     scored = ~unscored if bool(unscored.any()) else None
     leashed = kl_and_rewards(
         torch.where(unscored, 0.0, scores),  # finite on every row; an unscored row's 0 reaches no statistic
-        old_logprobs,
-        ref_logprobs=ref_logprobs,
+        f.old_logprobs,
+        ref_logprobs=f.ref_logprobs,
         mask=mask,
         kl_coef=kl_coef,
         estimator=settings.estimator,
         leash=leash,
         estimate=estimate,
-        exact_kl=exact_kl if leash.reward_form == "exact" else None,
+        exact_kl=f.exact_kl if leash.reward_form == "exact" else None,
     )
-    adv = ADVANTAGES[settings.algo](leashed, mask, values, settings, scored=scored)
-    weights = (
-        grpo_kl_weights(leashed.rewards, mask, settings.group_size, scored=scored)
-        if uses_kl_weights(settings, leash)
-        else None
-    )
+    adv = ADVANTAGES[settings.algo](leashed, mask, f.values, settings, scored=scored)
+    if uses_kl_weights(settings, leash):
+        adv = adv._replace(
+            kl_weights=grpo_kl_weights(leashed.rewards, mask, settings.group_size, scored=scored)
+        )
     return Experience(
         rollout=rollout,
         scores=scores,
-        old_logprobs=old_logprobs,
-        ref_logprobs=ref_logprobs,
-        values=values,
-        kl=leashed.kl,
-        rewards=leashed.rewards,
-        non_score_reward=leashed.non_score_reward,
-        advantages=adv.advantages,
-        returns=adv.returns,
-        minibatches=minibatches,
-        kl_weights=weights,
-        exact_kl=exact_kl,
-        return_scale=adv.return_scale,
+        forwards=forwards,
+        leashed=leashed,
+        adv=adv,
+        minibatches=list(minibatches),
         scored=scored,
-        update_mask=adv.update_mask,
-        reused_logprobs=reused_logprobs,
     )
 
 
@@ -648,14 +743,12 @@ def updated_kl(*, exact_kl: Tensor, mask: Tensor, target_unit: str) -> tuple[flo
 def clipped_policy_loss(
     mb: Experience,
     logprobs: Tensor,
-    clip_eps: float,
+    clip: ClipSettings,
     leash: KLLeash,
     kl_coef: float,
     *,
     first_micro: bool = True,
     values: Tensor | None = None,
-    clip_eps_value: float = 0.2,
-    vf_coef: float = 0.5,
 ) -> MicroLoss:
     """Step 7 of PPO, GRPO and RLOO: the loss of one micro-batch.
 
@@ -669,10 +762,10 @@ def clipped_policy_loss(
             old log-probs, advantages, reference log-probs, mask and (with ``values``) its old
             values and returns.
         logprobs: (B_m, R) log-probs of ``mb``'s tokens under the current policy, nats, with grad.
-        clip_eps: ratio clip range. leash, kl_coef: the KL placement and beta >= 0.
+        clip: the ratio's clip range and, with ``values``, the value's and the value loss's weight
+            (:class:`ClipSettings`). leash, kl_coef: the KL placement and beta >= 0.
         first_micro: this is the first micro-batch of its gradient step.
         values: (B_m, R) current value predictions with grad (PPO), or None.
-        clip_eps_value, vf_coef: value clip range and the value loss's weight (with ``values``).
 
     Returns:
         :class:`tether.trainers.update.MicroLoss`: stats ``policy/loss``, ``policy/clipfrac``,
@@ -680,13 +773,13 @@ def clipped_policy_loss(
         ``policy/kl_loss`` (when the KL term applies); ``ratio_dev`` = ``max |ratio - 1|``.
     """
     mask = mb.mask
-    pl = ppo_policy_loss(logprobs, mb.old_logprobs, mb.advantages, mask, clip_eps)
+    pl = ppo_policy_loss(logprobs, mb.old_logprobs, mb.advantages, mask, clip.clip_eps)
     stats = {"policy/loss": pl.loss, "policy/clipfrac": pl.clipfrac, "policy/approx_kl": pl.approx_kl}
     loss = pl.loss
     if values is not None:
-        vl = clipped_value_loss(values, mb.values, mb.returns, mask, clip_eps_value)
+        vl = clipped_value_loss(values, mb.values, mb.returns, mask, clip.clip_eps_value)
         stats["value/loss"], stats["value/clipfrac"] = vl.loss, vl.clipfrac
-        loss = loss + vf_coef * vl.loss
+        loss = loss + clip.vf_coef * vl.loss
     kl_term = leash.loss(
         logprobs,
         mb.ref_logprobs,

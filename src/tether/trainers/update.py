@@ -5,7 +5,8 @@ Torch and :mod:`tether.core` only (no models, no config), so the tabular test be
 
 A trainer hands :func:`minibatch_update` a *record* (its batch: an
 :class:`tether.trainers.steps.Experience` for PPO, GRPO and RLOO, the preference pairs for DPO),
-the rows of each minibatch and a hook ``minibatch_loss(part, first_micro=...) -> MicroLoss``.
+the rows of each minibatch, a hook ``minibatch_loss(part, first_micro=...) -> MicroLoss`` and
+its :class:`Optimization` (the optimizer, its clipping, schedule and processes).
 The record says how a micro-batch is weighted (its ``share_by``):
 
 * ``"tokens"``: the loss is a token mean over ``response_mask`` (PPO, GRPO, RLOO); a micro-batch
@@ -23,6 +24,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -79,6 +81,29 @@ class UpdateStats(NamedTuple):
         if self.first_ratio_dev is not None:
             row["policy/ratio_max_dev_first"] = self.first_ratio_dev
         return row
+
+
+@dataclass(frozen=True, kw_only=True)
+class Optimization:
+    """How a trainer takes its optimizer steps, by name: what :func:`optimizer_step` needs besides
+    the loss (:func:`tether.trainers.common.trainer_optimization` builds it).
+
+    Attributes:
+        optimizer: the optimizer (or :class:`tether.trainers.precision.MasterWeights`).
+        params: the trainable parameters, whose gradient norm is clipped.
+        max_grad_norm: the clip of the global gradient norm (``optim.max_grad_norm``).
+        name: the trainer's name, for messages.
+        accelerator, model: accelerate's handle and the module it wraps (DDP), or None.
+        scheduler: the learning-rate schedule, stepped once per optimizer step, or None.
+    """
+
+    optimizer: torch.optim.Optimizer | MasterWeights
+    params: list
+    max_grad_norm: float
+    name: str
+    accelerator: Accelerator | None = None
+    model: nn.Module | None = None
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
 
 
 def optimizer_step(
@@ -217,7 +242,6 @@ def _weighted_loss(
     part,
     first_micro: bool,
     share: Tensor | float,
-    world: int,
     *,
     weighted: dict[str, float],
     devs: list[Tensor | None],
@@ -229,22 +253,15 @@ def _weighted_loss(
     for k, v in out.stats.items():
         value = float(v.detach() if torch.is_tensor(v) else v)
         weighted[k] = weighted.get(k, 0.0) + value * float(share)
-    return out.loss * (share * world)
+    return out.loss * (share * D.world_size())
 
 
 def minibatch_update(
     record,
     minibatches: Iterable[Tensor],
     minibatch_loss: Callable[..., MicroLoss],
-    optimizer: torch.optim.Optimizer,
-    params: list,
-    *,
-    max_grad_norm: float,
-    name: str,
-    accelerator: Accelerator | None = None,
-    model: nn.Module | None = None,
+    optimization: Optimization,
     micro_batch_size: int | None = None,
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
 ) -> UpdateStats:
     """One optimizer step per minibatch, gradients accumulated over its micro-batches.
 
@@ -268,14 +285,14 @@ def minibatch_update(
         minibatches: this process's rows of each minibatch, in update order (every epoch); an
             iterator is consumed lazily, one minibatch per step.
         minibatch_loss: the trainer's hook, ``(part, first_micro=bool) -> MicroLoss``.
-        optimizer, params, max_grad_norm, name, accelerator, model: as :func:`optimizer_step`.
+        optimization: the optimizer and the rest of :func:`optimizer_step`'s settings
+            (:class:`Optimization`).
         micro_batch_size: rows per micro-batch (``optim.micro_batch_size``), None for one.
-        scheduler: the learning-rate schedule, stepped once per optimizer step.
 
     Returns:
         :class:`UpdateStats`.
     """
-    world = D.world_size()
+    o = optimization
     weighted: dict[str, float] = {}  # sum over gradient steps of share * statistic
     grad_norms: list[float] = []
     first_dev = None
@@ -288,18 +305,18 @@ def minibatch_update(
         shares = micro_shares(parts)
         devs: list[Tensor | None] = []
         losses = [
-            partial(_weighted_loss, minibatch_loss, part, j == 0, share, world, weighted=weighted, devs=devs)
+            partial(_weighted_loss, minibatch_loss, part, j == 0, share, weighted=weighted, devs=devs)
             for j, (part, share) in enumerate(zip(parts, shares))
         ]
         norm = optimizer_step(
-            optimizer,
-            params,
+            o.optimizer,
+            o.params,
             loss=losses,
-            max_grad_norm=max_grad_norm,
-            name=name,
-            accelerator=accelerator,
-            model=model,
-            scheduler=scheduler,
+            max_grad_norm=o.max_grad_norm,
+            name=o.name,
+            accelerator=o.accelerator,
+            model=o.model,
+            scheduler=o.scheduler,
         )
         grad_norms.append(float(norm))
         if n == 0 and devs[0] is not None:
