@@ -10,6 +10,7 @@ import torch
 from tether.core.controllers import (
     ADAPTIVE_ERROR_CLIP,
     AdaptiveKLController,
+    BudgetKLController,
     FixedKLController,
     make_controller,
 )
@@ -123,3 +124,18 @@ def test_adaptive_horizon_for_can_double_beta():
     assert adaptive_horizon_for(8, 1) == pytest.approx(1.6)
     for n, steps in [(32, 16), (4, 3), (512, 100), (1, 1)]:
         assert adaptive_reach(n, adaptive_horizon_for(n, steps), steps) >= 2.0 - 1e-12
+
+
+def test_only_the_budget_controller_learns_from_a_cut_update():
+    # a cut means the update wanted more KL than the guard kept. The budget controller takes a
+    # second dual step on it: budget 1, eta 0.1, dual 0.2, kp 0: wanted 3.0 gives
+    # 0.2 + 0.1 * (3.0 - 1.0) = 0.4. The adaptive and fixed controllers made their one update
+    # for the step already: a cut leaves them as they were.
+    budget = BudgetKLController(kl_coef=0.2, budget=1.0, eta=0.1)
+    budget.cut(3.0, n_steps=16)
+    assert budget.kl_coef == pytest.approx(0.4, rel=1e-12)
+    adaptive = AdaptiveKLController(kl_coef=0.2, target=1.0, horizon=100)
+    fixed = FixedKLController(0.2)
+    for c in (adaptive, fixed):
+        c.cut(3.0, n_steps=16)
+        assert c.kl_coef == 0.2

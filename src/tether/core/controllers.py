@@ -70,6 +70,11 @@ class Controller:
         """Update from a measured KL and the number of samples it covers; return the new kl_coef."""
         raise NotImplementedError
 
+    def cut(self, kl_wanted: float, n_steps: int) -> None:
+        """The update guard cut this step's update: at this beta the update wanted ``kl_wanted``
+        (the guard's measure of the update as the optimizer left it, the unit of :meth:`update`).
+        Nothing by default: a controller that has read this step's KL has made its one update."""
+
     @classmethod
     def from_fields(cls: type[C], kl_coef: float, values: Mapping[str, object]) -> C:
         """The controller with beta ``kl_coef`` and its settings read from ``values`` by config
@@ -389,11 +394,12 @@ class BudgetKLController(Controller):
 
     **Derivative term** (``kd > 0``; 0 by default here, in :func:`make_controller` and in the
     config's ``kl.budget_kd``). The KL this controller reads at step t is
-    that of the policy *before* step t's update, and the beta it returns acts on step t + 1's
-    update, which starts from a policy one update further on: while beta is 0 and the KL rises
-    by ``d`` per step, the policy the next beta acts on is already near ``KL + d``, and the KL
-    the run ends with overshoots the budget by up to two steps' rise (measured on SmolLM2 with
-    GRPO's defaults: a held-out KL peak 30% over the budget, 22% with ``kd = kp``). Stooke et
+    that of the policy *before* step t's update, and the beta it returns acts on that update
+    (the trainers read it before updating, since issue 52; before, it acted on step t + 1's): while
+    beta is 0 and the KL rises by ``d`` per step, the update taken at a reading just under the
+    budget ends near ``KL + d``, one step's rise over (the update guard, :mod:`tether.trainers.guard`,
+    bounds that step; measured on SmolLM2 with GRPO's defaults and the old one-step lag: a held-out
+    KL peak 30% over the budget, 22% with ``kd = kp``). Stooke et
     al. (2020, eq. 5, the same paper) add the rise of the constraint's cost, positive part only::
 
         beta = max(0, dual + kp * (KL - epsilon) + kd * max(0, KL - KL_prev))
@@ -486,6 +492,12 @@ class BudgetKLController(Controller):
         self.kl_coef = max(0.0, self.dual + self.kp * error + self.kd * rise)
         self.last_kl = kl
         return self.kl_coef
+
+    def cut(self, kl_wanted: float, n_steps: int) -> None:
+        """A second dual step, on the KL the cut update wanted: the Lagrangian's subgradient at the
+        best response to the current beta (docs/kl.md, "The dual after a cut"). Without it the
+        guard holds the KL at the ceiling and the dual integrates only the tolerance."""
+        self.update(kl_wanted, n_steps)
 
     def adopt(self, kl_coef: float) -> None:
         """The dual variable starts at the other controller's beta."""

@@ -772,8 +772,7 @@ class KLConfig(_Defaulted):
     budget_kp: float = 3.0
     """Proportional gain of the budget controller (PID Lagrangian, Stooke et al. 2020): beta =
     max(0, dual + budget_kp * (KL - budget)). 0 = pure projected dual ascent, which rings on a
-    real model (beta overshoots, the KL undershoots). With the defaults the demo's exact KL spent
-    its second half 8% under its 2.5-nat budget (docs/kl.md, "Controllers")."""
+    real model (beta overshoots, the KL undershoots). docs/kl.md, "Controllers"."""
     budget_kd: float = 0.0
     """Derivative gain of the budget controller, 0 = off (Stooke et al. 2020, eq. 5): adds budget_kd *
     max(0, KL - the previous step's KL) to beta, so beta starts while the KL still rises towards

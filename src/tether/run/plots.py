@@ -75,10 +75,15 @@ def _held_out(ax, history: list[dict], key: str) -> None:
 
 
 def plot_training(
-    history: list[dict], out: Path, kl_target: float | None = None, target_label: str = "target"
+    history: list[dict],
+    out: Path,
+    kl_target: float | None = None,
+    target_label: str = "target",
+    guard_ceiling: float | None = None,
 ) -> Path:
     """Ten panels against step: score, KL (with the target or budget, nats per sequence, labelled
-    ``target_label``), beta, RLHF reward, entropy, length, and what the leash protects: the
+    ``target_label``, and the update guard's ceiling ``kl.budget * (1 + kl.guard_tol)`` where it
+    is on), beta, RLHF reward, entropy, length, and what the leash protects: the
     held-out fluency NLL, the capability NLL of human text no run trains on, distinct-2 and the
     repetition rate, each against the reference's."""
     steps = [r["step"] for r in history]
@@ -159,6 +164,8 @@ def plot_training(
                     )
             if kl_target is not None:
                 ax.axhline(kl_target, ls="--", c="gray", label=target_label)
+            if guard_ceiling is not None and kept:
+                ax.axhline(guard_ceiling, ls=":", c="crimson", lw=1, label="the guard's ceiling")
             if ax.get_legend_handles_labels()[0]:  # nothing to name without a reference
                 ax.legend(fontsize=7)
         ax.set_title(label, fontsize=9)

@@ -893,7 +893,7 @@ def train_on_policy(
             )
             log.guard.append(result)
             if result.fraction < 1.0:  # the update wanted more KL than the budget: the dual learns it
-                controller.update(result.kl_updated, n_steps=B)
+                controller.cut(result.kl_updated, n_steps=B)
         # 11. log
         log.kl_estimates.append(sequence_kl(kl, mask).detach())
         log.kl_coefs.append(kl_coef)

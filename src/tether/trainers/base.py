@@ -9,15 +9,20 @@ for all three:
    keeps its contiguous shard (a group is never split; docs/distributed.md);
 2. generate responses from the current policy, sample ``i`` of the step seeded by (seed, step, i);
 3. score the responses with the reward model;
-4. old log-probs (and values), reference log-probs, no grad;
-5. per-token KL; rewards (score on the last token, -kl_coef * kl_t if the KL is in the reward);
-6. advantages (5 and 6: :func:`tether.trainers.steps.make_experience`, with the run's
+4. old log-probs (and values), reference log-probs (and the exact KL), no grad;
+5. the KL the batch was drawn at, the number that is logged
+   (:func:`tether.trainers.steps.kl_reading`);
+6. beta for this step's update, the controller updated from that reading (issue 52: before, the
+   reading set the next step's beta);
+7. per-token KL; rewards (score on the last token, -kl_coef * kl_t if the KL is in the reward);
+8. advantages (7 and 8: :func:`tether.trainers.steps.make_experience`, with the run's
    :func:`step_settings`);
-7. epochs of minibatch updates (+ kl_coef * KL surrogate if the KL is in the loss):
+9. epochs of minibatch updates (+ kl_coef * KL surrogate if the KL is in the loss):
    :func:`tether.trainers.update.minibatch_update` with the subclass's ``minibatch_loss``;
-8. update kl_coef from the same KL numbers that were logged
-   (:func:`tether.trainers.steps.controller_input`);
-9. metrics, each reduced over every process (tether.core.distributed).
+10. with ``kl.guard``, each epoch checked before it is kept
+    (:func:`tether.trainers.guard.guarded_epochs`), the controller told of a cut
+    (:meth:`tether.core.controllers.Controller.cut`);
+11. metrics, each reduced over every process (tether.core.distributed).
 """
 
 from __future__ import annotations
@@ -215,8 +220,8 @@ class OnPolicyTrainer:
         lr = self.optimizer.param_groups[0]["lr"]  # the rate of this step's first optimizer step
         # 9-10. epochs of minibatch updates, each checked by the update guard (kl.guard)
         update, guarded = self.update(exp, kl_coef, forwards=forwards, kl_before=reading)
-        if guarded is not None and guarded.fraction < 1.0:  # the update wanted more KL: the dual learns it
-            self.controller.update(guarded.kl_updated, n_steps=self.cfg.rollout.batch_size)
+        if guarded is not None and guarded.fraction < 1.0:  # the update wanted more KL than it kept
+            self.controller.cut(guarded.kl_updated, n_steps=self.cfg.rollout.batch_size)
         t_update = time.perf_counter()
         row = self.metrics(step, exp, forwards, update, kl_coef)  # 11. metrics, over every process
         if guarded is not None:

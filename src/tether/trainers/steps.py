@@ -5,16 +5,18 @@ functions with their models' log-probabilities, and the tabular test bed
 (:mod:`tether.testing.testbed`) calls the very same ones with its logit tables', so its
 exact-optimum tests check the code that trains:
 
-* :class:`StepSettings` and :class:`ClipSettings`, the per-run constants of steps 5 to 8, built by
-  name;
-* :func:`make_experience`, steps 5 and 6 in one call: :class:`Experience`, the record of one
+* :class:`StepSettings` and :class:`ClipSettings`, the per-run constants of steps 5 to 10, built
+  by name;
+* step 5, :func:`kl_reading` (:func:`controller_input` of a record): the one number the KL
+  controller reads, before the update (step 6 sets beta from it);
+* :func:`make_experience`, steps 7 and 8 in one call: :class:`Experience`, the record of one
   rollout batch from scoring to update (and its :meth:`Experience.select`);
-* step 5, :func:`kl_and_rewards`: the per-token KL estimate and the leashed rewards;
-* step 6, :data:`ADVANTAGES`, one signature per algorithm over :func:`ppo_advantages` (GAE),
+* step 7, :func:`kl_and_rewards`: the per-token KL estimate and the leashed rewards;
+* step 8, :data:`ADVANTAGES`, one signature per algorithm over :func:`ppo_advantages` (GAE),
   :func:`grpo_advantages` and :func:`rloo_token_advantages`;
-* step 7, the minibatch losses: :func:`clipped_policy_loss` (PPO, GRPO, RLOO) and
+* step 9, the minibatch losses: :func:`clipped_policy_loss` (PPO, GRPO, RLOO) and
   :func:`dpo_pair_loss` (DPO);
-* step 8, :func:`controller_input`: the one number the KL controller reads.
+* step 10, :func:`updated_kl`: the update guard's measure of an updated policy.
 """
 
 from __future__ import annotations
