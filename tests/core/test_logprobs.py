@@ -122,6 +122,21 @@ def test_entropy_neg_inf_logit_is_finite():
     assert got.item() == pytest.approx(math.log(2.0), abs=1e-14)
 
 
+def test_a_nan_or_inf_logit_reads_nan_not_zero():
+    # a broken policy (a NaN logit, or +inf: softmax is inf / inf there) has no entropy and no KL;
+    # reading 0 would let the update guard keep it and the controller read "no KL"
+    from tether.core.kl import exact_kl_from_logits
+
+    ref = torch.zeros(1, 2, 3, dtype=F64)
+    for bad in (float("nan"), float("inf")):
+        logits = torch.tensor([[[0.0, bad, 0.0], [0.0, float("-inf"), 0.0]]], dtype=F64)
+        h, kl = entropy_from_logits(logits), exact_kl_from_logits(logits, ref)
+        assert math.isnan(h[0, 0]) and math.isnan(kl[0, 0])
+        # the row with only a -inf logit stays finite: log 2, and KL = log 3 - log 2 (p = 1/2, 1/2)
+        assert h[0, 1].item() == pytest.approx(math.log(2.0), abs=1e-14)
+        assert kl[0, 1].item() == pytest.approx(math.log(3.0) - math.log(2.0), abs=1e-14)
+
+
 # ---------------------------------------------------------------------------------------------
 # Case 2: EOS mask.
 # ---------------------------------------------------------------------------------------------

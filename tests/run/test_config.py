@@ -384,3 +384,18 @@ def test_an_unweighted_kl_surrogate_over_several_updates_is_warned():
     ]
     for args in quiet:
         assert not any("optimizer steps per batch" in w for w in load_config(None, args).placement.warnings)
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("kl.guard_z=-1", "kl.guard_z"),
+        ("kl.guard_z=nan", "kl.guard_z"),
+        ("kl.guard_tol=-0.1", "kl.guard_tol"),
+        ("kl.guard_halvings=0", "kl.guard_halvings"),
+        ("kl.guard_halvings=31", "2^-24"),
+    ],
+)
+def test_the_guards_settings_are_refused_out_of_range(override, words):
+    with pytest.raises(ConfigError, match=words.replace("^", r"\^")):
+        load_config(None, [override]).for_run()

@@ -111,7 +111,8 @@ def test_guarded_epochs_stop_at_the_first_epoch_the_guard_cut():
         kl_before=0.0,
         settings=GuardSettings(limit=4.0),
     )
-    assert drawn == [0, 1, 2] and out.fraction == 1 / 32 and out.backtracks == 5
+    # the share kept: epochs 1 and 2 whole, epoch 3's 1/32, of 3 epochs run
+    assert drawn == [0, 1, 2] and out.fraction == (2 + 1 / 32) / 3 and out.backtracks == 5
     assert x.tolist() == [2.03125] and out.kl_kept == pytest.approx(2.03125**2)
     assert stats.steps == 3 and stats.stats["policy/loss"] == pytest.approx((1 + 2 + 3) / 3)
 
@@ -148,9 +149,65 @@ def test_updated_kl_and_its_standard_error_by_hand():
     # SE = sqrt(3 / 2 * 0.168889) / 6 = sqrt(0.253333) / 6 = 0.083887
     kl_tok, se_tok = updated_kl(exact_kl=kl, mask=mask, target_unit="nats_per_token")
     assert kl_tok == pytest.approx(1.6 / 6, rel=1e-6) and se_tok == pytest.approx(0.253333**0.5 / 6, rel=1e-5)
+    # groups of 3 (the rows of one prompt are not independent): one group, no spread to read, SE 0;
+    # four rows in groups of 2: s = [0.4, 0.6, 0.6, 0.4] -> groups [1.0, 1.0], n = [2, 2] per
+    # sequence: m = 0.5, residuals 0, SE 0, where rows alone give std 0.1155 / 2 = 0.0577
+    assert updated_kl(exact_kl=kl, mask=mask, target_unit="nats_per_sequence", group_size=3)[1] == 0.0
+    kl4, mask4 = torch.cat([kl, kl[:1]]), torch.cat([mask, mask[:1]])
+    assert updated_kl(exact_kl=kl4, mask=mask4, target_unit="nats_per_sequence", group_size=2)[1] == 0.0
+    assert updated_kl(exact_kl=kl4, mask=mask4, target_unit="nats_per_sequence")[1] == pytest.approx(
+        (0.04 / 3) ** 0.5 / 2, rel=1e-6
+    )
+    with pytest.raises(ValueError, match="group_size=3 must divide"):
+        updated_kl(exact_kl=kl4, mask=mask4, target_unit="nats_per_sequence", group_size=3)
     # one sequence: no spread to read, SE 0; no valid token: KL 0, SE 0 (never NaN)
     assert updated_kl(exact_kl=kl[:1], mask=mask[:1], target_unit="nats_per_sequence")[1] == 0.0
     assert updated_kl(exact_kl=kl, mask=torch.zeros_like(mask), target_unit="nats_per_token") == (0.0, 0.0)
+
+
+def test_a_kept_epoch_then_a_restored_one_is_half_kept_not_a_restore():
+    # z = 0. epoch 1: x 0 -> 1, KL 1 <= 1.05: kept whole;
+    # epoch 2: x 1 -> 5 (KL 25), halvings 3 (9), 2 (4), both past 1.05 and past the start's 1: with 2
+    # halvings allowed, restored to x = 1. The update kept one of its two epochs: fraction 1/2, the
+    # kept KL 1 with epoch 1's SE 0.25 (a restore measures nothing new)
+    x = torch.tensor([0.0], dtype=torch.float64)
+    steps = iter([1.0, 4.0])
+
+    def one_epoch(minibatches):
+        x.add_(next(steps))
+        return UpdateStats({}, grad_norm=1.0, first_ratio_dev=0.0, steps=1)
+
+    _, out = guarded_epochs(
+        iter([[0], [1]]),
+        update=one_epoch,
+        tensors=[x],
+        measure=lambda: (float(x[0] ** 2), 0.25),
+        kl_before=0.0,
+        settings=GuardSettings(limit=1.0, max_halvings=2, z=0.0),
+    )
+    assert x.tolist() == [1.0]
+    assert (out.kl_updated, out.kl_kept, out.fraction, out.backtracks, out.se_kept) == (
+        25.0,
+        1.0,
+        0.5,
+        2,
+        0.25,
+    )
+
+
+def test_a_broken_update_is_never_kept():
+    # the measure of a policy whose logits broke is NaN (core/kl.py reads a NaN logit as NaN, not
+    # 0): NaN passes no comparison, so the guard halves: x 4 (NaN), 2 (NaN), 1 (KL 1 <= 1.05): kept
+    x = torch.tensor([4.0], dtype=torch.float64)
+    out = guard_update(
+        [x],
+        [torch.tensor([0.0], dtype=torch.float64)],
+        measure=lambda: (float(x[0] ** 2) if x[0] < 2 else float("nan"), 0.0),
+        kl_before=0.0,
+        settings=GuardSettings(limit=1.0),
+    )
+    assert x.tolist() == [1.0] and out.fraction == 0.25 and out.kl_kept == 1.0
+    assert out.kl_updated != out.kl_updated  # NaN: the trainer gives the controller nothing to learn
 
 
 def test_merge_stats_weighs_by_steps():
@@ -159,3 +216,20 @@ def test_merge_stats_weighs_by_steps():
     m = merge_stats([a, b])  # (1 + 3 * 4) / 4 = 3.25; (2 + 15) / 4 = 4.25
     assert m.stats == {"l": 3.25} and m.grad_norm == 4.25 and m.first_ratio_dev == 0.0
     assert (m.steps, m.skipped) == (4, 1)
+
+
+def test_the_guard_holds_what_a_guarded_controller_holds():
+    # a controller the guard is made for (guarded) is held to its own held KL, which for the
+    # budget controller is kl.budget; a fixed or adaptive one with kl.guard=true to kl.budget
+    from types import SimpleNamespace
+
+    from tether.core.controllers import AdaptiveKLController, BudgetKLController
+    from tether.trainers.base import guard_settings
+
+    kl = SimpleNamespace(guard=True, budget=2.5, guard_tol=0.05, guard_halvings=10, guard_z=2.0)
+    cfg = SimpleNamespace(kl=kl)
+    own = type("HoldsTarget", (AdaptiveKLController,), {"guarded": True})(0.1, target=0.005)
+    assert guard_settings(cfg, own).limit == 0.005
+    assert guard_settings(cfg, AdaptiveKLController(0.1, target=6.0)).limit == 2.5
+    assert guard_settings(cfg, BudgetKLController(0.0, budget=2.5)).limit == 2.5
+    assert guard_settings(SimpleNamespace(kl=SimpleNamespace(guard=False)), own) is None

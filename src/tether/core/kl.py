@@ -274,7 +274,8 @@ def exact_kl_from_logits(
     ``q = softmax(ref_logits / temperature)``, computed in float32 (float64 input stays float64)
     on at most ``chunk_size`` token positions at a time, so the extra memory is O(chunk_size * V),
     never O(B * R * V).
-    Where ``p(v) == 0`` the term is 0 (``xlogy`` convention), so a -inf logit never gives NaN.
+    Where ``p(v) == 0`` the term is 0 (``xlogy`` convention), so a -inf logit never gives NaN;
+    a NaN or +inf logit gives NaN (a broken policy is not read as KL 0).
 
     Args:
         logits: (B, R, V) policy logits, any float dtype (upcast per chunk).
@@ -304,8 +305,9 @@ def exact_kl_from_logits(
         lp = torch.log_softmax(flat_p[start : start + chunk_size].to(dtype) / temperature, dim=-1)
         lq = torch.log_softmax(flat_q[start : start + chunk_size].to(dtype) / temperature, dim=-1)
         p = lp.exp()
-        # p * (lp - lq); where p == 0 the product is defined as 0 even if lq is -inf.
-        term = torch.where(p > 0, p * (lp - lq), torch.zeros_like(p))
+        # p * (lp - lq); where p == 0 the product is defined as 0 even if lq is -inf. A NaN p (a
+        # NaN or +inf logit) is not 0 and stays NaN: a broken policy must not read as KL 0.
+        term = torch.where(p == 0, torch.zeros_like(p), p * (lp - lq))
         out[start : start + chunk_size] = term.sum(-1)
     return out.view(B, R)
 

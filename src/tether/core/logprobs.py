@@ -76,7 +76,7 @@ def entropy_from_logits(logits: Tensor, temperature: float = 1.0, chunk_size: in
         logp = torch.log_softmax(flat[s : s + chunk_size].to(dtype) / temperature, dim=-1)
         p = logp.exp()
         # a -inf logit has p = 0 and contributes 0 (0 * -inf would be NaN)
-        out[s : s + chunk_size] = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
+        out[s : s + chunk_size] = -torch.where(p == 0, torch.zeros_like(p), p * logp).sum(-1)
     return out.view(B, R)
 
 

@@ -865,7 +865,13 @@ class KLConfig(_Defaulted):
             "must be >= 0 (0 = no derivative term)",
         )
         _check(self.guard_tol >= 0, "kl.guard_tol", self.guard_tol, "must be >= 0 (a fraction of kl.budget)")
-        _check(self.guard_halvings >= 1, "kl.guard_halvings", self.guard_halvings, "must be >= 1")
+        _check(
+            1 <= self.guard_halvings <= 30,
+            "kl.guard_halvings",
+            self.guard_halvings,
+            "must be 1 to 30 (each halving is a forward pass; past about 24 a float32 weight no "
+            "longer moves: 2^-24 is its relative precision)",
+        )
         _check(
             math.isfinite(self.guard_z) and self.guard_z >= 0,
             "kl.guard_z",

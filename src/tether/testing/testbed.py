@@ -888,7 +888,7 @@ def train_on_policy(
                 update=run_minibatches,
                 tensors=[table] if values is None else [table, values],
                 measure=measure,
-                kl_before=reading,
+                kl_before=measure()[0],  # its own measure of the policy that drew the batch
                 settings=guarding,
             )
             log.guard.append(result)

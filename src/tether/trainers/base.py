@@ -28,6 +28,7 @@ for all three:
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Iterator
 from functools import partial
@@ -74,14 +75,18 @@ __all__ = ["OnPolicyTrainer", "sample_metrics", "step_settings"]
 log = logging.getLogger(__name__)
 
 
-def guard_settings(config) -> GuardSettings | None:
-    """The update guard of a run (:class:`tether.trainers.guard.GuardSettings`: ``kl.budget`` in
+def guard_settings(config, controller) -> GuardSettings | None:
+    """The update guard of a run (:class:`tether.trainers.guard.GuardSettings`: its limit in
     ``kl.target_unit``, ``kl.guard_tol``, ``kl.guard_halvings``, ``kl.guard_z``), or None with
-    ``kl.guard`` off."""
+    ``kl.guard`` off. The limit is what a guarded controller holds (``controller.held_kl()``, the
+    budget controller's ``kl.budget``); with a controller the guard is not made for (fixed,
+    adaptive, ``kl.guard=true``), ``kl.budget``."""
     k = config.kl
     if not k.guard:
         return None
-    return GuardSettings(limit=k.budget, tol=k.guard_tol, max_halvings=k.guard_halvings, z=k.guard_z)
+    held = controller.held_kl() if controller.guarded else None
+    limit = k.budget if held is None else held
+    return GuardSettings(limit=limit, tol=k.guard_tol, max_halvings=k.guard_halvings, z=k.guard_z)
 
 
 def guard_metrics(result: GuardResult) -> dict:
@@ -137,7 +142,9 @@ class OnPolicyTrainer:
         self.clip = ClipSettings(
             clip_eps=c.ppo.clip_eps, clip_eps_value=c.ppo.clip_eps_value, vf_coef=c.ppo.vf_coef
         )
-        self.guard = guard_settings(c)  # kl.guard: each epoch's update checked before it is kept
+        self.guard = guard_settings(
+            c, self.controller
+        )  # kl.guard: each epoch's update checked before it is kept
         if not self.uses_values:  # no loss reaches the value head: frozen, so DDP waits for no gradient of it
             run.policy.value_head.requires_grad_(False)
         self.params = [p for p in run.policy.parameters() if p.requires_grad]
@@ -219,8 +226,9 @@ class OnPolicyTrainer:
         )
         lr = self.optimizer.param_groups[0]["lr"]  # the rate of this step's first optimizer step
         # 9-10. epochs of minibatch updates, each checked by the update guard (kl.guard)
-        update, guarded = self.update(exp, kl_coef, forwards=forwards, kl_before=reading)
-        if guarded is not None and guarded.fraction < 1.0:  # the update wanted more KL than it kept
+        update, guarded = self.update(exp, kl_coef, forwards=forwards)
+        cut = guarded is not None and guarded.fraction < 1.0  # the update wanted more KL than it kept
+        if cut and math.isfinite(guarded.kl_updated):  # a non-finite one was restored: nothing to learn
             self.controller.cut(guarded.kl_updated, n_steps=self.cfg.rollout.batch_size)
         t_update = time.perf_counter()
         row = self.metrics(step, exp, forwards, update, kl_coef)  # 11. metrics, over every process
@@ -412,7 +420,10 @@ class OnPolicyTrainer:
                 )
                 exact[idx] = kl
         return updated_kl(
-            exact_kl=exact, mask=exp.rollout.response_mask, target_unit=self.settings.target_unit
+            exact_kl=exact,
+            mask=exp.rollout.response_mask,
+            target_unit=self.settings.target_unit,
+            group_size=self.group_size,
         )
 
     def update(
@@ -421,12 +432,11 @@ class OnPolicyTrainer:
         kl_coef: float,
         *,
         forwards: RolloutLogprobs | None = None,
-        kl_before: float | None = None,
     ) -> tuple[UpdateStats, GuardResult | None]:
         """Steps 9-10: epochs of minibatch steps (:func:`tether.trainers.update.minibatch_update`),
         each epoch checked by the update guard when ``kl.guard`` is on
-        (:func:`tether.trainers.guard.guarded_epochs`; ``forwards`` and ``kl_before``, the
-        batch's KL reading, are its start).
+        (:func:`tether.trainers.guard.guarded_epochs`; ``forwards``, step 4's, hold the exact KL
+        the guard starts from, and the reference's kept hidden states its measures reuse).
 
         Each process holds ``minibatch_size / world`` rows of a minibatch. Its token-mean loss
         ``L_r`` times its share of the minibatch's valid tokens sums over processes to the
@@ -449,8 +459,17 @@ class OnPolicyTrainer:
             optimization=trainer_optimization(self, self.name),
             micro_batch_size=o.micro_batch_size,
         )
-        if self.guard is None or forwards is None or kl_before is None:
+        if self.guard is None or forwards is None or forwards.exact_kl is None:
             return run_minibatches(self.epoch_minibatches(exp)), None
+        # where the guard starts: its own measure of the policy that drew the batch (the exact KL,
+        # whatever kl.controller_signal the controller reads), so "no higher than the start" compares
+        # like with like
+        kl_before, _ = updated_kl(
+            exact_kl=forwards.exact_kl,
+            mask=exp.rollout.response_mask,
+            target_unit=self.settings.target_unit,
+            group_size=self.group_size,
+        )
         epochs = (exp.minibatches if e == 0 else self.minibatch_indices() for e in range(o.epochs))
         masters = isinstance(self.optimizer, MasterWeights)
         return guarded_epochs(

@@ -158,8 +158,10 @@ def guarded_epochs(
     Returns:
         ``(stats, result)``: the epochs' statistics merged (each a mean over its gradient steps,
         weighted by them), and the guard's account of the whole update: the KL of the last
-        epoch's update as the optimizer left it and of the weights kept, the last epoch's kept
-        fraction (an earlier epoch kept whole), the halvings of all epochs.
+        epoch's update as the optimizer left it and of the weights kept (with its standard error,
+        an earlier epoch's where the last was restored), the share of the epochs run that was
+        kept (``(whole epochs + the last one's alpha) / epochs run``: a first epoch kept and a
+        second restored is 1/2, not a restore), the halvings of all epochs.
     """
     merged: list[UpdateStats] = []
     result = GuardResult(kl_before, kl_before, 1.0, 0)
@@ -167,13 +169,17 @@ def guarded_epochs(
     for minibatches in epochs:
         before = snapshot(tensors)
         merged.append(update(minibatches))
+        se = result.se_kept
         result = guard_update(
             tensors, before, measure=measure, kl_before=result.kl_kept, settings=settings, written=written
         )
+        if result.fraction == 0.0:  # restored: the weights (and their SE) are the previous epoch's
+            result = result._replace(se_kept=se)
         backtracks += result.backtracks
         if result.fraction < 1.0:
             break
-    return merge_stats(merged), result._replace(backtracks=backtracks)
+    kept = (len(merged) - 1 + result.fraction) / len(merged) if merged else 1.0
+    return merge_stats(merged), result._replace(fraction=kept, backtracks=backtracks)
 
 
 def merge_stats(parts: Sequence[UpdateStats]) -> UpdateStats:

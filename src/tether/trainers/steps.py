@@ -694,7 +694,9 @@ def kl_reading(
     return float(D.token_mean(signal, mask))
 
 
-def updated_kl(*, exact_kl: Tensor, mask: Tensor, target_unit: str) -> tuple[float, float]:
+def updated_kl(
+    *, exact_kl: Tensor, mask: Tensor, target_unit: str, group_size: int = 1
+) -> tuple[float, float]:
     """The exact KL to the reference of an updated policy at the prefixes of the batch the policy
     before it drew, over every process, in ``target_unit``, with the standard error of that batch
     mean. The update guard's measure (:mod:`tether.trainers.guard`).
@@ -706,25 +708,36 @@ def updated_kl(*, exact_kl: Tensor, mask: Tensor, target_unit: str) -> tuple[flo
     was just fitted to, that ratio is what the update raised (on the demo's first step it read
     716,872 nats where the next batch's exact KL was 0.27; docs/kl.md, "The update guard").
 
-    With ``s_i`` a sequence's summed exact KL, ``n_i`` its policy tokens (1 per sequence for
-    ``nats_per_sequence``) and ``m = sum s_i / sum n_i`` over the ``B`` sequences of every
-    process, the standard error is the ratio estimator's, ``sqrt(B / (B - 1) * sum_i (s_i - m
-    n_i)^2) / sum_i n_i`` (Cochran 1977, eq. 6.9; per sequence the usual ``std / sqrt(B)``);
-    0 for ``B = 1`` (no spread to read) or no valid token.
+    With ``s_c`` the summed exact KL of a group of ``group_size`` consecutive sequences (the
+    samples of one prompt, which share it and so are not independent; a sequence alone with
+    ``group_size`` 1), ``n_c`` its policy tokens (its sequences for ``nats_per_sequence``) and
+    ``m = sum s_c / sum n_c`` over the ``C`` groups of every process, the standard error is the
+    ratio estimator's over groups, ``sqrt(C / (C - 1) * sum_c (s_c - m n_c)^2) / sum_c n_c``
+    (Cochran 1977, eq. 6.9; per sequence with ``group_size`` 1 the usual ``std / sqrt(B)``); 0 for
+    ``C = 1`` (no spread to read) or no valid token.
 
     Args:
         exact_kl: (B, R) the updated policy's exact per-position KL, nats.
         mask: (B, R) bool, the policy's tokens.
         target_unit: ``nats_per_sequence`` or ``nats_per_token``.
+        group_size: consecutive rows that share a prompt (GRPO's and RLOO's groups; never split
+            over processes); it must divide B.
 
     Returns:
         ``(kl, se)``: the KL, nats per sequence or per token (the reading's reduction,
         :func:`kl_reading`), and its standard error in the same unit.
     """
     m = mask.bool()
+    kl = (
+        float(D.sequence_mean(sequence_kl(exact_kl, m)))
+        if target_unit == "nats_per_sequence"
+        else float(D.token_mean(exact_kl, m))
+    )
     s = sequence_kl(exact_kl, m).to(torch.float64)  # (B,)
     n = torch.ones_like(s) if target_unit == "nats_per_sequence" else m.sum(-1).to(torch.float64)
-    kl = float(D.sequence_mean(s)) if target_unit == "nats_per_sequence" else float(D.token_mean(exact_kl, m))
+    if len(s) % group_size:
+        raise ValueError(f"group_size={group_size} must divide the batch's {len(s)} rows")
+    s, n = s.view(-1, group_size).sum(-1), n.view(-1, group_size).sum(-1)  # (C,): one per group
     rows, total_n, ss, sn, nn = D.all_reduce_sum(
         torch.stack(
             [
