@@ -845,7 +845,9 @@ class KLConfig(_Defaulted):
             self.controller is None or self.controller in CONTROLLERS,
             "kl.controller",
             self.controller,
-            f"choose one of {list(CONTROLLERS)}",
+            f"choose one of {list(CONTROLLERS)} (a controller of your own is registered with "
+            "tether.core.controllers.register in the process that trains: the Python API, "
+            "docs/architecture.md 'How to add ...')",
         )
         _check(self.target > 0, "kl.target", self.target, f"must be > 0 ({self.target_unit})")
         _check(
