@@ -64,10 +64,11 @@ def term_magnitudes(row: dict) -> dict[str, float]:
     return {
         "objective/kl": L * m_tok,
         "objective/kl_exact": L * m_tok,
-        # the importance-weighted exact KL of the updated policy on the same batch: the same terms,
-        # each times a prefix ratio near 1
+        # the exact KL of the updated policy at the same batch's prefixes: the same terms; its
+        # standard error moves by at most as much as the per-sequence sums it is taken over
         "guard/kl_updated": L * m_tok,
         "guard/kl_kept": L * m_tok,
+        "guard/kl_kept_se": L * m_tok,
         "objective/kl_per_token": m_tok,
         "objective/kl_exact_per_token": m_tok,
         "policy/approx_kl": m_tok,
