@@ -139,3 +139,27 @@ def test_only_the_budget_controller_learns_from_a_cut_update():
     for c in (adaptive, fixed):
         c.cut(3.0, n_steps=16)
         assert c.kl_coef == 0.2
+
+
+def test_register_refuses_a_controller_it_could_not_save_or_describe():
+    # each of these would run until its first checkpoint, resume or health check and fail there
+    from dataclasses import dataclass
+
+    from tether.core.controllers import CONTROLLERS, Controller, register
+
+    class NotADataclass(Controller):
+        name = "not_a_dataclass"  # class attributes, unannotated: not dataclass fields
+
+    with pytest.raises(ValueError, match="must be a @dataclass"):
+        register(NotADataclass)
+
+    @dataclass
+    class HoldsNothing(Controller):
+        name = "holds_nothing"
+        held = "target"  # no field target
+        state = ("kl_coef", "count")  # no field count
+        kl_coef: float
+
+    with pytest.raises(ValueError, match=r"\['count', 'target'\]"):
+        register(HoldsNothing)
+    assert "not_a_dataclass" not in CONTROLLERS and "holds_nothing" not in CONTROLLERS

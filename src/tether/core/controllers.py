@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, is_dataclass
 from typing import ClassVar, Literal, TypeVar
 
 ControllerName = Literal["fixed", "adaptive", "budget"]
@@ -194,11 +194,24 @@ def register(cls: type[C]) -> type[C]:
 
     Raises:
         ValueError: the name is registered already by another class (a subclass that did not set
-            its own ``name`` would replace its parent for every run of the process).
+            its own ``name`` would replace its parent for every run of the process); the class is
+            not a dataclass (its state is saved field by field); ``fields``, ``state`` or ``held``
+            name a field it does not have (each would otherwise fail only at the first resume,
+            checkpoint or health check, after training ran).
     """
     if CONTROLLERS.get(cls.name, cls) is not cls:
         raise ValueError(
             f"kl.controller={cls.name!r} is registered already ({CONTROLLERS[cls.name].__name__})"
+        )
+    if not is_dataclass(cls):
+        raise ValueError(f"controller {cls.__name__} must be a @dataclass (register it above @dataclass)")
+    own = {f.name for f in fields(cls)}
+    named = [*cls.fields, *cls.state, *([cls.held] if cls.held is not None else [])]
+    missing = sorted({n for n in named if n not in own})
+    if missing:
+        raise ValueError(
+            f"controller {cls.__name__} names {missing} in fields/state/held, which are not its "
+            f"dataclass fields {sorted(own)}"
         )
     CONTROLLERS[cls.name] = cls
     return cls
