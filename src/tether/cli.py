@@ -97,6 +97,23 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``tether`` command; with several processes (``accelerate launch``) each closes its
+    process group before it exits (a group left open can abort a process at exit: "terminate
+    called without an active exception", exit code -6, after the run had finished)."""
+    try:
+        return _main(argv)
+    finally:
+        _close_process_group()
+
+
+def _close_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
