@@ -107,6 +107,18 @@ def term_magnitudes(row: dict) -> dict[str, float]:
         # a sum of N per-token gradients of random sign has a norm ~sqrt(N) times smaller than the
         # sum of their norms; sqrt(N) is folded in by the caller through n_terms ** 1.5
         "policy/grad_norm": g,
+        # kl.attribution: quantiles, maximum and decile means of the per-token exact KL are
+        # per-token terms; a share divides a sum of them by the batch's total (n tokens x the KL per
+        # token), so its rounding is a token's over the KL per token (large where the KL is small:
+        # a share of a KL that is mostly rounding is mostly rounding); the top-1 agreement counts
+        # argmax ties, which rounding moves only where two logits agree to it (as the groups' shares)
+        **{f"kl/{k}": m_tok for k in ("token_p50", "token_p90", "token_p99", "token_max")},
+        **{f"kl/decile_{d}": m_tok for d in range(10)},
+        **{
+            f"kl/{k}": m_tok / max(abs(row.get("objective/kl_exact_per_token", 0.0)), 1e-30)
+            for k in ("top1pct_share", "special_token_share", "misaligned_share")
+        },
+        "kl/top1_agreement": 1.0,
         "dpo/loss": 1.0,
         "dpo/margin": beta * L * m_tok,
         "dpo/chosen_reward": beta * L * m_tok,

@@ -1,4 +1,5 @@
-"""Command line: ``tether train [--config FILE.yaml] [section.field=value ...]``, ``tether config``."""
+"""Command line: ``tether train [--config FILE.yaml] [section.field=value ...]``, ``tether config``,
+``tether kl RUN``, ``tether report``, ``tether push``, ``tether frontier``, ``tether reward fit``."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -73,6 +75,9 @@ def _parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("report", help="write a self-contained HTML report of a run directory")
     rp.add_argument("run_dir")
     rp.add_argument("--out", help="output file (default RUN_DIR/report.html)")
+    kl = sub.add_parser("kl", help="where a run's KL went: the tokens that carried it (kl_tokens.jsonl)")
+    kl.add_argument("run_dir")
+    kl.add_argument("--step", type=int, help="the step's record (default: the largest rise of the KL)")
     r = sub.add_parser("reward", help="reward models fitted on human preferences")
     rsub = r.add_subparsers(dest="reward_command", required=True)
     f = rsub.add_parser(
@@ -104,6 +109,40 @@ def main(argv: list[str] | None = None) -> int:
         return _main(argv)
     finally:
         _close_process_group()
+
+
+def _kl_view(run_dir: str, step: int | None) -> int:
+    """``tether kl RUN [--step N]``: the step's KL attribution record (the largest rise without
+    ``--step``) and, from eval.json, the capability probe's fallen tokens; a run with no record
+    (no jump, kl.tokens_every=0) still shows the latter, with a note."""
+    from tether.analysis.kl_tokens import chosen, console_view, probe_view, read_records
+    from tether.run.files import read_json
+
+    view, missing = "", None
+    try:
+        view = console_view(chosen(read_records(run_dir), step))
+    except FileNotFoundError as e:
+        missing = e
+    except (ValueError, OSError) as e:
+        print(f"tether: error: {_said(e)}", file=sys.stderr)
+        return 1
+    probe = ""
+    evaluation = Path(run_dir) / "eval.json"
+    if step is None and evaluation.is_file():
+        try:
+            probe = probe_view(read_json(evaluation))
+        except (ValueError, OSError) as e:
+            print(f"tether: warning: {evaluation} not read: {_said(e)}", file=sys.stderr)
+    if missing is not None and not probe:
+        print(f"tether: error: {_said(missing)}", file=sys.stderr)
+        return 1
+    try:
+        if missing is not None:
+            print(f"tether: no KL record: {_said(missing)}", file=sys.stderr)
+        print("\n\n".join(part for part in (view, probe) if part))
+    except BrokenPipeError:  # `tether kl RUN | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
 
 
 def _close_process_group() -> None:
@@ -145,6 +184,8 @@ def _main(argv: list[str] | None) -> int:
             return 1
         print(f"tether: report written to {out}")
         return 0
+    if args.command == "kl":
+        return _kl_view(args.run_dir, args.step)
     from tether.run.config import ConfigError, load_config
 
     if args.command == "config":

@@ -292,6 +292,8 @@ def _loop(session: Session, *, start: int, stop: list[str]) -> tuple[int, int]:
                 if main
                 else StepLog(unmeasured=unmeasured)
             )
+        if main and getattr(trainer, "kl_record", None) is not None:  # kl.attribution: where the KL went
+            w.kl_tokens(trainer.kl_record)
         # every process asks: did any process get a signal, or rank 0's evaluation say stop, or
         # did user code fail after the update? (so that all stop after the same step)
         stopping, stop_early, failed = (

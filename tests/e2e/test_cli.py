@@ -880,6 +880,46 @@ def test_grpo_logs_its_all_equal_groups_on_a_01_reward(tiny_model_dir, prompt_fi
         assert equal in (0.0, 0.5, 1.0) and best + worst == equal, r
 
 
+@pytest.mark.parametrize("algo", ["ppo", "grpo"])
+def test_the_guards_lookahead_equals_its_plain_measure(
+    algo, tiny_model_dir, prompt_file, tmp_path, monkeypatch
+):
+    # 2 epochs of one minibatch of every row: the guard measures epoch 1 with epoch 2's own forward
+    # (with grad, kept for epoch 2's backward) instead of a no-grad forward of its own. The run is
+    # the plain-measure run's bit for bit (the same forward, the same head slices), with one no-grad
+    # measure per step instead of two; a budget of 0.01 nats makes the guard cut (halvings measured
+    # plainly, the kept forward dropped)
+    from tether.trainers.base import OnPolicyTrainer
+
+    calls = []
+    real = OnPolicyTrainer.updated_kl
+    monkeypatch.setattr(OnPolicyTrainer, "updated_kl", lambda *a: calls.append(1) or real(*a))
+    settings = [
+        f"train.algo={algo}",
+        "optim.epochs=2",
+        "optim.minibatch_size=4",
+        "train.steps=3",
+        "kl.budget=0.01",
+        "optim.lr=3e-3",
+        "reward.scorer=tests.conftest:length_judge",  # scores that differ within a group
+    ]
+
+    def run(out):
+        calls.clear()
+        assert main(_tiny_args(tiny_model_dir, prompt_file, out) + settings) == 0
+        return metric_rows(out), len(calls)
+
+    ahead, ahead_calls = run(tmp_path / "ahead")
+    monkeypatch.setattr(OnPolicyTrainer, "lookahead", lambda *a: None)
+    plain, plain_calls = run(tmp_path / "plain")
+    assert ahead == plain
+    assert any(r["guard/fraction"] < 1 for r in plain)  # the guard cut an update
+    # plain: each epoch run measured once, each halving once; ahead: each step's first epoch is
+    # measured by the second epoch's forward (every step runs a first epoch): 3 plain measures fewer
+    halvings = sum(int(r["guard/backtracks"]) for r in plain)
+    assert plain_calls >= 3 + halvings and ahead_calls == plain_calls - 3
+
+
 def test_a_guarded_run_resumed_in_the_middle_equals_the_uninterrupted_one(
     tiny_model_dir, prompt_file, tmp_path
 ):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tether.trainers.guard import GuardSettings, guard_update, guarded_epochs, merge_stats
+from tether.trainers.guard import Ahead, GuardSettings, guard_update, guarded_epochs, merge_stats
 from tether.trainers.update import UpdateStats
 
 
@@ -118,19 +118,85 @@ def test_guarded_epochs_stop_at_the_first_epoch_the_guard_cut():
 
 
 def test_the_standard_errors_count_against_the_ceiling():
-    # KL x^2 with a standard error 0.1 x, z = 2, ceiling 1.05. x: 0 -> 1: 1 + 2 * 0.1 = 1.2 > 1.05;
-    # alpha 1/2: x = 0.5, 0.25 + 2 * 0.05 = 0.35 <= 1.05: kept, its SE 0.05 reported. With z = 0
-    # the same step is kept whole (1 <= 1.05): only the SE made the difference.
-    for z, want in ((2.0, (1.0, 0.25, 0.5, 1, 0.05)), (0.0, (1.0, 1.0, 1.0, 0, 0.1))):
+    # KL x^2 with a standard error 0.1 x; the bound is KL + z sqrt(2) SE (the next batch's mean
+    # differs from this one's by both batches' noise). Ceiling 1.05, z = 2. x: 0 -> 1:
+    # 1 + 2 * 1.4142 * 0.1 = 1.283 > 1.05; alpha 1/2: x = 0.5, 0.25 + 2 * 1.4142 * 0.05 = 0.391 <=
+    # 1.05: kept, its SE 0.05 reported. With z = 0 the same step is kept whole (1 <= 1.05).
+    # Ceiling 1.25 (tol 0.25): 1 + 2 * 0.1 = 1.2 would pass a bound on the expectation alone; the
+    # prediction bound 1.283 does not, so the step is halved: the sqrt(2) made the difference.
+    cases = (
+        (2.0, 0.05, (1.0, 0.25, 0.5, 1, 0.05)),
+        (0.0, 0.05, (1.0, 1.0, 1.0, 0, 0.1)),
+        (2.0, 0.25, (1.0, 0.25, 0.5, 1, 0.05)),
+    )
+    for z, tol, want in cases:
         x = torch.tensor([1.0], dtype=torch.float64)
         out = guard_update(
             [x],
             [torch.tensor([0.0], dtype=torch.float64)],
             measure=lambda x=x: (float(x[0] ** 2), 0.1 * float(x[0])),
             kl_before=0.0,
-            settings=GuardSettings(limit=1.0, z=z),
+            settings=GuardSettings(limit=1.0, tol=tol, z=z),
         )
         assert tuple(out) == pytest.approx(want, rel=1e-15)
+    assert GuardSettings(limit=1.0).bound(1.0, 0.1) == pytest.approx(1 + 2 * 2**0.5 * 0.1, rel=1e-15)
+
+
+def test_the_lookahead_measures_each_epoch_but_the_last_and_is_dropped_on_a_cut():
+    # the epochs of test_guarded_epochs_stop_at_the_first_epoch_the_guard_cut (x += 1 per epoch, KL
+    # x^2, ceiling 4.2), 4 epochs, with a lookahead: epochs 1 and 2 are measured by it (x = 1, 2:
+    # kept); epoch 3's lookahead reads 9 and is dropped before the halvings, which the plain measure
+    # takes (5 of them, as without the lookahead). Same weights, same account; the plain measure
+    # ran only for the halvings.
+    def run(with_ahead: bool):
+        x, calls = torch.tensor([0.0], dtype=torch.float64), []
+
+        def one_epoch(minibatches):
+            x.add_(1.0)
+            return UpdateStats({}, grad_norm=1.0, first_ratio_dev=0.0, steps=1)
+
+        def plain():
+            calls.append("plain")
+            return float(x[0] ** 2), 0.0
+
+        def ahead_measure():
+            calls.append("kept")
+            return float(x[0] ** 2), 0.0
+
+        def discard():
+            if calls and calls[-1] == "kept":
+                calls[-1] = "dropped"
+
+        ahead = Ahead(measure=ahead_measure, discard=discard, epochs=4) if with_ahead else None
+        _, out = guarded_epochs(
+            iter([[0], [1], [2], [3]]),
+            update=lambda mbs: (calls.append("update"), one_epoch(mbs))[1],
+            tensors=[x],
+            measure=plain,
+            kl_before=0.0,
+            settings=GuardSettings(limit=4.0),
+            ahead=ahead,
+        )
+        return x.tolist(), tuple(out), calls
+
+    x0, out0, calls0 = run(False)
+    x1, out1, calls1 = run(True)
+    assert (x1, out1) == (x0, out0) and x1 == [2.03125]
+    assert calls0 == ["update", "plain"] * 3 + ["plain"] * 5
+    assert calls1 == ["update", "kept"] * 2 + ["update", "dropped"] + ["plain"] * 5
+    # the last epoch (no epoch follows) is measured plainly: 2 epochs, both kept
+    x = torch.tensor([0.0], dtype=torch.float64)
+    seen = []
+    guarded_epochs(
+        iter([[0], [1]]),
+        update=lambda mbs: (x.add_(1.0), UpdateStats({}, 1.0, 0.0, steps=1))[1],
+        tensors=[x],
+        measure=lambda: (seen.append("plain"), (0.0, 0.0))[1],
+        kl_before=0.0,
+        settings=GuardSettings(limit=4.0),
+        ahead=Ahead(measure=lambda: (seen.append("kept"), (0.0, 0.0))[1], discard=lambda: None, epochs=2),
+    )
+    assert seen == ["kept", "plain"]
 
 
 def test_updated_kl_and_its_standard_error_by_hand():
@@ -233,3 +299,28 @@ def test_the_guard_holds_what_a_guarded_controller_holds():
     assert guard_settings(cfg, AdaptiveKLController(0.1, target=6.0)).limit == 2.5
     assert guard_settings(cfg, BudgetKLController(0.0, budget=2.5)).limit == 2.5
     assert guard_settings(SimpleNamespace(kl=SimpleNamespace(guard=False)), own) is None
+
+
+def test_snapshots_copy_into_kept_tensors_and_the_guard_keeps_the_same_weights():
+    from tether.trainers.guard import Snapshots
+
+    store = Snapshots()
+    w = [torch.tensor([1.0, 2.0]), torch.tensor([3.0])]
+    a = store.take("before", w)
+    w[0].add_(10.0)
+    b = store.take("before", w)
+    assert all(x is y for x, y in zip(a, b)) and b[0].tolist() == [11.0, 12.0]  # the same tensors, new values
+    assert store.take("after", w)[0] is not b[0]  # another slot, another copy
+    c = store.take("before", [torch.zeros(3)])  # shapes changed (another model): allocated anew
+    assert c[0].shape == (3,) and c[0] is not b[0]
+    # the halving example of test_a_step_past_the_ceiling_is_halved_until_it_fits, through a store
+    x = torch.tensor([8.0], dtype=torch.float64)
+    out = guard_update(
+        [x],
+        store.take("before", [torch.tensor([0.0], dtype=torch.float64)]),
+        measure=lambda: (float(x[0] ** 2), 0.0),
+        kl_before=0.0,
+        settings=GuardSettings(limit=1.0),
+        store=store,
+    )
+    assert out[:4] == (64.0, 1.0, 0.125, 3) and x.tolist() == [1.0]

@@ -9,6 +9,8 @@ import json
 import os
 from pathlib import Path
 
+from tether.analysis.kl_tokens import FILE as KL_FILE
+from tether.analysis.kl_tokens import probe_view, read_records, report_section
 from tether.run.console import number
 from tether.run.files import RunFileError, atomic_write_text, read_jsonl
 from tether.run.folder import check_no_links
@@ -169,6 +171,11 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
             if any("env" in r for r in rows):  # a multi-turn run: the environment's text is marked
                 cols += ["policy_tokens", "env_tokens", "ended"]
             parts.append(f"<h3>step {st}</h3>" + _table(rows, cols))
+    if (run / KL_FILE).is_file():  # kl.attribution: where the KL went, the tokens shaded by their KL
+        parts.append(report_section(read_records(run)))
+    probe = probe_view(ev) if isinstance(ev, dict) else ""
+    if probe:
+        parts.append(f"<h3>Human text whose log-probability fell most</h3><pre>{html.escape(probe)}</pre>")
     parts.append(f"<h2>Config</h2><pre>{html.escape(config)}</pre>")
     style = (
         "body{font-family:sans-serif;max-width:1200px;margin:auto}table{border-collapse:collapse;"

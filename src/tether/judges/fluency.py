@@ -97,12 +97,26 @@ def continuation_nll(
     model, tokenizer, prefixes: Sequence[str], continuations: Sequence[str], batch_size: int, *, pad_id: int
 ) -> list[float | None]:
     """Per-token NLL of each continuation given its prefix under a causal LM, nats per token
-    (float32 log-softmax, float64 mean): the prefix tokenized with the tokenizer's special tokens,
-    the continuation without, joined, left-padded in batches of ``batch_size`` rows of similar
-    length, only the continuation's positions' logits computed (:class:`FluencyJudge`).
+    (float32 log-softmax, float64 mean) of :func:`continuation_logprobs`.
 
     Returns:
         One value per continuation; None for one with no token.
+    """
+    out = continuation_logprobs(model, tokenizer, prefixes, continuations, batch_size, pad_id=pad_id)
+    return [None if lp is None else float(-torch.tensor(lp, dtype=torch.float64).mean()) for lp in out]
+
+
+def continuation_logprobs(
+    model, tokenizer, prefixes: Sequence[str], continuations: Sequence[str], batch_size: int, *, pad_id: int
+) -> list[list[float] | None]:
+    """The log-probability of each token of each continuation given its prefix under a causal LM,
+    nats (float32 log-softmax): the prefix tokenized with the tokenizer's special tokens, the
+    continuation without, joined, left-padded in batches of ``batch_size`` rows of similar
+    length, only the continuation's positions' logits computed (:class:`FluencyJudge`).
+
+    Returns:
+        One list per continuation, a log-prob per token of it (tokenized as
+        ``tokenizer(continuation, add_special_tokens=False)``); None for one with no token.
     """
     tok = tokenizer
     device = next(model.parameters()).device
@@ -110,7 +124,7 @@ def continuation_nll(
         (tok(p).input_ids, tok(r, add_special_tokens=False).input_ids)
         for p, r in zip(prefixes, continuations)
     ]
-    out: list[float | None] = [None] * len(pairs)
+    out: list[list[float] | None] = [None] * len(pairs)
     order = sorted((i for i, (_, r) in enumerate(pairs) if r), key=lambda i: len(pairs[i][1]))
     for start in range(0, len(order), batch_size):
         rows = order[start : start + batch_size]
@@ -134,5 +148,5 @@ def continuation_nll(
         logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[..., None])[..., 0]
         for j, i in enumerate(rows):
             n = len(pairs[i][1])
-            out[i] = float(-logp[j, resp_len - n :].double().mean())
+            out[i] = logp[j, resp_len - n :].tolist()
     return out

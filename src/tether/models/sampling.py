@@ -481,6 +481,19 @@ def end_token_ids(tokenizer, lm: nn.Module | None = None) -> list[int]:
     return ids
 
 
+def special_token_ids(tokenizer, lm: nn.Module | None = None) -> list[int]:
+    """The ids the KL attribution counts as special and template tokens
+    (``kl/special_token_share``): every end id (:func:`end_token_ids`), the tokenizer's special
+    ids (``all_special_ids``: BOS, EOS, PAD, UNK and the additional special tokens, where chat
+    templates keep their delimiters such as ``<|im_start|>`` and ``<|im_end|>``) and every added
+    token it marks special; sorted, without repeats."""
+    ids = set(end_token_ids(tokenizer, lm)) | {int(i) for i in getattr(tokenizer, "all_special_ids", [])}
+    for i, token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
+        if getattr(token, "special", False):
+            ids.add(int(i))
+    return sorted(ids)
+
+
 STOP_ANCHOR_TOKENS = 16
 """Context tokens decoded before a turn's new tokens when a stop string is searched in them
 (:func:`new_text`): a tokenizer's decoding is local past a sequence's first token, so these stand

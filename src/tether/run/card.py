@@ -75,10 +75,11 @@ def _guard_row(k: dict, history: list[dict]) -> str:
     restored = sum(r["guard/fraction"] == 0 for r in cuts)
     return (
         f"| update guard | each update kept only where its exact KL at its own batch's prefixes, plus "
-        f"{k.get('guard_z', 0.0):g} standard errors, stays under {ceiling:g} {unit} "
-        f"(kl.budget x (1 + kl.guard_tol)); it cut "
-        f"{acted} of {len(cuts)} updates, {restored} of them whole. Not bounded: the KL on other prompts, "
-        "and a fresh batch's sampling noise (docs/kl.md, 'The update guard') |"
+        f"{k.get('guard_z', 0.0):g} standard errors of the next batch's reading (sqrt(2) x the batch "
+        f"mean's), stays under {ceiling:g} {unit} (kl.budget x (1 + kl.guard_tol)); it cut "
+        f"{acted} of {len(cuts)} updates, {restored} of them whole. Not bounded: the KL on other prompts; "
+        "a next batch past the ceiling stays possible (about one step in 44 at the bound: "
+        "docs/kl.md, 'The update guard') |"
     )
 
 

@@ -792,10 +792,26 @@ class KLConfig(_Defaulted):
     guard_halvings: int = 10
     """Halvings of a rejected update the guard measures before it restores the weights (TRPO's 10)."""
     guard_z: float = 2.0
-    """Standard errors of the batch's KL the guard adds before comparing it with the ceiling: it
-    keeps a policy whose KL is under kl.budget * (1 + kl.guard_tol) with about the one-sided
-    normal confidence of z (2: 97.7%), so the next batch's reading stays under it too. 0 compares
-    the batch mean alone."""
+    """Standard errors the guard adds before comparing the batch's KL with the ceiling, of the
+    difference between the next batch's reading and this batch's (sqrt(2) x the batch mean's SE:
+    both are means over a batch of the same size): the next reading of the kept policy stays under
+    kl.budget * (1 + kl.guard_tol) with about the one-sided normal confidence of z (2: 97.7%). 0
+    compares the batch mean alone."""
+    attribution: bool = True
+    """Attribute each step's exact KL to its tokens (needs kl.exact; no extra forward): the logged
+    kl/token_p50, kl/token_p90, kl/token_p99, kl/token_max, kl/top1pct_share,
+    kl/special_token_share, kl/decile_0..9 (nats per token by position decile of the response),
+    kl/top1_agreement and, where the sampler's log-probs differ from the learner's,
+    kl/misaligned_share; and kl_tokens.jsonl on a jump (kl.tokens_jump), the budget crossed, or
+    every kl.tokens_every steps: the top 20 positions with their context and both models' top-5
+    next tokens, and the KL by token id (core/attribution.py; ``tether kl RUN``)."""
+    tokens_jump: float = 0.5
+    """A rise of the step's KL reading past the previous step's by more than this fraction (0.5:
+    +50%) writes the step's top tokens to kl_tokens.jsonl (as does the step that crosses
+    kl.budget); a rise from a reading of 0 or below (step 0's: the policy is the reference) is
+    always one. 0 = every rise."""
+    tokens_every: int = 0
+    """Also write kl_tokens.jsonl every this many steps (0 = only on a jump or a crossing)."""
     controller_signal: Literal["auto", "estimator", "exact"] = "auto"
     """The KL the adaptive and budget controllers read: ``estimator`` (the logged ``kl.estimator``
     values, as in Ziegler et al.), ``exact`` (the exact per-token KL summed along the samples,
@@ -880,6 +896,13 @@ class KLConfig(_Defaulted):
             self.guard_z,
             "must be finite and >= 0 (standard errors; 0 = the batch mean alone)",
         )
+        _check(
+            math.isfinite(self.tokens_jump) and self.tokens_jump >= 0,
+            "kl.tokens_jump",
+            self.tokens_jump,
+            "must be finite and >= 0 (a fraction of the previous step's KL; 0 = every rise)",
+        )
+        _check(self.tokens_every >= 0, "kl.tokens_every", self.tokens_every, "must be >= 0 (0 = off)")
         _check(
             self.controller_signal in ("auto", "estimator", "exact"),
             "kl.controller_signal",
@@ -1946,7 +1969,10 @@ FIELD_UNITS: dict[str, str] = {
     "kl.guard": "",
     "kl.guard_tol": "fraction of kl.budget",
     "kl.guard_halvings": "",
-    "kl.guard_z": "standard errors of the batch's KL mean",
+    "kl.attribution": "",
+    "kl.tokens_jump": "fraction of the previous step's KL",
+    "kl.tokens_every": "steps",
+    "kl.guard_z": "standard errors of the next batch's KL reading",
     "kl.controller_signal": "",
     "kl.exact": "",
     "kl.exact_chunk_size": "token positions",

@@ -328,6 +328,11 @@ def compare(before: EvalResult, after: EvalResult) -> dict:
     return out
 
 
+def _nll(logprobs: list[list[float] | None]) -> list[float | None]:
+    """Each sentence's mean negative log-prob per token (float64), None where it has no token."""
+    return [None if lp is None else float(-torch.tensor(lp, dtype=torch.float64).mean()) for lp in logprobs]
+
+
 class CapabilityProbe:
     """``eval/capability_nll``: the per-token NLL (nats per token) of fixed human-written
     sentences no run trains on (:func:`tether.data.capability.capability_texts`) under a policy,
@@ -348,17 +353,21 @@ class CapabilityProbe:
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (tokenizer.eos_token_id or 0)
         self.ref_nll: list[float] | None = None
+        self.ref_token_logprobs: list[list[float] | None] | None = None
+        """The reference's log-prob of each token of each sentence, once scored (or read back)."""
+        self.token_logprobs: list[list[float] | None] | None = None
+        """The last measured policy's, the same way."""
         self.seconds = 0.0  # the last policy measurement's
 
-    def nll(self, lm) -> list[float | None]:
-        """Each sentence's per-token NLL under ``lm`` (no grad, its current mode kept; None for a
-        sentence with no token after its first word)."""
-        from tether.judges.fluency import continuation_nll
+    def logprobs(self, lm) -> list[list[float] | None]:
+        """Each sentence's per-token log-probs under ``lm`` (no grad, its current mode kept; None
+        for a sentence with no token after its first word)."""
+        from tether.judges.fluency import continuation_logprobs
 
         was_training = lm.training
         lm.eval()
         try:
-            out = continuation_nll(
+            out = continuation_logprobs(
                 lm,
                 self.tokenizer,
                 prefixes=self.prefixes,
@@ -370,15 +379,48 @@ class CapabilityProbe:
             lm.train(was_training)
         return out
 
+    def nll(self, lm) -> list[float | None]:
+        """Each sentence's per-token NLL under ``lm`` (the mean of :meth:`logprobs`, negated)."""
+        return _nll(self.logprobs(lm))
+
+    def fallen(self, top: int = 20) -> list[dict]:
+        """The probe's tokens whose log-probability fell most from the reference to the last
+        measured policy (``ref_logprob - logprob``, nats, largest first): the sentence's words
+        before the token, the token, both log-probs. [] before both are measured."""
+        if self.token_logprobs is None or self.ref_token_logprobs is None:
+            return []
+        falls = []
+        for s, (pol, ref) in enumerate(zip(self.token_logprobs, self.ref_token_logprobs)):
+            if pol is None or ref is None or len(pol) != len(ref):
+                continue
+            falls += [(b - a, s, t, a, b) for t, (a, b) in enumerate(zip(pol, ref))]
+        falls.sort(key=lambda f: (-f[0], f[1], f[2]))
+        out = []
+        for fall, s, t, a, b in falls[:top]:
+            ids = self.tokenizer(self.rests[s], add_special_tokens=False).input_ids
+            out.append(
+                {
+                    "sentence": s,
+                    "context": self.prefixes[s] + self.tokenizer.decode(ids[:t]),
+                    "token": self.tokenizer.decode(ids[t : t + 1]),
+                    "logprob": a,
+                    "ref_logprob": b,
+                    "fall": fall,
+                }
+            )
+        return out
+
     def measure(self, lm) -> dict:
         """``capability_nll`` (the policy's mean), ``ref_capability_nll`` (the reference's),
         ``capability_nll_change`` and ``capability_nll_change_se`` (the paired per-sentence
         difference's mean and SE), nats per token, and ``capability_seconds`` (the policy's
         forward passes)."""
         if self.ref_nll is None:
-            self.ref_nll = self.nll(self.reference)
+            self.ref_token_logprobs = self.logprobs(self.reference)
+            self.ref_nll = _nll(self.ref_token_logprobs)
         t0 = time.perf_counter()
-        pol = self.nll(lm)
+        self.token_logprobs = self.logprobs(lm)
+        pol = _nll(self.token_logprobs)
         self.seconds = time.perf_counter() - t0
         pairs = [(a, b) for a, b in zip(pol, self.ref_nll) if a is not None and b is not None]
         change, se = mean_se([a - b for a, b in pairs])
@@ -449,10 +491,19 @@ class Evaluator:
             saved = read_json(path)
             if saved.get("texts") == len(probe.prefixes):
                 probe.ref_nll = saved["nll"]
+                tokens = saved.get("token_logprobs")  # a run from before it has none: no fallen tokens
+                probe.ref_token_logprobs = tokens if isinstance(tokens, list) else None
         fresh = probe.ref_nll is None
         m = probe.measure(self.run.policy.lm)
         if fresh:
-            write_json_file(path, {"texts": len(probe.prefixes), "nll": probe.ref_nll})
+            write_json_file(
+                path,
+                {
+                    "texts": len(probe.prefixes),
+                    "nll": probe.ref_nll,
+                    "token_logprobs": probe.ref_token_logprobs,
+                },
+            )
         return m
 
     def capability_row(self) -> dict:
@@ -722,6 +773,8 @@ def final_evaluation(
     result["prompt_offset"] = evaluator.start  # index of its first held-out prompt
     if evaluator.capability is not None:
         result |= evaluator.measure_capability() | {"capability_texts": c.eval.capability_texts}
+        # the tokens of human text whose log-probability fell most (kl.attribution's probe side)
+        result["capability_fallen"] = evaluator.capability.fallen()
     w.write_json("eval.json", result)
     if reporter is not None:  # a tether.run.reporting.Reporter: trackers and callbacks
         reporter.final_evaluation(result)

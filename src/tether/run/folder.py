@@ -138,6 +138,7 @@ RUN_FILES = (
     "metrics.jsonl",
     "samples.jsonl",
     "warnings.jsonl",
+    "kl_tokens.jsonl",
     "training.png",
     "score_vs_kl.png",
     "report.html",

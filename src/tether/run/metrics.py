@@ -58,7 +58,8 @@ class RunWriter:
         other than 0."""
 
     def truncate_after(self, step: int) -> None:
-        """Drop rows of steps after ``step`` from metrics, samples and warnings (on resume).
+        """Drop rows of steps after ``step`` from metrics, samples, warnings and the KL's token
+        records (on resume).
 
         Each file is rewritten whole (:func:`tether.run.files.rewrite_jsonl`: a kill leaves the old
         file or the new one) and only when a row goes; a torn last line is dropped (and said so).
@@ -68,7 +69,7 @@ class RunWriter:
             tether.run.files.RunFileError: the disk is full; every file is as it was.
         """
         remove_stale_temporaries(self.run_dir)  # a killed rewrite's (the files themselves are whole)
-        for name in ("metrics.jsonl", "samples.jsonl", "warnings.jsonl"):
+        for name in ("metrics.jsonl", "samples.jsonl", "warnings.jsonl", "kl_tokens.jsonl"):
             path = self.run_dir / name
             if not path.exists():
                 continue
@@ -94,6 +95,11 @@ class RunWriter:
         """Append ``rows`` to samples.jsonl, all of them or none (:func:`append_lines`)."""
         lines = [json.dumps({"step": step, **{k: _clean(v) for k, v in r.items()}}) for r in rows]
         append_lines(self.samples_path, lines)
+
+    def kl_tokens(self, record: dict) -> None:
+        """Append a step's KL attribution record (:mod:`tether.trainers.kl_tokens`, with its
+        ``step``) to kl_tokens.jsonl, whole or not at all (:func:`append_lines`)."""
+        append_lines(self.run_dir / "kl_tokens.jsonl", [json.dumps(_strict(record))])
 
     def write_json(self, name: str, obj: dict) -> Path:
         """Write ``obj`` as JSON, replacing the file whole (:func:`atomic_write_text`); a non-finite

@@ -43,8 +43,8 @@ from tether.core.leash import KLLeash
 from tether.data.prompts import PromptSampler
 from tether.judges.contract import RewardLog, score_rollout, trainer_state
 from tether.models.callables import running
-from tether.models.sampling import Rollout, sample_seeds
-from tether.models.scoring import policy_and_reference_logprobs, rollout_logprobs
+from tether.models.sampling import Rollout, sample_seeds, special_token_ids
+from tether.models.scoring import TokenStats, policy_and_reference_logprobs, rollout_logprobs
 from tether.models.sharding import is_sharded, root_gathered
 from tether.models.turns import EnvFailed
 from tether.run.console import say
@@ -58,7 +58,8 @@ from tether.trainers.common import (
     restore_optimization,
     trainer_optimization,
 )
-from tether.trainers.guard import GuardResult, GuardSettings, guarded_epochs
+from tether.trainers.guard import Ahead, GuardResult, GuardSettings, Snapshots, guarded_epochs
+from tether.trainers.kl_tokens import KLAttribution
 from tether.trainers.precision import MasterWeights
 from tether.trainers.steps import (
     ClipSettings,
@@ -125,6 +126,13 @@ def step_settings(config, algo: str) -> StepSettings:
     )
 
 
+REF_LOGITS_BYTES = 1 << 30
+"""The most memory (1 GiB per process) the update guard spends keeping the reference's logits
+of a step's rows for its measures ("where memory allows", issue 52); the demo's 16 rows of 24
+tokens over SmolLM2's 49,152 ids take 75 MB. Past it the guard keeps the reference's last hidden
+states and runs its LM head per measure."""
+
+
 class OnPolicyTrainer:
     """Base of PPO, GRPO and RLOO; see the module docstring for the step."""
 
@@ -175,6 +183,24 @@ class OnPolicyTrainer:
         # the minibatch RNG stays on the host: the same minibatches on any device (checkpointed)
         self.generator = torch.Generator(device="cpu").manual_seed(c.train.seed)
         self.last_experience: Experience | None = None
+        # the update guard's lookahead: the forward (with grad) that measured the weights, kept for
+        # the next epoch's backward (:meth:`measure_ahead`, :meth:`update_forward`)
+        self.kept_forward: tuple[Tensor, TokenStats] | None = None
+        self.snapshots = Snapshots()  # the guard's copies of the weights, kept between steps
+        # kl.attribution: where each step's exact KL went (kl/* metrics, kl_tokens.jsonl records)
+        self.attribution = (
+            KLAttribution(
+                tokenizer=run.tokenizer,
+                special_ids=special_token_ids(run.tokenizer, run.policy.lm),
+                jump=c.kl.tokens_jump,
+                every=c.kl.tokens_every,
+                budget=self.controller.held_kl() if self.controller.guarded else None,
+            )
+            if c.kl.attribution and c.kl.exact and run.reference is not None
+            else None
+        )
+        self.kl_record: dict | None = None
+        """The last step's kl_tokens.jsonl record (every process the same), or None."""
         # one update on the whole batch with no value head and no KL in the reward: the policy's
         # old log-probs are those of the update's own forward (optim.reuse_forward)
         self.reuse_forward = (
@@ -232,6 +258,20 @@ class OnPolicyTrainer:
             self.controller.cut(guarded.kl_updated, n_steps=self.cfg.rollout.batch_size)
         t_update = time.perf_counter()
         row = self.metrics(step, exp, forwards, update, kl_coef)  # 11. metrics, over every process
+        t_attribute = time.perf_counter()
+        self.kl_record = None
+        if self.attribution is not None and forwards.exact_kl is not None:  # where the KL went
+            attributed, self.kl_record = self.attribution.step(
+                step,
+                reading=reading,
+                rollout=rollout,
+                exact_kl=forwards.exact_kl,
+                old_logprobs=forwards.old_logprobs,
+                ref_logprobs=forwards.ref_logprobs,
+                top=forwards.top,
+            )
+            row.update(attributed)
+            row["time/attribution"] = time.perf_counter() - t_attribute
         if guarded is not None:
             row.update(guard_metrics(guarded))
         row.update(reward_metrics)
@@ -313,9 +353,21 @@ class OnPolicyTrainer:
                 exact_kl=c.kl.exact,
                 exact_chunk_size=c.kl.exact_chunk_size,
                 reuse_forward_of=self.model if self.reuse_forward else None,
-                keep_ref_hidden=self.guard is not None,  # the guard's measures reuse them
+                # the guard's measures reuse the reference's logits where they fit, else its
+                # hidden states (then only its LM head runs again)
+                keep_ref_logits=self.guard is not None and self.ref_logits_fit(rollout),
+                keep_ref_hidden=self.guard is not None and not self.ref_logits_fit(rollout),
+                top_k=5 if self.attribution is not None else 0,  # the records' top-5 next tokens
             )
         return forwards
+
+    def ref_logits_fit(self, rollout: Rollout) -> bool:
+        """Whether the reference's logits of this process's rows fit
+        :data:`REF_LOGITS_BYTES` (float32, ``B * R * V``): the update guard then keeps them from
+        step 4 for its measures, instead of the reference's hidden states and a head per measure."""
+        B, R = rollout.response_ids.shape
+        vocab = self.run.policy.lm.get_output_embeddings().weight.shape[0]
+        return B * R * vocab * 4 <= REF_LOGITS_BYTES
 
     # ---- checkpointing ---------------------------------------------------------------------
     def state_dict(self, with_optimizer: bool = True) -> dict:
@@ -327,6 +379,7 @@ class OnPolicyTrainer:
             "generator": self.generator.get_state(),
             "sampler": self.sampler.state_dict(),
             "leash_counts": dict(self.leash.counts),
+            **({"kl_attribution": self.attribution.state_dict()} if self.attribution is not None else {}),
             **optimization_state(self),
         }
 
@@ -339,6 +392,8 @@ class OnPolicyTrainer:
         self.generator.set_state(state["generator"])
         self.sampler.load_state_dict(state["sampler"])
         self.leash.counts.update(state["leash_counts"])
+        if self.attribution is not None and "kl_attribution" in state:  # a run from before it: none
+            self.attribution.load_state_dict(state["kl_attribution"])
         restore_optimization(self, state, next_step)  # the optimizer, and its schedule resumed
 
     def restore_controller(self, saved: dict) -> None:
@@ -370,11 +425,84 @@ class OnPolicyTrainer:
     def policy_logprobs(self, mb: Experience) -> Tensor:
         """(B_m, R) log-probs of micro-batch ``mb``'s tokens under the current policy, with grad:
         the rows of step 4's forward that the record carries in reuse-forward mode
-        (``mb.reused_logprobs``: one update of the whole batch, so each row's is used once), else a
-        fresh forward."""
+        (``mb.reused_logprobs``: one update of the whole batch, so each row's is used once), else
+        :meth:`update_forward`'s."""
         if mb.reused_logprobs is not None:
             return mb.reused_logprobs
-        return rollout_logprobs(self.model, mb.rollout, self.cfg.rollout.temperature).logprobs
+        return self.update_forward(mb).logprobs
+
+    def update_forward(self, mb: Experience) -> TokenStats:
+        """The policy's forward of micro-batch ``mb`` with grad (log-probs, and values when the
+        trainer has a value head): the forward the update guard's lookahead kept, when it holds
+        these very rows (:meth:`measure_ahead`; taken once), else a fresh one."""
+        if self.kept_forward is not None:
+            ids, kept = self.kept_forward
+            self.kept_forward = None
+            if ids.shape != mb.rollout.response_ids.shape or not torch.equal(ids, mb.rollout.response_ids):
+                raise RuntimeError(
+                    "tether: the update guard kept a forward of other rows than the update's first "
+                    "micro-batch; this is a bug in tether (set kl.guard=false to go on)"
+                )
+            return kept
+        return rollout_logprobs(
+            self.model, mb.rollout, self.cfg.rollout.temperature, with_values=self.uses_values
+        )
+
+    def measure_ahead(self, exp: Experience, forwards: RolloutLogprobs) -> tuple[float, float]:
+        """The update guard's measure (:meth:`updated_kl`) from the next epoch's own forward: the
+        policy's forward of the whole batch with grad, its detached logits against the reference's
+        logits kept from step 4 (or its kept hidden states through its LM head, where the logits
+        did not fit :data:`REF_LOGITS_BYTES`), and the forward kept for the next epoch's update
+        (:meth:`update_forward`; one minibatch of every row, one micro-batch). The same numbers
+        as :meth:`updated_kl`'s no-grad forward, one forward fewer per epoch."""
+        run, c = self.run, self.cfg
+        with torch.enable_grad():
+            new = rollout_logprobs(
+                self.model, exp.rollout, c.rollout.temperature, with_values=self.uses_values, keep_logits=True
+            )
+        logits, new.logits = new.logits.detach(), None  # (B, R, V), held by the graph anyway
+        _, _, exact = policy_and_reference_logprobs(
+            run.policy,
+            run.reference,
+            exp.rollout,
+            c.rollout.temperature,
+            exact_kl=True,
+            policy_logits=logits,
+            kl_chunk_size=c.kl.exact_chunk_size,
+            ref_hidden=forwards.ref_hidden,
+            ref_logits=forwards.ref_logits,
+        )
+        del logits
+        self.kept_forward = (exp.rollout.response_ids, new)
+        return updated_kl(
+            exact_kl=exact,
+            mask=exp.rollout.response_mask,
+            target_unit=self.settings.target_unit,
+            group_size=self.group_size,
+        )
+
+    def drop_kept_forward(self) -> None:
+        """Frees a forward the guard's lookahead kept that no update will use."""
+        self.kept_forward = None
+
+    def lookahead(self, exp: Experience, forwards: RolloutLogprobs) -> Ahead | None:
+        """The guard's lookahead (:class:`tether.trainers.guard.Ahead`) where the next epoch's first
+        forward is the whole batch at the measured weights: two epochs or more, each one
+        minibatch of every row (``optim.minibatch_size`` = ``rollout.batch_size``) in one
+        micro-batch, and a policy that is not FSDP-sharded (its forward would gather every block
+        for a graph the guard may drop). None elsewhere."""
+        c, o = self.cfg, self.cfg.optim
+        rows = exp.rollout.response_ids.shape[0]
+        one_micro = o.micro_batch_size is None or o.micro_batch_size >= rows
+        if o.epochs < 2 or o.minibatch_size != c.rollout.batch_size or not one_micro:
+            return None
+        if self.run.reference is None or is_sharded(self.run.policy) or is_sharded(self.run.reference):
+            return None
+        return Ahead(
+            measure=partial(self.measure_ahead, exp, forwards),
+            discard=self.drop_kept_forward,
+            epochs=o.epochs,
+        )
 
     def minibatch_indices(self) -> list[Tensor]:
         """This process's rows of each minibatch of an epoch (the same minibatches for any number
@@ -402,8 +530,9 @@ class OnPolicyTrainer:
     def updated_kl(self, exp: Experience, forwards: RolloutLogprobs) -> tuple[float, float]:
         """The exact KL to the reference of the policy as its weights are now, on the step's batch
         (:func:`tether.trainers.steps.updated_kl`), in the controller's unit, with its standard
-        error: a no-grad forward of the policy in the groups step 4 scored, the reference's kept
-        hidden states through its LM head. The update guard's measure."""
+        error: a no-grad forward of the policy in the groups step 4 scored, against the reference's
+        logits kept from step 4 (or its kept hidden states through its LM head, where the logits did
+        not fit :data:`REF_LOGITS_BYTES`). The update guard's measure."""
         run, c = self.run, self.cfg
         B, R = exp.rollout.response_ids.shape
         exact = torch.zeros(B, R, device=self.device)
@@ -417,6 +546,7 @@ class OnPolicyTrainer:
                     exact_kl=True,
                     kl_chunk_size=c.kl.exact_chunk_size,
                     ref_hidden=forwards.ref_hidden[idx] if forwards.ref_hidden is not None else None,
+                    ref_logits=forwards.ref_logits[idx] if forwards.ref_logits is not None else None,
                 )
                 exact[idx] = kl
         return updated_kl(
@@ -452,6 +582,7 @@ class OnPolicyTrainer:
             the guard).
         """
         o = self.cfg.optim
+        self.kept_forward = None  # never a forward of another step's batch (a step that raised)
         run_minibatches = partial(
             minibatch_update,
             exp,
@@ -480,6 +611,8 @@ class OnPolicyTrainer:
             kl_before=kl_before,
             settings=self.guard,
             written=self.optimizer.write_back if masters else lambda: None,
+            ahead=self.lookahead(exp, forwards),
+            store=self.snapshots,
         )
 
     def metrics(

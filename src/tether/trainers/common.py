@@ -219,6 +219,14 @@ class RolloutLogprobs:
     ref_hidden: Tensor | None = None
     """(B, R, d) the reference's last hidden states at the response positions, when asked
     (``keep_ref_hidden``: the update guard's measures run the LM head on them, not the trunk)."""
+    ref_logits: Tensor | None = None
+    """(B, R, V) the reference's logits at the response positions, when asked
+    (``keep_ref_logits``, where they fit: the guard's measures then run neither its trunk nor its
+    LM head)."""
+    top: dict[str, tuple[Tensor, Tensor]] | None = None
+    """``{"policy": (ids, logprobs), "reference": (ids, logprobs)}``, each (B, R, k): the models'
+    k most likely next tokens at each position and their log-probs (nats), when asked (``top_k``:
+    the KL attribution)."""
 
     def step_forwards(self) -> Forwards:
         """What steps 5 to 7 read of these (:class:`tether.trainers.steps.Forwards`): the old and
@@ -246,6 +254,8 @@ def old_and_ref_logprobs(
     exact_chunk_size: int = 256,
     reuse_forward_of: nn.Module | None = None,
     keep_ref_hidden: bool = False,
+    top_k: int = 0,
+    keep_ref_logits: bool = False,
 ) -> RolloutLogprobs:
     """Policy and reference log-probabilities (and values, entropy, exact KL) of a rollout.
 
@@ -257,6 +267,8 @@ def old_and_ref_logprobs(
     With ``reuse_forward_of`` (the module the update differentiates; one group only) the policy's
     forward runs with autograd on and is returned as ``update_forward``; the old log-probs, entropy and
     exact KL are its detached values, the same numbers a no-grad forward gives.
+    ``top_k``: also each model's ``top_k`` most likely next tokens at each position (``top``).
+    ``keep_ref_logits``: also the reference's logits (B, R, V) (``ref_logits``).
     """
     B, R = rollout.response_ids.shape
     exact_kl = exact_kl and reference is not None
@@ -264,7 +276,8 @@ def old_and_ref_logprobs(
         raise ValueError(f"reuse_forward_of needs one row group, got {len(row_chunks)}")
     device = rollout.response_ids.device
     out = {k: torch.zeros(B, R, device=device) for k in ("old", "ref", "values", "entropy", "exact")}
-    update_forward = policy_logits = ref_hidden = None
+    update_forward = policy_logits = ref_hidden = ref_logits = None
+    tops: dict[str, tuple[Tensor, Tensor]] = {}
     for idx in row_chunks:
         part = rollout.select(idx)
         if reuse_forward_of is not None:
@@ -282,7 +295,22 @@ def old_and_ref_logprobs(
             policy_logits=policy_logits,
             kl_chunk_size=exact_chunk_size,
             keep_ref_hidden=keep_ref_hidden,
+            top_k=top_k,
+            keep_ref_logits=keep_ref_logits,
         )
+        if keep_ref_logits and ref is not None and ref.logits is not None:
+            if ref_logits is None:
+                ref_logits = ref.logits.new_empty(B, R, ref.logits.shape[-1])  # (B, R, V)
+            ref_logits[idx] = ref.logits
+        for who, stats in (("policy", pol), ("reference", ref)):
+            if stats is not None and stats.top_ids is not None:
+                if who not in tops:
+                    k = stats.top_ids.shape[-1]
+                    tops[who] = (
+                        stats.top_ids.new_empty(B, R, k),
+                        stats.top_logprobs.new_empty(B, R, k),
+                    )
+                tops[who][0][idx], tops[who][1][idx] = stats.top_ids, stats.top_logprobs
         if keep_ref_hidden and ref is not None and ref.hidden is not None:
             if ref_hidden is None:
                 ref_hidden = ref.hidden.new_empty(B, R, ref.hidden.shape[-1])  # (B, R, d)
@@ -302,6 +330,8 @@ def old_and_ref_logprobs(
         exact_kl=out["exact"] if exact_kl else None,
         update_forward=update_forward,
         ref_hidden=ref_hidden,
+        ref_logits=ref_logits,
+        top=tops or None,
     )
 
 

@@ -9,7 +9,6 @@ Schulman et al. 2017 (arXiv 1707.06347), Schulman et al. 2016 (GAE, arXiv 1506.0
 from __future__ import annotations
 
 from tether.core import distributed as D
-from tether.models.scoring import rollout_logprobs
 from tether.trainers.base import OnPolicyTrainer
 from tether.trainers.common import RolloutLogprobs
 from tether.trainers.steps import Experience, clipped_policy_loss
@@ -21,8 +20,7 @@ class PPOTrainer(OnPolicyTrainer):
     name = "ppo"
 
     def minibatch_loss(self, mb: Experience, kl_coef: float, first_micro: bool = True) -> MicroLoss:
-        c = self.cfg
-        new = rollout_logprobs(self.model, mb.rollout, c.rollout.temperature, with_values=True)
+        new = self.update_forward(mb)  # log-probs and values, with grad
         return clipped_policy_loss(
             mb,
             new.logprobs,

@@ -728,12 +728,13 @@ def updated_kl(
         :func:`kl_reading`), and its standard error in the same unit.
     """
     m = mask.bool()
+    per_sequence = sequence_kl(exact_kl, m)  # (B,)
     kl = (
-        float(D.sequence_mean(sequence_kl(exact_kl, m)))
+        float(D.sequence_mean(per_sequence))
         if target_unit == "nats_per_sequence"
         else float(D.token_mean(exact_kl, m))
     )
-    s = sequence_kl(exact_kl, m).to(torch.float64)  # (B,)
+    s = per_sequence.to(torch.float64)
     n = torch.ones_like(s) if target_unit == "nats_per_sequence" else m.sum(-1).to(torch.float64)
     if len(s) % group_size:
         raise ValueError(f"group_size={group_size} must divide the batch's {len(s)} rows")
