@@ -45,11 +45,15 @@ def test_every_step_attributes_its_kl_and_writes_its_record(
             assert len(p["policy_top"]) == len(p["reference_top"]) == 5 and p["misaligned"] is False
             assert p["k1"] == pytest.approx(p["logprob"] - p["ref_logprob"], abs=1e-6)
             assert str(p["row"]) in rec["responses"]
+        # each shaded response ends at its last policy token (no padding after it)
+        assert all(tokens[-1][1] is not None for tokens in rec["responses"].values())
         assert "rise" in rec  # the previous step's ids were kept
     capsys.readouterr()
     assert main(["kl", str(out), "--step", "2"]) == 0
     said = capsys.readouterr().out
     assert "step 2: KL" in said and "KL by token id" in said and "policy top-3 | reference top-3" in said
+    listed = len(_records(out)[2]["rise"]["by_token_id"])
+    assert f"the {listed} ids below carry" in said  # every id the share is over is shown
     assert main(["report", str(out)]) == 0
     page = (out / "report.html").read_text()
     assert "Where the KL went" in page and "nats' style='background: rgba(220,40,40," in page
@@ -113,3 +117,8 @@ def test_tether_kl_refuses_what_it_cannot_read(tiny_model_dir, prompt_file, tmp_
     )
     assert not (off / "kl_tokens.jsonl").exists()
     assert not any(k.startswith("kl/token_") for r in metric_rows(off) for k in r)
+    capsys.readouterr()
+    assert main(["kl", str(off)]) == 1
+    assert "ran with kl.attribution=false" in capsys.readouterr().err
+    assert main(["kl", str(tmp_path)]) == 1  # a folder no run wrote
+    assert "is not a tether run folder" in capsys.readouterr().err

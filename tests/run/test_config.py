@@ -409,3 +409,15 @@ def test_an_unweighted_kl_surrogate_over_several_updates_is_warned():
 def test_the_guards_settings_are_refused_out_of_range(override, words):
     with pytest.raises(ConfigError, match=words.replace("^", r"\^")):
         load_config(None, [override]).for_run()
+
+
+def test_settings_that_turn_the_kl_attribution_off_say_so():
+    # kl.tokens_every asks for records a run without the attribution never writes; kl.exact=false
+    # turns the attribution off with it: each said at the start, not found out after the run
+    for overrides, words in (
+        (["kl.attribution=false", "kl.tokens_every=1"], "kl.tokens_every=1 does nothing"),
+        (["kl.exact=false"], "kl.exact=false (it reads the exact KL): no kl/* attribution metrics"),
+    ):
+        c = load_config(None, overrides).for_run()
+        assert any(words in w for w in c.placement.warnings), (overrides, c.placement.warnings)
+    assert not any("kl_tokens.jsonl" in w for w in load_config(None, []).for_run().placement.warnings)

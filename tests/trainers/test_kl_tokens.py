@@ -65,11 +65,8 @@ def test_the_metrics_the_misaligned_token_and_the_record_by_hand():
     assert record["top_share"] == pytest.approx(1.0, rel=1e-6)  # 5 positions, all listed
     # the same batch again: no rise, the ids explain nothing (the rise is 0)
     assert record["rise"]["kl_sum"] == pytest.approx(0.0, abs=1e-12) and record["rise"]["explained"] is None
-    # the heat map: row 1's tokens with their KL, None on the padding
-    assert record["responses"]["1"][2][1] is None and record["responses"]["1"][1] == [
-        "<e>",
-        pytest.approx(0.9),
-    ]
+    # the heat map: row 1's tokens with their KL, up to its last policy token (the padding left out)
+    assert record["responses"]["1"] == [["e", pytest.approx(0.3)], ["<e>", pytest.approx(0.9)]]
     # crossing the budget of 1.0 (0.8 -> 1.1, +37.5%: no jump) writes a record too; staying over does not
     assert att.step(2, reading=1.1, **kw)[1]["reason"] == "budget"
     assert att.step(3, reading=1.2, **kw)[1] is None

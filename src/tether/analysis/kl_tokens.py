@@ -26,8 +26,17 @@ def read_records(run_dir: str | Path) -> list[dict]:
         FileNotFoundError: the run folder holds no kl_tokens.jsonl (names how to get one).
         ValueError: a line other than the last is not JSON (names ``FILE:LINE``).
     """
-    check_no_links(Path(run_dir), "tether kl")  # a link could show a file from outside the run
-    path = Path(run_dir) / FILE
+    run = Path(run_dir)
+    if not run.is_dir() or not (run / "config.yaml").is_file():
+        raise ValueError(
+            f"{run} is not a tether run folder (no config.yaml there): give the folder a run wrote "
+            "(train.output_dir, under runs/ by default)"
+        )
+    check_no_links(run, "tether kl")  # a link could show a file from outside the run
+    path = run / FILE
+    off = _attribution_off(run)
+    if off and not path.exists():
+        raise FileNotFoundError(f"{run} ran with {off}: it wrote no KL records (kl_tokens.jsonl)")
     if path.exists() and not path.is_file():
         raise ValueError(f"{path} is not a file (tether writes kl_tokens.jsonl as one)")
     if not path.is_file():
@@ -37,6 +46,26 @@ def read_records(run_dir: str | Path) -> list[dict]:
             "step; it needs kl.exact and kl.attribution, both on by default)"
         )
     return [r for r in read_jsonl(path) if isinstance(r, dict) and isinstance(r.get("step"), int)]
+
+
+def _attribution_off(run: Path) -> str:
+    """Why the run's config turned the attribution off ("kl.attribution=false", "kl.exact=false"),
+    or "" (on, or the config unreadable: the file's absence then says enough)."""
+    import yaml
+
+    try:
+        kl = (yaml.safe_load((run / "config.yaml").read_text()) or {}).get("kl") or {}
+    except (OSError, ValueError, yaml.YAMLError, AttributeError):
+        return ""
+    if not isinstance(kl, dict):
+        return ""
+    return (
+        "kl.attribution=false"
+        if kl.get("attribution") is False
+        else "kl.exact=false"
+        if kl.get("exact") is False
+        else ""
+    )
 
 
 def _finite(v) -> float | None:
@@ -128,17 +157,20 @@ def console_view(record: dict) -> str:
         share = _finite(t.get("share"))
         lines.append(
             f"{_text(t.get('id')):>7} {_text(t.get('token'))!r:<16} {_num(t.get('kl')):>9} "
-            f"{_text(t.get('count')):>6} {'n/a' if share is None else format(100 * share, '.1f'):>6}%"
+            f"{_text(t.get('count')):>6} {'n/a' if share is None else format(100 * share, '.1f') + '%':>7}"
         )
     r = record.get("rise")
     if isinstance(r, dict):
         explained = _finite(r.get("explained"))
+        listed = _dicts(r.get("by_token_id"))
         lines += [
             "",
-            f"the summed KL rose {_num(r.get('kl_sum'))} nats from the previous step; the ids below carry "
-            + ("it (no rise to explain)" if explained is None else f"{100 * explained:.0f}% of that rise"),
+            f"the summed KL rose {_num(r.get('kl_sum'))} nats from the previous step; the {len(listed)} ids "
+            "below carry "
+            + ("it (no rise to explain)" if explained is None else f"{100 * explained:.0f}% of that rise")
+            + (" (more than all of it: other ids fell)" if explained is not None and explained > 1 else ""),
         ]
-        for t in _dicts(r.get("by_token_id"))[:10]:
+        for t in listed:
             lines.append(
                 f"{_text(t.get('id')):>7} {_text(t.get('token'))!r:<16} {_num(t.get('rise'), '+.4f'):>9}"
             )
@@ -170,7 +202,11 @@ def report_section(records: list[dict], most: int = 3) -> str:
     its top positions and the listed responses shaded by their tokens' KL."""
     if not records:
         return ""
-    parts = ["<h2>Where the KL went (kl_tokens.jsonl)</h2>"]
+    parts = [
+        "<h2>Where the KL went (kl_tokens.jsonl)</h2><p>The steps of the largest rises of the KL. Each "
+        "listed response is shaded by its tokens' exact KL relative to its own largest token (hover: "
+        "the KL in nats); unshaded text is not the policy's (a tool's reply).</p>"
+    ]
     for record in sorted(records, key=lambda r: -rise(r))[:most]:
         parts.append(f"<h3>step {record['step']} ({html.escape(_text(record.get('reason')))})</h3>")
         parts.append(f"<pre>{html.escape(console_view(record))}</pre>")

@@ -801,10 +801,11 @@ class KLConfig(_Defaulted):
     """Attribute each step's exact KL to its tokens (needs kl.exact; no extra forward): the logged
     kl/token_p50, kl/token_p90, kl/token_p99, kl/token_max, kl/top1pct_share,
     kl/special_token_share, kl/decile_0..9 (nats per token by position decile of the response),
-    kl/top1_agreement and, where the sampler's log-probs differ from the learner's,
-    kl/misaligned_share; and kl_tokens.jsonl on a jump (kl.tokens_jump), the budget crossed, or
-    every kl.tokens_every steps: the top 20 positions with their context and both models' top-5
-    next tokens, and the KL by token id (core/attribution.py; ``tether kl RUN``)."""
+    kl/top1_agreement and kl/misaligned_share (the share on tokens whose sampler and learner
+    log-probs differ by more than 0.1 nats; 0 when they agree); and kl_tokens.jsonl on a jump
+    (kl.tokens_jump), the budget crossed, or every kl.tokens_every steps: the top 20 positions
+    with their context and both models' top-5 next tokens, and the KL by token id
+    (core/attribution.py; ``tether kl RUN``)."""
     tokens_jump: float = 0.5
     """A rise of the step's KL reading past the previous step's by more than this fraction (0.5:
     +50%) writes the step's top tokens to kl_tokens.jsonl (as does the step that crosses
@@ -902,7 +903,12 @@ class KLConfig(_Defaulted):
             self.tokens_jump,
             "must be finite and >= 0 (a fraction of the previous step's KL; 0 = every rise)",
         )
-        _check(self.tokens_every >= 0, "kl.tokens_every", self.tokens_every, "must be >= 0 (0 = off)")
+        _check(
+            self.tokens_every >= 0,
+            "kl.tokens_every",
+            self.tokens_every,
+            "must be >= 0 (0 = records only on a jump or a crossing)",
+        )
         _check(
             self.controller_signal in ("auto", "estimator", "exact"),
             "kl.controller_signal",
@@ -1542,6 +1548,14 @@ class Config:
                 'reads, and an update taken below the budget can land past it (docs/kl.md, "The update '
                 'guard"); the budget is a target here, not a bound'
             )
+        if self.trainer.samples and (k.tokens_every or k.attribution) and not (k.attribution and k.exact):
+            why = "kl.attribution=false" if not k.attribution else "kl.exact=false (it reads the exact KL)"
+            if k.tokens_every or not k.exact:
+                self.placement.warnings.append(
+                    f"{why}: no kl/* attribution metrics and no kl_tokens.jsonl"
+                    + (f" (kl.tokens_every={k.tokens_every} does nothing)" if k.tokens_every else "")
+                    + "; leave kl.exact and kl.attribution on (the defaults) to see where the KL went"
+                )
         if self.train.tensorboard:
             self.placement.warnings.append(
                 "train.tensorboard=true is deprecated: it now means train.report_to=tensorboard "

@@ -225,10 +225,15 @@ class KLAttribution:
         for entry in mine:  # each listed response's tokens with their KL, for the report's heat map
             b = entry["row"] - rank_rows
             if entry["row"] not in heat:
+                # up to the response's last policy token: the slots after it are padding (an
+                # environment's tokens before it stay, unshaded)
+                end = int(mask[b].nonzero().max()) + 1 if bool(mask[b].any()) else 0
                 heat[entry["row"]] = [
                     [self.decode([int(i)]), float(x) if m else None]
                     for i, x, m in zip(
-                        rollout.response_ids[b].tolist(), exact_kl[b].tolist(), mask[b].tolist()
+                        rollout.response_ids[b, :end].tolist(),
+                        exact_kl[b, :end].tolist(),
+                        mask[b, :end].tolist(),
                     )
                 ]
         gathered = D.gather_objects((mine, heat))
