@@ -53,8 +53,11 @@ def _attribution_off(run: Path) -> str:
     or "" (on, or the config unreadable: the file's absence then says enough)."""
     import yaml
 
+    from tether.run.config import read_yaml
+
+    path = run / "config.yaml"
     try:
-        kl = (yaml.safe_load((run / "config.yaml").read_text()) or {}).get("kl") or {}
+        kl = (read_yaml(path.read_text(), str(path)) or {}).get("kl") or {}
     except (OSError, ValueError, yaml.YAMLError, AttributeError):
         return ""
     if not isinstance(kl, dict):

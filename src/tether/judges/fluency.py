@@ -102,8 +102,15 @@ def continuation_nll(
     Returns:
         One value per continuation; None for one with no token.
     """
-    out = continuation_logprobs(model, tokenizer, prefixes, continuations, batch_size, pad_id=pad_id)
-    return [None if lp is None else float(-torch.tensor(lp, dtype=torch.float64).mean()) for lp in out]
+    return mean_nll(
+        continuation_logprobs(model, tokenizer, prefixes, continuations, batch_size, pad_id=pad_id)
+    )
+
+
+def mean_nll(logprobs: Sequence[Sequence[float] | None]) -> list[float | None]:
+    """Each sequence's mean negative log-prob per token (a float64 mean, nats per token) of
+    :func:`continuation_logprobs`' lists; None where a sequence has no token."""
+    return [None if lp is None else float(-torch.tensor(lp, dtype=torch.float64).mean()) for lp in logprobs]
 
 
 def continuation_logprobs(

@@ -19,6 +19,7 @@ from tether.core.kl import estimate_kl, sequence_kl
 from tether.data.capability import capability_texts
 from tether.data.prompts import PromptData
 from tether.judges.contract import Scorer, score_rollout, trainer_state
+from tether.judges.fluency import continuation_logprobs, mean_nll
 from tether.models.callables import PASSED_FROM_PYTHON
 from tether.models.rollouts import Sampler
 from tether.models.sampling import sample_seeds
@@ -328,11 +329,6 @@ def compare(before: EvalResult, after: EvalResult) -> dict:
     return out
 
 
-def _nll(logprobs: list[list[float] | None]) -> list[float | None]:
-    """Each sentence's mean negative log-prob per token (float64), None where it has no token."""
-    return [None if lp is None else float(-torch.tensor(lp, dtype=torch.float64).mean()) for lp in logprobs]
-
-
 class CapabilityProbe:
     """``eval/capability_nll``: the per-token NLL (nats per token) of fixed human-written
     sentences no run trains on (:func:`tether.data.capability.capability_texts`) under a policy,
@@ -362,7 +358,6 @@ class CapabilityProbe:
     def logprobs(self, lm) -> list[list[float] | None]:
         """Each sentence's per-token log-probs under ``lm`` (no grad, its current mode kept; None
         for a sentence with no token after its first word)."""
-        from tether.judges.fluency import continuation_logprobs
 
         was_training = lm.training
         lm.eval()
@@ -381,7 +376,7 @@ class CapabilityProbe:
 
     def nll(self, lm) -> list[float | None]:
         """Each sentence's per-token NLL under ``lm`` (the mean of :meth:`logprobs`, negated)."""
-        return _nll(self.logprobs(lm))
+        return mean_nll(self.logprobs(lm))
 
     def fallen(self, top: int = 20) -> list[dict]:
         """The probe's tokens whose log-probability fell most from the reference to the last
@@ -417,10 +412,10 @@ class CapabilityProbe:
         forward passes)."""
         if self.ref_nll is None:
             self.ref_token_logprobs = self.logprobs(self.reference)
-            self.ref_nll = _nll(self.ref_token_logprobs)
+            self.ref_nll = mean_nll(self.ref_token_logprobs)
         t0 = time.perf_counter()
         self.token_logprobs = self.logprobs(lm)
-        pol = _nll(self.token_logprobs)
+        pol = mean_nll(self.token_logprobs)
         self.seconds = time.perf_counter() - t0
         pairs = [(a, b) for a, b in zip(pol, self.ref_nll) if a is not None and b is not None]
         change, se = mean_se([a - b for a, b in pairs])

@@ -342,6 +342,7 @@ class OnPolicyTrainer:
         the groups of epoch 0's ``minibatches`` (with optim.reuse_forward in one pass: the
         update's own forward, whose graph step 7 reuses)."""
         c, run = self.cfg, self.run
+        fit = self.ref_logits_fit(rollout)
         with root_gathered(run.policy, run.reference):  # FSDP: blocks gathered one at a time
             forwards = old_and_ref_logprobs(
                 run.policy,
@@ -355,8 +356,8 @@ class OnPolicyTrainer:
                 reuse_forward_of=self.model if self.reuse_forward else None,
                 # the guard's measures reuse the reference's logits where they fit, else its
                 # hidden states (then only its LM head runs again)
-                keep_ref_logits=self.guard is not None and self.ref_logits_fit(rollout),
-                keep_ref_hidden=self.guard is not None and not self.ref_logits_fit(rollout),
+                keep_ref_logits=self.guard is not None and fit,
+                keep_ref_hidden=self.guard is not None and not fit,
                 top_k=5 if self.attribution is not None else 0,  # the records' top-5 next tokens
             )
         return forwards
@@ -455,31 +456,14 @@ class OnPolicyTrainer:
         did not fit :data:`REF_LOGITS_BYTES`), and the forward kept for the next epoch's update
         (:meth:`update_forward`; one minibatch of every row, one micro-batch). The same numbers
         as :meth:`updated_kl`'s no-grad forward, one forward fewer per epoch."""
-        run, c = self.run, self.cfg
+        c = self.cfg
         with torch.enable_grad():
             new = rollout_logprobs(
                 self.model, exp.rollout, c.rollout.temperature, with_values=self.uses_values, keep_logits=True
             )
         logits, new.logits = new.logits.detach(), None  # (B, R, V), held by the graph anyway
-        _, _, exact = policy_and_reference_logprobs(
-            run.policy,
-            run.reference,
-            exp.rollout,
-            c.rollout.temperature,
-            exact_kl=True,
-            policy_logits=logits,
-            kl_chunk_size=c.kl.exact_chunk_size,
-            ref_hidden=forwards.ref_hidden,
-            ref_logits=forwards.ref_logits,
-        )
-        del logits
         self.kept_forward = (exp.rollout.response_ids, new)
-        return updated_kl(
-            exact_kl=exact,
-            mask=exp.rollout.response_mask,
-            target_unit=self.settings.target_unit,
-            group_size=self.group_size,
-        )
+        return self.measured_kl(exp, forwards, policy_logits=logits)
 
     def drop_kept_forward(self) -> None:
         """Frees a forward the guard's lookahead kept that no update will use."""
@@ -533,6 +517,15 @@ class OnPolicyTrainer:
         error: a no-grad forward of the policy in the groups step 4 scored, against the reference's
         logits kept from step 4 (or its kept hidden states through its LM head, where the logits did
         not fit :data:`REF_LOGITS_BYTES`). The update guard's measure."""
+        return self.measured_kl(exp, forwards)
+
+    def measured_kl(
+        self, exp: Experience, forwards: RolloutLogprobs, policy_logits: Tensor | None = None
+    ) -> tuple[float, float]:
+        """:meth:`updated_kl`'s numbers: the policy's exact per-position KL to the reference in
+        the groups step 4 scored, reduced by :func:`tether.trainers.steps.updated_kl`. With
+        ``policy_logits`` (B, R, V), the policy's logits of the whole batch already computed (the
+        lookahead's forward, detached), its trunk does not run."""
         run, c = self.run, self.cfg
         B, R = exp.rollout.response_ids.shape
         exact = torch.zeros(B, R, device=self.device)
@@ -544,6 +537,7 @@ class OnPolicyTrainer:
                     exp.rollout.select(idx),
                     c.rollout.temperature,
                     exact_kl=True,
+                    policy_logits=policy_logits[idx] if policy_logits is not None else None,
                     kl_chunk_size=c.kl.exact_chunk_size,
                     ref_hidden=forwards.ref_hidden[idx] if forwards.ref_hidden is not None else None,
                     ref_logits=forwards.ref_logits[idx] if forwards.ref_logits is not None else None,
