@@ -1,6 +1,6 @@
 """One lever at a time, on and off, in the same run: step time and the step's peak memory.
 
-Usage: python benchmarks/levers.py [--levers reuse_forward exact_kl fused_adamw share_prefix]
+Usage: python benchmarks/levers.py [--levers reuse_forward exact_kl fused_adamw share_prefix divergences]
                                    [--steps 6 --warmup 1] [--completions 8 --max-new-tokens 24]
                                    [--prompts-per-step 1] [--prompt-prefix TEXT] [--stop-at-eos] [overrides]
 
@@ -17,6 +17,7 @@ Levers:
     exact_kl       kl.exact: the exact full-vocabulary KL (and its extra LM-head pass per slice)
     fused_adamw    optim.fused_adamw: torch's fused AdamW kernel instead of the per-tensor loop
     share_prefix   model.share_prompt_prefix: each group's prompt through the trunk once
+    divergences    kl.divergences: the forward KL, JS and alpha-divergence beside the exact KL
 
 ``--prompt-prefix TEXT`` puts TEXT before every training prompt (a long instruction, as chat
 prompts have), which is where ``share_prefix`` pays; ``--prompts-per-step`` groups per step.
@@ -46,6 +47,7 @@ LEVERS = {
     "exact_kl": lambda trainer, config, on: setattr(config.kl, "exact", on),
     "fused_adamw": lambda trainer, config, on: _set_fused(trainer, on),
     "share_prefix": lambda trainer, config, on: setattr(trainer.run.policy, "share_prefix", on),
+    "divergences": lambda trainer, config, on: setattr(config.kl, "divergences", on),
 }
 """How each lever is switched on a live trainer (the trainer reads each one every step)."""
 

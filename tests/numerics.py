@@ -64,6 +64,10 @@ def term_magnitudes(row: dict) -> dict[str, float]:
     return {
         "objective/kl": L * m_tok,
         "objective/kl_exact": L * m_tok,
+        # the other divergences of the same logits: sums of per-position terms of the same size
+        "objective/forward_kl_exact": L * m_tok,
+        "objective/js_exact": L * m_tok,
+        "objective/alpha_exact": L * m_tok,
         # the exact KL of the updated policy at the same batch's prefixes: the same terms; its
         # standard error moves by at most as much as the per-sequence sums it is taken over
         "guard/kl_updated": L * m_tok,
@@ -119,6 +123,10 @@ def term_magnitudes(row: dict) -> dict[str, float]:
             for k in ("top1pct_share", "special_token_share", "misaligned_share")
         },
         "kl/top1_agreement": 1.0,
+        # the text anchor: token means of q (log q - log p) and -log p on its text, each term a
+        # cross-entropy's size (the NLL) whatever the difference of the two
+        "anchor/forward_kl": row.get("anchor/nll", 0.0) + abs(row.get("anchor/forward_kl", 0.0)),
+        "anchor/nll": row.get("anchor/nll", 0.0) + abs(row.get("anchor/forward_kl", 0.0)),
         "dpo/loss": 1.0,
         "dpo/margin": beta * L * m_tok,
         "dpo/chosen_reward": beta * L * m_tok,

@@ -1,5 +1,6 @@
 """Command line: ``tether train [--config FILE.yaml] [section.field=value ...]``, ``tether config``,
-``tether kl RUN``, ``tether report``, ``tether push``, ``tether frontier``, ``tether reward fit``."""
+``tether kl RUN``, ``tether interpolate RUN``, ``tether report``, ``tether push``, ``tether frontier``,
+``tether reward fit``."""
 
 from __future__ import annotations
 
@@ -75,6 +76,17 @@ def _parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("report", help="write a self-contained HTML report of a run directory")
     rp.add_argument("run_dir")
     rp.add_argument("--out", help="output file (default RUN_DIR/report.html)")
+    ip = sub.add_parser(
+        "interpolate",
+        help="evaluate the weights (1 - a) theta_ref + a theta of a finished run at each a (--alpha)",
+        description="The zero-training-cost baseline against forgetting: the run's saved policy moved back "
+        "toward its reference, each point evaluated as the run's final policy was (held-out gain, KL, "
+        "fluency, diversity, capability). Writes RUN/interpolate.json and RUN/interpolate.png.",
+    )
+    ip.add_argument("run_dir")
+    ip.add_argument(
+        "--alpha", default="0,0.25,0.5,0.75,1", help="values in [0, 1] (default 0,0.25,0.5,0.75,1)"
+    )
     kl = sub.add_parser("kl", help="where a run's KL went: the tokens that carried it (kl_tokens.jsonl)")
     kl.add_argument("run_dir")
     kl.add_argument("--step", type=int, help="the step's record (default: the largest rise of the KL)")
@@ -145,6 +157,23 @@ def _kl_view(run_dir: str, step: int | None) -> int:
     return 0
 
 
+def _interpolate(run_dir: str, alphas: str) -> int:
+    """``tether interpolate RUN --alpha ...``: the table, and where the JSON and the figure went."""
+    from tether.run.config import ConfigError
+    from tether.run.folder import RunFolderError, check_no_links
+    from tether.run.interpolate import interpolate, parse_alphas, table
+
+    try:
+        check_no_links(Path(run_dir), "tether interpolate")
+        rows = interpolate(run_dir, parse_alphas(alphas))
+    except (FileNotFoundError, ValueError, RuntimeError, ConfigError, RunFolderError) as e:
+        print(f"tether: error: {_said(e)}", file=sys.stderr)
+        return 1
+    print(table(rows))
+    print(f"tether: written {Path(run_dir) / 'interpolate.json'} and {Path(run_dir) / 'interpolate.png'}")
+    return 0
+
+
 def _close_process_group() -> None:
     import torch.distributed as dist
 
@@ -156,7 +185,7 @@ def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    if args.command in ("train", "frontier", "reward"):  # the commands that load models
+    if args.command in ("train", "frontier", "reward", "interpolate"):  # the commands that load models
         _quiet_transformers()
     if args.command == "reward":
         return _reward_fit(args)
@@ -186,6 +215,8 @@ def _main(argv: list[str] | None) -> int:
         return 0
     if args.command == "kl":
         return _kl_view(args.run_dir, args.step)
+    if args.command == "interpolate":
+        return _interpolate(args.run_dir, args.alpha)
     from tether.run.config import ConfigError, load_config
 
     if args.command == "config":

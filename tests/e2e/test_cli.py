@@ -50,6 +50,8 @@ def test_ppo_cli_end_to_end(tiny_model_dir, prompt_file, tmp_path, capsys):
         assert key in rows[0], key
     # step 0: policy == reference, so every KL is exactly 0 and the first PPO ratio is exactly 1
     assert rows[0]["objective/kl"] == 0.0 and rows[0]["objective/kl_exact"] == 0.0
+    for name in ("forward_kl", "js", "alpha"):  # kl.divergences: the others beside it, 0 at step 0
+        assert rows[0][f"objective/{name}_exact"] == 0.0 and rows[-1][f"objective/{name}_exact"] > 0
     assert rows[0]["policy/ratio_max_dev_first"] == 0.0
     # the logged non-score reward is -kl_coef * the logged KL (same numbers in reward and log)
     for r in rows:
@@ -918,6 +920,44 @@ def test_the_guards_lookahead_equals_its_plain_measure(
     # measured by the second epoch's forward (every step runs a first epoch): 3 plain measures fewer
     halvings = sum(int(r["guard/backtracks"]) for r in plain)
     assert plain_calls >= 3 + halvings and ahead_calls == plain_calls - 3
+
+
+@pytest.mark.parametrize("algo", ["ppo", "grpo"])
+def test_the_frozen_blocks_replayed_give_the_run_of_running_them(
+    algo, tiny_model_dir, prompt_file, tmp_path, monkeypatch
+):
+    # model.trainable_layers=1 of the tiny Llama's 2 blocks: each step's first forward of its batch
+    # records block 0's output and the later ones (the update's epochs, the guard's measures and
+    # halvings) replay it. The rows equal those of a run that runs block 0 every time, bit for bit
+    from tether.models.frozen import FrozenBlocks
+
+    replays = []
+    real = FrozenBlocks._replaying
+    monkeypatch.setattr(FrozenBlocks, "_replaying", lambda *a: replays.append(1) or real(*a))
+    settings = [
+        f"train.algo={algo}",
+        "model.trainable_layers=1",
+        "optim.epochs=2",
+        "optim.minibatch_size=4",
+        "train.steps=3",
+        "kl.budget=0.01",  # the guard cuts: halvings measured too
+        "optim.lr=3e-3",
+        "reward.scorer=tests.conftest:length_judge",
+    ]
+    base = _tiny_args(tiny_model_dir, prompt_file, tmp_path / "on") + settings
+    assert main(base) == 0
+    on, n_replays = metric_rows(tmp_path / "on"), len(replays)
+    assert (
+        main(
+            _tiny_args(tiny_model_dir, prompt_file, tmp_path / "off")
+            + settings
+            + ["model.replay_frozen_blocks=false"]
+        )
+        == 0
+    )
+    assert on == metric_rows(tmp_path / "off")
+    assert any(r["guard/fraction"] < 1 for r in on)
+    assert len(replays) == n_replays >= 3 * 3  # per step at least epoch 0's, epoch 1's, the last measure
 
 
 def test_a_guarded_run_resumed_in_the_middle_equals_the_uninterrupted_one(

@@ -368,6 +368,7 @@ _ONE_PROCESS: dict[str, Path] = {}
         "ppo, fsdp",
         "grpo, fsdp, whole-model generation",
         "dpo, fsdp",
+        "grpo, anchor",
     ],
 )
 def test_two_processes_log_the_first_step_of_one(algo, tiny_tokenizer, prompt_file, tmp_path):
@@ -392,14 +393,21 @@ def test_two_processes_log_the_first_step_of_one(algo, tiny_tokenizer, prompt_fi
     # and rank 0 evaluates the reference alone before the first step (FSDP records those forwards:
     # a DPO run whose first backward followed them hung before tether.models.sharding forgot them)
     fsdp += ["eval.n_prompts=4"] if fsdp else []
-    algo = algo.split(",")[0]
+    if "anchor" in algo:  # the text anchor: each process takes 2 of the 4 texts of every batch
+        texts = tmp_path / "anchor.txt"
+        texts.write_text(
+            "".join(f"plain text {i} of some length, said {i % 3 + 1} times\n" for i in range(8))
+        )
+        extra += [f"anchor.texts={texts}", "anchor.coef=0.5", "anchor.batch_size=4"]
+    key, algo = algo, algo.split(",")[0]
+    key = algo if "anchor" not in key else key  # the anchor's 1-process run is its own
     # the 1-process run of an algorithm is the same run in every case (the same model, prompts and
     # settings): run once per session, then read
-    if algo in _ONE_PROCESS:
-        one = _ONE_PROCESS[algo]
+    if key in _ONE_PROCESS:
+        one = _ONE_PROCESS[key]
     else:
         _launch(_args(model, prompt_file, one, algo) + extra, 1)
-        _ONE_PROCESS[algo] = one
+        _ONE_PROCESS[key] = one
     log = _launch(_args(model, prompt_file, two, algo) + extra + micro + fsdp, 2)
     assert "2 processes (data parallel)" in log  # not one process left alone by the launcher
     if fsdp:

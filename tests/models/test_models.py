@@ -416,3 +416,41 @@ def test_gguf_metadata_is_parsed_once_and_each_caller_gets_its_own_copy(tmp_path
     assert list(mapped.fields) == list(read.fields)
     assert [t.name for t in read.tensors] == ["token_embd.weight"]
     assert np.array_equal(mapped.tensors[0].data, read.tensors[0].data)
+
+
+def test_the_scoring_passes_divergences_equal_the_full_logits(tiny_lm, tiny_tokenizer):
+    # policy_and_reference_logprobs' slices (head_chunk 5 positions: several slices) against
+    # divergences_from_logits on the whole (B, R, V) logits of a full forward
+    import copy
+
+    from tether.core.divergences import divergences_from_logits
+    from tether.models.policy import PolicyWithValue
+    from tether.models.sampling import Rollout
+    from tether.models.scoring import policy_and_reference_logprobs, response_forward
+
+    reference = copy.deepcopy(tiny_lm)
+    policy = PolicyWithValue(tiny_lm, head_chunk=5)
+    with torch.no_grad():
+        for p in policy.lm.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    g = torch.Generator().manual_seed(0)
+    vocab = len(tiny_tokenizer)
+    rollout = Rollout(
+        prompts=["", "", ""],
+        prompt_ids=torch.randint(1, vocab, (3, 4), generator=g),
+        prompt_mask=torch.ones(3, 4, dtype=torch.long),
+        response_ids=torch.randint(1, vocab, (3, 6), generator=g),
+        response_mask=torch.ones(3, 6, dtype=torch.bool),
+        responses=["", "", ""],
+    )
+    _, ref, exact = policy_and_reference_logprobs(
+        policy, reference, rollout, 0.8, exact_kl=True, kl_chunk_size=4, divergences_alpha=0.3
+    )
+    with torch.no_grad():
+        z, _ = response_forward(policy, rollout)
+        z_ref, _ = response_forward(reference, rollout, head_chunk=5)
+    whole = divergences_from_logits(z, z_ref, 0.8, 0.3)
+    for got, want in zip(ref.divergences, whole):
+        assert torch.equal(got, want)  # the same slices, the same numbers
+    _, ref, _ = policy_and_reference_logprobs(policy, reference, rollout, 0.8, exact_kl=True)
+    assert ref.divergences is None  # not asked

@@ -7,6 +7,10 @@ The sentences are the NYT editorial snippets of the ICWSM-2014 data (Hutto & Gil
 5,190 sentences, the archive the demo's prompts and the gold judge already cache): the demo
 trains on movie-review prefixes, never on these. :func:`capability_texts` takes those of at
 least 8 words in the order of their SHA-256, so the same N sentences in every run.
+
+The text anchor's built-in corpus (``anchor.texts=builtin``, :func:`anchor_texts`) is the rest of
+the same file: the sentences from rank :data:`PROBE_MAX` on, which no probe takes (the probe's
+size is capped there), checked disjoint from them.
 """
 
 from __future__ import annotations
@@ -21,6 +25,17 @@ CAPABILITY_FILE = "hutto_ICWSM_2014/nytEditorialSnippets_GroundTruth.txt"
 MIN_WORDS = 8
 """The shortest sentence used, words: a shorter one has too few tokens to measure."""
 
+PROBE_MAX = 2000
+"""The most sentences the probe takes (``eval.capability_texts``); the anchor's begin after them."""
+
+
+def _ranked() -> list[str]:
+    """Every distinct sentence of at least :data:`MIN_WORDS` words, in SHA-256 order (4,544)."""
+    return sorted(
+        {r.text for r in read_ground_truth(icwsm_file(CAPABILITY_FILE)) if len(r.text.split()) >= MIN_WORDS},
+        key=lambda t: hashlib.sha256(t.encode()).hexdigest(),
+    )
+
 
 def capability_texts(n: int) -> list[str]:
     """The first ``n`` NYT editorial sentences of at least :data:`MIN_WORDS` words, ordered by
@@ -30,10 +45,21 @@ def capability_texts(n: int) -> list[str]:
         ValueError: fewer than ``n`` such sentences (there are 4,000 and more).
         RuntimeError: the ICWSM archive could not be downloaded (from :func:`icwsm_file`).
     """
-    texts = sorted(
-        {r.text for r in read_ground_truth(icwsm_file(CAPABILITY_FILE)) if len(r.text.split()) >= MIN_WORDS},
-        key=lambda t: hashlib.sha256(t.encode()).hexdigest(),
-    )
-    if len(texts) < n:
-        raise ValueError(f"eval.capability_texts={n}: only {len(texts)} capability sentences exist")
-    return texts[:n]
+    if n > PROBE_MAX:
+        raise ValueError(f"eval.capability_texts={n}: at most {PROBE_MAX} (the rest is the text anchor's)")
+    return _ranked()[:n]
+
+
+def anchor_texts() -> list[str]:
+    """The text anchor's built-in corpus: the capability file's sentences from rank
+    :data:`PROBE_MAX` on (2,544), in SHA-256 order; none is a probe sentence (checked).
+
+    Raises:
+        RuntimeError: the ICWSM archive could not be downloaded (from :func:`icwsm_file`), or the
+            two sets overlap (they cannot, unless the ranking changed: a bug).
+    """
+    ranked = _ranked()
+    probe, anchor = set(ranked[:PROBE_MAX]), ranked[PROBE_MAX:]
+    if probe.intersection(anchor):
+        raise RuntimeError("tether: the anchor's sentences overlap the capability probe's; this is a bug")
+    return anchor

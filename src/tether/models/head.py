@@ -9,10 +9,12 @@ under a second on later runs.
 from __future__ import annotations
 
 import inspect
+from contextlib import nullcontext
 
 import torch
 from torch import nn
 
+from tether.models.frozen import FrozenBlocks
 from tether.models.lora import AdapterReference
 
 HEAD_CHUNK_POSITIONS = 256
@@ -87,6 +89,7 @@ def tail_hidden(
     n_keep: int,
     *,
     share_prefix: bool = False,
+    replay: FrozenBlocks | None = None,
 ) -> torch.Tensor:
     """Last hidden states (B, n_keep, d), contiguous, at the last ``n_keep`` positions.
 
@@ -103,6 +106,10 @@ def tail_hidden(
     of matrix products of other row counts (none on most CPUs; a few ulps under MKL's
     reproducibility modes), and the same batch scored twice (old and new log-probs, policy and
     reference) agrees bit for bit.
+
+    ``replay`` (a policy's :class:`tether.models.frozen.FrozenBlocks`): inside its session the
+    frozen lower blocks' output is recorded or replayed (whole-sequence forwards only: a shared
+    prefix's cache pass needs every block's keys and values).
     """
     if isinstance(lm, AdapterReference):
         with lm.active():
@@ -124,9 +131,10 @@ def tail_hidden(
             position_ids=position_ids,
             n_keep=n_keep,
         )
-    out = trunk(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-    )
+    with replay.around(input_ids, attention_mask, position_ids) if replay is not None else nullcontext():
+        out = trunk(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        )
     return out.last_hidden_state[:, -n_keep:].contiguous()  # (B, n_keep, d)
 
 
@@ -242,6 +250,7 @@ def tail_logits(
     *,
     chunk_positions: int = HEAD_CHUNK_POSITIONS,
     share_prefix: bool = False,
+    replay: FrozenBlocks | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits (B, n_keep, V) and last hidden states (B, n_keep, d) at the last ``n_keep`` positions.
 
@@ -257,6 +266,7 @@ def tail_logits(
         position_ids=position_ids,
         n_keep=n_keep,
         share_prefix=share_prefix,
+        replay=replay,
     )
     return apply_head(lm, hidden, chunk_positions), hidden
 

@@ -8,11 +8,13 @@ under a second on later runs.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from tether.models.frozen import FrozenBlocks, frozen_lower_blocks
 from tether.models.head import HEAD_CHUNK_POSITIONS, tail_logits
 from tether.models.lora import POLICY_ADAPTER, adapter_of, is_peft_model
 
@@ -34,6 +36,7 @@ class PolicyWithValue(nn.Module):
         head_chunk: int = HEAD_CHUNK_POSITIONS,
         share_prefix: bool = False,
         gradient_checkpointing: bool = False,
+        replay_frozen: bool = False,
     ):
         super().__init__()
         self.gradient_checkpointing = gradient_checkpointing
@@ -56,6 +59,11 @@ class PolicyWithValue(nn.Module):
                 enable({"use_reentrant": False})
             else:
                 lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        n_frozen = frozen_lower_blocks(lm) if replay_frozen else 0
+        self.frozen = FrozenBlocks(lm, n_frozen) if n_frozen else None
+        """With ``replay_frozen`` and frozen lower blocks (``model.trainable_layers``): their output
+        recorded by a step's first forward and replayed by its later ones
+        (:mod:`tether.models.frozen`, inside :meth:`replaying`); None otherwise."""
         hidden = lm.config.hidden_size
         self.value_head = nn.Linear(hidden, 1)
         # small init so the first value estimates are ~0 and do not swamp GAE (as in TRL's
@@ -66,6 +74,18 @@ class PolicyWithValue(nn.Module):
     @property
     def config(self):
         return self.lm.config
+
+    @property
+    def scoring_share_prefix(self) -> bool:
+        """Whether scoring (and the update's forwards, and the reference's scoring) run shared prompt
+        prefixes once: ``share_prefix``, except where the frozen blocks replay (a replay needs the
+        whole sequence in one trunk call; it saves more). Generation shares by ``share_prefix``."""
+        return self.share_prefix and self.frozen is None
+
+    def replaying(self) -> AbstractContextManager:
+        """Inside it, the frozen blocks' output is recorded and replayed (:meth:`FrozenBlocks.session`;
+        a training step's forwards); a no-op without frozen blocks to replay."""
+        return self.frozen.session() if self.frozen is not None else nullcontext()
 
     def forward(
         self,
@@ -100,7 +120,8 @@ class PolicyWithValue(nn.Module):
                 position_ids=position_ids,
                 n_keep=n_keep,
                 chunk_positions=self.head_chunk,
-                share_prefix=self.share_prefix,
+                share_prefix=self.scoring_share_prefix,
+                replay=self.frozen,
             )
         finally:
             if checkpointing:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from tether.core.divergences import Divergences, divergences_from_logits
 from tether.core.kl import exact_kl_from_logits
 from tether.core.logprobs import (
     entropy_from_logits,
@@ -66,8 +67,9 @@ def response_hidden(
 
     ``share_prefix`` is a bare LM's setting (:func:`tether.models.head.tail_hidden`); a policy uses its own.
     """
+    replay = None
     if isinstance(model, PolicyWithValue):
-        model, share_prefix = model.lm, model.share_prefix
+        model, share_prefix, replay = model.lm, model.scoring_share_prefix, model.frozen
     position_ids = position_ids_from_mask(rollout.attention_mask)
     return model, tail_hidden(
         model,
@@ -76,6 +78,7 @@ def response_hidden(
         position_ids=position_ids,
         n_keep=rollout.response_ids.shape[1],
         share_prefix=share_prefix,
+        replay=replay,
     )
 
 
@@ -96,6 +99,9 @@ class TokenStats:
     kept only when asked (``top_k``: the KL attribution, :mod:`tether.core.attribution`)."""
     top_logprobs: Tensor | None = None
     """(B, R, k) float32: their log-probabilities at the sampling temperature, nats."""
+    divergences: Divergences | None = None
+    """The reference's only, when asked (``divergences_alpha``): the forward KL, JS and
+    alpha-divergence of the policy and the reference at each position (each (B, R), nats)."""
 
 
 def rollout_logprobs(
@@ -142,6 +148,7 @@ def policy_and_reference_logprobs(
     top_k: int = 0,
     ref_logits: Tensor | None = None,
     keep_ref_logits: bool = False,
+    divergences_alpha: float | None = None,
 ) -> tuple[TokenStats, TokenStats | None, Tensor | None]:
     """No-grad scoring of a rollout by the policy and the reference, one LM-head slice at a time.
 
@@ -177,6 +184,9 @@ def policy_and_reference_logprobs(
             (``keep_ref_logits``): neither its trunk nor its LM head runs again.
         keep_ref_logits: return the reference's logits (B, R, V) in its TokenStats (``logits``):
             ``B * R * V`` floats the caller decided it can hold.
+        divergences_alpha: with ``exact_kl``, also the forward KL, JS and the alpha-divergence of
+            this order at each position, from the same slices (the reference's TokenStats'
+            ``divergences``, :func:`tether.core.divergences.divergences_from_logits`); None = not.
 
     Returns:
         (policy TokenStats with logprobs, entropy and values if asked; reference TokenStats with logprobs
@@ -195,11 +205,16 @@ def policy_and_reference_logprobs(
     elif reference is not None and ref_hidden is not None:
         ref_lm = reference.lm if isinstance(reference, PolicyWithValue) else reference
     elif reference is not None:
-        ref_lm, ref_hidden = response_hidden(reference, rollout, policy.share_prefix)
+        ref_lm, ref_hidden = response_hidden(reference, rollout, policy.scoring_share_prefix)
     device = tokens.device
     logprobs, entropy = torch.empty(B, R, device=device), torch.empty(B, R, device=device)
     ref_logprobs = torch.empty(B, R, device=device) if reference is not None else None
     exact = torch.empty(B, R, device=device) if exact_kl else None
+    others = (
+        [torch.empty(B, R, device=device) for _ in Divergences._fields]
+        if exact_kl and divergences_alpha is not None
+        else None
+    )
     tops = {
         who: (
             torch.empty(B, R, top_k, dtype=torch.long, device=device),
@@ -228,6 +243,10 @@ def policy_and_reference_logprobs(
             ref_logprobs[rows] = logprobs_from_logits(z_ref, tokens[rows], temperature)
             if exact_kl:
                 exact[rows] = exact_kl_from_logits(z, z_ref, temperature, kl_chunk_size)
+            if others is not None:
+                parts = divergences_from_logits(z, z_ref, temperature, divergences_alpha, kl_chunk_size)
+                for o, part in zip(others, parts):
+                    o[rows] = part
             if top_k:
                 tops["reference"][0][rows], tops["reference"][1][rows] = top_logprobs(
                     z_ref, top_k, temperature, tokens=tokens[rows], logprobs=ref_logprobs[rows]
@@ -240,6 +259,7 @@ def policy_and_reference_logprobs(
             ref_logprobs,
             logits=kept_ref,
             hidden=ref_hidden if keep_ref_hidden else None,
+            divergences=Divergences(*others) if others is not None else None,
             **_tops(tops.get("reference", none)),
         )
         if reference is not None

@@ -372,6 +372,14 @@ class ModelConfig:
     logits for one slice at a time, so their memory is O(max(head_chunk_size, R) * vocab), not
     O(batch * R * vocab), R the response length. (Before this field, ``kl.exact_chunk_size`` set
     it too.)"""
+    replay_frozen_blocks: bool = True
+    """With frozen lower blocks (``model.trainable_layers``), run them once per training step: the
+    step's first forward of its batch records the last frozen block's output and the later forwards
+    of the same inputs (each epoch's, the update guard's measures) start from it at the first
+    trainable block (``tether.models.frozen``; the demo runs 6 of its 30 blocks there). Exact:
+    replayed only for equal inputs and unchanged frozen weights, the same numbers bit for bit as
+    running them. Scoring then runs whole sequences (``model.share_prompt_prefix`` keeps to
+    generation); not under FSDP. false: every forward runs every block."""
     share_prompt_prefix: bool = True
     """Where rows share prompts (groups: rollout.group_size > 1, as in GRPO and RLOO), run each
     distinct prompt through the trunk once and let its rows attend to the
@@ -821,6 +829,14 @@ class KLConfig(_Defaulted):
     exact: bool = True
     """Also log the exact full-vocabulary KL (objective/kl_exact), chunked; kl.controller_signal=exact
     and ppo.kl_shaping=exact need it."""
+    divergences: bool = True
+    """With kl.exact: also log the exact forward KL KL(pi_ref || pi), the Jensen-Shannon
+    divergence and the alpha-divergence of order kl.alpha on the same positions, from the same
+    logits (objective/forward_kl_exact, objective/js_exact, objective/alpha_exact, nats per
+    sequence; tether.core.divergences). Monitoring only: the leash stays the reverse KL."""
+    alpha: float = 0.5
+    """The order of objective/alpha_exact's alpha-divergence (Amari), in (0, 1): near 1 it is the
+    reverse KL, near 0 the forward KL; 0.5 is 4 (1 - Bhattacharyya coefficient)."""
     exact_chunk_size: int = 256
     """Token positions per float32 chunk inside the exact KL (within one LM-head slice of
     ``model.head_chunk_size``): its extra memory is O(exact_chunk_size * vocab)."""
@@ -922,6 +938,7 @@ class KLConfig(_Defaulted):
             "'exact' needs kl.exact=true",
         )
         _check(self.exact_chunk_size >= 1, "kl.exact_chunk_size", self.exact_chunk_size, "must be >= 1")
+        _check(0 < self.alpha < 1, "kl.alpha", self.alpha, "must be in (0, 1) (0.5: the default)")
 
     @property
     def controller_class(self) -> type[KLController]:
@@ -1060,6 +1077,48 @@ class GRPOConfig:
 
 
 @dataclass
+class AnchorConfig:
+    coef: float = 0.0
+    """The text anchor's weight (0 = off): each optimizer step of PPO, GRPO and RLOO adds
+    ``anchor.coef`` times the token mean of ``anchor.kind``'s term on a batch of human text (loss
+    units: nats per token times it; tether.core.anchor). What it protects is the capability probe's
+    kind of number, eval/capability_nll: the policy's modelling of ordinary text."""
+    kind: Literal["forward_kl", "ptx"] = "forward_kl"
+    """forward_kl: the exact forward KL KL(pi_ref || pi) over the vocabulary at every position of
+    the text, whose minimum is the reference; ptx: the text's NLL (InstructGPT's PPO-ptx), whose
+    minimum is the text's own next token, so it fine-tunes on the anchor corpus too."""
+    texts: str = "builtin"
+    """The human text: builtin (the NYT editorial sentences of ICWSM-2014 that the capability
+    probe never takes, tether.data.capability.anchor_texts), or any source data.prompts takes (a
+    .txt file of one text per line, a .jsonl/.csv/.parquet file, a Hub dataset) with
+    anchor.column naming the text."""
+    column: str = "text"
+    """The column of anchor.texts holding the text (not used for builtin and .txt)."""
+    batch_size: int = 8
+    """Texts per optimizer step (over every process; each takes an equal share). The batches go
+    through the texts in order and around again; a remainder that does not fill a batch is left out."""
+    max_tokens: int = 64
+    """Tokens kept of each text (its first ones); the anchor's term counts each text's next-token
+    predictions from its second token on."""
+
+    def __post_init__(self) -> None:
+        _check(
+            math.isfinite(self.coef) and self.coef >= 0, "anchor.coef", self.coef, "must be >= 0 (0 = off)"
+        )
+        _check(self.kind in ("forward_kl", "ptx"), "anchor.kind", self.kind, "must be forward_kl or ptx")
+        _check(bool(self.texts), "anchor.texts", self.texts, "name builtin or a text source")
+        _check(self.batch_size >= 1, "anchor.batch_size", self.batch_size, "must be >= 1")
+        _check(
+            self.max_tokens >= 2, "anchor.max_tokens", self.max_tokens, "must be >= 2 (a token and its next)"
+        )
+
+    @property
+    def on(self) -> bool:
+        """Whether the anchor acts (``coef > 0``)."""
+        return self.coef > 0
+
+
+@dataclass
 class DPOConfig:
     beta: float = 0.1
     """beta of the DPO loss -log sigmoid(beta * margin): the implicit KL leash (Rafailov et al. 2023)."""
@@ -1173,10 +1232,11 @@ class EvalConfig(_Defaulted):
         )
         _check(bool(self.fluency_model), "eval.fluency_model", self.fluency_model, "name a model or 'none'")
         _check(
-            self.capability_texts is None or 0 <= self.capability_texts <= 4000,
+            self.capability_texts is None or 0 <= self.capability_texts <= 2000,
             "eval.capability_texts",
             self.capability_texts,
-            "must be in [0, 4000] (sentences; 0 = off), or null (32 on the embedded data)",
+            "must be in [0, 2000] (sentences; 0 = off; the rest is the text anchor's), or null "
+            "(32 on the embedded data)",
         )
         for key in ("best_fluency_margin", "best_distinct_share"):
             _check(
@@ -1321,6 +1381,7 @@ class Config:
     ppo: PPOConfig = field(default_factory=PPOConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    anchor: AnchorConfig = field(default_factory=AnchorConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     health: HealthThresholds = field(default_factory=HealthThresholds)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -1405,6 +1466,21 @@ class Config:
         )
         if self.kl.guard:
             self._check_guard()
+        if self.anchor.on:
+            _check(
+                spec.samples,
+                "anchor.coef",
+                self.anchor.coef,
+                f"the text anchor acts in PPO's, GRPO's and RLOO's update, not {self.train.algo.upper()}'s; "
+                "set anchor.coef=0",
+            )
+            _check(
+                self.train.sharding != "fsdp",
+                "anchor.coef",
+                self.anchor.coef,
+                "the text anchor is not built for train.sharding=fsdp yet; set anchor.coef=0 or "
+                "train.sharding=ddp",
+            )
         if self.train.sharding == "fsdp":
             self._check_sharding()
         if self.rollout.compile is True:
@@ -1907,6 +1983,12 @@ def check_world_size(config: Config, world: int) -> None:
         f"must hold a multiple of {world} (processes) groups of rollout.group_size={c.rollout.group_size}: "
         f"each process samples whole groups (now {groups} groups)",
     )
+    _check(
+        not c.anchor.on or c.anchor.batch_size % world == 0,
+        "anchor.batch_size",
+        c.anchor.batch_size,
+        f"must be a multiple of the number of processes ({world}): each takes an equal share of the texts",
+    )
     if not c.trainer.samples:  # DPO's probe
         _check(
             c.dpo.kl_eval_prompts % world == 0,
@@ -1942,6 +2024,7 @@ FIELD_UNITS: dict[str, str] = {
     "model.adapter": "",
     "model.head_chunk_size": "token positions",
     "model.share_prompt_prefix": "",
+    "model.replay_frozen_blocks": "",
     "model.dtype": "",
     "model.gradient_checkpointing": "",
     # data
@@ -1990,6 +2073,8 @@ FIELD_UNITS: dict[str, str] = {
     "kl.controller_signal": "",
     "kl.exact": "",
     "kl.exact_chunk_size": "token positions",
+    "kl.divergences": "",
+    "kl.alpha": "order",
     "kl.kl_in_reward": "",
     "kl.kl_in_loss": "",
     "kl.loss_estimator": "",
@@ -2025,6 +2110,13 @@ FIELD_UNITS: dict[str, str] = {
     "dpo.candidates": "samples per prompt",
     "dpo.n_pairs": "pairs",
     "dpo.kl_eval_prompts": "prompts",
+    # anchor
+    "anchor.coef": "per nat per token of the anchor's term",
+    "anchor.kind": "",
+    "anchor.texts": "",
+    "anchor.column": "",
+    "anchor.batch_size": "texts per optimizer step",
+    "anchor.max_tokens": "tokens per text",
     # eval
     "eval.n_prompts": "prompts",
     "eval.samples_per_prompt": "samples per prompt",

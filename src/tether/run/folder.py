@@ -139,6 +139,8 @@ RUN_FILES = (
     "samples.jsonl",
     "warnings.jsonl",
     "kl_tokens.jsonl",
+    "interpolate.json",
+    "interpolate.png",
     "training.png",
     "score_vs_kl.png",
     "report.html",

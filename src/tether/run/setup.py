@@ -17,6 +17,7 @@ from torch import nn
 
 from tether.core.distributed import barrier, gather_objects, is_main
 from tether.core.text import shown
+from tether.data.capability import anchor_texts
 from tether.data.prompts import (
     DEFAULT_PROMPTS,
     PromptData,
@@ -517,6 +518,8 @@ class Run:
     wrap the policy with ``accelerator.prepare`` (DDP when there are several)."""
     run_dir_existed: bool = False
     """The run directory existed (empty) before this run, see :func:`discard_failed_start`."""
+    anchor_texts: list[str] | None = None
+    """The text anchor's human texts (:func:`load_anchor_texts`), None when ``anchor.coef`` is 0."""
 
 
 def sampling_settings(config: Config) -> SamplingSettings:
@@ -738,6 +741,7 @@ def build_run(
         judges=judges,
         device=accelerator.device,
     )
+    anchor_texts = load_anchor_texts(config)
     config, path = resolve_model_source(config, model=model, tokenizer=tokenizer)
     barrier()  # every process checked the folder before the first one writes into it
     existed = run_dir.exists()
@@ -774,6 +778,7 @@ def build_run(
             accelerator=accelerator,
             run_dir_existed=existed,
             sampler=sampler,
+            anchor_texts=anchor_texts,
         )
     except BaseException:
         release_lock(writer.lock)
@@ -928,6 +933,42 @@ def load_data_and_scorer(
     return train_prompts, heldout, scorer
 
 
+def load_anchor_texts(config: Config) -> list[str] | None:
+    """The text anchor's texts (``anchor.texts``: builtin, or a source as ``data.prompts`` takes
+    with ``anchor.column``), or None when the anchor is off.
+
+    Raises:
+        ValueError: a row that is not text (a conversation), or no text at all; the field named.
+        FileNotFoundError: no such source (from :func:`tether.data.prompts.load_prompt_data`).
+    """
+    a = config.anchor
+    if not a.on:
+        return None
+    if a.texts == "builtin":
+        return anchor_texts()
+    try:
+        data = load_prompt_data(a.texts, "train", a.column)
+    except (ValueError, FileNotFoundError) as e:  # its message names data.*: the fields here are anchor.*
+        msg = str(e)
+        for theirs, ours in (
+            ("data.prompt_column", "anchor.column"),
+            ("data.split", "anchor.texts"),
+            ("data.prompts", "anchor.texts"),
+        ):
+            msg = msg.replace(theirs, ours)
+        raise type(e)(msg) from None
+    texts = list(data.prompts)
+    bad = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)
+    if bad is not None:
+        raise ValueError(
+            f"anchor.texts={a.texts}: row {bad} of anchor.column={a.column} is not text "
+            f"({type(texts[bad]).__name__}); the anchor takes plain human text"
+        )
+    if not texts:
+        raise ValueError(f"anchor.texts={a.texts}: no text")
+    return texts
+
+
 def resolve_model_source(config: Config, *, model, tokenizer) -> tuple[Config, Path | None]:
     """The folder the model (or its tokenizer) loads from, resolved before anything is written (a
     bad id costs nothing), or None when both objects were passed. A Hub id without
@@ -1067,7 +1108,7 @@ def load_policy_and_reference(
     m = config.model
     if m.lora:  # a peft model: the policy trains adapters, the reference reuses its frozen base
         lm = add_lora(lm, m.lora_r, m.lora_alpha, m.lora_target_modules, m.adapter)
-    needs_reference = config.placement.needs_reference or config.trainer.needs_reference
+    needs_reference = config.placement.needs_reference or config.trainer.needs_reference or config.anchor.on
     reference = make_reference(lm) if needs_reference else None
     forwards = [0]
     if reference is not None:
@@ -1088,6 +1129,8 @@ def load_policy_and_reference(
         head_chunk=config.model.head_chunk_size,
         share_prefix=share_prefix,
         gradient_checkpointing=m.gradient_checkpointing,  # the policy's only: after the reference's copy
+        # FSDP: every process must run the same block forwards, and a replay skips them
+        replay_frozen=m.replay_frozen_blocks and not sharded,
     )
     policy.value_head.to(device)  # float32 whatever the LM's dtype
     if reference is not None:

@@ -49,6 +49,7 @@ from tether.models.sharding import is_sharded, root_gathered
 from tether.models.turns import EnvFailed
 from tether.run.console import say
 from tether.run.setup import Run
+from tether.trainers.anchor import text_anchor
 from tether.trainers.common import (
     RolloutLogprobs,
     make_optimizer,
@@ -215,6 +216,8 @@ class OnPolicyTrainer:
             )
         )
         self.rollouts = run.sampler  # one turn, or tool turns with rollout.env (models/rollouts.py)
+        # anchor.coef > 0: a batch of human text in every optimizer step's loss (trainers/anchor.py)
+        self.anchor = text_anchor(run)
 
     def trainer_state(self, step: int):
         """The ``trainer_state`` reward functions get at ``step`` (TRL's ``self.state``): the steps
@@ -233,29 +236,31 @@ class OnPolicyTrainer:
         ):
             say(line, self.cfg.train.progress)
         scores, reward_metrics = self.score(rollout, step)  # 3. the reward, called as TRL calls it
-        minibatches = self.minibatch_indices()
-        forwards = self.rollout_forwards(rollout, minibatches)  # 4. old, reference log-probs
-        t_score = time.perf_counter()
-        reading = self.kl_reading(forwards, rollout)  # 5. the KL the batch was drawn at
-        if reading is not None:  # 6. beta from it, for this step's update
-            self.controller.update(reading, n_steps=self.cfg.rollout.batch_size)
-        kl_coef = self.controller.kl_coef
-        exp = make_experience(  # 7-8. per-token KL, leashed rewards, advantages
-            rollout=rollout,
-            scores=scores,
-            # step 4's numbers; optim.reuse_forward: with its forward of the current policy, with grad
-            forwards=forwards.step_forwards(),
-            minibatches=minibatches,
-            kl_coef=kl_coef,
-            leash=self.leash,
-            settings=self.settings,
-        )
-        lr = self.optimizer.param_groups[0]["lr"]  # the rate of this step's first optimizer step
-        # 9-10. epochs of minibatch updates, each checked by the update guard (kl.guard)
-        update, guarded = self.update(exp, kl_coef, forwards=forwards)
-        cut = guarded is not None and guarded.fraction < 1.0  # the update wanted more KL than it kept
-        if cut and math.isfinite(guarded.kl_updated):  # a non-finite one was restored: nothing to learn
-            self.controller.cut(guarded.kl_updated, n_steps=self.cfg.rollout.batch_size)
+        # 4-10 run the frozen lower blocks once (model.replay_frozen_blocks)
+        with self.run.policy.replaying():
+            minibatches = self.minibatch_indices()
+            forwards = self.rollout_forwards(rollout, minibatches)  # 4. old, reference log-probs
+            t_score = time.perf_counter()
+            reading = self.kl_reading(forwards, rollout)  # 5. the KL the batch was drawn at
+            if reading is not None:  # 6. beta from it, for this step's update
+                self.controller.update(reading, n_steps=self.cfg.rollout.batch_size)
+            kl_coef = self.controller.kl_coef
+            exp = make_experience(  # 7-8. per-token KL, leashed rewards, advantages
+                rollout=rollout,
+                scores=scores,
+                # step 4's numbers; optim.reuse_forward: with its forward of the current policy, with grad
+                forwards=forwards.step_forwards(),
+                minibatches=minibatches,
+                kl_coef=kl_coef,
+                leash=self.leash,
+                settings=self.settings,
+            )
+            lr = self.optimizer.param_groups[0]["lr"]  # the rate of this step's first optimizer step
+            # 9-10. epochs of minibatch updates, each checked by the update guard (kl.guard)
+            update, guarded = self.update(exp, kl_coef, forwards=forwards)
+            cut = guarded is not None and guarded.fraction < 1.0  # the update wanted more KL than it kept
+            if cut and math.isfinite(guarded.kl_updated):  # a non-finite one was restored: nothing to learn
+                self.controller.cut(guarded.kl_updated, n_steps=self.cfg.rollout.batch_size)
         t_update = time.perf_counter()
         row = self.metrics(step, exp, forwards, update, kl_coef)  # 11. metrics, over every process
         t_attribute = time.perf_counter()
@@ -359,6 +364,7 @@ class OnPolicyTrainer:
                 keep_ref_logits=self.guard is not None and fit,
                 keep_ref_hidden=self.guard is not None and not fit,
                 top_k=5 if self.attribution is not None else 0,  # the records' top-5 next tokens
+                divergences_alpha=c.kl.alpha if c.kl.divergences else None,  # logged beside the KL
             )
         return forwards
 
@@ -381,6 +387,7 @@ class OnPolicyTrainer:
             "sampler": self.sampler.state_dict(),
             "leash_counts": dict(self.leash.counts),
             **({"kl_attribution": self.attribution.state_dict()} if self.attribution is not None else {}),
+            **({"anchor": self.anchor.state_dict()} if self.anchor is not None else {}),
             **optimization_state(self),
         }
 
@@ -395,6 +402,8 @@ class OnPolicyTrainer:
         self.leash.counts.update(state["leash_counts"])
         if self.attribution is not None and "kl_attribution" in state:  # a run from before it: none
             self.attribution.load_state_dict(state["kl_attribution"])
+        if self.anchor is not None and "anchor" in state:  # resumed with the anchor newly on: from batch 0
+            self.anchor.load_state_dict(state["anchor"])
         restore_optimization(self, state, next_step)  # the optimizer, and its schedule resumed
 
     def restore_controller(self, saved: dict) -> None:
@@ -583,6 +592,7 @@ class OnPolicyTrainer:
             minibatch_loss=partial(self.minibatch_loss, kl_coef=kl_coef),
             optimization=trainer_optimization(self, self.name),
             micro_batch_size=o.micro_batch_size,
+            step_term=self.anchor.term if self.anchor is not None else None,
         )
         if self.guard is None or forwards is None or forwards.exact_kl is None:
             return run_minibatches(self.epoch_minibatches(exp)), None
@@ -709,6 +719,9 @@ def sample_metrics(
     if exact_kl is not None:
         row["objective/kl_exact"] = D.sequence_mean(sequence_kl(exact_kl, mask))
         row["objective/kl_exact_per_token"] = D.token_mean(exact_kl, mask)
+    if forwards.divergences is not None:  # kl.divergences: the others, on the same positions
+        for name, value in zip(("forward_kl", "js", "alpha"), forwards.divergences):
+            row[f"objective/{name}_exact"] = D.sequence_mean(sequence_kl(value, mask))
     if logprobs is not None and rollout.sampler_logprobs is not None:
         sampler = rollout.sampler_logprobs  # (B, R) the distribution the tokens were drawn from
         row["rollout/logprob_mismatch"] = D.token_mean(kl_k3(sampler, logprobs), mask)

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from tether.core import distributed as D
+from tether.core.divergences import Divergences
 from tether.models.sampling import Rollout
 from tether.models.scoring import TokenStats, policy_and_reference_logprobs, rollout_logprobs
 from tether.trainers.precision import MasterWeights
@@ -227,6 +228,9 @@ class RolloutLogprobs:
     """``{"policy": (ids, logprobs), "reference": (ids, logprobs)}``, each (B, R, k): the models'
     k most likely next tokens at each position and their log-probs (nats), when asked (``top_k``:
     the KL attribution)."""
+    divergences: Divergences | None = None
+    """The forward KL, JS and alpha-divergence at each position (each (B, R), nats), when asked
+    (``divergences_alpha``: ``kl.divergences``)."""
 
     def step_forwards(self) -> Forwards:
         """What steps 5 to 7 read of these (:class:`tether.trainers.steps.Forwards`): the old and
@@ -256,6 +260,7 @@ def old_and_ref_logprobs(
     keep_ref_hidden: bool = False,
     top_k: int = 0,
     keep_ref_logits: bool = False,
+    divergences_alpha: float | None = None,
 ) -> RolloutLogprobs:
     """Policy and reference log-probabilities (and values, entropy, exact KL) of a rollout.
 
@@ -269,6 +274,7 @@ def old_and_ref_logprobs(
     exact KL are its detached values, the same numbers a no-grad forward gives.
     ``top_k``: also each model's ``top_k`` most likely next tokens at each position (``top``).
     ``keep_ref_logits``: also the reference's logits (B, R, V) (``ref_logits``).
+    ``divergences_alpha``: with the exact KL, also the other divergences (``divergences``).
     """
     B, R = rollout.response_ids.shape
     exact_kl = exact_kl and reference is not None
@@ -277,6 +283,7 @@ def old_and_ref_logprobs(
     device = rollout.response_ids.device
     out = {k: torch.zeros(B, R, device=device) for k in ("old", "ref", "values", "entropy", "exact")}
     update_forward = policy_logits = ref_hidden = ref_logits = None
+    divergences: Divergences | None = None
     tops: dict[str, tuple[Tensor, Tensor]] = {}
     for idx in row_chunks:
         part = rollout.select(idx)
@@ -297,7 +304,13 @@ def old_and_ref_logprobs(
             keep_ref_hidden=keep_ref_hidden,
             top_k=top_k,
             keep_ref_logits=keep_ref_logits,
+            divergences_alpha=divergences_alpha,
         )
+        if ref is not None and ref.divergences is not None:
+            if divergences is None:
+                divergences = Divergences(*(torch.zeros(B, R, device=device) for _ in Divergences._fields))
+            for whole, part in zip(divergences, ref.divergences):
+                whole[idx] = part
         if keep_ref_logits and ref is not None and ref.logits is not None:
             if ref_logits is None:
                 ref_logits = ref.logits.new_empty(B, R, ref.logits.shape[-1])  # (B, R, V)
@@ -332,6 +345,7 @@ def old_and_ref_logprobs(
         ref_hidden=ref_hidden,
         ref_logits=ref_logits,
         top=tops or None,
+        divergences=divergences,
     )
 
 

@@ -299,7 +299,7 @@ class DPOTrainer:
             ro,
             self.cfg.rollout.temperature,
             head_chunk=self.run.policy.head_chunk,
-            share_prefix=self.run.policy.share_prefix,
+            share_prefix=self.run.policy.scoring_share_prefix,
         ).logprobs
         return masked_sum(lp, ro.response_mask, dim=-1)  # (N,)
 

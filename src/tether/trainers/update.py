@@ -54,6 +54,12 @@ class MicroLoss(NamedTuple):
     """scalar ``max_t |pi / pi_old - 1|`` over the valid tokens (on-policy only), else None."""
 
 
+StepTerm = Callable[[], tuple[MicroLoss, "Tensor | float"]]
+"""A term added once to every optimizer step's loss (the text anchor,
+:meth:`tether.trainers.anchor.TextAnchor.term`): it returns its :class:`MicroLoss`, a mean over
+this process's part of its own batch, and that part's share of the batch over every process."""
+
+
 class UpdateStats(NamedTuple):
     """What :func:`minibatch_update` returns: every value is the same on every process."""
 
@@ -256,12 +262,23 @@ def _weighted_loss(
     return out.loss * (share * D.world_size())
 
 
+def _weighted_term(step_term: StepTerm, *, weighted: dict[str, float]) -> Tensor:
+    """A :data:`StepTerm`'s forward: its loss scaled by ``share * world``, its statistics added to
+    ``weighted`` times ``share``."""
+    out, share = step_term()
+    for k, v in out.stats.items():
+        weighted[k] = weighted.get(k, 0.0) + float(v) * float(share)
+    return out.loss * (share * D.world_size())
+
+
 def minibatch_update(
     record,
     minibatches: Iterable[Tensor],
     minibatch_loss: Callable[..., MicroLoss],
     optimization: Optimization,
     micro_batch_size: int | None = None,
+    *,
+    step_term: StepTerm | None = None,
 ) -> UpdateStats:
     """One optimizer step per minibatch, gradients accumulated over its micro-batches.
 
@@ -288,6 +305,9 @@ def minibatch_update(
         optimization: the optimizer and the rest of :func:`optimizer_step`'s settings
             (:class:`Optimization`).
         micro_batch_size: rows per micro-batch (``optim.micro_batch_size``), None for one.
+        step_term: a term added once to each optimizer step's loss (:data:`StepTerm`: the text
+            anchor), its forward and backward first, before the micro-batches' (under DDP its
+            gradients are then all-reduced with the last micro-batch's); None for none.
 
     Returns:
         :class:`UpdateStats`.
@@ -308,6 +328,8 @@ def minibatch_update(
             partial(_weighted_loss, minibatch_loss, part, j == 0, share, weighted=weighted, devs=devs)
             for j, (part, share) in enumerate(zip(parts, shares))
         ]
+        if step_term is not None:  # once per optimizer step, never per micro-batch
+            losses.insert(0, partial(_weighted_term, step_term, weighted=weighted))
         norm = optimizer_step(
             o.optimizer,
             o.params,

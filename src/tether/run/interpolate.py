@@ -1,0 +1,228 @@
+"""``tether interpolate RUN --alpha A,B,...``: the weights between the reference and the trained
+policy, each evaluated as the run evaluates its final policy.
+
+At each ``alpha`` the policy's weights are ``(1 - alpha) theta_ref + alpha theta`` (every tensor
+of the saved policy; frozen ones are equal on both sides). Weight averaging with the starting model
+is the zero-training-cost answer to the alignment tax (Lin et al. 2024, "Mitigating the Alignment
+Tax of RLHF"; WiSE-FT, Wortsman et al. 2022): the baseline any regularizer, the text anchor
+included, must beat on the gain-against-forgetting front. With LoRA the adapter's update is scaled
+(its ``lora_B`` times ``alpha``): ``W + alpha B A``, the same interpolation of the merged weights.
+
+Each alpha is evaluated with the run's own held-out evaluation (the same prompts, seeds, scorers,
+fluency judge and capability probe as its ``eval.json``), against the reference's evaluation the
+run kept (``eval_reference.json``): ``alpha = 0`` is the reference's numbers and ``alpha = 1`` the
+saved policy's (tested). Written to ``RUN/interpolate.json`` and ``RUN/interpolate.png``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import torch
+
+from tether.run.console import say
+
+log = logging.getLogger(__name__)
+
+COLUMNS = (
+    ("gain", "proxy gain"),
+    ("gold_gain", "gold gain"),
+    ("kl", "held-out KL"),
+    ("fluency_nll_change", "fluency NLL"),
+    ("distinct_2_change", "distinct-2"),
+    ("capability_nll_change", "capability NLL"),
+)
+"""The table's numbers (``interpolate.json`` keys, each with ``_se`` where it has one) and headings."""
+
+
+def parse_alphas(text: str) -> list[float]:
+    """``"0,0.5,1"`` -> ``[0.0, 0.5, 1.0]``, sorted and distinct.
+
+    Raises:
+        ValueError: a value that is not a finite number in [0, 1] (extrapolating past the policy or
+            the reference is not what this measures), or none.
+    """
+    out = []
+    for part in text.split(","):
+        try:
+            a = float(part)
+        except ValueError:
+            raise ValueError(
+                f"--alpha: {part.strip()!r} is not a number; give values in [0, 1], e.g. 0,0.5,1"
+            ) from None
+        if not (math.isfinite(a) and 0 <= a <= 1):
+            raise ValueError(f"--alpha: {a} is outside [0, 1] (0 = the reference, 1 = the trained policy)")
+        out.append(a)
+    if not out:
+        raise ValueError("--alpha: no value; give values in [0, 1], e.g. 0,0.25,0.5,0.75,1")
+    return sorted(set(out))
+
+
+def saved_policy_tensors(policy_dir: Path) -> dict[str, torch.Tensor]:
+    """The trained LM's tensors of a run's ``policy`` folder (``save_pretrained``'s safetensors files,
+    the value head left out), by their names in the LM's state dict.
+
+    Raises:
+        FileNotFoundError: no such folder or no weights in it (``train.save_model=false``).
+    """
+    from safetensors.torch import load_file
+
+    files = sorted(p for p in Path(policy_dir).glob("*.safetensors") if p.name != "value_head.safetensors")
+    if not files:
+        raise FileNotFoundError(
+            f"{policy_dir}: no saved policy weights; the run kept no final policy (train.save_model=false)"
+        )
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        out.update(load_file(str(f)))
+    return out
+
+
+class Interpolation:
+    """The policy's LM set to ``(1 - alpha) theta_ref + alpha theta`` in place.
+
+    Args:
+        lm: the run's policy LM, holding the reference's weights (freshly loaded).
+        trained: the trained tensors by state-dict name (:func:`saved_policy_tensors`).
+
+    Raises:
+        RuntimeError: a trained tensor the LM does not have, or of another shape (another model).
+    """
+
+    def __init__(self, lm: torch.nn.Module, trained: dict[str, torch.Tensor]):
+        state = lm.state_dict()
+        bad = [k for k in trained if k not in state or state[k].shape != trained[k].shape]
+        if bad:
+            raise RuntimeError(
+                f"the saved policy does not match the run's model ({bad[:3]}): was model.name changed?"
+            )
+        self.lm = lm
+        self.targets = {k: state[k] for k in trained}  # the LM's own tensors, written in place
+        self.reference = {k: v.detach().clone() for k, v in self.targets.items()}
+        self.trained = {k: v.to(self.targets[k].device, self.targets[k].dtype) for k, v in trained.items()}
+        self.changed = [k for k in self.targets if not torch.equal(self.reference[k], self.trained[k])]
+        """The tensors training moved (the others are equal at every alpha)."""
+
+    @torch.no_grad()
+    def set(self, alpha: float) -> None:
+        """Write ``(1 - alpha) ref + alpha trained`` into the LM (exactly ``ref`` at 0, ``trained`` at 1)."""
+        for k in self.changed:
+            if alpha == 0:
+                self.targets[k].copy_(self.reference[k])
+            elif alpha == 1:
+                self.targets[k].copy_(self.trained[k])
+            else:
+                torch.lerp(self.reference[k], self.trained[k], alpha, out=self.targets[k])
+
+
+def interpolation_row(alpha: float, result: dict) -> dict:
+    """One alpha's row of ``interpolate.json`` from :func:`tether.run.evaluation.compare`'s result
+    (plus the capability probe's numbers when it ran)."""
+    kl = result["policy"].get("kl")
+    row = {"alpha": alpha, "kl": kl if kl is not None and kl == kl else None}  # NaN (no reference): none
+    for key in ("gain", "gold_gain", "fluency_nll_change", "distinct_2_change", "capability_nll_change"):
+        if key in result:
+            row[key] = result[key]
+            se = result.get(f"{key}_se_paired", result.get(f"{key}_se"))
+            if se is not None:
+                row[f"{key}_se"] = se
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    """The rows as a text table, one line per alpha (``n/a`` where a number is missing)."""
+    shown = [(k, h) for k, h in COLUMNS if any(k in r for r in rows)]
+    head = "alpha | " + " | ".join(h for _, h in shown)
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        cells = []
+        for k, _ in shown:
+            v, se = r.get(k), r.get(f"{k}_se")
+            cells.append(
+                "n/a" if v is None or v != v else f"{v:+.3f}" + (f" ± {se:.3f}" if se is not None else "")
+            )
+        lines.append(f"{r['alpha']:.3g} | " + " | ".join(cells))
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], out: Path) -> None:
+    """``interpolate.png``: the proxy gain and the capability change against the held-out KL, one
+    point per alpha (labelled), error bars of one SE."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, label in (
+        (axes[0], "gain", "held-out proxy gain"),
+        (axes[1], "capability_nll_change", "capability NLL change (nats/token)"),
+    ):
+        pts = [r for r in rows if r.get(key) is not None and r.get("kl") is not None]
+        if not pts:
+            ax.set_title(f"{label}: not measured")
+            continue
+        ax.errorbar(
+            [r["kl"] for r in pts],
+            [r[key] for r in pts],
+            yerr=[r.get(f"{key}_se", 0.0) for r in pts],
+            marker="o",
+            capsize=3,
+        )
+        for r in pts:
+            ax.annotate(f"α={r['alpha']:.3g}", (r["kl"], r[key]), textcoords="offset points", xytext=(4, 4))
+        ax.axhline(0, color="grey", lw=0.5)
+        ax.set_xlabel("held-out KL to the reference (nats per sequence)")
+        ax.set_ylabel(label)
+    fig.suptitle("(1 - α) θ_ref + α θ: the trained policy's weights interpolated toward the reference")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def interpolate(run_dir: str | Path, alphas: list[float]) -> list[dict]:
+    """Evaluate the run's saved policy interpolated toward its reference at each alpha; write
+    ``interpolate.json`` and ``interpolate.png`` into the run folder; return the rows.
+
+    Raises:
+        FileNotFoundError: not a run folder, or no saved policy. ValueError: a LoRA run (not built
+            yet), or a run whose reference evaluation is missing (eval.n_prompts=0).
+    """
+    from tether.judges.scorers import make_scorer
+    from tether.run.config import load_config
+    from tether.run.evaluation import Evaluator, compare, fluency_judge, reference_eval
+    from tether.run.files import write_json_file
+    from tether.run.lock import release as release_lock
+    from tether.run.setup import build_run
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        raise FileNotFoundError(f"{run_dir}: not a tether run folder (no config.yaml)")
+    trained = saved_policy_tensors(run_dir / "policy")
+    config = load_config(str(run_dir / "config.yaml"), [f"train.output_dir={run_dir}"]).for_run()
+    if config.model.lora:
+        raise ValueError(f"{run_dir}: a LoRA run; tether interpolate scales full weights only for now")
+    if not config.eval.n_prompts:
+        raise ValueError(f"{run_dir}: eval.n_prompts=0, so the run has no held-out evaluation to repeat")
+    judge = make_scorer(config.eval.judge) if config.eval.judge != "none" else None
+    run = build_run(config, resume=True)
+    try:
+        show = config.train.progress
+        evaluator = Evaluator(run, judge, fluency_judge(run))
+        before = reference_eval(evaluator, run_dir, show)
+        weights = Interpolation(run.policy.lm, trained)
+        rows = []
+        for alpha in alphas:
+            weights.set(alpha)
+            say(f"tether: alpha {alpha:g}: evaluating (1 - alpha) theta_ref + alpha theta", show)
+            result = compare(before, evaluator(f"alpha={alpha:g}", evaluator.heldout))
+            if evaluator.capability is not None:
+                result |= evaluator.measure_capability()
+            rows.append(interpolation_row(alpha, result))
+        write_json_file(run_dir / "interpolate.json", {"rows": rows, "n_prompts": len(evaluator.heldout)})
+        plot(rows, run_dir / "interpolate.png")
+        return rows
+    finally:
+        release_lock(run.writer.lock)

@@ -1,0 +1,191 @@
+"""The text anchor in the update: one batch of human text per optimizer step (``anchor.*``).
+
+:class:`TextAnchor` holds the tokenized texts, cuts them into fixed batches (batch ``k`` is
+always the same rows, so the reference's share of the work is done once per batch), and for each
+optimizer step returns the anchor's term on the next batch (:func:`tether.core.anchor.anchor_term`):
+the policy's logits with grad against the reference's log-probabilities, which come from the
+reference's last hidden states cached per batch (the text is fixed, the reference frozen; only its
+LM head runs again, float32 exact). :func:`tether.trainers.update.minibatch_update` adds it to the
+step's loss once, before the step's micro-batches (:data:`tether.trainers.update.StepTerm`).
+
+Several processes: each takes an equal share of every batch's rows (``anchor.batch_size`` is a
+multiple of the world size), its term a token mean over its rows weighed by its share of the
+batch's tokens over every process (:func:`tether.core.distributed.token_shares`), so the terms
+sum to the token mean of the whole batch and DDP's average makes it the gradient of that mean.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from tether.core import distributed as D
+from tether.core.anchor import AnchorKind, anchor_term
+from tether.models.head import apply_head, position_ids_from_mask, tail_hidden, tail_logits
+from tether.models.policy import PolicyWithValue
+from tether.trainers.update import MicroLoss
+
+
+@dataclass(frozen=True, kw_only=True)
+class AnchorSettings:
+    """``anchor.*`` as the update uses them."""
+
+    coef: float
+    kind: AnchorKind
+    batch_size: int
+    """Texts per optimizer step over every process."""
+    max_tokens: int
+    chunk_size: int = 1024
+    """Positions per chunk of the forward KL (``kl.exact_chunk_size``)."""
+
+
+@dataclass
+class TextBatch:
+    """One anchor batch, this process's rows, left-padded."""
+
+    input_ids: Tensor
+    """(B, L - 1) long: each text but its last token."""
+    attention_mask: Tensor
+    """(B, L - 1) long, 0 on padding."""
+    targets: Tensor
+    """(B, L - 1) long: the next token at each position."""
+    mask: Tensor
+    """(B, L - 1) bool: True where a position and its next token are text (not padding)."""
+
+
+def tokenize_texts(tokenizer, texts: list[str], max_tokens: int) -> list[list[int]]:
+    """Each text's ids (``tokenizer(text)``, special tokens as the tokenizer adds them), its first
+    ``max_tokens``; texts of fewer than 2 tokens are left out (nothing to predict)."""
+    ids = [tokenizer(t).input_ids[:max_tokens] for t in texts]
+    return [i for i in ids if len(i) >= 2]
+
+
+def text_batch(rows: list[list[int]], pad_id: int, device) -> TextBatch:
+    """Rows of token ids, left-padded to one length (:class:`TextBatch`)."""
+    L = max(len(r) for r in rows)
+    ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(rows), L), dtype=torch.long)
+    for j, r in enumerate(rows):
+        ids[j, L - len(r) :] = torch.tensor(r)
+        attn[j, L - len(r) :] = 1
+    ids, attn = ids.to(device), attn.to(device)
+    return TextBatch(
+        input_ids=ids[:, :-1],
+        attention_mask=attn[:, :-1],
+        targets=ids[:, 1:],
+        mask=attn[:, :-1].bool(),  # left padding: a real position's next token is real too
+    )
+
+
+class TextAnchor:
+    """The anchor's term per optimizer step (see the module's docstring).
+
+    Args:
+        policy: the run's policy (its LM runs with grad; its frozen blocks' replay is used).
+        reference: the frozen reference (an LM, or the LoRA base with adapters off).
+        texts: the human texts. tokenizer: the policy's. settings: :class:`AnchorSettings`.
+
+    Raises:
+        ValueError: fewer usable texts (2 tokens or more) than one batch.
+    """
+
+    def __init__(
+        self, *, policy: PolicyWithValue, reference, texts: list[str], tokenizer, settings: AnchorSettings
+    ):
+        self.policy, self.reference, self.settings = policy, reference, settings
+        rows = tokenize_texts(tokenizer, texts, settings.max_tokens)
+        n_batches = len(rows) // settings.batch_size
+        if n_batches == 0:
+            raise ValueError(
+                f"anchor.texts: {len(rows)} texts of 2 tokens or more, fewer than anchor.batch_size="
+                f"{settings.batch_size}; give more text or a smaller batch"
+            )
+        self.n_batches = n_batches
+        self.rows = rows[: n_batches * settings.batch_size]  # the remainder is left out
+        pad = tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else (tokenizer.eos_token_id or 0)
+        self.position = 0
+        """Optimizer steps taken with the anchor; the next batch: ``position % n_batches`` (checkpointed)."""
+        self.ref_hidden: dict[int, Tensor] = {}
+        """The reference's last hidden states (B, L - 1, d) of this process's rows of each batch used."""
+        self.tokens = sum(len(r) - 1 for r in self.rows)
+
+    def batch(self, k: int) -> TextBatch:
+        """This process's rows of batch ``k`` (:func:`tether.core.distributed.shard`)."""
+        bs = self.settings.batch_size
+        rows = self.rows[k * bs : (k + 1) * bs]
+        mine = D.shard(len(rows))
+        device = next(self.policy.parameters()).device
+        return text_batch(rows[mine], self.pad_id, device)
+
+    def reference_logprobs(self, k: int, b: TextBatch) -> Tensor:
+        """(B, L - 1, V) float32 log-probabilities of the reference on batch ``k``: its trunk once
+        per batch (cached hidden states), its LM head each time."""
+        with torch.no_grad():
+            if k not in self.ref_hidden:
+                self.ref_hidden[k] = tail_hidden(
+                    self.reference,
+                    b.input_ids,
+                    attention_mask=b.attention_mask,
+                    position_ids=position_ids_from_mask(b.attention_mask),
+                    n_keep=b.input_ids.shape[1],
+                )
+            # the policy's head slices (apply_head): at equal weights the logits agree bit for bit
+            logits = apply_head(self.reference, self.ref_hidden[k], self.policy.head_chunk)
+            return torch.log_softmax(logits.float(), dim=-1)
+
+    def term(self) -> tuple[MicroLoss, Tensor]:
+        """The next batch's term: ``(MicroLoss, share)``, the loss a token mean over this process's
+        rows times ``anchor.coef`` (stats ``anchor/forward_kl``, ``anchor/nll``, nats per token)
+        and this process's share of the batch's tokens over every process (1 in one process).
+        Advances :attr:`position`."""
+        k = self.position % self.n_batches
+        self.position += 1
+        b = self.batch(k)
+        ref_logprobs = self.reference_logprobs(k, b)
+        policy = self.policy
+        logits, _ = tail_logits(
+            policy.lm,
+            b.input_ids,
+            attention_mask=b.attention_mask,
+            position_ids=position_ids_from_mask(b.attention_mask),
+            n_keep=b.input_ids.shape[1],
+            chunk_positions=policy.head_chunk,
+            replay=policy.frozen,
+        )
+        s = self.settings
+        out = anchor_term(
+            logits, ref_logprobs, b.targets, b.mask, coef=s.coef, kind=s.kind, chunk_size=s.chunk_size
+        )
+        share = D.token_shares([b.mask])[0]
+        stats = {"anchor/forward_kl": out.forward_kl, "anchor/nll": out.nll}
+        return MicroLoss(out.loss, stats), share
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = int(state["position"])
+
+
+def text_anchor(run) -> TextAnchor | None:
+    """The run's :class:`TextAnchor` (``anchor.*``, the texts :func:`tether.run.setup.load_anchor_texts`
+    loaded), or None when ``anchor.coef`` is 0."""
+    a = run.config.anchor
+    if not a.on or run.anchor_texts is None:
+        return None
+    return TextAnchor(
+        policy=run.policy,
+        reference=run.reference,
+        texts=run.anchor_texts,
+        tokenizer=run.tokenizer,
+        settings=AnchorSettings(
+            coef=a.coef,
+            kind=a.kind,
+            batch_size=a.batch_size,
+            max_tokens=a.max_tokens,
+            chunk_size=run.config.kl.exact_chunk_size,
+        ),
+    )

@@ -1,0 +1,44 @@
+"""tether interpolate: the saved policy moved back toward its reference, evaluated as the run was."""
+
+import json
+
+import pytest
+
+from tests.conftest import tiny_cli_args as _tiny_args
+from tether.cli import main
+from tether.run.interpolate import parse_alphas
+
+
+def test_the_ends_are_the_reference_and_the_saved_policy(tiny_model_dir, prompt_file, tmp_path, capsys):
+    # alpha 0 is the reference's weights: its held-out samples are the reference's (same seeds), so
+    # every change is exactly 0; alpha 1 is the saved policy: eval.json's numbers, exactly
+    out = tmp_path / "run"
+    args = _tiny_args(tiny_model_dir, prompt_file, out) + ["train.save_model=true", "optim.lr=3e-2"]
+    assert main(args) == 0
+    capsys.readouterr()
+    assert main(["interpolate", str(out), "--alpha", "1,0,0.5"]) == 0
+    printed = capsys.readouterr().out
+    assert "alpha | proxy gain" in printed and "interpolate.png" in printed
+    rows = json.loads((out / "interpolate.json").read_text())["rows"]
+    assert [r["alpha"] for r in rows] == [0.0, 0.5, 1.0]
+    final = json.loads((out / "eval.json").read_text())
+    assert rows[0]["gain"] == 0.0 and rows[0]["kl"] == 0.0 and rows[0]["fluency_nll_change"] == 0.0
+    assert rows[0]["gold_gain"] == 0.0
+    assert rows[2]["gain"] == final["gain"] and rows[2]["gold_gain"] == final["gold_gain"]
+    assert rows[2]["kl"] == final["policy"]["kl"] and rows[2]["kl"] > 0
+    assert (out / "interpolate.png").stat().st_size > 0
+    assert main(["interpolate", str(out), "--alpha", "0"]) == 0  # the run folder's lock was released
+
+
+def test_bad_alphas_and_folders_are_refused(tiny_model_dir, prompt_file, tmp_path, capsys):
+    for text, match in (("x", "not a number"), ("1.5", "outside"), ("-0.1", "outside"), ("nan", "outside")):
+        with pytest.raises(ValueError, match=match):
+            parse_alphas(text)
+    assert parse_alphas("1, 0,0.5,0") == [0.0, 0.5, 1.0]
+    assert main(["interpolate", str(tmp_path / "nothing")]) == 1
+    assert "not a tether run folder" in capsys.readouterr().err
+    out = tmp_path / "run"  # a run that saved no policy
+    assert main(_tiny_args(tiny_model_dir, prompt_file, out) + ["train.save_model=false"]) == 0
+    capsys.readouterr()
+    assert main(["interpolate", str(out)]) == 1
+    assert "train.save_model=false" in capsys.readouterr().err

@@ -1,0 +1,97 @@
+"""TextAnchor's term on a tiny model: value and gradient against the float64 definition."""
+
+import copy
+
+import pytest
+import torch
+
+from tether.models.policy import PolicyWithValue
+from tether.trainers.anchor import AnchorSettings, TextAnchor, text_batch, tokenize_texts
+
+TEXTS = [
+    "the rain fell on the quiet town all night",
+    "a short one",
+    "markets rose as the news came in from abroad",
+    "x",  # one token or two: left out when under 2 tokens
+    "the council met to discuss the new library and its budget",
+    "she wrote the letter by hand",
+]
+
+
+def _models(tiny_lm):
+    reference = copy.deepcopy(tiny_lm)
+    policy = PolicyWithValue(tiny_lm)
+    with torch.no_grad():  # move the policy off the reference
+        g = torch.Generator().manual_seed(3)
+        for p in policy.lm.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    return policy, reference
+
+
+def _definition(policy, reference, batch, *, kind, coef):
+    # the float64 definition, every position, by autograd: coef * token mean of
+    # sum_v q log(q / p) (forward_kl) or -log p(target) (ptx)
+    lm, ref = copy.deepcopy(policy.lm).double(), copy.deepcopy(reference).double()
+    pos = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
+    lp = torch.log_softmax(
+        lm(batch.input_ids, attention_mask=batch.attention_mask, position_ids=pos).logits, -1
+    )
+    with torch.no_grad():
+        lq = torch.log_softmax(
+            ref(batch.input_ids, attention_mask=batch.attention_mask, position_ids=pos).logits, -1
+        )
+    per = (
+        (lq.exp() * (lq - lp)).sum(-1)
+        if kind == "forward_kl"
+        else -lp.gather(-1, batch.targets[..., None])[..., 0]
+    )
+    loss = coef * per[batch.mask].mean()
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in lm.named_parameters()}
+
+
+@pytest.mark.parametrize("kind", ["forward_kl", "ptx"])
+def test_the_terms_value_and_gradient_equal_the_float64_definition(tiny_lm, tiny_tokenizer, kind):
+    policy, reference = _models(tiny_lm)
+    settings = AnchorSettings(coef=0.7, kind=kind, batch_size=2, max_tokens=8, chunk_size=5)
+    anchor = TextAnchor(
+        policy=policy, reference=reference, texts=TEXTS, tokenizer=tiny_tokenizer, settings=settings
+    )
+    rows = tokenize_texts(tiny_tokenizer, TEXTS, 8)
+    assert anchor.n_batches == len(rows) // 2 and anchor.rows == rows[: 2 * anchor.n_batches]
+    for k in range(anchor.n_batches + 1):  # around the texts and back to batch 0
+        policy.zero_grad(set_to_none=True)
+        out, share = anchor.term()
+        out.loss.backward()
+        batch = text_batch(anchor.rows[(k % anchor.n_batches) * 2 :][:2], anchor.pad_id, "cpu")
+        value, grads = _definition(policy, reference, batch, kind=kind, coef=0.7)
+        assert share == 1.0
+        # float32 against float64: the logits' rounding (~1e-7 relative) through sums over a
+        # vocabulary of ~100 and ~10 positions stays under 1e-5 relative; 1e-4 leaves 10x room
+        assert out.loss.item() == pytest.approx(value, rel=1e-4)
+        for name, p in policy.lm.named_parameters():
+            scale = grads[name].abs().max().item()
+            assert torch.allclose(p.grad.double(), grads[name], atol=1e-4 * scale + 1e-9), name
+    assert anchor.position == anchor.n_batches + 1
+    assert len(anchor.ref_hidden) == anchor.n_batches  # the reference's trunk once per batch
+
+
+def test_at_the_reference_the_forward_kl_term_is_exactly_zero(tiny_lm, tiny_tokenizer):
+    # the policy's and the reference's logits come from the same trunk and head slices: bit for bit
+    policy, reference = PolicyWithValue(tiny_lm), copy.deepcopy(tiny_lm)
+    settings = AnchorSettings(coef=1.0, kind="forward_kl", batch_size=3, max_tokens=12)
+    anchor = TextAnchor(
+        policy=policy, reference=reference, texts=TEXTS, tokenizer=tiny_tokenizer, settings=settings
+    )
+    out, _ = anchor.term()
+    assert out.stats["anchor/forward_kl"].item() == 0.0 and out.loss.item() == 0.0
+    assert out.stats["anchor/nll"].item() > 0
+
+
+def test_too_few_texts_name_the_batch_size(tiny_lm, tiny_tokenizer):
+    policy, reference = PolicyWithValue(tiny_lm), copy.deepcopy(tiny_lm)
+    settings = AnchorSettings(coef=1.0, kind="forward_kl", batch_size=8, max_tokens=12)
+    with pytest.raises(ValueError, match="anchor.batch_size=8"):
+        TextAnchor(
+            policy=policy, reference=reference, texts=TEXTS, tokenizer=tiny_tokenizer, settings=settings
+        )
