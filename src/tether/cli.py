@@ -162,10 +162,19 @@ def _interpolate(run_dir: str, alphas: str) -> int:
     from tether.run.config import ConfigError
     from tether.run.folder import RunFolderError, check_no_links
     from tether.run.interpolate import interpolate, parse_alphas, table
+    from tether.run.lock import RunLocked
 
     try:
         check_no_links(Path(run_dir), "tether interpolate")
         rows = interpolate(run_dir, parse_alphas(alphas))
+    except RunLocked as e:  # its advice names train.output_dir, a training run's way out
+        said = (
+            _said(e)
+            .replace(", or use another train.output_dir", "")
+            .replace(", stop it, or use another train.output_dir", " or stop it")
+        )
+        print(f"tether: error: {said} (tether interpolate reads the run's folder alone)", file=sys.stderr)
+        return 1
     except (FileNotFoundError, ValueError, RuntimeError, ConfigError, RunFolderError) as e:
         print(f"tether: error: {_said(e)}", file=sys.stderr)
         return 1

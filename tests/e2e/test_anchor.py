@@ -47,6 +47,27 @@ def test_the_anchor_acts_once_per_optimizer_step_and_logs_nats_per_token(
     assert all(math.isfinite(r["anchor/nll"]) and r["anchor/nll"] > 0 for r in rows)
     assert rows[-1]["anchor/forward_kl"] > 0  # the policy moved off the reference on the text
     assert calls == list(range(len(rows)))  # one term per optimizer step, the batches in order
+    card = (out / "policy" / "README.md").read_text()
+    assert "| text anchor | `anchor.coef=0.5`" in card and "forward KL" in card
+
+
+def test_dpo_takes_the_anchor_once_per_optimizer_step(
+    tiny_model_dir, prompt_file, anchor_file, tmp_path, monkeypatch
+):
+    # DPO's update goes through the same minibatch_update: one anchor term per optimizer step
+    from tether.trainers.anchor import TextAnchor
+
+    calls = []
+    real = TextAnchor.term
+    monkeypatch.setattr(TextAnchor, "term", lambda self: calls.append(self.position) or real(self))
+    out = tmp_path / "dpo"
+    dpo = ["train.algo=dpo", "dpo.n_pairs=8", "dpo.candidates=2", "dpo.kl_eval_prompts=4", "train.steps=2"]
+    dpo += ["reward.scorer=tests.conftest:length_judge"]  # scores that differ: pairs to sample
+    assert main(_tiny_args(tiny_model_dir, prompt_file, out) + dpo + _anchor(anchor_file)) == 0
+    rows = metric_rows(out)
+    assert all(math.isfinite(r["anchor/forward_kl"]) and r["anchor/nll"] > 0 for r in rows)
+    # 4 pairs a step in minibatches of 2, 2 epochs (tiny_cli_args): 4 optimizer steps a step
+    assert calls == list(range(4 * len(rows)))
 
 
 def test_the_anchor_holds_the_forward_kl_on_its_text(tiny_model_dir, prompt_file, anchor_file, tmp_path):
@@ -65,6 +86,28 @@ def test_the_anchor_holds_the_forward_kl_on_its_text(tiny_model_dir, prompt_file
 
     loose, held = last_fkl(1e-9, tmp_path / "loose"), last_fkl(20.0, tmp_path / "held")
     assert held < 0.5 * loose, (held, loose)
+
+
+def test_the_anchors_frozen_blocks_kept_across_steps_change_no_number(
+    tiny_model_dir, prompt_file, anchor_file, tmp_path, monkeypatch
+):
+    # model.trainable_layers=1: the anchor's 3 batches come round every 3 optimizer steps and
+    # replay block 0's kept output; the rows equal those of a run that runs block 0 every time
+    from tether.models.frozen import FrozenBlocks
+
+    replays = []
+    real = FrozenBlocks._replaying
+    monkeypatch.setattr(FrozenBlocks, "_replaying", lambda *a: replays.append(1) or real(*a))
+
+    def rows(out, *extra):
+        args = _tiny_args(tiny_model_dir, prompt_file, out) + _anchor(anchor_file, "model.trainable_layers=1")
+        assert main(args + ["optim.lr=3e-2", *extra]) == 0
+        return metric_rows(out)
+
+    on = rows(tmp_path / "on")
+    n_on = len(replays)
+    assert on == rows(tmp_path / "off", "model.replay_frozen_blocks=false")
+    assert n_on > 0 and len(replays) == n_on
 
 
 def test_a_run_with_the_anchor_resumed_equals_the_uninterrupted_one(

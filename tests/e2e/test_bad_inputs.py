@@ -350,3 +350,12 @@ def test_non_finite_gradient_stops_before_the_weights_change():
         optimizer_step(opt, [w], loss, 1.0, "ppo")
     assert torch.equal(w.detach(), torch.tensor([1.0, 2.0]))  # no step was taken
     assert not opt.state  # AdamW never stepped: its moments are untouched
+
+
+def test_more_trainable_layers_than_blocks_is_refused(tiny_model_dir, prompt_file, tmp_path, capsys):
+    # the tiny Llama has 2 blocks: 5 would have sliced from block -3 (the last one alone) before
+    out = tmp_path / "run"
+    assert main(_base(tiny_model_dir, prompt_file, out) + ["model.trainable_layers=5"]) == 1
+    err = capsys.readouterr().err
+    assert "model.trainable_layers=5" in err and "has 2 transformer blocks" in err
+    assert not out.exists()  # the failed start leaves nothing

@@ -148,3 +148,17 @@ def test_a_resumed_run_does_not_score_the_reference_again(tiny_model_dir, prompt
     # every row, kl/reference_forwards included: the reference's capability NLLs are read back
     assert metric_rows(part) == metric_rows(full)
     assert (part / "eval_reference_capability.json").exists()
+
+
+def test_the_anchors_builtin_texts_never_hold_a_probe_sentence():
+    # the anchor trains on the capability file's sentences from rank PROBE_MAX on; none of them
+    # may be a probe sentence, hold one, or be held in one (after lower-casing and joining white
+    # space): the file repeats 5 snippets inside longer ones, which are left out
+    from tether.data.capability import PROBE_MAX, _ranked, anchor_texts, capability_texts, normalized
+
+    probe = [normalized(t) for t in capability_texts(PROBE_MAX)]
+    anchor = anchor_texts()
+    assert len(anchor) == len(_ranked()) - PROBE_MAX - 5
+    for text in anchor:
+        n = normalized(text)
+        assert not any(p in n or n in p for p in probe), text

@@ -35,6 +35,9 @@ def test_bad_alphas_and_folders_are_refused(tiny_model_dir, prompt_file, tmp_pat
         with pytest.raises(ValueError, match=match):
             parse_alphas(text)
     assert parse_alphas("1, 0,0.5,0") == [0.0, 0.5, 1.0]
+    assert parse_alphas("-0,1") == [0.0, 1.0] and str(parse_alphas("-0")[0]) == "0.0"
+    with pytest.raises(ValueError, match="no value"):
+        parse_alphas(" , ")
     assert main(["interpolate", str(tmp_path / "nothing")]) == 1
     assert "not a tether run folder" in capsys.readouterr().err
     out = tmp_path / "run"  # a run that saved no policy

@@ -47,6 +47,9 @@ def test_counts_the_frozen_lower_blocks():
     trainable_norm = _four_blocks()
     trainable_norm.model.norm.weight.requires_grad_(True)  # runs after the blocks: still 2
     assert frozen_lower_blocks(trainable_norm) == 2
+    # Gemma 3n's and 4's blocks share keys and values across blocks: a replay would leave them unset
+    trainable_norm.config.num_kv_shared_layers = 2
+    assert frozen_lower_blocks(trainable_norm) == 0
 
 
 def test_a_replay_equals_running_the_blocks_bit_for_bit_and_skips_them():
@@ -131,3 +134,33 @@ def test_a_policy_scores_the_same_with_and_without_the_replay():
             assert torch.equal(logits, expected[0]) and torch.equal(values, expected[1])
     assert replaying.frozen.replayed == 2
     assert PolicyWithValue(_four_blocks(), replay_frozen=False).frozen is None
+
+
+def test_a_kept_recording_outlives_its_session_until_a_frozen_weight_changes():
+    # the text anchor's batches are fixed and come back every few steps: a `keep` key holds their
+    # recording past the session (and out of one), checked against the inputs each time
+    lm = _four_blocks()
+    frozen = FrozenBlocks(lm, 2)
+    ids, mask, pos = _batch()
+    first = _counting(lm.model.layers[0].mlp)
+    plain = tail_hidden(lm, ids, mask, pos, n_keep=4)
+    with frozen.session():
+        tail_hidden(lm, ids, mask, pos, n_keep=4, replay=frozen, replay_key=("anchor", 0))
+    assert ("anchor", 0) in frozen.kept and frozen.recordings == []
+    runs = len(first)
+    again = tail_hidden(lm, ids, mask, pos, n_keep=4, replay=frozen, replay_key=("anchor", 0))  # no session
+    assert torch.equal(again, plain) and len(first) == runs and frozen.replayed == 1
+    other = ids.flip(0)  # other inputs under the same key: run and recorded anew, not replayed
+    assert torch.equal(
+        tail_hidden(lm, other, mask.flip(0), pos.flip(0), n_keep=4, replay=frozen, replay_key=("anchor", 0)),
+        tail_hidden(lm, other, mask.flip(0), pos.flip(0), n_keep=4),
+    )
+    assert frozen.replayed == 1
+    with torch.no_grad():
+        lm.model.layers[0].mlp.up_proj.weight.mul_(0.5)  # a frozen weight changed: nothing kept holds
+    runs = len(first)
+    changed = tail_hidden(
+        lm, other, mask.flip(0), pos.flip(0), n_keep=4, replay=frozen, replay_key=("anchor", 0)
+    )
+    assert len(first) == runs + 1 and frozen.replayed == 1
+    assert torch.equal(changed, tail_hidden(lm, other, mask.flip(0), pos.flip(0), n_keep=4))

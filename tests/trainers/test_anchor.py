@@ -95,3 +95,39 @@ def test_too_few_texts_name_the_batch_size(tiny_lm, tiny_tokenizer):
         TextAnchor(
             policy=policy, reference=reference, texts=TEXTS, tokenizer=tiny_tokenizer, settings=settings
         )
+
+
+def test_past_its_memory_cap_the_reference_runs_again_with_the_same_numbers(
+    tiny_lm, tiny_tokenizer, monkeypatch
+):
+    # REF_HIDDEN_BYTES = 0: nothing kept, each batch's reference trunk runs each time; the terms
+    # equal those of an anchor that keeps them
+    import tether.trainers.anchor as anchor_module
+
+    policy, reference = _models(tiny_lm)
+    settings = AnchorSettings(coef=1.0, kind="forward_kl", batch_size=2, max_tokens=8)
+    kept = TextAnchor(
+        policy=policy, reference=reference, texts=TEXTS, tokenizer=tiny_tokenizer, settings=settings
+    )
+    expected = [kept.term()[0].loss.item() for _ in range(3)]
+    monkeypatch.setattr(anchor_module, "REF_HIDDEN_BYTES", 0)
+    capped = TextAnchor(
+        policy=policy, reference=reference, texts=TEXTS, tokenizer=tiny_tokenizer, settings=settings
+    )
+    assert [capped.term()[0].loss.item() for _ in range(3)] == expected
+    assert capped.ref_hidden == {} and len(kept.ref_hidden) == 2
+
+
+def test_max_tokens_past_the_models_positions_is_cut_there(tiny_lm, tiny_tokenizer, caplog):
+    # the tiny Llama has 128 positions: a 400-token text is cut at 128, not fed past the model's
+    # context (GPT-2 raised an IndexError there)
+    policy, reference = PolicyWithValue(tiny_lm), copy.deepcopy(tiny_lm)
+    long_text = " ".join(["word"] * 400)
+    settings = AnchorSettings(coef=1.0, kind="forward_kl", batch_size=1, max_tokens=100000)
+    anchor = TextAnchor(
+        policy=policy, reference=reference, texts=[long_text], tokenizer=tiny_tokenizer, settings=settings
+    )
+    assert anchor.max_tokens == 128 and max(len(r) for r in anchor.rows) == 128
+    assert "anchor.max_tokens=100000 is more than the model's 128 positions" in caplog.text
+    out, _ = anchor.term()
+    assert torch.isfinite(out.loss)

@@ -46,9 +46,9 @@ def divergences_from_logits(
 
     Float32 (float64 input stays float64), ``chunk_size`` positions at a time (O(chunk_size * V)
     extra memory). Conventions at zero probabilities, so a -inf logit never gives NaN: a term
-    ``x log(x / y)`` is 0 where ``x == 0``; the alpha term is written ``-p expm1((1 - a)(log q -
-    log p)) / (a (1 - a))`` (the same sum, since ``sum p = 1``), 0 where ``p == 0`` and
-    ``p / (a (1 - a))`` where ``q == 0``. A NaN logit gives NaN.
+    ``x log(x / y)`` is 0 where ``x == 0``; the alpha-divergence is summed without the cancellation
+    of ``1 - sum`` (:func:`_amari`), exact in float32 also near ``a = 0`` and ``a = 1``. A NaN logit
+    gives NaN.
 
     Args:
         logits, ref_logits: (B, R, V) the policy's and the reference's logits.
@@ -81,11 +81,23 @@ def divergences_from_logits(
         out[0][s : s + chunk_size] = _xlog(q, lq - lp).sum(-1)
         lm = torch.logaddexp(lp, lq) - LN2  # log of the mixture (p + q) / 2
         out[1][s : s + chunk_size] = 0.5 * (_xlog(p, lp - lm) + _xlog(q, lq - lm)).sum(-1)
-        term = -p * torch.expm1((1 - alpha) * (lq - lp))  # where q == 0: expm1(-inf) = -1, term p
-        out[2][s : s + chunk_size] = torch.where(p == 0, torch.zeros_like(p), term).sum(-1) / (
-            alpha * (1 - alpha)
-        )
+        out[2][s : s + chunk_size] = _amari(lp, lq, p, q, alpha)
     return Divergences(*(o.view(B, R) for o in out))
+
+
+def _amari(lp: Tensor, lq: Tensor, p: Tensor, q: Tensor, alpha: float) -> Tensor:
+    """``(1 - sum_v p^a q^(1-a)) / (a (1 - a))`` per row, without the cancellation of ``1 - sum``.
+
+    Written about the distribution whose exponent is the larger, so the ``expm1`` argument carries
+    the small factor: for ``a >= 1/2``, ``-sum_v p expm1((1 - a)(log q - log p))``, which uses
+    ``sum p = 1``; for ``a < 1/2``, ``-sum_v q expm1(a (log p - log q))``, which uses ``sum q = 1``.
+    (The first form at ``a = 1e-6`` sums terms of size KL to a result of size ``a KL``: float32
+    rounding then decides its sign.) A zero of the weighting distribution gives a 0 term; a zero
+    of the other gives ``expm1(-inf) = -1``, the weight itself.
+    """
+    w, d, c = (p, lq - lp, 1 - alpha) if alpha >= 0.5 else (q, lp - lq, alpha)
+    term = torch.where(w == 0, torch.zeros_like(w), -w * torch.expm1(c * d))
+    return term.sum(-1) / (alpha * (1 - alpha))
 
 
 def _xlog(x: Tensor, log_ratio: Tensor) -> Tensor:

@@ -314,10 +314,12 @@ def capability_loss(history: list[dict], t: HealthThresholds) -> Alarm | None:
         last["step"],
         f"the NLL of human text no run trains on rose {ref:.3f} -> {pol:.3f} nats/token ({change:+.3f}, "
         f"{change / se if se else float('inf'):.1f} SE; margin {t.capability_margin})",
-        "the policy drifted from the reference beyond the task: the alignment tax the leash should keep "
-        "small (too little KL, too large a learning rate)",
-        "raise kl.kl_coef or lower kl.target / kl.budget, lower optim.lr, or keep an earlier policy "
-        "(eval.best_by)",
+        "the policy drifted from the reference on text it does not sample: the alignment tax. The leash "
+        "bounds the KL on the policy's own samples, so beta alone rarely holds this (docs/kl.md, "
+        "'The text anchor')",
+        "turn on the text anchor (anchor.coef > 0: the forward KL to the reference on human text in the "
+        "loss), compare with tether interpolate RUN (the weights moved back toward the reference), lower "
+        "optim.lr or kl.budget, or keep an earlier policy (eval.best_by)",
     )
 
 

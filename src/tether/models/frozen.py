@@ -20,16 +20,20 @@ Recordings live for one :meth:`FrozenBlocks.session` (a training step) and are d
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator, Hashable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
+KEPT_BYTES = 256 << 20
+"""Most bytes of recordings kept across steps (:meth:`FrozenBlocks.around`'s ``keep``: the text
+anchor's fixed batches) per process (256 MiB); past it such a forward runs every block."""
+
 RECORDED_BYTES = 1 << 30
 """Most bytes of recorded block outputs held at once per process (1 GiB): past it a forward runs
-every block and records nothing (the demo's batch of 16 rows x ~90 positions takes 3.3 MB)."""
+every block and records nothing (the demo's batch of 16 rows of prompt and response takes a few MB)."""
 
 
 def trunk_blocks(lm: nn.Module) -> nn.ModuleList | None:
@@ -61,6 +65,21 @@ def before_blocks(lm: nn.Module) -> list[nn.Parameter]:
     ]
 
 
+CROSS_BLOCK_STATE = ("num_kv_shared_layers",)
+"""Config fields of models whose blocks pass more than hidden states to later blocks (Gemma 3n's
+and Gemma 4's key/value sharing: later blocks read keys and values the earlier ones stored). A
+replay skips the earlier blocks, so it would leave that state unfilled: no replay there."""
+
+
+def shares_state_across_blocks(lm: nn.Module) -> bool:
+    """Whether ``lm``'s config (or its text config) sets one of :data:`CROSS_BLOCK_STATE` above 0."""
+    cfg = getattr(lm, "config", None)
+    configs = [cfg, getattr(cfg, "text_config", None)]
+    return any(
+        int(getattr(c, name, 0) or 0) > 0 for c in configs if c is not None for name in CROSS_BLOCK_STATE
+    )
+
+
 def frozen_lower_blocks(lm: nn.Module) -> int:
     """How many of ``lm``'s first blocks take no trainable weight, with nothing trainable before them.
 
@@ -70,6 +89,8 @@ def frozen_lower_blocks(lm: nn.Module) -> int:
     """
     blocks = trunk_blocks(lm)
     if blocks is None or len(blocks) == 0 or any(p.requires_grad for p in before_blocks(lm)):
+        return 0
+    if shares_state_across_blocks(lm):
         return 0
     n = 0
     for block in blocks:
@@ -100,11 +121,12 @@ class FrozenBlocks:
 
     Outside a :meth:`session` it does nothing. Inside one, :meth:`around` wraps a trunk forward:
     a replay where a recording matches the inputs (the first ``n`` blocks return it without
-    running), else a full forward that records.
+    running), else a full forward that records. A forward of fixed inputs that come back across
+    steps (the text anchor's batches) passes a ``keep`` key: its recording is kept past the
+    session, in or out of one, for as long as the frozen weights are unchanged.
 
     Attributes:
-        replayed: forwards that skipped the frozen blocks since construction (a counter for tests
-            and ``time/`` diagnostics).
+        replayed: forwards that skipped the frozen blocks since construction (a counter the tests read).
     """
 
     def __init__(self, lm: nn.Module, n: int):
@@ -118,6 +140,9 @@ class FrozenBlocks:
         self.versions: tuple[int, ...] | None = None
         self.active = False
         self.replayed = 0
+        self.kept: dict[Hashable, Recording] = {}
+        """Recordings kept across sessions, by the caller's key (:meth:`around`'s ``keep``)."""
+        self.kept_versions: tuple[int, ...] | None = None
 
     @contextmanager
     def session(self) -> Iterator[None]:
@@ -133,25 +158,25 @@ class FrozenBlocks:
         return tuple(p._version for p in self.weights)
 
     def _match(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Recording | None:
-        autocast = torch.is_autocast_enabled(input_ids.device.type)
         for r in self.recordings:
-            if (
-                r.autocast == autocast
-                and r.input_ids.shape == input_ids.shape
-                and torch.equal(r.input_ids, input_ids)
-                and torch.equal(r.attention_mask, attention_mask)
-                and torch.equal(r.position_ids, position_ids)
-            ):
+            if _same_inputs(r, input_ids, attention_mask, position_ids):
                 return r
         return None
 
     @contextmanager
-    def around(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Iterator[None]:
+    def around(
+        self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, keep: Hashable | None = None
+    ) -> Iterator[None]:
         """Wrap one full-sequence trunk forward of these inputs (each (B, L)): replay or record.
 
         A frozen weight changed in place since the session began (a checkpoint loaded into the
-        model, say) drops every recording and records afresh.
+        model, say) drops every recording and records afresh. With ``keep`` (a key the caller
+        gives the same fixed inputs under every time), the recording is kept past the session and
+        used in or out of one, checked against the inputs each time (:data:`KEPT_BYTES` in all).
         """
+        if keep is not None:
+            yield from self._around_kept(keep, input_ids, attention_mask, position_ids)
+            return
         if not self.active:
             yield
             return
@@ -161,7 +186,24 @@ class FrozenBlocks:
         if found is not None:
             yield from self._replaying(found)
             return
-        yield from self._recording(input_ids, attention_mask, position_ids)
+        made = yield from self._recording(input_ids, attention_mask, position_ids)
+        if made is not None and sum(r.nbytes for r in self.recordings) + made.nbytes <= RECORDED_BYTES:
+            self.recordings.append(made)
+
+    def _around_kept(
+        self, keep: Hashable, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor
+    ) -> Iterator[None]:
+        versions = self._versions()
+        if versions != self.kept_versions:  # a frozen weight changed: nothing kept holds
+            self.kept, self.kept_versions = {}, versions
+        found = self.kept.get(keep)
+        if found is not None and _same_inputs(found, input_ids, attention_mask, position_ids):
+            yield from self._replaying(found)
+            return
+        made = yield from self._recording(input_ids, attention_mask, position_ids)
+        self.kept.pop(keep, None)
+        if made is not None and sum(r.nbytes for r in self.kept.values()) + made.nbytes <= KEPT_BYTES:
+            self.kept[keep] = made
 
     def _replaying(self, found: Recording) -> Iterator[None]:
         def replay(*args, **kwargs):  # the block's output as recorded, its input unused
@@ -176,8 +218,11 @@ class FrozenBlocks:
             for block in self.blocks:
                 del block.forward
 
-    def _recording(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Iterator[None]:
-        held = sum(r.nbytes for r in self.recordings)
+    def _recording(
+        self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor
+    ) -> Generator[None, None, Recording | None]:
+        """Run the forward (the caller's, at the ``yield``) with the last frozen block's output
+        caught; return its :class:`Recording`, or None where the blocks ran other than once."""
         seen: list[object] = []
 
         def record(module, args, output):
@@ -189,21 +234,27 @@ class FrozenBlocks:
         finally:
             handle.remove()
         if len(seen) != 1:  # the trunk ran its blocks other than once (a cache pass): keep nothing
-            return
+            return None
         output = _detached(seen[0])
-        nbytes = _nbytes(output)
-        if held + nbytes > RECORDED_BYTES:
-            return
-        self.recordings.append(
-            Recording(
-                input_ids=input_ids.clone(),
-                attention_mask=attention_mask.clone(),
-                position_ids=position_ids.clone(),
-                autocast=torch.is_autocast_enabled(input_ids.device.type),
-                output=output,
-                nbytes=nbytes,
-            )
+        return Recording(
+            input_ids=input_ids.clone(),
+            attention_mask=attention_mask.clone(),
+            position_ids=position_ids.clone(),
+            autocast=torch.is_autocast_enabled(input_ids.device.type),
+            output=output,
+            nbytes=_nbytes(output),
         )
+
+
+def _same_inputs(r: Recording, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> bool:
+    """Whether ``r`` was recorded from these very inputs, under the same autocast setting."""
+    return (
+        r.autocast == torch.is_autocast_enabled(input_ids.device.type)
+        and r.input_ids.shape == input_ids.shape
+        and torch.equal(r.input_ids, input_ids)
+        and torch.equal(r.attention_mask, attention_mask)
+        and torch.equal(r.position_ids, position_ids)
+    )
 
 
 def _detached(output: object) -> object:

@@ -9,6 +9,7 @@ under a second on later runs.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Hashable
 from contextlib import nullcontext
 
 import torch
@@ -90,6 +91,7 @@ def tail_hidden(
     *,
     share_prefix: bool = False,
     replay: FrozenBlocks | None = None,
+    replay_key: Hashable | None = None,
 ) -> torch.Tensor:
     """Last hidden states (B, n_keep, d), contiguous, at the last ``n_keep`` positions.
 
@@ -109,7 +111,9 @@ def tail_hidden(
 
     ``replay`` (a policy's :class:`tether.models.frozen.FrozenBlocks`): inside its session the
     frozen lower blocks' output is recorded or replayed (whole-sequence forwards only: a shared
-    prefix's cache pass needs every block's keys and values).
+    prefix's cache pass needs every block's keys and values); ``replay_key``: the inputs are fixed
+    and come back under this key across steps (:meth:`tether.models.frozen.FrozenBlocks.around`'s
+    ``keep``).
     """
     if isinstance(lm, AdapterReference):
         with lm.active():
@@ -131,7 +135,11 @@ def tail_hidden(
             position_ids=position_ids,
             n_keep=n_keep,
         )
-    with replay.around(input_ids, attention_mask, position_ids) if replay is not None else nullcontext():
+    with (
+        replay.around(input_ids, attention_mask, position_ids, keep=replay_key)
+        if replay is not None
+        else nullcontext()
+    ):
         out = trunk(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         )
@@ -251,6 +259,7 @@ def tail_logits(
     chunk_positions: int = HEAD_CHUNK_POSITIONS,
     share_prefix: bool = False,
     replay: FrozenBlocks | None = None,
+    replay_key: Hashable | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits (B, n_keep, V) and last hidden states (B, n_keep, d) at the last ``n_keep`` positions.
 
@@ -267,6 +276,7 @@ def tail_logits(
         n_keep=n_keep,
         share_prefix=share_prefix,
         replay=replay,
+        replay_key=replay_key,
     )
     return apply_head(lm, hidden, chunk_positions), hidden
 

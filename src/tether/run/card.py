@@ -83,6 +83,16 @@ def _guard_row(k: dict, history: list[dict]) -> str:
     )
 
 
+def _anchor_row(a: dict, last: dict) -> str:
+    """The text anchor's row (``anchor.coef > 0``): its kind, weight and text, and its last forward KL."""
+    kind = "forward KL KL(pi_ref || pi)" if a.get("kind", "forward_kl") == "forward_kl" else "ptx NLL"
+    return (
+        f"| text anchor | `anchor.coef={a['coef']:g}` x the exact {kind} on human text "
+        f"({_code(a.get('texts', 'builtin'))}); at the last step {number(last.get('anchor/forward_kl'))} "
+        "nats per token of forward KL |"
+    )
+
+
 def model_card_text(
     *,
     config: dict,
@@ -167,6 +177,11 @@ def model_card_text(
         leash_row,
         *([beta_row] if beta_row else []),
         *([guard_row] if guard_row else []),
+        *(
+            [_anchor_row(config.get("anchor") or {}, last)]
+            if (config.get("anchor") or {}).get("coef")
+            else []
+        ),
         f"| KL at the last step | {number(last.get('objective/kl'))} nats per sequence "
         "(on the policy's own samples) |",
         f"| LoRA | {'yes, this folder is the adapter' if adapter else 'no, whole weights'} |",

@@ -379,7 +379,11 @@ class ModelConfig:
     trainable block (``tether.models.frozen``; the demo runs 6 of its 30 blocks there). Exact:
     replayed only for equal inputs and unchanged frozen weights, the same numbers bit for bit as
     running them. Scoring then runs whole sequences (``model.share_prompt_prefix`` keeps to
-    generation); not under FSDP. false: every forward runs every block."""
+    generation): where prompts of 17 tokens or more are shared in groups, policy and reference are
+    both scored without the shared prefix, equal to the shared path's numbers to float rounding
+    (~1e-7 relative), not bit for bit. Not under FSDP, nor for models whose blocks share keys and
+    values across blocks (Gemma 3n, Gemma 4). Nothing to replay where every block trains or with
+    LoRA. false: every forward runs every block."""
     share_prompt_prefix: bool = True
     """Where rows share prompts (groups: rollout.group_size > 1, as in GRPO and RLOO), run each
     distinct prompt through the trunk once and let its rows attend to the
@@ -387,7 +391,8 @@ class ModelConfig:
     reference alike). The same numbers up to float rounding; not used when every row has its own
     prompt, nor for prompts under 17 tokens (``tether.models.head.SHARED_PREFIX_MIN_POSITIONS``), where
     it does not pay. Off with ``gradient_checkpointing`` (transformers drops the key/value cache
-    in a checkpointed forward)."""
+    in a checkpointed forward). With model.replay_frozen_blocks replaying (frozen lower blocks),
+    generation only: scoring and the update then run whole sequences."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights of policy and reference: ``auto`` is float32 on the CPU and bfloat16 on CUDA.
     Whatever the weights, log-probabilities, the exact KL, entropy, values, rewards, advantages
@@ -790,8 +795,8 @@ class KLConfig(_Defaulted):
     (use it with kl.controller_signal=exact). Scale it like budget_kp for nats_per_token."""
     guard: bool | None = None
     """Check each update before it is kept: after an epoch of minibatch steps, the exact KL of the
-    updated policy at the step's batch's prefixes, plus kl.guard_z standard errors, must stay within
-    kl.budget * (1 + kl.guard_tol), or the weights step back toward the ones before by halves, and
+    updated policy at the step's batch's prefixes, plus kl.guard_z x sqrt(2) standard errors, must
+    stay within kl.budget * (1 + kl.guard_tol), or the weights step back toward the ones before by halves, and
     back to them when no half fits (trainers/guard.py; docs/kl.md, "The update guard"). None = on
     with the budget controller, off with the others; true with another controller holds kl.budget
     too. Needs kl.exact."""
@@ -803,8 +808,9 @@ class KLConfig(_Defaulted):
     """Standard errors the guard adds before comparing the batch's KL with the ceiling, of the
     difference between the next batch's reading and this batch's (sqrt(2) x the batch mean's SE:
     both are means over a batch of the same size): the next reading of the kept policy stays under
-    kl.budget * (1 + kl.guard_tol) with about the one-sided normal confidence of z (2: 97.7%). 0
-    compares the batch mean alone."""
+    kl.budget * (1 + kl.guard_tol) with about the one-sided normal confidence of z (2: 97.7%) if
+    the SE were known; it is estimated, so about 97% for PPO's 16 sequences and 93% for GRPO's and
+    RLOO's 4 prompt groups (t quantiles). 0 compares the batch mean alone."""
     attribution: bool = True
     """Attribute each step's exact KL to its tokens (needs kl.exact; no extra forward): the logged
     kl/token_p50, kl/token_p90, kl/token_p99, kl/token_max, kl/top1pct_share,
@@ -830,10 +836,11 @@ class KLConfig(_Defaulted):
     """Also log the exact full-vocabulary KL (objective/kl_exact), chunked; kl.controller_signal=exact
     and ppo.kl_shaping=exact need it."""
     divergences: bool = True
-    """With kl.exact: also log the exact forward KL KL(pi_ref || pi), the Jensen-Shannon
-    divergence and the alpha-divergence of order kl.alpha on the same positions, from the same
-    logits (objective/forward_kl_exact, objective/js_exact, objective/alpha_exact, nats per
-    sequence; tether.core.divergences). Monitoring only: the leash stays the reverse KL."""
+    """With kl.exact (PPO, GRPO, RLOO; not DPO's held-out probe): also log the exact forward KL
+    KL(pi_ref || pi), the Jensen-Shannon divergence and the alpha-divergence of order kl.alpha on
+    the same positions, from the same logits (objective/forward_kl_exact, objective/js_exact,
+    objective/alpha_exact, nats per sequence; tether.core.divergences). Monitoring only: the
+    leash stays the reverse KL."""
     alpha: float = 0.5
     """The order of objective/alpha_exact's alpha-divergence (Amari), in (0, 1): near 1 it is the
     reverse KL, near 0 the forward KL; 0.5 is 4 (1 - Bhattacharyya coefficient)."""
@@ -857,7 +864,8 @@ class KLConfig(_Defaulted):
     """Allow an estimator whose gradient is not the reverse-KL gradient in its placement."""
     monitor: bool = True
     """Log the KL even when kl_coef is 0 (needs the reference forward). With kl_coef 0 and
-    monitor false, no reference model is built and KL metrics are omitted."""
+    monitor false, no reference model is built and KL metrics are omitted (unless the text anchor
+    is on, anchor.coef > 0: it needs the reference, and the KL is then logged as well)."""
 
     def __post_init__(self) -> None:
         _check(
@@ -1079,7 +1087,7 @@ class GRPOConfig:
 @dataclass
 class AnchorConfig:
     coef: float = 0.0
-    """The text anchor's weight (0 = off): each optimizer step of PPO, GRPO and RLOO adds
+    """The text anchor's weight (0 = off): each optimizer step (every trainer's) adds
     ``anchor.coef`` times the token mean of ``anchor.kind``'s term on a batch of human text (loss
     units: nats per token times it; tether.core.anchor). What it protects is the capability probe's
     kind of number, eval/capability_nll: the policy's modelling of ordinary text."""
@@ -1155,7 +1163,8 @@ class EvalConfig(_Defaulted):
     capability_texts: int | None = None
     """Sentences of human-written text no run trains on (NYT editorial snippets of ICWSM-2014,
     tether.data.capability) whose per-token NLL under the policy, beside the reference's, each
-    evaluation logs as eval/capability_nll (nats per token; the alignment tax). None = 32 on the
+    evaluation logs as eval/capability_nll (nats per token; the alignment tax); at most 2,000, the
+    file's sentences after them being the text anchor's (anchor.texts=builtin). None = 32 on the
     embedded movie prompts (whose archive holds them), 0 (off) with other data; 0 = off. Costs
     one no-grad forward of each sentence per evaluation (printed)."""
     fluency_model: str = "gemma3-270m"
@@ -1467,13 +1476,6 @@ class Config:
         if self.kl.guard:
             self._check_guard()
         if self.anchor.on:
-            _check(
-                spec.samples,
-                "anchor.coef",
-                self.anchor.coef,
-                f"the text anchor acts in PPO's, GRPO's and RLOO's update, not {self.train.algo.upper()}'s; "
-                "set anchor.coef=0",
-            )
             _check(
                 self.train.sharding != "fsdp",
                 "anchor.coef",

@@ -5,13 +5,15 @@ At each ``alpha`` the policy's weights are ``(1 - alpha) theta_ref + alpha theta
 of the saved policy; frozen ones are equal on both sides). Weight averaging with the starting model
 is the zero-training-cost answer to the alignment tax (Lin et al. 2024, "Mitigating the Alignment
 Tax of RLHF"; WiSE-FT, Wortsman et al. 2022): the baseline any regularizer, the text anchor
-included, must beat on the gain-against-forgetting front. With LoRA the adapter's update is scaled
-(its ``lora_B`` times ``alpha``): ``W + alpha B A``, the same interpolation of the merged weights.
+included, must beat on the gain-against-forgetting front. With LoRA the adapter's update would be
+scaled (``W + alpha B A``, the same interpolation of the merged weights); not built yet: a LoRA
+run is refused.
 
 Each alpha is evaluated with the run's own held-out evaluation (the same prompts, seeds, scorers,
 fluency judge and capability probe as its ``eval.json``), against the reference's evaluation the
 run kept (``eval_reference.json``): ``alpha = 0`` is the reference's numbers and ``alpha = 1`` the
-saved policy's (tested). Written to ``RUN/interpolate.json`` and ``RUN/interpolate.png``.
+saved policy's (tested). Written to ``RUN/interpolate.json`` and ``RUN/interpolate.png``, which
+replace an earlier call's (the rows are printed too).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def parse_alphas(text: str) -> list[float]:
             the reference is not what this measures), or none.
     """
     out = []
-    for part in text.split(","):
+    for part in (p for p in text.split(",") if p.strip()):
         try:
             a = float(part)
         except ValueError:
@@ -54,7 +56,7 @@ def parse_alphas(text: str) -> list[float]:
             ) from None
         if not (math.isfinite(a) and 0 <= a <= 1):
             raise ValueError(f"--alpha: {a} is outside [0, 1] (0 = the reference, 1 = the trained policy)")
-        out.append(a)
+        out.append(a + 0.0)  # -0 is 0
     if not out:
         raise ValueError("--alpha: no value; give values in [0, 1], e.g. 0,0.25,0.5,0.75,1")
     return sorted(set(out))
@@ -72,7 +74,8 @@ def saved_policy_tensors(policy_dir: Path) -> dict[str, torch.Tensor]:
     files = sorted(p for p in Path(policy_dir).glob("*.safetensors") if p.name != "value_head.safetensors")
     if not files:
         raise FileNotFoundError(
-            f"{policy_dir}: no saved policy weights; the run kept no final policy (train.save_model=false)"
+            f"{policy_dir}: no saved policy weights: the run has not finished (resume it: tether train "
+            "--resume RUN), or it ran with train.save_model=false"
         )
     out: dict[str, torch.Tensor] = {}
     for f in files:
@@ -203,7 +206,10 @@ def interpolate(run_dir: str | Path, alphas: list[float]) -> list[dict]:
     trained = saved_policy_tensors(run_dir / "policy")
     config = load_config(str(run_dir / "config.yaml"), [f"train.output_dir={run_dir}"]).for_run()
     if config.model.lora:
-        raise ValueError(f"{run_dir}: a LoRA run; tether interpolate scales full weights only for now")
+        raise ValueError(
+            f"{run_dir}: a LoRA run; tether interpolate scales full weights only for now (merge the adapter "
+            "into its base, e.g. peft's merge_and_unload, and evaluate the merged model's interpolation)"
+        )
     if not config.eval.n_prompts:
         raise ValueError(f"{run_dir}: eval.n_prompts=0, so the run has no held-out evaluation to repeat")
     judge = make_scorer(config.eval.judge) if config.eval.judge != "none" else None

@@ -374,6 +374,11 @@ def freeze_lower_layers(lm: nn.Module, trainable_layers: int | None) -> None:
             f"model.trainable_layers: cannot find the transformer blocks of {type(lm).__name__} "
             "(no .layers or .h); leave model.trainable_layers unset"
         )
+    if trainable_layers > len(layers):
+        raise ValueError(
+            f"model.trainable_layers={trainable_layers}: {type(lm).__name__} has {len(layers)} transformer "
+            f"blocks; give at most {len(layers)}, or all"
+        )
     for block in list(layers)[len(layers) - trainable_layers :] if trainable_layers else []:
         for p in block.parameters():
             p.requires_grad_(True)

@@ -16,6 +16,7 @@ sum to the token mean of the whole batch and DDP's average makes it the gradient
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,13 @@ from tether.core.anchor import AnchorKind, anchor_term
 from tether.models.head import apply_head, position_ids_from_mask, tail_hidden, tail_logits
 from tether.models.policy import PolicyWithValue
 from tether.trainers.update import MicroLoss
+
+log = logging.getLogger(__name__)
+
+REF_HIDDEN_BYTES = 256 << 20
+"""Most bytes of the reference's kept hidden states per process (256 MiB): past it a batch's are
+computed again each time it comes round (the builtin corpus at the defaults takes about 240 MB
+once every batch has been used)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,7 +103,18 @@ class TextAnchor:
         self, *, policy: PolicyWithValue, reference, texts: list[str], tokenizer, settings: AnchorSettings
     ):
         self.policy, self.reference, self.settings = policy, reference, settings
-        rows = tokenize_texts(tokenizer, texts, settings.max_tokens)
+        cfg = policy.lm.config
+        context = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+        self.max_tokens = min(settings.max_tokens, context) if context else settings.max_tokens
+        """``anchor.max_tokens``, at most the model's positions (a longer text is cut there)."""
+        if self.max_tokens < settings.max_tokens:
+            log.warning(
+                "tether: anchor.max_tokens=%d is more than the model's %d positions; texts are cut at %d",
+                settings.max_tokens,
+                context,
+                self.max_tokens,
+            )
+        rows = tokenize_texts(tokenizer, texts, self.max_tokens)
         n_batches = len(rows) // settings.batch_size
         if n_batches == 0:
             raise ValueError(
@@ -124,16 +143,20 @@ class TextAnchor:
         """(B, L - 1, V) float32 log-probabilities of the reference on batch ``k``: its trunk once
         per batch (cached hidden states), its LM head each time."""
         with torch.no_grad():
-            if k not in self.ref_hidden:
-                self.ref_hidden[k] = tail_hidden(
+            hidden = self.ref_hidden.get(k)
+            if hidden is None:
+                hidden = tail_hidden(
                     self.reference,
                     b.input_ids,
                     attention_mask=b.attention_mask,
                     position_ids=position_ids_from_mask(b.attention_mask),
                     n_keep=b.input_ids.shape[1],
                 )
+                held = sum(h.numel() * h.element_size() for h in self.ref_hidden.values())
+                if held + hidden.numel() * hidden.element_size() <= REF_HIDDEN_BYTES:
+                    self.ref_hidden[k] = hidden
             # the policy's head slices (apply_head): at equal weights the logits agree bit for bit
-            logits = apply_head(self.reference, self.ref_hidden[k], self.policy.head_chunk)
+            logits = apply_head(self.reference, hidden, self.policy.head_chunk)
             return torch.log_softmax(logits.float(), dim=-1)
 
     def term(self) -> tuple[MicroLoss, Tensor]:
@@ -154,6 +177,7 @@ class TextAnchor:
             n_keep=b.input_ids.shape[1],
             chunk_positions=policy.head_chunk,
             replay=policy.frozen,
+            replay_key=("anchor", k),  # the same rows every time batch k comes round
         )
         s = self.settings
         out = anchor_term(

@@ -44,6 +44,7 @@ from tether.models.scoring import (
 from tether.models.sharding import is_sharded, root_gathered
 from tether.models.turns import EnvFailed
 from tether.run.setup import Run
+from tether.trainers.anchor import text_anchor
 from tether.trainers.base import sample_metrics
 from tether.trainers.common import (
     RolloutLogprobs,
@@ -212,6 +213,8 @@ class DPOTrainer:
             self.optimizer, c.optim.lr_scheduler, c.optim.warmup_steps, self.schedule_steps
         )
         self.last_experience: Experience | None = None
+        # anchor.coef > 0: a batch of human text in every optimizer step's loss (trainers/anchor.py)
+        self.anchor = text_anchor(run)
 
     # ---- pairs -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -349,6 +352,7 @@ class DPOTrainer:
         return state | {
             "generator": self.generator.get_state(),
             "position": self.position,
+            **({"anchor": self.anchor.state_dict()} if self.anchor is not None else {}),
             **optimization_state(self),
         }
 
@@ -358,6 +362,8 @@ class DPOTrainer:
         (:func:`tether.trainers.common.restore_optimization`)."""
         self.generator.set_state(state["generator"])
         self.position = state["position"]
+        if self.anchor is not None and "anchor" in state:  # resumed with the anchor newly on: from batch 0
+            self.anchor.load_state_dict(state["anchor"])
         restore_optimization(self, state, next_step)  # the optimizer, and its schedule resumed
 
     # ---- the step --------------------------------------------------------------------------
@@ -386,6 +392,7 @@ class DPOTrainer:
             minibatch_loss=self.minibatch_loss,
             optimization=trainer_optimization(self, "DPO"),
             micro_batch_size=c.optim.micro_batch_size,
+            step_term=self.anchor.term if self.anchor is not None else None,
         )
         t_update = time.perf_counter()
         head = {
