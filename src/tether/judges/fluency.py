@@ -15,6 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
+from tether.models.head import left_padded, position_ids_from_mask
+
 DEFAULT_FLUENCY_MODEL = "gemma3-270m"
 """``eval.fluency_model``'s default: Gemma-3-270M (base), embedded from a PyPI package."""
 
@@ -135,19 +137,12 @@ def continuation_logprobs(
     order = sorted((i for i, (_, r) in enumerate(pairs) if r), key=lambda i: len(pairs[i][1]))
     for start in range(0, len(order), batch_size):
         rows = order[start : start + batch_size]
-        width = max(len(pairs[i][0]) + len(pairs[i][1]) for i in rows)
         resp_len = max(len(pairs[i][1]) for i in rows)
-        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-        attn = torch.zeros((len(rows), width), dtype=torch.long)
-        for j, i in enumerate(rows):
-            seq = pairs[i][0] + pairs[i][1]
-            ids[j, width - len(seq) :] = torch.tensor(seq)
-            attn[j, width - len(seq) :] = 1
-        ids, attn = ids.to(device), attn.to(device)
+        ids, attn = left_padded([pairs[i][0] + pairs[i][1] for i in rows], pad_id, device)
         # left padding: every row's continuation sits in the last resp_len positions, predicted
         # by the logits of the resp_len positions before them; positions count from each row's
         # first real token, so a padded row is scored as if it stood alone
-        positions = (attn.cumsum(-1) - 1).clamp(min=0)
+        positions = position_ids_from_mask(attn)
         logits = model(
             input_ids=ids, attention_mask=attn, position_ids=positions, logits_to_keep=resp_len + 1
         ).logits[:, :-1]  # (b, resp_len, V)

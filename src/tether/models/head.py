@@ -281,6 +281,18 @@ def tail_logits(
     return apply_head(lm, hidden, chunk_positions), hidden
 
 
+def left_padded(rows: list[list[int]], pad_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token id lists as one left-padded batch: ids (B, L) long with ``pad_id`` before each row, and
+    the attention mask (B, L) long, 0 on the padding; L the longest row."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(rows), width), dtype=torch.long)
+    for j, r in enumerate(rows):
+        ids[j, width - len(r) :] = torch.tensor(r)
+        attn[j, width - len(r) :] = 1
+    return ids.to(device), attn.to(device)
+
+
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Position ids that start at 0 on the first real token of a left-padded row.
 

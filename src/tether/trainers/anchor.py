@@ -24,8 +24,9 @@ from torch import Tensor
 
 from tether.core import distributed as D
 from tether.core.anchor import AnchorKind, anchor_term
-from tether.models.head import apply_head, position_ids_from_mask, tail_hidden, tail_logits
+from tether.models.head import apply_head, left_padded, position_ids_from_mask, tail_hidden, tail_logits
 from tether.models.policy import PolicyWithValue
+from tether.run.setup import model_context
 from tether.trainers.update import MicroLoss
 
 log = logging.getLogger(__name__)
@@ -72,13 +73,7 @@ def tokenize_texts(tokenizer, texts: list[str], max_tokens: int) -> list[list[in
 
 def text_batch(rows: list[list[int]], pad_id: int, device) -> TextBatch:
     """Rows of token ids, left-padded to one length (:class:`TextBatch`)."""
-    L = max(len(r) for r in rows)
-    ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(rows), L), dtype=torch.long)
-    for j, r in enumerate(rows):
-        ids[j, L - len(r) :] = torch.tensor(r)
-        attn[j, L - len(r) :] = 1
-    ids, attn = ids.to(device), attn.to(device)
+    ids, attn = left_padded(rows, pad_id, device)
     return TextBatch(
         input_ids=ids[:, :-1],
         attention_mask=attn[:, :-1],
@@ -103,8 +98,7 @@ class TextAnchor:
         self, *, policy: PolicyWithValue, reference, texts: list[str], tokenizer, settings: AnchorSettings
     ):
         self.policy, self.reference, self.settings = policy, reference, settings
-        cfg = policy.lm.config
-        context = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+        context = model_context(policy.lm.config)
         self.max_tokens = min(settings.max_tokens, context) if context else settings.max_tokens
         """``anchor.max_tokens``, at most the model's positions (a longer text is cut there)."""
         if self.max_tokens < settings.max_tokens:
@@ -129,7 +123,6 @@ class TextAnchor:
         """Optimizer steps taken with the anchor; the next batch: ``position % n_batches`` (checkpointed)."""
         self.ref_hidden: dict[int, Tensor] = {}
         """The reference's last hidden states (B, L - 1, d) of this process's rows of each batch used."""
-        self.tokens = sum(len(r) - 1 for r in self.rows)
 
     def batch(self, k: int) -> TextBatch:
         """This process's rows of batch ``k`` (:func:`tether.core.distributed.shard`)."""
