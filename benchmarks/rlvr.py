@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -43,59 +45,116 @@ COMMON = [
     "rollout.batch_size=32",
     "optim.minibatch_size=16",
     "eval.n_prompts=128",
+    # 16 samples a problem: pass@k for k = 1, 2, 4, 8, 16 (Chen et al. 2021's unbiased estimator)
+    "eval.samples_per_prompt=16",
     "eval.every=0",
-    "eval.capability_texts=64",
+    "eval.capability_texts=200",
+    # the fluency judge (Gemma-3-270M) is left out of the matrix: about 80 s a run, and the
+    # matrix's question is the capability probe and the answers (one seed with it: README)
+    "eval.fluency_model=none",
     "train.checkpoint_every=0",
     "train.save_model=false",
     "train.progress=false",
 ]
+BETA0 = ["kl.controller=fixed", "kl.kl_coef=0"]
 RUNS = {
-    "beta 0": ["kl.controller=fixed", "kl.kl_coef=0"],
+    "beta 0": BETA0,
+    "budget 2.5 (default)": [],
+    "budget 1": ["kl.budget=1"],
+    "anchor 1": [*BETA0, "anchor.coef=1"],
+    "anchor 3": [*BETA0, "anchor.coef=3"],
     "fixed beta 0.04": ["kl.controller=fixed", "kl.kl_coef=0.04"],
-    "budget (default)": [],
     "Dr. GRPO": ["grpo.scale_by_std=false"],
 }
+MATRIX = ["beta 0", "budget 2.5 (default)", "budget 1", "anchor 1", "anchor 3"]
+"""The configurations run by default (issue 54): no leash, the budget leash at two budgets (nats
+per sequence), and the text anchor at two weights with no leash."""
 
 
-def run_one(name: str, out: Path, steps: int, extra: list[str]) -> dict:
-    """Train one configuration (unless ``out`` holds a finished run); returns its numbers."""
+def run_one(name: str, out: Path, steps: int, seed: int, extra: list[str]) -> dict:
+    """Train one configuration at one seed (unless ``out`` holds a finished run); its numbers."""
     if not (out / "eval.json").exists():
-        cmd = [sys.executable, "-m", "tether", "train", *COMMON, f"train.steps={steps}", *RUNS[name], *extra]
-        subprocess.run([*cmd, f"train.output_dir={out}"], check=True)
+        cmd = [sys.executable, "-m", "tether", "train", *COMMON, f"train.steps={steps}", f"train.seed={seed}"]
+        subprocess.run([*cmd, *RUNS[name], *extra, f"train.output_dir={out}"], check=True)
     ev = json.loads((out / "eval.json").read_text())
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    last = rows[-1]
+    ref, pol = ev["reference"], ev["policy"]
+    ks = sorted(int(k.split("@")[1]) for k in ref if k.startswith("proxy_pass@") and not k.endswith("_se"))
     return {
         "name": name,
-        "ref_acc": ev["reference"]["proxy_mean"],
-        "acc": ev["policy"]["proxy_mean"],
+        "seed": seed,
+        "ref_acc": ref["proxy_mean"],
+        "acc": pol["proxy_mean"],
         "gain": ev["gain"],
         "gain_se": ev["gain_se_paired"],
-        "kl": ev["policy"].get("kl", float("nan")),
-        "entropy": last.get("objective/entropy", float("nan")),
-        "length": last.get("response/length", float("nan")),
+        "pass_ref": {k: ref[f"proxy_pass@{k}"] for k in ks},
+        "pass_ref_se": {k: ref[f"proxy_pass@{k}_se"] for k in ks},
+        "pass": {k: pol[f"proxy_pass@{k}"] for k in ks},
+        "pass_gain": {k: ev[f"pass@{k}_gain"] for k in ks},
+        "pass_gain_se": {k: ev[f"pass@{k}_gain_se_paired"] for k in ks},
+        "kl": pol.get("kl", float("nan")),
+        "entropy": rows[-1].get("objective/entropy", float("nan")),
         "cap": ev.get("capability_nll_change", float("nan")),
         "cap_se": ev.get("capability_nll_change_se", float("nan")),
-        "flu": ev.get("fluency_nll_change", float("nan")),
-        "flu_se": ev.get("fluency_nll_change_se", float("nan")),
+        "distinct_ref": ref.get("distinct_responses", float("nan")),
+        "distinct": pol.get("distinct_responses", float("nan")),
+        "distinct_change": ev.get("distinct_responses_change", float("nan")),
+        "distinct_change_se": ev.get("distinct_responses_change_se", float("nan")),
+        "beta_mean": statistics.fmean(r.get("objective/kl_coef", 0.0) for r in rows),
+        "step_s": statistics.median(r["time/step"] for r in rows if "time/step" in r),
         "all_equal": sum(r.get("rollout/groups_all_equal", 0.0) for r in rows) / len(rows),
     }
 
 
-def _z(x: float, se: float) -> str:
-    return f"{x / se:.1f} SE" if se else "n/a"
+def over_seeds(runs: list[dict], get) -> tuple[float, float]:
+    """Mean over the seeds' runs and its SE from their spread (nan SE for one seed)."""
+    xs = [get(r) for r in runs]
+    m = statistics.fmean(xs)
+    return m, (statistics.stdev(xs) / len(xs) ** 0.5 if len(xs) > 1 else float("nan"))
+
+
+def pooled_se(ses: list[float]) -> float:
+    """SE of the mean of independent estimates with these SEs: sqrt(sum se^2) / n."""
+    return math.sqrt(sum(s * s for s in ses)) / len(ses)
+
+
+def summarize(name: str, runs: list[dict]) -> dict:
+    k_max = max(runs[0]["pass"])
+    out = {"name": name, "seeds": [r["seed"] for r in runs], "runs": runs}
+    out["gain"] = over_seeds(runs, lambda r: r["gain"])
+    out["gain_within"] = pooled_se([r["gain_se"] for r in runs])
+    out["cap"] = over_seeds(runs, lambda r: r["cap"])
+    out["cap_within"] = pooled_se([r["cap_se"] for r in runs])
+    out["kl"] = over_seeds(runs, lambda r: r["kl"])
+    out["pass"] = {k: over_seeds(runs, lambda r, k=k: r["pass"][k]) for k in runs[0]["pass"]}
+    out["pass_gain"] = {k: over_seeds(runs, lambda r, k=k: r["pass_gain"][k]) for k in runs[0]["pass"]}
+    out["pass_ref"] = runs[0]["pass_ref"]
+    out["pass_ref_se"] = runs[0]["pass_ref_se"]
+    out["k_max"] = k_max
+    out["distinct"] = over_seeds(runs, lambda r: r["distinct"])
+    out["distinct_ref"] = runs[0]["distinct_ref"]
+    out["beta_mean"] = statistics.fmean(r["beta_mean"] for r in runs)
+    out["step_s"] = statistics.median(r["step_s"] for r in runs)
+    return out
+
+
+def _pm(m: tuple[float, float], fmt: str = "+.3f") -> str:
+    return f"{m[0]:{fmt}} ± {m[1]:.3f}"
 
 
 def table(results: list[dict]) -> str:
+    k = results[0]["k_max"]
+    ref = results[0]
     head = (
-        "| run | accuracy ref -> policy | gain (paired SE) | held-out KL | entropy | length | "
-        "capability NLL change | fluency NLL change | all-equal groups |\n" + "|---" * 9 + "|"
+        f"| run (seeds) | pass@1 gain | pass@{k} "
+        f"(ref {ref['pass_ref'][k]:.3f} ± {ref['pass_ref_se'][k]:.3f}) | "
+        "capability NLL change (seeds; within-run) | held-out KL | distinct answers of "
+        f"{k} (ref {ref['distinct_ref']:.2f}) | mean beta | step |\n" + "|---" * 8 + "|"
     )
     lines = [
-        f"| {r['name']} | {r['ref_acc']:.3f} -> {r['acc']:.3f} | {r['gain']:+.3f} ± {r['gain_se']:.3f} "
-        f"({_z(r['gain'], r['gain_se'])}) | {r['kl']:.2f} | "
-        f"{r['entropy']:.2f} | {r['length']:.1f} | {r['cap']:+.3f} ± {r['cap_se']:.3f} | "
-        f"{r['flu']:+.2f} ± {r['flu_se']:.2f} | {r['all_equal']:.2f} |"
+        f"| {r['name']} ({len(r['seeds'])}) | {_pm(r['gain'])} | {_pm(r['pass'][k], '.3f')} | "
+        f"{_pm(r['cap'])}; ± {r['cap_within']:.3f} | {r['kl'][0]:.2f} ± {r['kl'][1]:.2f} | "
+        f"{r['distinct'][0]:.2f} ± {r['distinct'][1]:.2f} | {r['beta_mean']:.3f} | {r['step_s']:.1f} s |"
         for r in results
     ]
     return "\n".join([head, *lines])
@@ -107,19 +166,45 @@ def picture(results: list[dict], png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4.2))
     for r in results:
-        a.errorbar(r["kl"], r["gain"], yerr=r["gain_se"], fmt="o", capsize=3, label=r["name"])
+        a.errorbar(
+            r["kl"][0], r["gain"][0], xerr=r["kl"][1], yerr=r["gain"][1], fmt="o", capsize=3, label=r["name"]
+        )
+        ks = sorted(r["pass"])
+        c.errorbar(
+            ks,
+            [r["pass"][k][0] for k in ks],
+            yerr=[r["pass"][k][1] for k in ks],
+            marker="o",
+            capsize=2,
+            label=r["name"],
+        )
+    ks = sorted(results[0]["pass_ref"])
+    c.errorbar(
+        ks,
+        [results[0]["pass_ref"][k] for k in ks],
+        yerr=[results[0]["pass_ref_se"][k] for k in ks],
+        color="k",
+        ls="--",
+        marker="s",
+        capsize=2,
+        label="reference",
+    )
+    c.set_xscale("log", base=2)
+    c.set_xlabel("k")
+    c.set_ylabel("held-out pass@k")
+    c.legend(fontsize=7)
     a.axhline(0, c="gray", lw=0.8)
     a.set_xlabel("held-out KL, nats per sequence")
-    a.set_ylabel("held-out accuracy gain (paired SE)")
-    a.legend(fontsize=8)
+    a.set_ylabel("pass@1 gain (mean ± SE over seeds)")
+    a.legend(fontsize=7)
     names = [r["name"] for r in results]
-    b.bar(names, [r["cap"] for r in results], yerr=[r["cap_se"] for r in results], capsize=3)
+    b.bar(names, [r["cap"][0] for r in results], yerr=[r["cap"][1] for r in results], capsize=3)
     b.axhline(0, c="gray", lw=0.8)
     b.set_ylabel("capability NLL change, nats per token")
-    b.tick_params(axis="x", labelsize=8)
-    fig.suptitle("GRPO on data.prompts=arithmetic (0/1 reward): the leash, measured")
+    b.tick_params(axis="x", labelsize=7, rotation=20)
+    fig.suptitle("GRPO on data.prompts=arithmetic (0/1 reward): leash and anchor, measured")
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=110)
@@ -129,20 +214,28 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("runs/rlvr"))
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--png", type=Path, default=None)
-    ap.add_argument("--only", default="", help="comma-separated configuration names to run (default all)")
+    ap.add_argument("--only", default="", help=f"comma-separated configuration names (default {MATRIX})")
     args, extra = ap.parse_known_args()
-    results = []
-    chosen = [x.strip() for x in args.only.split(",") if x.strip()] or list(RUNS)
+    chosen = [x.strip() for x in args.only.split(",") if x.strip()] or MATRIX
     unknown = [x for x in chosen if x not in RUNS]
     if unknown:
         ap.error(f"--only: unknown {unknown}; choose from {list(RUNS)}")
-    for name in RUNS:
-        if name in chosen:
+    seeds = [int(s) for s in args.seeds.split(",")]
+    per_name: dict[str, list[dict]] = {n: [] for n in chosen}
+    for seed in seeds:  # seeds outermost: a stopped matrix has every configuration at the first seeds
+        for name in chosen:
             slug = name.replace(" ", "-").replace("(", "").replace(")", "").replace(".", "")
-            results.append(run_one(name, args.out / slug, args.steps, extra))
-            print(table(results[-1:]).splitlines()[-1], flush=True)
+            per_name[name].append(run_one(name, args.out / slug / f"seed-{seed}", args.steps, seed, extra))
+            r = per_name[name][-1]
+            print(
+                f"{name} seed {seed}: gain {r['gain']:+.3f} ± {r['gain_se']:.3f}, cap {r['cap']:+.3f}",
+                flush=True,
+            )
+    results = [summarize(n, per_name[n]) for n in chosen]
     print(table(results))
+    (args.out / "rlvr.json").write_text(json.dumps(results, indent=1))
     if args.png:
         picture(results, args.png)
         print(f"wrote {args.png}")

@@ -393,11 +393,27 @@ def test_grpo_with_long_shared_prompts_end_to_end(tiny_model_dir, tmp_path, monk
     lines = [" ".join(words[(i + j) % len(words)] for j in range(24)) + f" number {i}" for i in range(40)]
     prompts = tmp_path / "long.txt"
     prompts.write_text("\n".join(lines) + "\n")
-    prefix_rows = []
+    import tether.run.evaluation as te
+
+    prefix_rows, evaluations, in_eval = [], [], [False]
     real = tm.prefix_cache
     monkeypatch.setattr(
-        tm, "prefix_cache", lambda lm, ids, *a: prefix_rows.append(ids.shape) or real(lm, ids, *a)
+        tm,
+        "prefix_cache",
+        lambda lm, ids, *a: (
+            (evaluations if in_eval[0] else prefix_rows).append(ids.shape) or real(lm, ids, *a)
+        ),
     )
+    real_evaluate = te.evaluate
+
+    def evaluate(*args, **kwargs):  # the held-out evaluations' calls, told apart by call site
+        in_eval[0] = True
+        try:
+            return real_evaluate(*args, **kwargs)
+        finally:
+            in_eval[0] = False
+
+    monkeypatch.setattr(te, "evaluate", evaluate)
     out = tmp_path / "run"
     args = _tiny_args(tiny_model_dir, prompts, out) + [
         "train.algo=grpo",
@@ -412,9 +428,11 @@ def test_grpo_with_long_shared_prompts_end_to_end(tiny_model_dir, tmp_path, monk
     # reference's scoring, then 2 epochs x 2 minibatches of the update, each epoch followed by the
     # update guard's measure of the policy in the same 2-row groups (the reference's hidden states
     # kept from its scoring: no second reference forward; the budget is far, no halving); the
-    # evaluation has no groups
+    # held-out evaluations' 2 samples of each of 4 prompts share their prompt too (8 rows, in
+    # sampling and scoring)
     assert [shape[0] for shape in prefix_rows] == ([4] + [2] * 4 + ([2] * 2 + [2] * 2) * 2) * 3
-    assert all(shape[1] >= tm.SHARED_PREFIX_MIN_POSITIONS for shape in prefix_rows)
+    assert len(evaluations) >= 4 and all(shape[0] == 8 for shape in evaluations)
+    assert all(shape[1] >= tm.SHARED_PREFIX_MIN_POSITIONS for shape in prefix_rows + evaluations)
 
 
 @pytest.mark.parametrize("mode", ["on", "auto"])

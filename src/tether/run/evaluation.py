@@ -16,6 +16,7 @@ from torch import nn
 from tether.core import distributed as D
 from tether.core.diversity import distinct_n, repetition, self_bleu
 from tether.core.kl import estimate_kl, sequence_kl
+from tether.core.passk import ks_up_to, pass_at_k
 from tether.data.capability import capability_texts
 from tether.data.prompts import PromptData
 from tether.judges.contract import Scorer, score_rollout, trainer_state
@@ -79,8 +80,10 @@ def jackknife_se(groups: list[list[str]], stat) -> float:
     return math.sqrt((n - 1) / n * sum((v - m) ** 2 for v in loo))
 
 
-DIVERSITY_KEYS = ("distinct_1", "distinct_2", "self_bleu", "repetition")
-"""Diversity numbers of an evaluation (:mod:`tether.core.diversity`), each with an ``_se``."""
+DIVERSITY_KEYS = ("distinct_1", "distinct_2", "self_bleu", "repetition", "distinct_responses")
+"""Diversity numbers of an evaluation (:mod:`tether.core.diversity`; ``distinct_responses``: the
+mean count of different responses a prompt got, whitespace-normalized, with 2 or more samples a
+prompt: the answer diversity of a checker task), each with an ``_se``."""
 
 
 @dataclass
@@ -157,7 +160,21 @@ class EvalResult:
             out["self_bleu"], out["self_bleu_se"] = mean_se(self_bleu(groups))
         rep = [repetition(t) for t in self.responses]
         out["repetition"], out["repetition_se"] = mean_se(prompt_means(rep, self.samples_per_prompt))
+        if self.samples_per_prompt >= 2:
+            distinct = [len({" ".join(t.split()) for t in g}) for g in groups]
+            out["distinct_responses"], out["distinct_responses_se"] = mean_se([float(d) for d in distinct])
         return out
+
+    def pass_at(self, key: str) -> dict[int, list[float]] | None:
+        """Per prompt, the unbiased pass@k (:func:`tether.core.passk.pass_at_k`, Chen et al. 2021
+        eq. 1) of scorer ``key`` for k = 1, 2, 4, ... up to the samples a prompt has, when every
+        one of its scores is 0 or 1 (a checker) and a prompt has 2 or more samples; else None
+        (a graded score, or an unscored sample, has no pass@k)."""
+        xs, k = self.scores.get(key, []), self.samples_per_prompt
+        if k < 2 or not xs or any(x is None or x not in (0, 1) for x in xs):
+            return None
+        right = [int(sum(xs[i : i + k])) for i in range(0, len(xs), k)]
+        return {j: [pass_at_k(k, c, j) for c in right] for j in ks_up_to(k)}
 
     def summary(self) -> dict:
         """Means and standard errors (over prompts) of every score, the fluency NLL and the
@@ -169,6 +186,9 @@ class EvalResult:
             unscored = sum(x is None for x in xs)
             if unscored:  # the samples the scorer returned None for, left out of its numbers
                 out[f"{key}_unscored"] = unscored
+        for key in self.scores:
+            for j, per_prompt in (self.pass_at(key) or {}).items():
+                out[f"{key}_pass@{j}"], out[f"{key}_pass@{j}_se"] = mean_se(per_prompt)
         if self.fluency_nll:
             out["fluency_nll_mean"], out["fluency_nll_se"] = mean_se(prompt_means(self.fluency_nll, k))
         out.update(self.diversity())
@@ -201,12 +221,15 @@ class EvalSettings:
         samples_per_prompt: k, responses per prompt (``eval.samples_per_prompt``).
         fluency_samples: the fluency judge reads the first this many samples of each prompt
             (``eval.fluency_samples``; None: all).
+        share_prefix: with k > 1, a prompt's k rows run its prompt through the trunk once, in
+            sampling and in scoring (``model.share_prompt_prefix``).
     """
 
     seed: int
     batch_size: int = 64
     samples_per_prompt: int = 1
     fluency_samples: int | None = None
+    share_prefix: bool = False
 
 
 def evaluate(
@@ -252,16 +275,26 @@ def evaluate(
         prompts = prompts.select(idx) if isinstance(prompts, PromptData) else [prompts[i] for i in idx]
     result = EvalResult(name, [], [], {key: [] for key in scorers}, k)
     temperature = sampler.settings.temperature
+    # k > 1: a prompt's k rows run its prompt through the trunk once, in sampling and in scoring
+    # (tether.models.head.prefix_cache; the policy's and the reference's scoring alike, so at equal
+    # weights their log-probs agree bit for bit): pass@16 scores 16 rows of one prompt
+    share = settings.share_prefix and k > 1
     with forked_rngs(seed):
         for i in range(0, len(prompts), batch_size):
             batch = prompts[i : i + batch_size]
             try:
-                ro = sampler.sample(lm, batch, sample_seeds(seed, 0, range(i, i + len(batch))))
+                ro = sampler.sample(
+                    lm, batch, sample_seeds(seed, 0, range(i, i + len(batch))), share_prefix=share
+                )
             except EnvFailed as e:
                 raise e.retold(f"held-out evaluation ({name}): {e}") from e.__cause__
             if reference is not None:
-                lp = rollout_logprobs(lm, ro, temperature).logprobs
-                ref_lp = lp if reference is lm else rollout_logprobs(reference, ro, temperature).logprobs
+                lp = rollout_logprobs(lm, ro, temperature, share_prefix=share).logprobs
+                ref_lp = (
+                    lp
+                    if reference is lm
+                    else rollout_logprobs(reference, ro, temperature, share_prefix=share).logprobs
+                )
                 result.kl_per_sequence += sequence_kl(
                     estimate_kl(lp, ref_lp, "k1"), ro.response_mask
                 ).tolist()
@@ -318,6 +351,11 @@ def compare(before: EvalResult, after: EvalResult) -> dict:
         # is None, printed "n/a", not the infinity a division by 0 would claim
         out[f"{prefix}gain_z_paired"] = gain / paired_se if paired_se > 0 else None
         out[f"{prefix}gain_z_unpaired"] = gain / unpaired_se if unpaired_se > 0 else None
+        passed_before, passed_after = before.pass_at(key), after.pass_at(key)
+        if passed_before and passed_after:  # a checker: pass@k's change, paired by prompt
+            for j in passed_before:
+                diffs = [a - b for a, b in zip(passed_after[j], passed_before[j])]
+                out[f"{prefix}pass@{j}_gain"], out[f"{prefix}pass@{j}_gain_se_paired"] = mean_se(diffs)
     for key in ("fluency_nll_mean", *DIVERSITY_KEYS):
         base = key.removesuffix("_mean")
         se_key = f"{base}_se"
@@ -444,6 +482,7 @@ class Evaluator:
             batch_size=c.eval.batch_size,
             samples_per_prompt=c.eval.samples_per_prompt,
             fluency_samples=c.eval.fluency_samples,
+            share_prefix=c.model.share_prompt_prefix,
         )
         # every judging call's trainer_state: the end of training (reference and policies alike)
         self.state = evaluation_state(
