@@ -10,7 +10,10 @@ its overrides, ``eval.capability_texts=200`` (the probe at 200 sentences),
 ``train.checkpoint_every=0`` and the given overrides, once per seed; arms interleave per seed, so
 a slow stretch of the machine falls on all. A run folder holding an ``eval.json`` is read, not
 re-run. ``--interpolate`` also runs ``tether interpolate`` on the first arm's runs at those alphas
-(the zero-training-cost baseline; needs ``train.save_model`` left on).
+(the zero-training-cost baseline; needs ``train.save_model`` left on; alphas a run's
+``interpolate.json`` already holds are kept, not evaluated again). Each other arm is then set
+against it at equal gain, seed by seed: the capability change of the first arm's interpolation
+where its gain reaches the arm's (linear between the alphas around the first crossing).
 
 Printed per arm (mean ± SE over the seeds, from the spread of the seeds): the held-out VADER
 gain and its share of the first arm's, the gold gain, the capability change (policy - reference
@@ -69,6 +72,17 @@ def summarize(out: Path) -> dict:
     }
 
 
+def capability_at_gain(curve: list[tuple[float, float, float]], gain: float) -> float | None:
+    """The capability change where a seed's interpolation reaches ``gain``: ``curve`` its
+    ``(alpha, gain, capability)`` points from alpha 0 (the reference: 0, 0) to 1 (the trained
+    run), taken in order of alpha; linear between the two points around the first crossing. None
+    when the curve never reaches ``gain`` (the anchor gained more than the run it is set against)."""
+    for (_, g0, c0), (_, g1, c1) in zip(curve, curve[1:]):
+        if (g0 - gain) * (g1 - gain) <= 0 and g1 != g0:
+            return c0 + (gain - g0) / (g1 - g0) * (c1 - c0)
+    return None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="runs/anchor")
@@ -87,15 +101,30 @@ def main() -> int:
     interpolated: list[dict] = []
     if args.interpolate:
         base = next(iter(arms))
+        wanted = {float(a) for a in args.interpolate.split(",")}
         for seed in seeds:
             folder = out / base / f"{args.algo}-{seed}"
-            if not (folder / "interpolate.json").exists():
+            path = folder / "interpolate.json"
+            kept = json.loads(path.read_text()) if path.exists() else {"rows": []}
+            missing = sorted(wanted - {r["alpha"] for r in kept["rows"]})
+            if missing:  # only the alphas not yet evaluated; the file then holds them all
                 subprocess.run(
-                    [sys.executable, "-m", "tether", "interpolate", str(folder), "--alpha", args.interpolate],
+                    [
+                        sys.executable,
+                        "-m",
+                        "tether",
+                        "interpolate",
+                        str(folder),
+                        "--alpha",
+                        ",".join(map(str, missing)),
+                    ],
                     check=True,
                     stdout=subprocess.DEVNULL,
                 )
-            rows = json.loads((folder / "interpolate.json").read_text())["rows"]
+                new = json.loads(path.read_text())
+                new["rows"] = sorted(kept["rows"] + new["rows"], key=lambda r: r["alpha"])
+                path.write_text(json.dumps(new, indent=1))
+            rows = json.loads(path.read_text())["rows"]
             interpolated += [dict(r, seed=seed) for r in rows]
 
     table: dict = {}
@@ -128,6 +157,35 @@ def main() -> int:
             c = mean_se([r.get("capability_nll_change", float("nan")) for r in rs])
             k = mean_se([r["kl"] for r in rs])
             print(f"| {a:g} | {g[0]:+.3f} ± {g[1]:.3f} | {c[0]:+.3f} ± {c[1]:.3f} | {k[0]:.2f} |")
+    if interpolated:
+        base = next(iter(arms))
+        print("\n| arm | capability change | interpolation at its gain | anchor - interpolation |")
+        print("|---|---|---|---|")
+        for label in list(arms)[1:]:
+            diffs, at = [], []
+            for seed, run in zip(seeds, table[label]["runs"]):
+                own = table[base]["runs"][seeds.index(seed)]
+                points = [
+                    (r["alpha"], r["gain"], r["capability_nll_change"])
+                    for r in interpolated
+                    if r["seed"] == seed
+                ]
+                curve = sorted({(0.0, 0.0, 0.0), *points, (1.0, own["gain"], own["capability"])})
+                cap = capability_at_gain(curve, run["gain"])
+                if cap is not None:
+                    at.append(cap)
+                    diffs.append(run["capability"] - cap)
+            if diffs:
+                c, a, d = (
+                    mean_se([r["capability"] for r in table[label]["runs"]]),
+                    mean_se(at),
+                    mean_se(diffs),
+                )
+                table[label]["vs_interpolation"] = {"at_gain": a, "diff": d, "n": len(diffs)}
+                print(
+                    f"| {label} | {c[0]:+.3f} ± {c[1]:.3f} | {a[0]:+.3f} ± {a[1]:.3f} | "
+                    f"{d[0]:+.3f} ± {d[1]:.3f} ({len(diffs)} seeds) |"
+                )
     (out / "anchor_holds.json").write_text(
         json.dumps({"arms": table, "interpolated": interpolated}, indent=1)
     )

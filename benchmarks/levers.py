@@ -1,7 +1,8 @@
 """One lever at a time, on and off, in the same run: step time and the step's peak memory.
 
-Usage: python benchmarks/levers.py [--levers reuse_forward exact_kl fused_adamw share_prefix divergences]
-                                   [--steps 6 --warmup 1] [--completions 8 --max-new-tokens 24]
+Usage: python benchmarks/levers.py [--levers reuse_forward exact_kl fused_adamw share_prefix
+                                             divergences anchor] [--steps 6 --warmup 1]
+                                   [--completions 8 --max-new-tokens 24]
                                    [--prompts-per-step 1] [--prompt-prefix TEXT] [--stop-at-eos] [overrides]
 
 The work is ``benchmarks/compare_trl.py``'s (GRPO on the embedded default, ``--completions``
@@ -18,6 +19,9 @@ Levers:
     fused_adamw    optim.fused_adamw: torch's fused AdamW kernel instead of the per-tensor loop
     share_prefix   model.share_prompt_prefix: each group's prompt through the trunk once
     divergences    kl.divergences: the forward KL, JS and alpha-divergence beside the exact KL
+    anchor         anchor.coef=1: the text anchor's batch of human text in every optimizer step
+                   (the built-in corpus, anchor.batch_size texts; its batches advance only on
+                   the steps it is on)
 
 ``--prompt-prefix TEXT`` puts TEXT before every training prompt (a long instruction, as chat
 prompts have), which is where ``share_prefix`` pays; ``--prompts-per-step`` groups per step.
@@ -37,6 +41,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from exact_kl_cost import PeakRSS  # noqa: E402
 
 
+def _set_anchor(trainer, on: bool) -> None:
+    kept = trainer.__dict__.setdefault("_lever_anchor", trainer.anchor)  # built once, by the config
+    trainer.anchor = kept if on else None
+
+
 def _set_fused(trainer, on: bool) -> None:
     for group in trainer.optimizer.param_groups:
         group["fused"] = on or None  # AdamW reads it every step
@@ -48,6 +57,7 @@ LEVERS = {
     "fused_adamw": lambda trainer, config, on: _set_fused(trainer, on),
     "share_prefix": lambda trainer, config, on: setattr(trainer.run.policy, "share_prefix", on),
     "divergences": lambda trainer, config, on: setattr(config.kl, "divergences", on),
+    "anchor": lambda trainer, config, on: _set_anchor(trainer, on),
 }
 """How each lever is switched on a live trainer (the trainer reads each one every step)."""
 
@@ -106,6 +116,8 @@ def main() -> int:
             "total_steps": n,
         }
         overrides = compare_trl.tether_overrides(spec)
+        if lever == "anchor":  # built with the run; the lever switches the trainer's use of it
+            overrides = [*overrides, "anchor.coef=1"]
         if args.prompt_prefix:
             overrides = overrides + ["rollout.max_prompt_tokens=256"]
         config = load_config(None, overrides)

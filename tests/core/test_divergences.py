@@ -5,7 +5,12 @@ import math
 import pytest
 import torch
 
-from tether.core.divergences import divergences_from_logits
+from tether.core.divergences import (
+    LEASH_DIVERGENCES,
+    divergences_from_logits,
+    exact_and_divergences,
+    leash_divergence,
+)
 from tether.core.kl import exact_kl_from_logits
 
 
@@ -104,3 +109,105 @@ def test_float32_near_the_limits_keeps_the_float64_value(alpha):
     _, _, amari = _enumerated(logits, ref, alpha)
     if 1e-3 <= alpha <= 1 - 1e-3:  # the definition's own 1 - sum cancels in float64 past that
         assert torch.allclose(want, amari, atol=1e-9)
+
+
+def test_one_pass_for_all_four_equals_each_alone_bit_for_bit():
+    # the scoring pass's fused loop (kl.exact and kl.divergences on): one log-softmax of each side
+    # gives the reverse KL exactly as exact_kl_from_logits does, and the three others as
+    # divergences_from_logits does; chunks of 3 over 2 x 5 positions leave a short last chunk
+    g = torch.Generator().manual_seed(0)
+    logits, ref = torch.randn(2, 5, 11, generator=g), torch.randn(2, 5, 11, generator=g)
+    logits[0, 1, 3] = -math.inf  # a zero of the policy: the reverse KL's 0 * log 0 convention
+    ref[1, 2, 4] = -math.inf  # a zero of the reference: the forward KL's
+    reverse, parts = exact_and_divergences(logits, ref, 0.7, 0.3, 3)
+    assert torch.equal(reverse, exact_kl_from_logits(logits, ref, 0.7, 3))
+    for fused, alone in zip(parts, divergences_from_logits(logits, ref, 0.7, 0.3, 3)):
+        assert torch.equal(fused, alone)
+    # each KL is +inf where the other side has a zero its own side has not, and finite elsewhere
+    assert reverse[1, 2] == math.inf and parts.forward_kl[0, 1] == math.inf
+    assert torch.isfinite(reverse).sum() == 9 and torch.isfinite(parts.forward_kl).sum() == 9
+
+
+def _definition(kind, logits, ref_logits, temperature, alpha):
+    # float64 by autograd: the leash's divergence as written, per position
+    lp = torch.log_softmax(logits / temperature, -1)
+    lq = torch.log_softmax(ref_logits / temperature, -1)
+    p, q = lp.exp(), lq.exp()
+    if kind == "reverse_kl":
+        return (p * (lp - lq)).sum(-1)
+    if kind == "forward_kl":
+        return (q * (lq - lp)).sum(-1)
+    if kind == "js":
+        m = (p + q) / 2
+        return 0.5 * (p * (lp - m.log())).sum(-1) + 0.5 * (q * (lq - m.log())).sum(-1)
+    return (1 - (p**alpha * q ** (1 - alpha)).sum(-1)) / (alpha * (1 - alpha))
+
+
+@pytest.mark.parametrize("kind", LEASH_DIVERGENCES)
+@pytest.mark.parametrize("alpha", [0.5, 0.05, 0.01, 0.999])
+def test_the_leash_divergence_and_its_gradient_equal_the_float64_definition(kind, alpha):
+    # 2 x 3 positions over 7 tokens, chunks of 4 (a short last one), temperature 0.8
+    g = torch.Generator().manual_seed(5)
+    logits = (2 * torch.randn(2, 3, 7, generator=g)).requires_grad_()
+    ref = 2 * torch.randn(2, 3, 7, generator=g)
+    w = torch.rand(2, 3, generator=g)  # a weight per position, as a masked mean gives
+    value = leash_divergence(kind, logits, ref, temperature=0.8, alpha=alpha, chunk_size=4)
+    (value * w).sum().backward()
+    x = logits.detach().double().requires_grad_()
+    exact = _definition(kind, x, ref.double(), 0.8, alpha)
+    (exact * w.double()).sum().backward()
+    # float32 log-softmax of logits O(5): ~1e-6 relative per term, 7 terms: 1e-5 leaves room; the
+    # alpha gradient near a = 1 keeps it (no 1 - sum cancels: _p_grad's expm1 form)
+    assert torch.allclose(value.double(), exact.detach(), rtol=1e-5, atol=1e-6)
+    scale = x.grad.abs().max().item()
+    assert torch.allclose(logits.grad.double(), x.grad, rtol=0, atol=1e-5 * scale + 1e-9)
+    assert scale > 1e-3  # a gradient that could be wrong
+
+
+def test_hand_worked_forward_kl_gradient_and_the_leash_values_as_logged():
+    # two tokens, p = (0.5, 0.5) (logits 0, 0), q = (0.8, 0.2): forward KL 0.8 ln 1.6 + 0.2 ln 0.4
+    # = 0.37601 - 0.18326 = 0.19274; its gradient in the logits is p - q = (-0.3, 0.3)
+    z = torch.zeros(1, 1, 2, requires_grad=True)
+    ref = torch.log(torch.tensor([[[0.8, 0.2]]]))
+    v = leash_divergence("forward_kl", z, ref)
+    assert v.item() == pytest.approx(0.8 * math.log(1.6) + 0.2 * math.log(0.4), abs=1e-6)
+    v.sum().backward()
+    assert torch.allclose(z.grad, torch.tensor([[[-0.3, 0.3]]]), atol=1e-7)
+    # the leash's values are the logged ones, bit for bit, at equal logits
+    g = torch.Generator().manual_seed(2)
+    a, b = torch.randn(2, 3, 9, generator=g), torch.randn(2, 3, 9, generator=g)
+    reverse, parts = exact_and_divergences(a, b, 1.0, 0.3, 256)
+    assert torch.equal(leash_divergence("reverse_kl", a, b), reverse)
+    for kind, logged in zip(("forward_kl", "js", "alpha"), parts):
+        assert torch.equal(leash_divergence(kind, a, b, alpha=0.3), logged)
+
+
+def test_the_leash_divergence_at_far_apart_logits_and_bad_arguments():
+    # a logit 200 below the others: p underflows to 0 there; no overflow, no NaN, in value or grad
+    z = torch.tensor([[[0.0, 1.0, -200.0]]], requires_grad=True)
+    ref = torch.tensor([[[0.0, -200.0, 1.0]]])
+    for kind in LEASH_DIVERGENCES:
+        z.grad = None
+        v = leash_divergence(kind, z, ref, alpha=0.3)
+        v.sum().backward()
+        assert torch.isfinite(v).all() and torch.isfinite(z.grad).all(), kind
+    with pytest.raises(ValueError, match="unknown divergence"):
+        leash_divergence("tv", z, ref)
+    with pytest.raises(ValueError, match="alpha"):
+        leash_divergence("alpha", z, ref, alpha=1.0)
+    with pytest.raises(ValueError, match="temperature"):
+        leash_divergence("js", z, ref, temperature=0.0)
+
+
+@pytest.mark.parametrize("alpha", [0.3, 0.05, 0.01])
+def test_the_alpha_gradient_keeps_a_token_whose_probability_underflows(alpha):
+    # a logit 110 below: p = e^-111 underflows float32 to 0, but p^a q^(1-a) does not at small a
+    # (e^-5.6 at a = 0.05): the value keeps that term, and so must the gradient (the pull back
+    # toward a token the policy dropped), which the float64 definition gives
+    z = torch.tensor([[[0.0, 1.0, -110.0]]], requires_grad=True)
+    ref = torch.tensor([[[0.0, -1.0, 1.0]]])
+    leash_divergence("alpha", z, ref, alpha=alpha).sum().backward()
+    x = z.detach().double().requires_grad_()
+    _definition("alpha", x, ref.double(), 1.0, alpha).sum().backward()
+    scale = x.grad.abs().max().item()
+    assert torch.allclose(z.grad.double(), x.grad, rtol=0, atol=1e-5 * scale), (z.grad, x.grad)

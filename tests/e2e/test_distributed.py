@@ -369,6 +369,7 @@ _ONE_PROCESS: dict[str, Path] = {}
         "grpo, fsdp, whole-model generation",
         "dpo, fsdp",
         "grpo, anchor",
+        "grpo, anchor, fsdp",
     ],
 )
 def test_two_processes_log_the_first_step_of_one(algo, tiny_tokenizer, prompt_file, tmp_path):

@@ -45,3 +45,41 @@ def test_bad_alphas_and_folders_are_refused(tiny_model_dir, prompt_file, tmp_pat
     capsys.readouterr()
     assert main(["interpolate", str(out)]) == 1
     assert "train.save_model=false" in capsys.readouterr().err
+
+
+def test_a_lora_run_scales_its_adapter_and_its_ends_are_reference_and_policy(
+    tiny_model_dir, prompt_file, tmp_path, capsys
+):
+    # LoRA: A as trained, B times alpha, the base never written: alpha 0 is the reference (every
+    # change exactly 0), alpha 1 the saved adapter (eval.json's numbers, exactly)
+    out = tmp_path / "run"
+    args = _tiny_args(tiny_model_dir, prompt_file, out) + [
+        "train.save_model=true",
+        "optim.lr=3e-2",
+        "model.lora_r=4",
+    ]
+    assert main(args) == 0
+    capsys.readouterr()
+    assert main(["interpolate", str(out), "--alpha", "0,0.5,1"]) == 0
+    rows = json.loads((out / "interpolate.json").read_text())["rows"]
+    final = json.loads((out / "eval.json").read_text())
+    assert rows[0]["gain"] == 0.0 and rows[0]["kl"] == 0.0
+    assert rows[2]["gain"] == final["gain"] and rows[2]["kl"] == final["policy"]["kl"] > 0
+    assert 0 < rows[1]["kl"] < rows[2]["kl"]  # between the ends
+
+
+def test_a_lora_run_from_an_adapter_is_refused_by_name(tiny_model_dir, prompt_file, tmp_path, capsys):
+    first = tmp_path / "first"
+    assert (
+        main(_tiny_args(tiny_model_dir, prompt_file, first) + ["train.save_model=true", "model.lora_r=4"])
+        == 0
+    )
+    second = tmp_path / "second"
+    args = _tiny_args(tiny_model_dir, prompt_file, second) + [
+        "train.save_model=true",
+        f"model.adapter={first / 'policy'}",
+    ]
+    assert main(args) == 0
+    capsys.readouterr()
+    assert main(["interpolate", str(second), "--alpha", "0.5"]) == 1
+    assert "model.adapter" in capsys.readouterr().err

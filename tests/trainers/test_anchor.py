@@ -58,7 +58,8 @@ def test_the_terms_value_and_gradient_equal_the_float64_definition(tiny_lm, tiny
         policy=policy, reference=reference, texts=TEXTS, tokenizer=tiny_tokenizer, settings=settings
     )
     rows = tokenize_texts(tiny_tokenizer, TEXTS, 8)
-    assert anchor.n_batches == len(rows) // 2 and anchor.rows == rows[: 2 * anchor.n_batches]
+    assert anchor.n_batches == len(rows) // 2
+    assert sorted(anchor.rows) == sorted(rows[: 2 * anchor.n_batches])  # the remainder left out
     for k in range(anchor.n_batches + 1):  # around the texts and back to batch 0
         policy.zero_grad(set_to_none=True)
         out, share = anchor.term()
@@ -131,3 +132,24 @@ def test_max_tokens_past_the_models_positions_is_cut_there(tiny_lm, tiny_tokeniz
     assert "anchor.max_tokens=100000 is more than the model's 128 positions" in caplog.text
     out, _ = anchor.term()
     assert torch.isfinite(out.loss)
+
+
+def test_texts_of_like_length_share_a_batch_in_a_fixed_shuffled_order(tiny_lm, tiny_tokenizer):
+    policy, reference = _models(tiny_lm)
+    texts = [" ".join(["word"] * n) for n in (9, 2, 7, 3, 8, 1, 6, 4, 5, 10)]
+    settings = AnchorSettings(coef=1.0, kind="forward_kl", batch_size=2, max_tokens=16)
+    a = TextAnchor(
+        policy=policy, reference=reference, texts=texts, tokenizer=tiny_tokenizer, settings=settings
+    )
+    b = TextAnchor(
+        policy=policy, reference=reference, texts=texts, tokenizer=tiny_tokenizer, settings=settings
+    )
+    assert a.rows == b.rows  # the same batches, in the same order, every run
+    lengths = [[len(r) for r in a.rows[k * 2 : k * 2 + 2]] for k in range(a.n_batches)]
+    # sorted by length and cut in twos: the batches' lengths do not overlap
+    spans = sorted((min(x), max(x)) for x in lengths)
+    assert all(hi <= lo for (_, hi), (lo, _) in zip(spans, spans[1:]))
+    assert lengths != sorted(lengths)  # shuffled: not the shortest batch first and up
+    # the head ran on the text's positions only: the term's count of positions is the batch's
+    batch = a.batch(0)
+    assert a.reference_logprobs(0, batch).shape[:2] == (1, int(batch.mask.sum()))

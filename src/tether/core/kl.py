@@ -304,12 +304,19 @@ def exact_kl_from_logits(
     for start in range(0, B * R, chunk_size):
         lp = torch.log_softmax(flat_p[start : start + chunk_size].to(dtype) / temperature, dim=-1)
         lq = torch.log_softmax(flat_q[start : start + chunk_size].to(dtype) / temperature, dim=-1)
-        p = lp.exp()
-        # p * (lp - lq); where p == 0 the product is defined as 0 even if lq is -inf. A NaN p (a
-        # NaN or +inf logit) is not 0 and stays NaN: a broken policy must not read as KL 0.
-        term = torch.where(p == 0, torch.zeros_like(p), p * (lp - lq))
-        out[start : start + chunk_size] = term.sum(-1)
+        out[start : start + chunk_size] = reverse_kl_rows(lp, lq, lp.exp())
     return out.view(B, R)
+
+
+def reverse_kl_rows(lp: Tensor, lq: Tensor, p: Tensor) -> Tensor:
+    """``sum_v p (lp - lq)`` per row of log-softmaxes ``lp``, ``lq`` (N, V) and ``p = exp(lp)``: the
+    one expression of the exact reverse KL, which :func:`exact_kl_from_logits` and
+    :func:`tether.core.divergences.exact_and_divergences` share (so the two agree bit for bit).
+
+    Where ``p == 0`` the term is 0 even if ``lq`` is -inf. A NaN ``p`` (a NaN or +inf logit) is not
+    0 and stays NaN: a broken policy must not read as KL 0.
+    """
+    return torch.where(p == 0, torch.zeros_like(p), p * (lp - lq)).sum(-1)
 
 
 def sequence_kl(kl: Tensor, mask: Tensor) -> Tensor:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from tether.core.divergences import LEASH_DIVERGENCES, leash_divergence
 from tether.core.losses import KLLossEstimator, kl_loss_terms
 from tether.core.masked import masked_mean
 from tether.core.shaping import ShapedRewards, shape_rewards, shape_rewards_exact
@@ -27,9 +28,18 @@ class KLLeash:
             every token) or ``"exact"`` (:func:`tether.core.shaping.shape_rewards_exact`, the exact
             per-position KL in the returns and each token's own correction; per-token advantages
             only, PPO's ``ppo.kl_shaping``).
+        divergence: what the loss term holds (``kl.divergence``): ``"reverse_kl"`` through
+            ``loss_estimator`` on the sampled tokens, or ``"forward_kl"``, ``"js"``, ``"alpha"``
+            exactly over the vocabulary at each sampled position
+            (:func:`tether.core.divergences.leash_divergence`; needs the logits). In the loss only:
+            in the reward a per-sample penalty's policy gradient is the reverse KL's alone
+            (docs/kl.md, "The leash's divergence").
+        temperature, alpha: the sampling temperature both sides are tempered by, and the order
+            of ``"alpha"``, for a divergence other than the reverse KL.
 
     Raises:
-        ValueError: an unknown ``reward_form``.
+        ValueError: an unknown ``reward_form`` or ``divergence``, or a divergence other than the
+            reverse KL in the reward.
     """
 
     def __init__(
@@ -38,9 +48,21 @@ class KLLeash:
         kl_in_loss: bool,
         loss_estimator: KLLossEstimator = "k3_is",
         reward_form: str = "sampled",
+        *,
+        divergence: str = "reverse_kl",
+        temperature: float = 1.0,
+        alpha: float = 0.5,
     ):
         if reward_form not in ("sampled", "exact"):
             raise ValueError(f"reward_form must be 'sampled' or 'exact', got {reward_form!r}")
+        if divergence not in LEASH_DIVERGENCES:
+            raise ValueError(f"unknown divergence {divergence!r}; choose one of {LEASH_DIVERGENCES}")
+        if divergence != "reverse_kl" and kl_in_reward:
+            raise ValueError(
+                f"kl.divergence={divergence} is a loss term: in the reward only the reverse KL's per-sample "
+                "penalty has the right policy gradient; set kl.kl_in_reward=false and kl.kl_in_loss=true"
+            )
+        self.divergence, self.temperature, self.alpha = divergence, temperature, alpha
         self.kl_in_reward = kl_in_reward
         self.kl_in_loss = kl_in_loss
         self.loss_estimator = loss_estimator
@@ -99,6 +121,8 @@ class KLLeash:
         *,
         count: bool = True,
         row_weights: Tensor | None = None,
+        logits: Tensor | None = None,
+        ref_logits: Tensor | None = None,
     ) -> Tensor | None:
         """``kl_coef * masked_mean(surrogate)`` to add to the loss, or None if not in the loss.
 
@@ -106,12 +130,29 @@ class KLLeash:
         run without the term is bit-identical to the pure policy-gradient loss. ``count``: add
         one to ``counts["loss"]`` (once per gradient step: false for the micro-batches after the
         first of a minibatch, which are parts of the same term). ``row_weights`` (B,): a weight per
-        row of its terms (GRPO's ``grpo.scale_kl_by_std``), else 1.
+        row of its terms (GRPO's ``grpo.scale_kl_by_std``), else 1. ``logits`` (B, R, V) with
+        grad and ``ref_logits`` (B, R, V): the policy's and the reference's at the positions, for a
+        divergence other than the reverse KL (its per-position value at those states, exact).
+
+        Raises:
+            ValueError: a divergence other than the reverse KL without the logits.
         """
         if not self.kl_in_loss or kl_coef == 0 or ref_logprobs is None:
             return None
         self.counts["loss"] += int(count)
         mask = response_mask.bool()
+        if self.divergence != "reverse_kl":
+            if logits is None or ref_logits is None:
+                raise ValueError(
+                    f"kl.divergence={self.divergence} needs the policy's and the reference's logits"
+                )
+            terms = leash_divergence(
+                self.divergence, logits, ref_logits, temperature=self.temperature, alpha=self.alpha
+            )
+            terms = torch.where(mask, terms, 0.0)  # padding's logits are not the policy's choices
+            if row_weights is not None:
+                terms = terms * row_weights.to(terms.dtype)[:, None]
+            return kl_coef * masked_mean(terms, response_mask)
         # masked slots may hold -inf/NaN; neutral values there keep them out of every gradient
         logprobs = torch.where(mask, logprobs, 0.0)
         ref_logprobs = torch.where(mask, ref_logprobs, 0.0)

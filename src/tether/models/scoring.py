@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from tether.core.divergences import Divergences, divergences_from_logits
+from tether.core.divergences import Divergences, divergences_from_logits, exact_and_divergences
 from tether.core.kl import exact_kl_from_logits
 from tether.core.logprobs import (
     entropy_from_logits,
@@ -241,10 +241,15 @@ def policy_and_reference_logprobs(
                     kept_ref = z_ref.new_empty(B, R, z_ref.shape[-1])  # (B, R, V)
                 kept_ref[rows] = z_ref
             ref_logprobs[rows] = logprobs_from_logits(z_ref, tokens[rows], temperature)
-            if exact_kl:
+            if exact_kl and others is not None:  # one log-softmax of each side for all four
+                exact[rows], parts = exact_and_divergences(
+                    z, z_ref, temperature, divergences_alpha, kl_chunk_size
+                )
+            elif exact_kl:
                 exact[rows] = exact_kl_from_logits(z, z_ref, temperature, kl_chunk_size)
-            if others is not None:
+            elif others is not None:
                 parts = divergences_from_logits(z, z_ref, temperature, divergences_alpha, kl_chunk_size)
+            if others is not None:
                 for o, part in zip(others, parts):
                     o[rows] = part
             if top_k:

@@ -131,6 +131,13 @@ def model_card_text(
         placement = "in the reward and in the loss (allowed by kl.allow_double_kl)"
     estimator = k["estimator"] + (f"; loss surrogate {k['loss_estimator']}" if k.get("kl_in_loss") else "")
     kl_row = f"| KL placement | {placement}; per-token estimator {estimator} |"
+    divergence = k.get("divergence", "reverse_kl")
+    if divergence != "reverse_kl":  # kl.divergence: another divergence held in the loss, exactly
+        order = f" of order {k.get('alpha', 0.5):g}" if divergence == "alpha" else ""
+        kl_row = (
+            f"| KL placement | in the loss: `kl.divergence={divergence}`{order}, exact over the vocabulary "
+            "at each sampled position (the reverse KL still measured and logged) |"
+        )
     controller = CONTROLLERS[k["controller"]].from_fields(k["kl_coef"], k)
     unit = k.get("target_unit", "nats_per_sequence").replace("_", " ")
     leash_row = f"| leash | `kl.controller={k['controller']}`, {controller.describe(unit)} |"

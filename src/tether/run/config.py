@@ -385,14 +385,15 @@ class ModelConfig:
     values across blocks (Gemma 3n, Gemma 4). Nothing to replay where every block trains or with
     LoRA. false: every forward runs every block."""
     share_prompt_prefix: bool = True
-    """Where rows share prompts (groups: rollout.group_size > 1, as in GRPO and RLOO), run each
-    distinct prompt through the trunk once and let its rows attend to the
-    one copy of its keys and values, in generation, when scoring and in the update (policy and
-    reference alike). The same numbers up to float rounding; not used when every row has its own
-    prompt, nor for prompts under 17 tokens (``tether.models.head.SHARED_PREFIX_MIN_POSITIONS``), where
-    it does not pay. Off with ``gradient_checkpointing`` (transformers drops the key/value cache
-    in a checkpointed forward). With model.replay_frozen_blocks replaying (frozen lower blocks),
-    generation only: scoring and the update then run whole sequences."""
+    """Where rows share prompts (groups: rollout.group_size > 1, as in GRPO and RLOO; the held-out
+    evaluation's eval.samples_per_prompt > 1), run each distinct prompt through the trunk once and
+    let its rows attend to the one copy of its keys and values, in generation, when scoring and in
+    the update (policy and reference alike). The same numbers up to float rounding; not used when
+    every row has its own prompt, nor for prompts under 17 tokens
+    (``tether.models.head.SHARED_PREFIX_MIN_POSITIONS``), where it does not pay. Off with
+    ``gradient_checkpointing`` (transformers drops the key/value cache in a checkpointed forward).
+    With model.replay_frozen_blocks replaying (frozen lower blocks), generation only: scoring and
+    the update then run whole sequences (the held-out evaluation, outside a step, shares)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights of policy and reference: ``auto`` is float32 on the CPU and bfloat16 on CUDA.
     Whatever the weights, log-probabilities, the exact KL, entropy, values, rewards, advantages
@@ -839,11 +840,23 @@ class KLConfig(_Defaulted):
     """With kl.exact (PPO, GRPO, RLOO; not DPO's held-out probe): also log the exact forward KL
     KL(pi_ref || pi), the Jensen-Shannon divergence and the alpha-divergence of order kl.alpha on
     the same positions, from the same logits (objective/forward_kl_exact, objective/js_exact,
-    objective/alpha_exact, nats per sequence; tether.core.divergences). Monitoring only: the
-    leash stays the reverse KL."""
+    objective/alpha_exact, nats per sequence; tether.core.divergences). Logged beside the leash,
+    which holds the reverse KL unless kl.divergence names another."""
     alpha: float = 0.5
-    """The order of objective/alpha_exact's alpha-divergence (Amari), in (0, 1): near 1 it is the
-    reverse KL, near 0 the forward KL; 0.5 is 4 (1 - Bhattacharyya coefficient)."""
+    """The order of objective/alpha_exact's alpha-divergence (Amari), in (0, 1), and of the leash's
+    when kl.divergence=alpha: near 1 it is the reverse KL, near 0 the forward KL; 0.5 is 4 (1 -
+    Bhattacharyya coefficient)."""
+    divergence: Literal["reverse_kl", "forward_kl", "js", "alpha"] = "reverse_kl"
+    """What the leash holds. ``reverse_kl`` (the default): KL(pi || pi_ref) through kl.estimator /
+    kl.loss_estimator, in either placement. ``forward_kl`` (KL(pi_ref || pi)), ``js`` (Jensen-Shannon)
+    or ``alpha`` (Amari's, order kl.alpha): that divergence exactly over the vocabulary at each
+    sampled position, with its exact gradient, in the loss only (kl.kl_in_loss=true,
+    kl.kl_in_reward=false: in the reward a per-sample penalty's gradient is the reverse KL's alone)
+    and at a fixed beta (kl.controller=fixed: the adaptive and budget controllers hold the reverse
+    KL). kl_coef is then in reward units per nat of that divergence per token, averaged as the
+    loss's tokens are. Its fixed points, derived and reached on the test bed: docs/kl.md, "The
+    leash's divergence". The reference's logits of a step's rows are kept (at most 1 GiB a
+    process)."""
     exact_chunk_size: int = 256
     """Token positions per float32 chunk inside the exact KL (within one LM-head slice of
     ``model.head_chunk_size``): its extra memory is O(exact_chunk_size * vocab)."""
@@ -1429,6 +1442,8 @@ class Config:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         spec = self.trainer
+        if self.kl.divergence != "reverse_kl":
+            self._check_divergence()
         if spec.placement is None:  # its own leash (DPO's dpo.beta)
             for name in ("kl_in_reward", "kl_in_loss"):
                 _check(
@@ -1475,14 +1490,6 @@ class Config:
         )
         if self.kl.guard:
             self._check_guard()
-        if self.anchor.on:
-            _check(
-                self.train.sharding != "fsdp",
-                "anchor.coef",
-                self.anchor.coef,
-                "the text anchor is not built for train.sharding=fsdp yet; set anchor.coef=0 or "
-                "train.sharding=ddp",
-            )
         if self.train.sharding == "fsdp":
             self._check_sharding()
         if self.rollout.compile is True:
@@ -1545,6 +1552,31 @@ class Config:
             self.eval.best_by,
             "is not built for train.sharding=fsdp yet (keeping the best policy gathers it on every "
             "process at rank 0's word); use eval.best_by=none with fsdp",
+        )
+
+    def _check_divergence(self) -> None:
+        """``kl.divergence`` other than the reverse KL: a loss term at a fixed beta (docs/kl.md)."""
+        d = self.kl.divergence
+        _check(
+            self.trainer.placement is not None,
+            "kl.divergence",
+            d,
+            "DPO's leash is dpo.beta (its implicit reverse KL); leave kl.divergence=reverse_kl",
+        )
+        _check(
+            self.kl.kl_in_loss and not self.kl.kl_in_reward,
+            "kl.divergence",
+            d,
+            f"is held in the loss only (in the reward a per-sample penalty's policy gradient is the reverse "
+            f"KL's alone), and train.algo={self.train.algo} has kl.kl_in_reward={self.kl.kl_in_reward}, "
+            f"kl.kl_in_loss={self.kl.kl_in_loss}; set kl.kl_in_reward=false kl.kl_in_loss=true",
+        )
+        _check(
+            self.kl.controller == "fixed",
+            "kl.divergence",
+            d,
+            f"needs kl.controller=fixed (kl.controller={self.kl.controller} holds the reverse KL, not {d}); "
+            "set kl.controller=fixed kl.kl_coef=BETA",
         )
 
     def _check_guard(self) -> None:
@@ -2076,6 +2108,7 @@ FIELD_UNITS: dict[str, str] = {
     "kl.exact": "",
     "kl.exact_chunk_size": "token positions",
     "kl.divergences": "",
+    "kl.divergence": "",
     "kl.alpha": "order",
     "kl.kl_in_reward": "",
     "kl.kl_in_loss": "",

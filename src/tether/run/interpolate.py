@@ -5,9 +5,14 @@ At each ``alpha`` the policy's weights are ``(1 - alpha) theta_ref + alpha theta
 of the saved policy; frozen ones are equal on both sides). Weight averaging with the starting model
 is the zero-training-cost answer to the alignment tax (Lin et al. 2024, "Mitigating the Alignment
 Tax of RLHF"; WiSE-FT, Wortsman et al. 2022): the baseline any regularizer, the text anchor
-included, must beat on the gain-against-forgetting front. With LoRA the adapter's update would be
-scaled (``W + alpha B A``, the same interpolation of the merged weights); not built yet: a LoRA
-run is refused.
+included, must beat on the gain-against-forgetting front.
+
+With LoRA (a fresh adapter, so the reference is the base model) the adapter's update is scaled:
+``A`` as trained, ``B`` times ``alpha``, so each adapted weight is ``W + s (alpha B) A = (1 - alpha)
+W + alpha (W + s B A)``, the same interpolation of the merged weights, and the base (the reference's
+weights) is never written. A run that started from an adapter (``model.adapter``: its reference is
+base + that adapter, and ``(1 - alpha) B0 A0 + alpha B A`` is not one rank-r adapter) and a DoRA
+adapter (its magnitude vector is not linear in ``B A``) are refused by name.
 
 Each alpha is evaluated with the run's own held-out evaluation (the same prompts, seeds, scorers,
 fluency judge and capability probe as its ``eval.json``), against the reference's evaluation the
@@ -94,14 +99,23 @@ class Interpolation:
         RuntimeError: a trained tensor the LM does not have, or of another shape (another model).
     """
 
-    def __init__(self, lm: torch.nn.Module, trained: dict[str, torch.Tensor]):
+    def __init__(
+        self,
+        lm: torch.nn.Module,
+        trained: dict[str, torch.Tensor],
+        fixed: dict[str, torch.Tensor] | None = None,
+    ):
         state = lm.state_dict()
-        bad = [k for k in trained if k not in state or state[k].shape != trained[k].shape]
+        both = {**trained, **(fixed or {})}
+        bad = [k for k in both if k not in state or state[k].shape != both[k].shape]
         if bad:
             raise RuntimeError(
                 f"the saved policy does not match the run's model ({bad[:3]}): was model.name changed?"
             )
         self.lm = lm
+        with torch.no_grad():  # a LoRA adapter's A: as trained at every alpha (its B carries alpha)
+            for k, v in (fixed or {}).items():
+                state[k].copy_(v)
         self.targets = {k: state[k] for k in trained}  # the LM's own tensors, written in place
         self.reference = {k: v.detach().clone() for k, v in self.targets.items()}
         self.trained = {k: v.to(self.targets[k].device, self.targets[k].dtype) for k, v in trained.items()}
@@ -118,6 +132,42 @@ class Interpolation:
                 self.targets[k].copy_(self.trained[k])
             else:
                 torch.lerp(self.reference[k], self.trained[k], alpha, out=self.targets[k])
+
+
+def lora_tensors(lm: torch.nn.Module, policy_dir: Path) -> tuple[dict, dict]:
+    """A LoRA run's saved adapter as :class:`Interpolation` takes it: ``(trained, fixed)``, the
+    ``B`` tensors (interpolated from the fresh adapter's zeros) and the ``A`` tensors (as trained),
+    by their names in ``lm``'s state dict (peft's saved names, ``x.lora_A.weight``, with the policy
+    adapter's name put back: ``x.lora_A.default.weight``).
+
+    Raises:
+        FileNotFoundError: no adapter weights in ``policy_dir``. ValueError: the run's adapter did
+            not start at ``B = 0`` (a run from ``model.adapter``) or is DoRA.
+    """
+    from tether.models.lora import POLICY_ADAPTER
+
+    saved = saved_policy_tensors(policy_dir)
+    state = lm.state_dict()
+    trained, fixed = {}, {}
+    for key, value in saved.items():
+        parts = key.split(".")
+        i = next((j for j, part in enumerate(parts[:-1]) if part.startswith("lora_")), None)
+        if i is None or parts[i] == "lora_magnitude_vector":
+            raise ValueError(
+                f"{policy_dir}: {key} is not a LoRA A or B tensor (DoRA, or modules saved whole): "
+                "tether interpolate scales a plain LoRA adapter only; merge it into its base "
+                "(peft's merge_and_unload)"
+            )
+        name = ".".join([*parts[: i + 1], POLICY_ADAPTER, *parts[i + 1 :]])
+        is_b = parts[i] in ("lora_B", "lora_embedding_B")
+        if is_b and name in state and state[name].any():
+            raise ValueError(
+                f"{policy_dir}: the run's adapter did not start at B = 0 (it started from "
+                "model.adapter), so its reference is base + that adapter and the interpolation is not "
+                "one adapter: merge both into full weights to interpolate them"
+            )
+        (trained if is_b else fixed)[name] = value
+    return trained, fixed
 
 
 def interpolation_row(alpha: float, result: dict) -> dict:
@@ -190,8 +240,9 @@ def interpolate(run_dir: str | Path, alphas: list[float]) -> list[dict]:
     ``interpolate.json`` and ``interpolate.png`` into the run folder; return the rows.
 
     Raises:
-        FileNotFoundError: not a run folder, or no saved policy. ValueError: a LoRA run (not built
-            yet), or a run whose reference evaluation is missing (eval.n_prompts=0).
+        FileNotFoundError: not a run folder, or no saved policy. ValueError: a LoRA run that started
+            from an adapter or is DoRA (:func:`lora_tensors`), or a run whose reference evaluation is
+            missing (eval.n_prompts=0).
     """
     from tether.judges.scorers import make_scorer
     from tether.run.config import load_config
@@ -203,12 +254,13 @@ def interpolate(run_dir: str | Path, alphas: list[float]) -> list[dict]:
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
         raise FileNotFoundError(f"{run_dir}: not a tether run folder (no config.yaml)")
-    trained = saved_policy_tensors(run_dir / "policy")
+    saved_policy_tensors(run_dir / "policy")  # a run that saved no policy: said before anything loads
     config = load_config(str(run_dir / "config.yaml"), [f"train.output_dir={run_dir}"]).for_run()
-    if config.model.lora:
+    if config.model.adapter is not None:
         raise ValueError(
-            f"{run_dir}: a LoRA run; tether interpolate scales full weights only for now (merge the adapter "
-            "into its base, e.g. peft's merge_and_unload, and evaluate the merged model's interpolation)"
+            f"{run_dir}: the run started from an adapter (model.adapter), so its reference is base + "
+            "that adapter and the interpolation is not one adapter: merge both into full weights to "
+            "interpolate them"
         )
     if not config.eval.n_prompts:
         raise ValueError(f"{run_dir}: eval.n_prompts=0, so the run has no held-out evaluation to repeat")
@@ -218,7 +270,13 @@ def interpolate(run_dir: str | Path, alphas: list[float]) -> list[dict]:
         show = config.train.progress
         evaluator = Evaluator(run, judge, fluency_judge(run))
         before = reference_eval(evaluator, run_dir, show)
-        weights = Interpolation(run.policy.lm, trained)
+        # with LoRA the peft model, whose state-dict names are the saved adapter's
+        model = run.policy.peft if config.model.lora else run.policy.lm
+        if config.model.lora:
+            trained, fixed = lora_tensors(model, run_dir / "policy")
+        else:
+            trained, fixed = saved_policy_tensors(run_dir / "policy"), {}
+        weights = Interpolation(model, trained, fixed)
         rows = []
         for alpha in alphas:
             weights.set(alpha)

@@ -414,25 +414,37 @@ def _chance_mean(bed: TabularBed, rows: slice, values: Tensor) -> Tensor:
     return torch.where(probs > 0, probs * values, torch.zeros_like(values)).sum(-1)
 
 
-def per_token_kl_in_loss_fixed_point(bed: TabularBed, beta: float, reward_scale: float = 1.0) -> Tensor:
-    """Fixed point of a policy gradient on the score with a per-token KL surrogate in the loss.
+def per_token_kl_in_loss_fixed_point(
+    bed: TabularBed,
+    beta: float,
+    reward_scale: float = 1.0,
+    divergence: str = "reverse_kl",
+    alpha: float = 0.5,
+) -> Tensor:
+    """Fixed point of a policy gradient on the score with a per-token divergence in the loss.
 
     This is GRPO's placement on a table policy: advantages from the (scaled, baselined) sequence
-    score ``c * r(y)``, plus ``beta * sum_t kl_t`` where each per-token surrogate (k2, k3+, k3_is)
-    has on-policy expected gradient ``grad KL(pi(. | p) || pi_ref(. | p))`` *at the sampled prefix
-    p, with the prefix distribution held fixed*. The expected update at prefix p is then zero iff
-    ``pi(a | p) propto pi_ref(a | p) exp(c * Q(p a) / beta)`` with ``Q(p a) = E_pi[r | p a]`` the
-    plain expected score (no future KL), which is solved by backward recursion. It differs from
+    score ``c * r(y)``, plus ``beta * sum_t D_t`` where each per-token term (k2, k3+, k3_is for the
+    reverse KL; the exact ``D(pi(. | p), pi_ref(. | p))`` for ``divergence``) has on-policy expected
+    gradient ``grad D(pi(. | p), pi_ref(. | p))`` *at the sampled prefix p, with the prefix
+    distribution held fixed*. The expected update at prefix p is then zero iff ``pi(. | p)``
+    maximizes ``sum_a pi(a) c Q(p a) - beta D(pi, pi_ref(. | p))`` over the simplex
+    (:func:`best_response`), ``Q(p a) = E_pi[r | p a]`` the plain expected score (no future
+    divergence), which is solved by backward recursion. For the reverse KL that is
+    ``pi(a | p) propto pi_ref(a | p) exp(c Q(p a) / beta)``, which differs from
     :func:`optimal_table` for T > 1: the true gradient of the sequence KL also charges a token for
     the KL it causes at later positions (``E[grad log pi(y_s) sum_{t > s} kl_t]``), which the
-    per-token surrogate omits. For T = 1 it is ``optimal_table(bed, beta / c)``. An environment's
-    positions are chance nodes, as in :func:`optimal_table` (Q is averaged over its token).
+    per-token surrogate omits. For T = 1 and the reverse KL it is ``optimal_table(bed, beta / c)``.
+    An environment's positions are chance nodes, as in :func:`optimal_table` (Q is averaged over
+    its token).
 
     Args:
         bed: the bed.
-        beta: KL coefficient in the loss, > 0.
+        beta: the coefficient in the loss, > 0.
         reward_scale: c > 0, the factor the advantages apply to the score (1 for an unbiased
             baseline; (G - 1) / G for GRPO's mean-centered advantages without std scaling).
+        divergence: one of :data:`tether.core.divergences.LEASH_DIVERGENCES`; alpha: its order
+            for ``"alpha"``.
 
     Returns:
         (P, V) float64 logits (normalized log-probs per row).
@@ -448,12 +460,69 @@ def per_token_kl_in_loss_fixed_point(bed: TabularBed, beta: float, reward_scale:
             table[rows] = torch.log_softmax(bed.ref_logits[rows].to(F64), -1)
             Q = _chance_mean(bed, rows, Q.view(V**t, V))
             continue
-        logp = torch.log_softmax(
-            torch.log_softmax(bed.ref_logits[rows].to(F64), -1) + reward_scale * Q.view(V**t, V) / beta, -1
-        )  # (V^t, V)
+        lq = torch.log_softmax(bed.ref_logits[rows].to(F64), -1)
+        logp = best_response(lq, reward_scale * Q.view(V**t, V), beta, divergence, alpha)  # (V^t, V)
         table[rows] = logp
         Q = (logp.exp() * Q.view(V**t, V)).sum(-1)  # (V^t,) E_pi[r | prefix]
     return table
+
+
+def best_response(
+    lq: Tensor, u: Tensor, beta: float, divergence: str = "reverse_kl", alpha: float = 0.5
+) -> Tensor:
+    """Per row, the log-probs of ``argmax_pi sum_a pi_a u_a - beta D(pi, q)`` over the simplex,
+    float64: the stationary point of a policy gradient with values ``u`` and the divergence ``D``
+    of ``q = exp(lq)`` in the loss (every ``q_a > 0``; the maximizer is interior for each
+    divergence here). Setting the softmax gradient ``pi_a (u_a - beta g_a - sum_b pi_b (u_b -
+    beta g_b)) = 0`` with ``g = dD / dpi`` (docs/kl.md, "The leash's divergence"):
+
+    * reverse KL: ``g_a = log(pi_a / q_a) + 1``, so ``pi propto q exp(u / beta)``;
+    * forward KL ``KL(q || pi)``: ``g_a = -q_a / pi_a``, so ``pi_a = beta q_a / (lam - u_a)``;
+    * JS: ``g_a = log(2 pi_a / (pi_a + q_a)) / 2``, so ``pi_a = e_a q_a / (2 - e_a)`` with
+      ``e_a = exp(2 (u_a - lam) / beta)``;
+    * Amari alpha: ``g_a = -(q_a / pi_a)^(1 - a) / (1 - a)``, so ``pi_a = q_a (beta / ((1 - a)
+      (lam - u_a)))^(1 / (1 - a))``;
+
+    with ``lam`` the one value (per row) where ``sum_a pi_a = 1``: ``sum pi`` falls strictly as
+    ``lam`` rises, from infinity at the lower end of the bracket (``max u``; for JS ``max u - beta
+    ln(2) / 2``) to at most 1 at its upper end (``max u + beta``, ``max u`` and ``max u + beta / (1 -
+    a)``), so 200 bisections pin it to float64 (the last rounding is normalized away).
+
+    Args:
+        lq: (N, V) the reference's log-probs. u: (N, V) the values. beta: > 0.
+        divergence: one of :data:`tether.core.divergences.LEASH_DIVERGENCES`. alpha: in (0, 1).
+
+    Returns:
+        (N, V) float64 log-probs.
+    """
+    lq, u = lq.to(F64), u.to(F64)
+    if divergence == "reverse_kl":
+        return torch.log_softmax(lq + u / beta, -1)
+    top = u.max(-1, keepdim=True).values
+    q = lq.exp()
+
+    def probs(lam: Tensor) -> Tensor:
+        if divergence == "forward_kl":
+            return beta * q / (lam - u)
+        if divergence == "alpha":
+            return q * (beta / ((1 - alpha) * (lam - u))) ** (1 / (1 - alpha))
+        e = torch.exp(2 * (u - lam) / beta)  # js
+        return e * q / (2 - e)
+
+    if divergence == "forward_kl":
+        lo, hi = top, top + beta
+    elif divergence == "alpha":
+        lo, hi = top, top + beta / (1 - alpha)
+    elif divergence == "js":
+        lo, hi = top - beta * math.log(2) / 2, top.clone()
+    else:
+        raise ValueError(f"unknown divergence {divergence!r}")
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        over = probs(mid).sum(-1, keepdim=True) > 1
+        lo, hi = torch.where(over, mid, lo), torch.where(over, hi, mid)
+    pi = probs(hi)  # the end with sum <= 1 (finite)
+    return torch.log(pi / pi.sum(-1, keepdim=True))
 
 
 def sample(
@@ -683,6 +752,7 @@ def table_policy_loss(
     leash: KLLeash,
     kl_coef: float,
     record: list[Tensor] | None = None,
+    ref_table: Tensor | None = None,
 ) -> MicroLoss:
     """The on-policy trainers' ``minibatch_loss`` hook on a table policy.
 
@@ -698,6 +768,8 @@ def table_policy_loss(
         leash: the KL placement. kl_coef: beta of the step.
         record: a list the policy's per-row log-probs are appended to before each gradient step
             (at its first micro-batch), or None.
+        ref_table: (P, V) the reference's logits, for a leash holding another divergence than
+            the reverse KL (``leash.divergence``): the table rows of the sampled prefixes go to it.
 
     Returns:
         :class:`tether.trainers.update.MicroLoss`.
@@ -713,6 +785,11 @@ def table_policy_loss(
         kl_coef=kl_coef,
         first_micro=first_micro,
         values=value_table[samples.rows] if value_table is not None else None,
+        **(
+            {"logits": table[samples.rows], "ref_logits": ref_table.to(table.dtype)[samples.rows]}
+            if leash.divergence != "reverse_kl" and ref_table is not None
+            else {}
+        ),
     )
 
 
@@ -735,6 +812,8 @@ def train_on_policy(
     kl_shaping: Literal["sampled", "exact"] = "sampled",
     mask_env_tokens: bool = True,
     guard: GuardSettings | None | Literal["auto"] = "auto",
+    divergence: str = "reverse_kl",
+    alpha: float = 0.5,
     **step: Any,
 ) -> RunLog:
     """PPO, GRPO or RLOO on the bed, step for step as :class:`tether.trainers.base.OnPolicyTrainer`.
@@ -762,6 +841,10 @@ def train_on_policy(
         kl_shaping: PPO's reward form (``ppo.kl_shaping``): ``exact`` shapes with the exact
             per-position KL of the table (:func:`position_kl`) and adds each token's own
             correction to its advantage (:func:`tether.core.shaping.shape_rewards_exact`).
+        divergence, alpha: what a loss-placed leash holds (``kl.divergence``, ``kl.alpha``): the
+            reverse KL through ``loss_estimator``, or another divergence exactly over the
+            vocabulary at each sampled prefix (:func:`tether.core.divergences.leash_divergence`;
+            its fixed point: :func:`per_token_kl_in_loss_fixed_point`).
         mask_env_tokens: False reproduces the bug the mask prevents: the environment's tokens
             counted as the policy's (``response_mask`` all True: in the KL, the losses, the values
             and the advantages), to show that the bed catches it. True (the trainers' way):
@@ -802,7 +885,7 @@ def train_on_policy(
         if guard == "auto"
         else guard
     )
-    leash = KLLeash(kl_in_reward, kl_in_loss, loss_estimator, kl_shaping)
+    leash = KLLeash(kl_in_reward, kl_in_loss, loss_estimator, kl_shaping, divergence=divergence, alpha=alpha)
     clip = ClipSettings(clip_eps=s.clip_eps, clip_eps_value=s.clip_eps_value, vf_coef=s.vf_coef)
     optimization = Optimization(
         optimizer=opt,
@@ -867,6 +950,7 @@ def train_on_policy(
                 leash=leash,
                 kl_coef=kl_coef,
                 record=log.step_logprobs,
+                ref_table=bed.ref_logits,
             ),
             optimization=optimization,
         )

@@ -5,18 +5,24 @@ always the same rows, so the reference's share of the work is done once per batc
 optimizer step returns the anchor's term on the next batch (:func:`tether.core.anchor.anchor_term`):
 the policy's logits with grad against the reference's log-probabilities, which come from the
 reference's last hidden states cached per batch (the text is fixed, the reference frozen; only its
-LM head runs again, float32 exact). :func:`tether.trainers.update.minibatch_update` adds it to the
+LM head runs again, float32 exact). Texts of like length share a batch (the batches, in a fixed
+shuffled order, are cut from the texts sorted by length) and the LM heads run on the text's
+positions only, not on padding: the same terms at about half the cost of batches of any lengths
+padded (:data:`BATCH_ORDER_SEED`). :func:`tether.trainers.update.minibatch_update` adds it to the
 step's loss once, before the step's micro-batches (:data:`tether.trainers.update.StepTerm`).
 
 Several processes: each takes an equal share of every batch's rows (``anchor.batch_size`` is a
 multiple of the world size), its term a token mean over its rows weighed by its share of the
 batch's tokens over every process (:func:`tether.core.distributed.token_shares`), so the terms
 sum to the token mean of the whole batch and DDP's average makes it the gradient of that mean.
+Under FSDP every process runs the same forwards in the same order (the reference's trunk is
+cached for a batch by all processes or by none), as FSDP's collectives need.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 from dataclasses import dataclass
 
 import torch
@@ -24,8 +30,9 @@ from torch import Tensor
 
 from tether.core import distributed as D
 from tether.core.anchor import AnchorKind, anchor_term
-from tether.models.head import apply_head, left_padded, position_ids_from_mask, tail_hidden, tail_logits
+from tether.models.head import apply_head, left_padded, position_ids_from_mask, tail_hidden
 from tether.models.policy import PolicyWithValue
+from tether.models.sharding import is_sharded, root_gathered
 from tether.run.setup import model_context
 from tether.trainers.update import MicroLoss
 
@@ -35,6 +42,12 @@ REF_HIDDEN_BYTES = 256 << 20
 """Most bytes of the reference's kept hidden states per process (256 MiB): past it a batch's are
 computed again each time it comes round (the builtin corpus at the defaults takes about 240 MB
 once every batch has been used)."""
+
+
+BATCH_ORDER_SEED = 0
+"""Seed of the fixed shuffle of the anchor's batches (``random.Random(BATCH_ORDER_SEED)``): cut
+from the texts sorted by length, taken in this order, so that the run does not go from the
+shortest texts to the longest."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,7 +129,13 @@ class TextAnchor:
                 f"{settings.batch_size}; give more text or a smaller batch"
             )
         self.n_batches = n_batches
-        self.rows = rows[: n_batches * settings.batch_size]  # the remainder is left out
+        kept = sorted(rows[: n_batches * settings.batch_size], key=len)  # the remainder is left out
+        bs = settings.batch_size
+        order = list(range(n_batches))
+        random.Random(BATCH_ORDER_SEED).shuffle(order)
+        self.rows = [r for k in order for r in kept[k * bs : (k + 1) * bs]]
+        """The texts' ids, batch ``k`` = ``rows[k * batch_size : (k + 1) * batch_size]``: texts of
+        like length together, the batches in a fixed shuffled order."""
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (tokenizer.eos_token_id or 0)
         self.position = 0
@@ -133,9 +152,12 @@ class TextAnchor:
         return text_batch(rows[mine], self.pad_id, device)
 
     def reference_logprobs(self, k: int, b: TextBatch) -> Tensor:
-        """(B, L - 1, V) float32 log-probabilities of the reference on batch ``k``: its trunk once
-        per batch (cached hidden states), its LM head each time."""
-        with torch.no_grad():
+        """(1, N, V) float32 log-probabilities of the reference at batch ``k``'s N text positions
+        (``b.mask``, row-major): its trunk once per batch (cached hidden states), its LM head
+        each time, on the text's positions (under FSDP on every position, as the policy's root
+        forward projects them, then the text's taken)."""
+        sharded = is_sharded(self.policy)
+        with torch.no_grad(), root_gathered(self.reference):  # FSDP: the root unit's weights gathered
             hidden = self.ref_hidden.get(k)
             if hidden is None:
                 hidden = tail_hidden(
@@ -145,12 +167,40 @@ class TextAnchor:
                     position_ids=position_ids_from_mask(b.attention_mask),
                     n_keep=b.input_ids.shape[1],
                 )
+                hidden = hidden if sharded else hidden[b.mask].unsqueeze(0)
                 held = sum(h.numel() * h.element_size() for h in self.ref_hidden.values())
-                if held + hidden.numel() * hidden.element_size() <= REF_HIDDEN_BYTES:
+                fits = torch.tensor(float(held + hidden.numel() * hidden.element_size() <= REF_HIDDEN_BYTES))
+                # every process keeps batch k's or none does: under FSDP the reference's trunk is
+                # a collective, run by all processes together or by none
+                if D.all_reduce_min(fits.to(hidden.device)).item() == 1.0:
                     self.ref_hidden[k] = hidden
             # the policy's head slices (apply_head): at equal weights the logits agree bit for bit
             logits = apply_head(self.reference, hidden, self.policy.head_chunk)
+            logits = logits[b.mask].unsqueeze(0) if sharded else logits
             return torch.log_softmax(logits.float(), dim=-1)
+
+    def policy_logits(self, k: int, b: TextBatch) -> Tensor:
+        """(1, N, V) the policy's logits at batch ``k``'s text positions, with grad: the trunk
+        (the frozen blocks' output kept across steps under the key ``("anchor", k)``), then the
+        head on the text's positions, (1, N, d) as the reference's: the same kernel on the same
+        shape, so at equal weights the two agree bit for bit (the step-0 term is 0). Under FSDP
+        the update's forwards go through the root's forward (:mod:`tether.models.sharding`),
+        which projects every position; the text's are taken after."""
+        policy, mask = self.policy, b.mask
+        pos = position_ids_from_mask(b.attention_mask)
+        if is_sharded(policy):
+            logits, _ = policy(b.input_ids, b.attention_mask, pos, b.input_ids.shape[1], with_values=False)
+            return logits[mask].unsqueeze(0)
+        hidden = tail_hidden(
+            policy.lm,
+            b.input_ids,
+            attention_mask=b.attention_mask,
+            position_ids=pos,
+            n_keep=b.input_ids.shape[1],
+            replay=policy.frozen,
+            replay_key=("anchor", k),  # the same rows every time batch k comes round
+        )
+        return apply_head(policy.lm, hidden[mask].unsqueeze(0), policy.head_chunk)
 
     def term(self) -> tuple[MicroLoss, Tensor]:
         """The next batch's term: ``(MicroLoss, share)``, the loss a token mean over this process's
@@ -161,20 +211,17 @@ class TextAnchor:
         self.position += 1
         b = self.batch(k)
         ref_logprobs = self.reference_logprobs(k, b)
-        policy = self.policy
-        logits, _ = tail_logits(
-            policy.lm,
-            b.input_ids,
-            attention_mask=b.attention_mask,
-            position_ids=position_ids_from_mask(b.attention_mask),
-            n_keep=b.input_ids.shape[1],
-            chunk_positions=policy.head_chunk,
-            replay=policy.frozen,
-            replay_key=("anchor", k),  # the same rows every time batch k comes round
-        )
+        logits = self.policy_logits(k, b)
+        targets = b.targets[b.mask].unsqueeze(0)
         s = self.settings
         out = anchor_term(
-            logits, ref_logprobs, b.targets, b.mask, coef=s.coef, kind=s.kind, chunk_size=s.chunk_size
+            logits,
+            ref_logprobs,
+            targets,
+            torch.ones_like(targets, dtype=torch.bool),
+            coef=s.coef,
+            kind=s.kind,
+            chunk_size=s.chunk_size,
         )
         share = D.token_shares([b.mask])[0]
         stats = {"anchor/forward_kl": out.forward_kl, "anchor/nll": out.nll}

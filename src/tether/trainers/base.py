@@ -146,7 +146,19 @@ class OnPolicyTrainer:
         self.group_size = c.rollout.group_size
         self.sampler = PromptSampler(run.train_prompts, c.train.seed)
         self.controller = c.kl.new_controller()  # kl.controller with its settings
-        self.leash = KLLeash(c.kl.kl_in_reward, c.kl.kl_in_loss, c.kl.loss_estimator, c.kl_reward_form)
+        self.leash = KLLeash(
+            c.kl.kl_in_reward,
+            c.kl.kl_in_loss,
+            c.kl.loss_estimator,
+            c.kl_reward_form,
+            divergence=c.kl.divergence,
+            temperature=c.rollout.temperature,
+            alpha=c.kl.alpha,
+        )
+        self.divergence_leash = c.kl.divergence != "reverse_kl" and c.kl.kl_in_loss
+        """kl.divergence other than the reverse KL: the loss term needs both models' logits."""
+        if self.divergence_leash:
+            self.check_ref_logits_bound()
         self.settings = step_settings(c, self.name)
         self.clip = ClipSettings(
             clip_eps=c.ppo.clip_eps, clip_eps_value=c.ppo.clip_eps_value, vf_coef=c.ppo.vf_coef
@@ -210,6 +222,7 @@ class OnPolicyTrainer:
             and c.optim.minibatch_size == c.rollout.batch_size
             and not self.uses_values
             and not c.kl.kl_in_reward
+            and not self.divergence_leash  # its loss reads the logits, which step 4's forward drops
             and (
                 c.optim.micro_batch_size is None
                 or c.optim.micro_batch_size >= c.optim.minibatch_size // D.world_size()
@@ -249,7 +262,7 @@ class OnPolicyTrainer:
                 rollout=rollout,
                 scores=scores,
                 # step 4's numbers; optim.reuse_forward: with its forward of the current policy, with grad
-                forwards=forwards.step_forwards(),
+                forwards=forwards.step_forwards(with_ref_logits=self.divergence_leash),
                 minibatches=minibatches,
                 kl_coef=kl_coef,
                 leash=self.leash,
@@ -348,6 +361,16 @@ class OnPolicyTrainer:
         update's own forward, whose graph step 7 reuses)."""
         c, run = self.cfg, self.run
         fit = self.ref_logits_fit(rollout)
+        # every process stops together (one alone would leave the others in a collective): with
+        # tool turns the environment's tokens can lengthen a step past the bound checked at start
+        if self.divergence_leash and D.all_reduce_max(torch.tensor(float(not fit), device=self.device)) > 0:
+            B, R = rollout.response_ids.shape
+            raise ValueError(
+                f"kl.divergence={c.kl.divergence} keeps the reference's logits of the step's rows, {B} x {R} "
+                f"positions here, over the {REF_LOGITS_BYTES >> 30} GiB a process allows; lower "
+                "rollout.batch_size or rollout.max_new_tokens, use more processes, or "
+                "kl.divergence=reverse_kl"
+            )
         with root_gathered(run.policy, run.reference):  # FSDP: blocks gathered one at a time
             forwards = old_and_ref_logprobs(
                 run.policy,
@@ -361,12 +384,33 @@ class OnPolicyTrainer:
                 reuse_forward_of=self.model if self.reuse_forward else None,
                 # the guard's measures reuse the reference's logits where they fit, else its
                 # hidden states (then only its LM head runs again)
-                keep_ref_logits=self.guard is not None and fit,
+                keep_ref_logits=(self.guard is not None or self.divergence_leash) and fit,
                 keep_ref_hidden=self.guard is not None and not fit,
                 top_k=5 if self.attribution is not None else 0,  # the records' top-5 next tokens
                 divergences_alpha=c.kl.alpha if c.kl.divergences else None,  # logged beside the KL
             )
         return forwards
+
+    def check_ref_logits_bound(self) -> None:
+        """Before the first step: the reference's logits a step keeps under ``kl.divergence`` (this
+        process's rows x ``rollout.max_new_tokens`` x the vocabulary, float32) fit
+        :data:`REF_LOGITS_BYTES`, or the run is refused now, not hours in (tool turns' environment
+        tokens can add to it: each step checks again, every process together).
+
+        Raises:
+            ValueError: over the bound, naming what to lower.
+        """
+        c = self.cfg
+        rows = c.rollout.batch_size // D.world_size()
+        vocab = self.run.policy.lm.get_output_embeddings().weight.shape[0]
+        need = rows * c.rollout.max_new_tokens * vocab * 4
+        if need > REF_LOGITS_BYTES:
+            raise ValueError(
+                f"kl.divergence={c.kl.divergence} keeps the reference's logits of a step's rows: {rows} rows "
+                f"x {c.rollout.max_new_tokens} positions x {vocab} ids x 4 bytes = {need / 2**30:.1f} GiB a "
+                f"process, over the {REF_LOGITS_BYTES >> 30} GiB allowed; lower rollout.batch_size or "
+                "rollout.max_new_tokens, use more processes, or kl.divergence=reverse_kl"
+            )
 
     def ref_logits_fit(self, rollout: Rollout) -> bool:
         """Whether the reference's logits of this process's rows fit
@@ -432,14 +476,21 @@ class OnPolicyTrainer:
         raise NotImplementedError
 
     # ---- shared pieces ---------------------------------------------------------------------
-    def policy_logprobs(self, mb: Experience) -> Tensor:
-        """(B_m, R) log-probs of micro-batch ``mb``'s tokens under the current policy, with grad:
-        the rows of step 4's forward that the record carries in reuse-forward mode
+    def policy_forward(self, mb: Experience) -> TokenStats:
+        """Micro-batch ``mb``'s numbers under the current policy, with grad: (B_m, R) log-probs
+        from the rows of step 4's forward that the record carries in reuse-forward mode
         (``mb.reused_logprobs``: one update of the whole batch, so each row's is used once), else
-        :meth:`update_forward`'s."""
+        :meth:`update_forward`'s (with the logits under ``kl.divergence``'s leash)."""
         if mb.reused_logprobs is not None:
-            return mb.reused_logprobs
-        return self.update_forward(mb).logprobs
+            return TokenStats(logprobs=mb.reused_logprobs)
+        return self.update_forward(mb)
+
+    def divergence_inputs(self, mb: Experience, new: TokenStats) -> dict:
+        """What the leash's loss term reads besides log-probs: under ``kl.divergence`` (not the
+        reverse KL) the policy's logits of ``new`` and the reference's of ``mb``, else nothing."""
+        if not self.divergence_leash:
+            return {}
+        return {"logits": new.logits, "ref_logits": mb.forwards.ref_logits}
 
     def update_forward(self, mb: Experience) -> TokenStats:
         """The policy's forward of micro-batch ``mb`` with grad (log-probs, and values when the
@@ -455,7 +506,11 @@ class OnPolicyTrainer:
                 )
             return kept
         return rollout_logprobs(
-            self.model, mb.rollout, self.cfg.rollout.temperature, with_values=self.uses_values
+            self.model,
+            mb.rollout,
+            self.cfg.rollout.temperature,
+            with_values=self.uses_values,
+            keep_logits=self.divergence_leash,  # the leash's divergence reads them (with grad)
         )
 
     def measure_ahead(self, exp: Experience, forwards: RolloutLogprobs) -> tuple[float, float]:
@@ -470,7 +525,9 @@ class OnPolicyTrainer:
             new = rollout_logprobs(
                 self.model, exp.rollout, c.rollout.temperature, with_values=self.uses_values, keep_logits=True
             )
-        logits, new.logits = new.logits.detach(), None  # (B, R, V), held by the graph anyway
+        logits = new.logits.detach()  # (B, R, V), held by the graph anyway
+        if not self.divergence_leash:  # kl.divergence's loss term reads them, with grad
+            new.logits = None
         self.kept_forward = (exp.rollout.response_ids, new)
         return self.measured_kl(exp, forwards, policy_logits=logits)
 

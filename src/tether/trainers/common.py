@@ -232,16 +232,18 @@ class RolloutLogprobs:
     """The forward KL, JS and alpha-divergence at each position (each (B, R), nats), when asked
     (``divergences_alpha``: ``kl.divergences``)."""
 
-    def step_forwards(self) -> Forwards:
+    def step_forwards(self, with_ref_logits: bool = False) -> Forwards:
         """What steps 5 to 7 read of these (:class:`tether.trainers.steps.Forwards`): the old and
         reference log-probs, the values, the exact KL and, with ``update_forward``, its log-probs
-        with grad (``optim.reuse_forward``: step 7's only update differentiates them)."""
+        with grad (``optim.reuse_forward``: step 7's only update differentiates them);
+        ``with_ref_logits``: the reference's kept logits too (``kl.divergence``'s leash)."""
         return Forwards(
             old_logprobs=self.old_logprobs,
             ref_logprobs=self.ref_logprobs,
             values=self.values,
             exact_kl=self.exact_kl,
             reused_logprobs=self.update_forward.logprobs if self.update_forward is not None else None,
+            ref_logits=self.ref_logits if with_ref_logits else None,
         )
 
 

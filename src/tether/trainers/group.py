@@ -35,14 +35,15 @@ class GroupTrainer(OnPolicyTrainer):
         return group_metrics(exp.scores, self.group_size, scored=exp.scored)
 
     def minibatch_loss(self, mb: Experience, kl_coef: float, first_micro: bool = True) -> MicroLoss:
-        logprobs = self.policy_logprobs(mb)  # (B, R), with grad
+        new = self.policy_forward(mb)  # (B, R) log-probs, with grad
         return clipped_policy_loss(
             mb,
-            logprobs,
+            new.logprobs,
             clip=self.clip,
             leash=self.leash,
             kl_coef=kl_coef,
             first_micro=first_micro,
+            **self.divergence_inputs(mb, new),
         )
 
 

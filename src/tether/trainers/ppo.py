@@ -29,6 +29,7 @@ class PPOTrainer(OnPolicyTrainer):
             kl_coef=kl_coef,
             first_micro=first_micro,
             values=new.values,
+            **self.divergence_inputs(mb, new),
         )
 
     def metrics(

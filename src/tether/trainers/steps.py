@@ -81,6 +81,9 @@ class Forwards(NamedTuple):
     reused_logprobs: Tensor | None = None
     """log-probs of the rollout under the current policy, with grad: step 4's forward, kept for
     step 7's only update (``optim.reuse_forward``), or None."""
+    ref_logits: Tensor | None = None
+    """(B, R, V) the reference's logits at the response positions, for a leash holding another
+    divergence than the reverse KL (``kl.divergence``), else None."""
 
     def select(self, idx: Tensor) -> Forwards:
         """Rows ``idx`` ((n,) long) of every tensor."""
@@ -90,6 +93,7 @@ class Forwards(NamedTuple):
             values=_rows(self.values, idx),
             exact_kl=_rows(self.exact_kl, idx),
             reused_logprobs=_rows(self.reused_logprobs, idx),
+            ref_logits=_rows(self.ref_logits, idx),
         )
 
 
@@ -765,6 +769,8 @@ def clipped_policy_loss(
     *,
     first_micro: bool = True,
     values: Tensor | None = None,
+    logits: Tensor | None = None,
+    ref_logits: Tensor | None = None,
 ) -> MicroLoss:
     """Step 7 of PPO, GRPO and RLOO: the loss of one micro-batch.
 
@@ -782,6 +788,9 @@ def clipped_policy_loss(
             (:class:`ClipSettings`). leash, kl_coef: the KL placement and beta >= 0.
         first_micro: this is the first micro-batch of its gradient step.
         values: (B_m, R) current value predictions with grad (PPO), or None.
+        logits, ref_logits: (B_m, R, V) the policy's (with grad) and the reference's logits at the
+            positions, for a leash holding another divergence than the reverse KL
+            (``leash.divergence``); else None.
 
     Returns:
         :class:`tether.trainers.update.MicroLoss`: stats ``policy/loss``, ``policy/clipfrac``,
@@ -804,6 +813,8 @@ def clipped_policy_loss(
         mb.old_logprobs,
         count=first_micro,
         row_weights=mb.kl_weights,
+        logits=logits,
+        ref_logits=ref_logits,
     )
     if kl_term is not None:
         stats["policy/kl_loss"] = kl_term
