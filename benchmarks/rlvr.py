@@ -63,6 +63,9 @@ RUNS = {
     "budget 1": ["kl.budget=1"],
     "anchor 1": [*BETA0, "anchor.coef=1"],
     "anchor 3": [*BETA0, "anchor.coef=3"],
+    # the leash itself mass-covering: the exact forward KL on the policy's own prefixes, in the
+    # loss at the published GRPO beta (kl.divergence; Li et al. 2025's DPH-RL keeps pass@k so)
+    "forward-KL leash 0.04": ["kl.controller=fixed", "kl.kl_coef=0.04", "kl.divergence=forward_kl"],
     "fixed beta 0.04": ["kl.controller=fixed", "kl.kl_coef=0.04"],
     "Dr. GRPO": ["grpo.scale_by_std=false"],
 }

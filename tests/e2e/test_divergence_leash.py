@@ -64,6 +64,9 @@ def test_a_divergence_where_it_would_be_wrong_is_refused_by_name(overrides, matc
     assert "kl.divergence" in str(e.value)
     with pytest.raises(ConfigError, match="kl.divergence"):
         load_config(None, ["kl.divergence=tv"]).for_run()
+    for alpha in ("1e-300", "0.9999999", "0"):  # float32 would underflow it: the logged value NaN
+        with pytest.raises(ConfigError, match="kl.alpha"):
+            load_config(None, [f"kl.alpha={alpha}"]).for_run()
 
 
 def test_under_the_update_guards_lookahead_the_kept_forward_keeps_its_logits(

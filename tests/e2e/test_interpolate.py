@@ -83,3 +83,24 @@ def test_a_lora_run_from_an_adapter_is_refused_by_name(tiny_model_dir, prompt_fi
     capsys.readouterr()
     assert main(["interpolate", str(second), "--alpha", "0.5"]) == 1
     assert "model.adapter" in capsys.readouterr().err
+
+
+def test_a_run_whose_anchor_texts_are_gone_is_still_interpolated(
+    tiny_model_dir, prompt_file, tmp_path, capsys
+):
+    # the text anchor trains only: interpolate never reads its texts, so a deleted file is no matter
+    texts = tmp_path / "anchor.txt"
+    texts.write_text("".join(f"plain text number {i} about the weather\n" for i in range(8)))
+    out = tmp_path / "run"
+    args = _tiny_args(tiny_model_dir, prompt_file, out) + [
+        "train.save_model=true",
+        f"anchor.texts={texts}",
+        "anchor.coef=1",
+        "anchor.batch_size=4",
+    ]
+    assert main(args) == 0
+    texts.unlink()
+    capsys.readouterr()
+    assert main(["interpolate", str(out), "--alpha", "0,1"]) == 0
+    rows = json.loads((out / "interpolate.json").read_text())["rows"]
+    assert rows[1]["gain"] == json.loads((out / "eval.json").read_text())["gain"]

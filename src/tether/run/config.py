@@ -25,6 +25,11 @@ from tether.core.kl import ESTIMATORS, sampled_estimators
 from tether.core.placement import check_placement
 from tether.core.text import SHOWN_CHARS, shown
 
+ALPHA_MARGIN = 1e-6
+"""kl.alpha's distance from 0 and 1: the alpha-divergence is computed in float32 tensors, where an
+order of 1e-40 already rounds its value (1e-300: NaN); within 1e-6 of an end it equals the forward
+or the reverse KL to about 1e-6 relative."""
+
 
 @dataclass(frozen=True)
 class TrainerDefaults:
@@ -843,7 +848,7 @@ class KLConfig(_Defaulted):
     objective/alpha_exact, nats per sequence; tether.core.divergences). Logged beside the leash,
     which holds the reverse KL unless kl.divergence names another."""
     alpha: float = 0.5
-    """The order of objective/alpha_exact's alpha-divergence (Amari), in (0, 1), and of the leash's
+    """The order of objective/alpha_exact's alpha-divergence (Amari), in [1e-6, 1 - 1e-6], and of the leash's
     when kl.divergence=alpha: near 1 it is the reverse KL, near 0 the forward KL; 0.5 is 4 (1 -
     Bhattacharyya coefficient)."""
     divergence: Literal["reverse_kl", "forward_kl", "js", "alpha"] = "reverse_kl"
@@ -959,7 +964,15 @@ class KLConfig(_Defaulted):
             "'exact' needs kl.exact=true",
         )
         _check(self.exact_chunk_size >= 1, "kl.exact_chunk_size", self.exact_chunk_size, "must be >= 1")
-        _check(0 < self.alpha < 1, "kl.alpha", self.alpha, "must be in (0, 1) (0.5: the default)")
+        # float32 tensors carry alpha: past 1e-6 of either end it underflows into the sums (a logged
+        # NaN at 1e-300); there the divergence is the forward or the reverse KL to 1e-6 anyway
+        _check(
+            ALPHA_MARGIN <= self.alpha <= 1 - ALPHA_MARGIN,
+            "kl.alpha",
+            self.alpha,
+            f"must be in [{ALPHA_MARGIN:g}, 1 - {ALPHA_MARGIN:g}] (0.5: the default); nearer 0 use "
+            "the forward KL, nearer 1 the reverse KL",
+        )
 
     @property
     def controller_class(self) -> type[KLController]:

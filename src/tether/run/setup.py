@@ -959,6 +959,9 @@ def load_anchor_texts(config: Config) -> list[str] | None:
             ("data.prompt_column", "anchor.column"),
             ("data.split", "anchor.texts"),
             ("data.prompts", "anchor.texts"),
+            ("holds no prompts", "holds no text"),
+            ("the one that holds the prompts", "the one that holds the text"),
+            (" or a list of {role, content} messages", ""),
         ):
             msg = msg.replace(theirs, ours)
         raise type(e)(msg) from None

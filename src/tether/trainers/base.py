@@ -407,7 +407,7 @@ class OnPolicyTrainer:
         if need > REF_LOGITS_BYTES:
             raise ValueError(
                 f"kl.divergence={c.kl.divergence} keeps the reference's logits of a step's rows: {rows} rows "
-                f"x {c.rollout.max_new_tokens} positions x {vocab} ids x 4 bytes = {need / 2**30:.1f} GiB a "
+                f"x {c.rollout.max_new_tokens} positions x {vocab} ids x 4 bytes = {need / 2**30:.2f} GiB a "
                 f"process, over the {REF_LOGITS_BYTES >> 30} GiB allowed; lower rollout.batch_size or "
                 "rollout.max_new_tokens, use more processes, or kl.divergence=reverse_kl"
             )
