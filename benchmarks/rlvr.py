@@ -66,6 +66,12 @@ RUNS = {
     # the leash itself mass-covering: the exact forward KL on the policy's own prefixes, in the
     # loss at the published GRPO beta (kl.divergence; Li et al. 2025's DPH-RL keeps pass@k so)
     "forward-KL leash 0.04": ["kl.controller=fixed", "kl.kl_coef=0.04", "kl.divergence=forward_kl"],
+    "forward-KL leash 0.04 + anchor 1": [
+        "kl.controller=fixed",
+        "kl.kl_coef=0.04",
+        "kl.divergence=forward_kl",
+        "anchor.coef=1",
+    ],
     "fixed beta 0.04": ["kl.controller=fixed", "kl.kl_coef=0.04"],
     "Dr. GRPO": ["grpo.scale_by_std=false"],
 }
