@@ -82,14 +82,7 @@ def exact_and_divergences(
         ``(reverse_kl, divergences)``, each (B, R), nats. Same arguments and errors as
         :func:`divergences_from_logits`.
     """
-    if logits.shape != ref_logits.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} != ref_logits {tuple(ref_logits.shape)}")
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    if not 0 < alpha < 1:
-        raise ValueError(f"alpha must be in (0, 1), got {alpha}")
-    if chunk_size <= 0:
-        raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
+    _check_arguments(logits, ref_logits, temperature=temperature, alpha=alpha, chunk_size=chunk_size)
     B, R, V = logits.shape
     dtype = torch.promote_types(logits.dtype, torch.float32)
     flat_p, flat_q = logits.reshape(B * R, V), ref_logits.reshape(B * R, V)
@@ -101,6 +94,24 @@ def exact_and_divergences(
         for o, kind in zip(out, ("forward_kl", "js", "alpha", "reverse_kl")):
             o[s : s + chunk_size] = _value(kind, lp, lq, p, q, alpha=alpha)
     return out[3].view(B, R), Divergences(*(o.view(B, R) for o in out[:3]))
+
+
+def _check_arguments(
+    logits: Tensor, ref_logits: Tensor, *, temperature: float, alpha: float, chunk_size: int
+) -> None:
+    """The checks every function here makes of its arguments.
+
+    Raises:
+        ValueError: shapes that differ, temperature <= 0, alpha outside (0, 1), chunk_size <= 0.
+    """
+    if logits.shape != ref_logits.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} != ref_logits {tuple(ref_logits.shape)}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if not 0 < alpha < 1:
+        raise ValueError(f"alpha must be in (0, 1), got {alpha}")
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
 
 
 def _value(kind: str, lp: Tensor, lq: Tensor, p: Tensor, q: Tensor, *, alpha: float) -> Tensor:
@@ -226,14 +237,7 @@ def leash_divergence(
     """
     if kind not in LEASH_DIVERGENCES:
         raise ValueError(f"unknown divergence {kind!r}; choose one of {LEASH_DIVERGENCES}")
-    if logits.shape != ref_logits.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} != ref_logits {tuple(ref_logits.shape)}")
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    if not 0 < alpha < 1:
-        raise ValueError(f"alpha must be in (0, 1), got {alpha}")
-    if chunk_size <= 0:
-        raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
+    _check_arguments(logits, ref_logits, temperature=temperature, alpha=alpha, chunk_size=chunk_size)
     V = logits.shape[-1]
     flat = _Divergence.apply(
         logits.reshape(-1, V), ref_logits.detach().reshape(-1, V), kind, temperature, alpha, chunk_size
