@@ -111,6 +111,7 @@ def main() -> int:
             "beta": 0.05,
             "tether_kl": "k3+",
             "lr": 1e-5,
+            "trainable_layers": "all",  # compare_trl.py's default: every block trains
             "tether": args.overrides,
             "out": tempfile.mkdtemp(prefix=f"tether-lever-{lever}-"),
             "total_steps": n,
