@@ -40,6 +40,7 @@ from tether.run.reporting import Reporter, check_callbacks
 from tether.run.session import Session, StepLog, evaluates, finish, log_step
 from tether.run.setup import Run, build_run, discard_failed_start
 from tether.run.signals import Interrupted, install_signal_handlers
+from tether.run.trainer_callbacks import RunContext
 from tether.trainers.common import UnmeasuredUpdate
 from tether.trainers.registry import TRAINERS as TRAINERS  # re-exported: the registry's own dict
 from tether.trainers.registry import trainer_class
@@ -199,6 +200,8 @@ def _train(
     session = Session(
         run=run, trainer=trainer, evaluator=evaluator, monitor=monitor, reporter=reporter, best=best
     )
+    if D.is_main():
+        reporter.train_begin(run_context(run, trainer, start))
     try:
         last, saved = _loop(session, start=start, stop=stop)
     except KeyboardInterrupt:  # a second signal (user code tells its own apart): stopped at once
@@ -209,6 +212,25 @@ def _train(
             signal.signal(sig, h)
     reporter.end_loop()
     return finish(session, before=before, t_start=t_start, last=last, saved=saved)
+
+
+def run_context(run: Run, trainer, start: int) -> RunContext:
+    """What the callbacks' ``on_train_begin(context)`` gets (:class:`RunContext`)."""
+    c = run.config
+    state = trainer.trainer_state  # epochs: passes over the training prompts (DPO: over its pairs)
+    return RunContext(
+        run_dir=run.writer.run_dir,
+        config=c,
+        model=run.policy.peft if run.policy.peft is not None else run.policy.lm,
+        tokenizer=run.tokenizer,
+        # the torch optimizer (under master weights: the one that steps the float32 masters)
+        optimizer=getattr(trainer.optimizer, "optimizer", trainer.optimizer),
+        lr_scheduler=getattr(trainer, "scheduler", None),
+        start_step=start,
+        history=list(run.writer.history),
+        epoch_at=lambda step: float(state(step).epoch),
+        device=next(run.policy.parameters()).device,
+    )
 
 
 def _stopped_at_once(run: Run, stop: list[str], resume: bool) -> str:
@@ -246,6 +268,8 @@ def _loop(session: Session, *, start: int, stop: list[str]) -> tuple[int, int]:
     step = start - 1  # a resumed run that has no step left
     saved = start - 1  # the step the newest checkpoint holds: a resumed run's, or none (-1)
     for step in bar:
+        if main:
+            session.reporter.step_begin(step)
         before = state_before_step(run, trainer)
         unmeasured = None  # user code that failed after the step's update, in what measures it
         try:
@@ -296,11 +320,17 @@ def _loop(session: Session, *, start: int, stop: list[str]) -> tuple[int, int]:
             w.kl_tokens(trainer.kl_record)
         # every process asks: did any process get a signal, or rank 0's evaluation say stop, or
         # did user code fail after the update? (so that all stop after the same step)
-        stopping, stop_early, failed = (
+        # (and did a callback ask for a checkpoint)
+        stopping, stop_early, failed, asked = (
             bool(x)
             for x in D.all_reduce_max(
                 torch.tensor(
-                    [float(bool(stop)), float(bool(logged.early)), float(logged.unmeasured is not None)]
+                    [
+                        float(bool(stop)),
+                        float(bool(logged.early)),
+                        float(logged.unmeasured is not None),
+                        float(logged.save),
+                    ]
                 )
             )
         )
@@ -309,10 +339,13 @@ def _loop(session: Session, *, start: int, stop: list[str]) -> tuple[int, int]:
         if (
             stopping
             or failed
+            or asked
             or (every and ((step + 1) % every == 0 or step + 1 == c.train.steps or stop_early))
         ):
             path = write_checkpoint(run, trainer, step)
             saved = step
+            if main:
+                session.reporter.saved(step, path)
             if failed:  # the step's update is kept, checkpointed; its row lacks what failed
                 raise_unmeasured(run, logged.unmeasured, step, path)
             error = session.reporter.error

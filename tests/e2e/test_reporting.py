@@ -167,7 +167,10 @@ def test_bad_callbacks_are_refused_naming_the_hooks(tiny_model_dir, prompt_file,
     from tether import train
 
     config = _config(tiny_model_dir, prompt_file, tmp_path / "run", {})
-    with pytest.raises(TypeError, match="on_step_end, on_evaluate, on_alarm, on_train_end"):
+    with pytest.raises(
+        TypeError,
+        match="on_train_begin, on_step_begin, on_step_end, on_evaluate, on_save, on_alarm, on_train_end",
+    ):
         train(config, callbacks=[object()])
     with pytest.raises(TypeError, match="takes a list"):
         train(config, callbacks=Recorder())

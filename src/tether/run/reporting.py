@@ -10,7 +10,16 @@ It starts every tracker of ``train.report_to`` under ``train.project`` with the 
   numbers under ``eval/`` each step, the final one's under ``final/``, with their SEs),
 - every health alarm when it first fires (``on_alarm(alarm)``; trackers: ``alarm/<rule>`` = 1 at
   its step, and its text where the tracker takes text),
-- the end of the run (``on_train_end(run_dir)``, after the policy and the plots are written).
+- the end of the run (``on_train_end(run_dir)``, after the policy and the plots are written),
+- and, to callbacks alone: the start (``on_train_begin(context)``, before the first step this
+  process runs; ``context`` a :class:`tether.run.trainer_callbacks.RunContext`: the run folder,
+  config, model, tokenizer, optimizer, schedule and history), each step's start
+  (``on_step_begin(step)``) and each checkpoint written (``on_save(step, checkpoint)``).
+
+A ``transformers.TrainerCallback`` (TRL's, or a user's written for TRL) is taken as it is and
+called with transformers' ``(args, state, control, **kwargs)`` at the matching events, its
+``control.should_training_stop`` ending the run after that step
+(:mod:`tether.run.trainer_callbacks`).
 
 A callback defines any of these hooks (each optional; an ``async def`` hook is awaited). To stop
 the run it raises :class:`StopTraining` from a hook: the run writes a checkpoint after that step
@@ -29,13 +38,25 @@ import math
 from pathlib import Path
 
 from tether.models.turns import awaited
+from tether.run.trainer_callbacks import RunContext, TrainerCallbackHooks, is_trainer_callback
 
 log = logging.getLogger("tether")
 
-HOOKS = ("on_step_end", "on_evaluate", "on_alarm", "on_train_end")
+HOOKS = (
+    "on_train_begin",
+    "on_step_begin",
+    "on_step_end",
+    "on_evaluate",
+    "on_save",
+    "on_alarm",
+    "on_train_end",
+)
 """The callback hooks tether calls, each optional."""
 HOOK_SIGNATURES = {
+    "on_train_begin": "context",
+    "on_step_begin": "step",
     "on_step_end": "step, metrics",
+    "on_save": "step, checkpoint",
     "on_evaluate": "step, row",
     "on_alarm": "alarm",
     "on_train_end": "run_dir",
@@ -147,6 +168,10 @@ def check_callbacks(callbacks) -> list:
         raise TypeError(
             f"train(callbacks=...) takes a list of callback objects, got {type(callbacks).__name__}"
         )
+    callbacks = [
+        TrainerCallbackHooks(cb) if is_trainer_callback(cb) and not isinstance(cb, type) else cb
+        for cb in callbacks
+    ]
     for cb in callbacks:
         if isinstance(cb, type):
             raise TypeError(
@@ -170,7 +195,7 @@ def check_callbacks(callbacks) -> list:
                 ) from None
             except ValueError:  # a builtin without a signature: called as it is
                 pass
-    return list(callbacks)
+    return callbacks
 
 
 def numbers(values: dict, prefix: str = "") -> dict[str, float]:
@@ -278,6 +303,29 @@ class Reporter:
                     log.warning("tether: %s asked to stop after the run had ended: nothing to stop", why)
                 else:
                     self.stop.append(why)
+
+    def train_begin(self, context: RunContext) -> None:
+        """Before the first step this process runs: ``on_train_begin(context)``."""
+        self._call("on_train_begin", context)
+
+    def step_begin(self, step: int) -> None:
+        """Before step ``step``: ``on_step_begin(step)``."""
+        self._call("on_step_begin", step)
+
+    def saved(self, step: int, checkpoint: Path) -> None:
+        """A checkpoint of step ``step`` was written: ``on_save(step, checkpoint)``."""
+        self._call("on_save", step, Path(checkpoint))
+
+    def end_request(self) -> str | None:
+        """Why a ``TrainerCallback`` asked the run to end (``control.should_training_stop``), or None."""
+        return next((cb.end_reason for cb in self._trainer_callbacks() if cb.end_reason), None)
+
+    def save_request(self) -> bool:
+        """A ``TrainerCallback`` set ``control.should_save``: checkpoint after this step."""
+        return any(cb.save_requested() for cb in self._trainer_callbacks())
+
+    def _trainer_callbacks(self) -> list[TrainerCallbackHooks]:
+        return [cb for cb in self.callbacks if isinstance(cb, TrainerCallbackHooks)]
 
     def step_end(self, step: int, row: dict) -> None:
         """A step's metrics row, as metrics.jsonl holds it."""

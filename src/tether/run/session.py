@@ -68,6 +68,9 @@ class StepLog(NamedTuple):
     """Why to stop early (eval.patience), or None."""
     unmeasured: Unmeasured | None = None
     """User code that failed in what measures the step (the step is logged without it), or None."""
+    save: bool = False
+    """A callback asked for a checkpoint after this step (``control.should_save``), or asked the run
+    to end (then the step is checkpointed too)."""
 
 
 def log_step(
@@ -119,7 +122,9 @@ def log_step(
             log_samples(session, step, rows)
         except USER_CODE_STOPS as e:
             unmeasured = Unmeasured(e, "its samples (samples.jsonl)")
-    return StepLog(early, unmeasured)
+    ending = session.reporter.end_request()  # a TrainerCallback's control.should_training_stop
+    early = early or ending
+    return StepLog(early, unmeasured, save=bool(ending) or session.reporter.save_request())
 
 
 def log_samples(session: Session, step: int, rows: list[dict]) -> None:

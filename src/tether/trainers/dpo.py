@@ -216,6 +216,12 @@ class DPOTrainer:
         # anchor.coef > 0: a batch of human text in every optimizer step's loss (trainers/anchor.py)
         self.anchor = text_anchor(run)
 
+    def trainer_state(self, step: int):
+        """``transformers.TrainerState`` after ``step`` steps: ``epoch`` the passes over the pairs
+        (``rollout.batch_size`` of them a step, all of them when fewer)."""
+        c, n = self.cfg, len(self.pairs.prompts)
+        return trainer_state(step, c.train.steps, step * min(c.rollout.batch_size, n) / max(1, n))
+
     # ---- pairs -----------------------------------------------------------------------------
     @torch.no_grad()
     def build_pairs(self) -> Pairs:

@@ -18,7 +18,8 @@ from tether.trainers.steps import ADVANTAGES
 
 TRAINERS: dict[str, type] = {"ppo": PPOTrainer, "grpo": GRPOTrainer, "rloo": RLOOTrainer, "dpo": DPOTrainer}
 """``train.algo`` -> trainer class; each is built from a run (``TRAINERS[algo](run)``) and has
-``step(step) -> dict`` and ``last_experience``."""
+``step(step) -> dict``, ``last_experience`` and ``trainer_state(step)`` (the ``transformers.TrainerState``
+after ``step`` steps: rewards and callbacks read it)."""
 
 
 def trainer_class(algo: str, *, samples: bool) -> type:
