@@ -27,6 +27,7 @@ from tether.core.text import shown
 from tether.judges.contract import Scorer, WeightedReward, completion_texts, is_conversational
 from tether.judges.vader import vader_scorer
 from tether.models.callables import PASSED_FROM_PYTHON
+from tether.models.sampling import render_chat
 
 
 class RewardModelScorer:
@@ -111,7 +112,7 @@ class RewardModelScorer:
         out = []
         for p, c in zip(prompts, completions):
             messages = c if isinstance(c, list) else [{"role": "assistant", "content": c}]
-            out.append(self.tokenizer.apply_chat_template(list(p) + list(messages), tokenize=False))
+            out.append(render_chat(self.tokenizer, list(p) + list(messages), add_generation_prompt=False))
         return out
 
     def __call__(self, prompts: Sequence | None = None, completions: Sequence = (), **kwargs) -> list[float]:

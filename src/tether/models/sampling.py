@@ -220,6 +220,25 @@ CHAT_TEMPLATE_FLAG = "tether_chat_template"
 """Attribute set on a tokenizer by :func:`use_chat_template` (``data.chat_template``)."""
 
 
+TEMPLATE_KWARGS = "tether_chat_template_kwargs"
+"""Attribute set on a tokenizer by :func:`set_template_kwargs` (``data.chat_template_kwargs``)."""
+
+
+def set_template_kwargs(tokenizer, kwargs: dict) -> None:
+    """Make every :func:`render_chat` with ``tokenizer`` pass ``kwargs`` (the chat template's
+    extra variables, ``data.chat_template_kwargs``) to ``apply_chat_template``."""
+    setattr(tokenizer, TEMPLATE_KWARGS, dict(kwargs))
+
+
+def render_chat(tokenizer, messages: list, *, add_generation_prompt: bool, **kwargs) -> str:
+    """``messages`` rendered as text by ``tokenizer``'s chat template, with the template
+    variables :func:`set_template_kwargs` gave it: the one place tether applies a chat template."""
+    extra = {**getattr(tokenizer, TEMPLATE_KWARGS, {}), **kwargs}
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
+    )
+
+
 def use_chat_template(tokenizer) -> None:
     """Make every prompt tether tokenizes with ``tokenizer`` one user message formatted by the
     tokenizer's chat template (:func:`prompt_texts`).
@@ -262,7 +281,7 @@ def prompt_texts(tokenizer, prompts: Sequence) -> list[str]:
             texts.append(p)
             continue
         messages = p if isinstance(p, list) else [{"role": "user", "content": p}]
-        texts.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+        texts.append(render_chat(tokenizer, messages, add_generation_prompt=True))
     bos = tokenizer.bos_token
     if bos and tokenizer("a", add_special_tokens=True)["input_ids"][:1] == [tokenizer.bos_token_id]:
         texts = [t[len(bos) :] if t.startswith(bos) else t for t in texts]

@@ -60,6 +60,7 @@ from tether.models.sampling import (
     end_token_ids,
     keyed_seed,
     new_text,
+    render_chat,
     sample_tokens,
     stop_text,
     tokenize_prompts,
@@ -506,10 +507,10 @@ def chat_reply_text(tokenizer, history: list[dict], content: str, reply: str) ->
             assistant's text verbatim (it trims, reorders or drops some of it): appending the
             reply's tokens would not continue what the policy saw. The fix: rollout.env_format=raw.
     """
-    before = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True) + content
+    before = render_chat(tokenizer, history, add_generation_prompt=True) + content
     turn = [{"role": "assistant", "content": content}, {"role": TOOL_ROLE, "content": reply}]
     try:
-        after = tokenizer.apply_chat_template(history + turn, tokenize=False, add_generation_prompt=True)
+        after = render_chat(tokenizer, history + turn, add_generation_prompt=True)
     except Exception as e:  # a template that knows no tool role raises its own error
         raise ValueError(
             f"rollout.env_format=chat: the chat template of model.name cannot render a {TOOL_ROLE!r} "

@@ -468,6 +468,46 @@ class ModelConfig:
         return self.lora_r > 0 or self.adapter is not None
 
 
+RESERVED_TEMPLATE_KWARGS = (
+    "conversation",
+    "tools",
+    "documents",
+    "chat_template",
+    "add_generation_prompt",
+    "continue_final_message",
+    "tokenize",
+    "padding",
+    "truncation",
+    "max_length",
+    "return_tensors",
+    "return_dict",
+    "return_assistant_tokens_mask",
+    "tokenizer_kwargs",
+)
+"""``apply_chat_template``'s own arguments: tether sets them, a template variable cannot be one."""
+
+
+def check_template_kwargs(kwargs: Any, name: str) -> None:
+    """A chat template's extra variables: a mapping of names (text) to YAML values.
+
+    Raises:
+        ConfigError: not a mapping, a name that is not an identifier, or one of
+            :data:`RESERVED_TEMPLATE_KWARGS`.
+    """
+    if not isinstance(kwargs, dict):
+        raise ConfigError(
+            f"{name}={shown(kwargs)} is invalid: expected a mapping, e.g. {{enable_thinking: false}}"
+        )
+    for k in kwargs:
+        if not isinstance(k, str) or not k.isidentifier():
+            raise ConfigError(f"{name}: the key {shown(k)} is not a template variable name")
+        if k in RESERVED_TEMPLATE_KWARGS:
+            raise ConfigError(
+                f"{name}: {k} is apply_chat_template's own argument, which tether sets; only the "
+                "template's variables go here (e.g. enable_thinking)"
+            )
+
+
 @dataclass
 class DataConfig:
     prompts: str = "icwsm-movies"
@@ -497,12 +537,21 @@ class DataConfig:
     the assistant's turn opened (what an instruct model was tuned on); the prompt as written is
     what samples.jsonl shows, the held-out split hashes and a prompt-aware scorer receives.
     Counts toward rollout.max_prompt_tokens with the template's tokens."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra variables for the chat template, passed to every ``apply_chat_template`` tether
+    calls with the run's tokenizer (prompts, tool turns) and with a reward model's (TRL's
+    ``chat_template_kwargs``), e.g. ``{enable_thinking: false}`` for Qwen3. On the command line
+    ``data.chat_template_kwargs.enable_thinking=false`` or
+    ``data.chat_template_kwargs={enable_thinking: false}``. Refused when no prompt is rendered by
+    a template (text prompts, data.chat_template false) and for apply_chat_template's own
+    arguments (:data:`RESERVED_TEMPLATE_KWARGS`)."""
 
     def __post_init__(self) -> None:
         _check(
             0 < self.heldout_fraction < 1, "data.heldout_fraction", self.heldout_fraction, "must be in (0, 1)"
         )
         _check(self.max_words >= 1, "data.max_words", self.max_words, "must be >= 1")
+        check_template_kwargs(self.chat_template_kwargs, "data.chat_template_kwargs")
         _check(
             1 <= self.min_words <= self.max_words,
             "data.min_words",
@@ -1885,6 +1934,15 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
         if isinstance(value, (dict, list)):  # YAML read a mapping or list where text was meant
             raise ConfigError(f"{name}={shown(value)} is invalid: expected text (quote it: '...')")
         return str(value)
+    if origin is dict:  # a mapping: from YAML, a {a: 1} override, or dotted a.b=1 overrides
+        if isinstance(value, str) and value.strip() in ("", "{}"):
+            return {}
+        if not isinstance(value, dict):
+            raise ConfigError(f"{name}={shown(value)} is invalid: expected a mapping, e.g. {name}={{a: 1}}")
+        return {
+            k: (read_yaml(v, f"override {name}.{k}", at=f"{name}.{k}") if isinstance(v, _Raw) else v)
+            for k, v in value.items()
+        }
     if origin is list:
         if isinstance(value, str):
             return value  # a comma-separated list on the command line: the section parses it
@@ -2083,6 +2141,7 @@ FIELD_UNITS: dict[str, str] = {
     "data.min_words": "words",
     "data.max_words": "words",
     "data.chat_template": "",
+    "data.chat_template_kwargs": "",
     # reward
     "reward.scorer": "",
     "reward.weights": "dimensionless (one per reward)",

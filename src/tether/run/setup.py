@@ -31,8 +31,14 @@ from tether.data.prompts import (
     unique_prompts,
 )
 from tether.data.tasks import TASKS, task_prompts
-from tether.judges.contract import ENV_REPLIES, Scorer, WeightedReward, required_arguments
-from tether.judges.scorers import PYTHON_SCORER, check_scorer_spec, make_scorer, scorer_name
+from tether.judges.contract import ENV_REPLIES, Scorer, WeightedReward, is_conversational, required_arguments
+from tether.judges.scorers import (
+    PYTHON_SCORER,
+    RewardModelScorer,
+    check_scorer_spec,
+    make_scorer,
+    scorer_name,
+)
 from tether.models.callables import python_object_spec
 from tether.models.loading import (
     check_model_name,
@@ -52,7 +58,7 @@ from tether.models.reference import (
     make_reference,
 )
 from tether.models.rollouts import Sampler, SamplingSettings, make_sampler
-from tether.models.sampling import prompt_texts, use_chat_template
+from tether.models.sampling import prompt_texts, set_template_kwargs, use_chat_template
 from tether.models.sharding import shard_model
 from tether.models.turns import chat_reply_text, env_column_names, load_env, prompt_messages, turn_formats
 from tether.run.config import Config, ConfigError, check_world_size, dump_config, read_yaml
@@ -746,6 +752,7 @@ def build_run(
         judges=judges,
         device=accelerator.device,
     )
+    apply_template_kwargs(config, scorer, (train_prompts, heldout))
     anchor_texts = load_anchor_texts(config)
     config, path = resolve_model_source(config, model=model, tokenizer=tokenizer)
     barrier()  # every process checked the folder before the first one writes into it
@@ -1030,7 +1037,30 @@ def load_run_tokenizer(config: Config, path: Path | None, tokenizer=None):
     prepare_tokenizer(tokenizer)
     if config.data.chat_template:
         use_chat_template(tokenizer)
+    set_template_kwargs(tokenizer, config.data.chat_template_kwargs)
     return tokenizer
+
+
+def apply_template_kwargs(config: Config, scorer, parts) -> None:
+    """``data.chat_template_kwargs`` where tether renders chat: checked to have an effect (a
+    template renders the prompts: conversations, or data.chat_template), and given to each reward
+    model's tokenizer (TRL renders a reward model's conversations with them too).
+
+    Raises:
+        ConfigError: the variables are set and every prompt is text with data.chat_template false.
+    """
+    kwargs = config.data.chat_template_kwargs
+    if not kwargs:
+        return
+    if not config.data.chat_template and not any(is_conversational(list(p.prompts[:1])) for p in parts if p):
+        raise ConfigError(
+            f"data.chat_template_kwargs={shown(kwargs)} would change nothing: the prompts are text and "
+            "data.chat_template is false, so no chat template renders them; set data.chat_template=true "
+            "(or give conversations), or drop data.chat_template_kwargs"
+        )
+    for s in getattr(scorer, "scorers", {}).values() if isinstance(scorer, WeightedReward) else [scorer]:
+        if isinstance(s, RewardModelScorer):
+            set_template_kwargs(s.tokenizer, kwargs)
 
 
 def check_prompts_fit(config: Config, tokenizer, *, model, path: Path | None, parts) -> Config:
