@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import random
+import re
 import stat
 import subprocess
 import sys
@@ -342,21 +343,30 @@ def jsonl_objects(path: Path, field_name: str = "data.prompts") -> list[tuple[in
 
 
 def load_rows(
-    spec: str, split: str = "train", field_name: str = "data.prompts"
+    spec: str, split: str = "train", field_name: str = "data.prompts", subset: str | None = None
 ) -> tuple[list[dict], list[str]]:
     """The rows of a .jsonl file, a data file ``datasets`` reads (json, parquet, csv), a folder
     saved with ``save_to_disk`` or of data files, or a Hub dataset id (``ORG/NAME``, through the
     Hugging Face cache: ``HF_HUB_OFFLINE=1`` reads it from there alone), each a dict, with where
     each row is (``FILE:LINE`` for a .jsonl, ``SPEC row N`` otherwise) for error messages.
+    ``subset``: the dataset's configuration (``data.config``; ``datasets.load_dataset``'s
+    ``name``, TRL's ``dataset_config``), for a Hub dataset or a folder of one.
 
     Raises:
         FileNotFoundError: no such file or folder, and not a cached or downloadable Hub dataset.
-        ValueError: bad JSON (the line named), or a missing split.
+        ValueError: bad JSON (the line named), a missing split, a dataset of several subsets and
+            no ``subset`` (they are listed), or a ``subset`` for one file.
     """
     from tether.models.loading import hub_folder, is_hub_id
 
     path = data_path(spec, field_name)
     suffix = file_suffix(path, field_name) if path.is_file() else ""
+    if subset is not None and (path.is_file() or (path.is_dir() and _saved_to_disk(path))):
+        raise ValueError(
+            f"data.config={shown(subset)}: {field_name}={shown(spec)} is "
+            + ("one file" if path.is_file() else "a dataset saved with save_to_disk")
+            + ", which has no subsets; drop data.config"
+        )
     if suffix == ".jsonl":  # errors name FILE:LINE
         numbered = jsonl_objects(path, field_name)
         records = [obj for _, obj in numbered]
@@ -377,24 +387,36 @@ def load_rows(
         if suffix in (".json", ".csv"):
             read_utf8(path, field_name)  # a binary or latin-1 file: named, not a decoder's traceback
         ds = datasets.load_dataset(DATASET_SUFFIXES[suffix], data_files=str(path), split="train")
-    elif path.is_dir() and any(
-        (path / f).exists() for f in ("dataset_info.json", "dataset_dict.json", "state.json")
-    ):
+    elif path.is_dir() and _saved_to_disk(path):
         ds = datasets.load_from_disk(str(path))
     elif path.is_dir():
+        # prepared in a cache of its own, read, then dropped: datasets' cache keys a folder whose
+        # card declares its subsets by the folder's name and the subset's (not its path or files),
+        # so another folder of the same name was read as this one, its rows or its columns (a Hub
+        # snapshot's folder is its commit: there the same name is the same data)
+        scratch = tempfile.TemporaryDirectory(prefix="tether-dataset-")
         try:
-            ds = datasets.load_dataset(str(path), split=split)
+            ds = datasets.load_dataset(str(path), subset, split=split, cache_dir=scratch.name)
+            rows = ds.to_list() if not isinstance(ds, datasets.DatasetDict) else None
+        except ValueError as e:
+            _subset_error(e, spec, subset)
+            raise ValueError(f"{field_name}={shown(spec)}: {str(e).splitlines()[0][:300]}") from None
         except Exception as e:  # an empty folder, one without data files, an unknown split ...
             raise ValueError(
                 f"{field_name}={shown(spec)}: a folder datasets cannot read ({type(e).__name__}: "
                 f"{str(e).splitlines()[0][:200] if str(e) else ''}); give a data file, or a folder of "
                 ".jsonl/.csv/.parquet files or saved with save_to_disk"
             ) from None
+        finally:
+            scratch.cleanup()
+        if rows is not None:
+            return rows, [f"{spec} row {i + 1}" for i in range(len(rows))]
     else:
         folder = hub_folder(spec, field_name=field_name, repo_type="dataset")
         try:
-            ds = datasets.load_dataset(str(folder), split=split)
-        except ValueError as e:  # an unknown split
+            ds = datasets.load_dataset(str(folder), subset, split=split)
+        except ValueError as e:  # an unknown split or subset
+            _subset_error(e, spec, subset)
             raise ValueError(f"data.split={shown(split)}: {spec}: {e}") from None
     if isinstance(ds, datasets.DatasetDict):
         if split not in ds:
@@ -404,7 +426,24 @@ def load_rows(
     return rows, [f"{spec} row {i + 1}" for i in range(len(rows))]
 
 
-def pair_prompts(spec: str, split: str = "train") -> PromptData:
+def _saved_to_disk(path: Path) -> bool:
+    """A folder ``Dataset.save_to_disk`` wrote (read with ``load_from_disk``)."""
+    return any((path / f).exists() for f in ("dataset_info.json", "dataset_dict.json", "state.json"))
+
+
+def _subset_error(e: ValueError, spec: str, subset: str | None) -> None:
+    """Raise ``datasets``' complaint about a dataset's subsets (configurations) as
+    ``data.config``'s: none chosen where several exist, or one that does not exist; return for
+    any other error."""
+    text = str(e)
+    if "Config name is missing" in text or ("BuilderConfig" in text and "not found" in text):
+        found = re.search(r"\[.*?\]", text, re.S)
+        have = f" has the subsets {found[0]}" if found else " has several subsets"
+        what = f"data.config={shown(subset)}: {spec}" if subset else f"data.config: {spec}"
+        raise ValueError(f"{what}{have}; choose one with data.config=NAME") from None
+
+
+def pair_prompts(spec: str, split: str = "train", subset: str | None = None) -> PromptData:
     """The distinct prompts of a preference-pair file or dataset (``dpo.pairs``: rows of
     ``prompt``, ``chosen``, ``rejected``), each with its first row's other columns (not
     ``chosen`` and ``rejected``): the prompts a DPO run on that file trains and evaluates on.
@@ -412,7 +451,7 @@ def pair_prompts(spec: str, split: str = "train") -> PromptData:
     Raises:
         FileNotFoundError, ValueError: as :func:`load_rows`; a row without a prompt.
     """
-    records, where = load_rows(spec, split, field_name="dpo.pairs")
+    records, where = load_rows(spec, split, field_name="dpo.pairs", subset=subset)
     first: dict[str, int] = {}
     for i, r in enumerate(records):
         p = r.get("prompt")
@@ -421,7 +460,9 @@ def pair_prompts(spec: str, split: str = "train") -> PromptData:
     return records_to_data(rows, "prompt", str(spec), [where[i] for i in first.values()])
 
 
-def load_prompt_data(spec: str, split: str = "train", prompt_column: str = "prompt") -> PromptData:
+def load_prompt_data(
+    spec: str, split: str = "train", prompt_column: str = "prompt", subset: str | None = None
+) -> PromptData:
     """Every row of ``data.prompts``: a .txt file (a prompt per line), or anything
     :func:`load_rows` reads; ``split`` and ``prompt_column`` choose the rows and the prompt, the
     other columns travel with them.
@@ -434,7 +475,7 @@ def load_prompt_data(spec: str, split: str = "train", prompt_column: str = "prom
     suffix = file_suffix(path) if path.is_file() else ""
     if path.is_file() and suffix in TEXT_SUFFIXES:  # .txt: one prompt per line
         return PromptData(read_prompt_file(path))
-    records, where = load_rows(spec, split)
+    records, where = load_rows(spec, split, subset=subset)
     if records and all(prompt_column not in r for r in records) and suffix != ".jsonl":
         raise ValueError(
             f"data.prompt_column={shown(prompt_column)}: {spec} has the columns "

@@ -537,6 +537,10 @@ class DataConfig:
     the assistant's turn opened (what an instruct model was tuned on); the prompt as written is
     what samples.jsonl shows, the held-out split hashes and a prompt-aware scorer receives.
     Counts toward rollout.max_prompt_tokens with the template's tokens."""
+    config: str | None = None
+    """The dataset's subset (configuration) for a Hub dataset or a folder of one with several:
+    ``datasets.load_dataset(id, name, split)``'s ``name``, TRL's ``dataset_config``. Applies to
+    data.prompts, data.eval_prompts and dpo.pairs; None: the dataset's only (or default) one."""
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra variables for the chat template, passed to every ``apply_chat_template`` tether
     calls with the run's tokenizer (prompts, tool turns) and with a reward model's (TRL's
@@ -2142,6 +2146,7 @@ FIELD_UNITS: dict[str, str] = {
     "data.max_words": "words",
     "data.chat_template": "",
     "data.chat_template_kwargs": "",
+    "data.config": "",
     # reward
     "reward.scorer": "",
     "reward.weights": "dimensionless (one per reward)",

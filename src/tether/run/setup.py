@@ -295,7 +295,7 @@ def eval_set(config: Config, eval_dataset=None) -> PromptData | None:
         elif spec in TASKS:
             data = task_prompts(spec)
         else:
-            data = load_prompt_data(spec, d.split, d.prompt_column)
+            data = load_prompt_data(spec, d.split, d.prompt_column, d.config)
     except (ValueError, FileNotFoundError) as e:
         raise type(e)(str(e).replace("data.prompts", "data.eval_prompts")) from None
     return unique_prompts(data, "data.eval_prompts")
@@ -356,7 +356,7 @@ def load_prompts(config: Config) -> tuple[PromptData, PromptData]:
         # DPO on a pairs file: its own prompts, split by the usual hash (the held-out ones are the
         # evaluation's and never trained on); the demo's prompts are not fetched
         try:
-            return split_prompts(pair_prompts(config.dpo.pairs, d.split), d.heldout_fraction)
+            return split_prompts(pair_prompts(config.dpo.pairs, d.split, d.config), d.heldout_fraction)
         except ValueError as e:  # every pair's prompt held out: the pairs file is the prompt set
             raise ValueError(str(e).replace("data.prompts:", f"dpo.pairs={config.dpo.pairs}:")) from None
     if d.prompts == DEFAULT_PROMPTS:
@@ -364,7 +364,7 @@ def load_prompts(config: Config) -> tuple[PromptData, PromptData]:
         return PromptData(train), PromptData(held)
     if d.prompts in TASKS:  # a built-in verifiable task, generated in code
         return split_prompts(task_prompts(d.prompts), d.heldout_fraction)
-    return split_prompts(load_prompt_data(d.prompts, d.split, d.prompt_column), d.heldout_fraction)
+    return split_prompts(load_prompt_data(d.prompts, d.split, d.prompt_column, d.config), d.heldout_fraction)
 
 
 def freeze_lower_layers(lm: nn.Module, trainable_layers: int | None) -> None:
@@ -1076,7 +1076,7 @@ def check_prompts_fit(config: Config, tokenizer, *, model, path: Path | None, pa
     longest = check_prompt_lengths(
         tokenizer,
         [p for part in parts for p in part.prompts]
-        + (pair_prompts(config.dpo.pairs, config.data.split).prompts if pairs else []),
+        + (pair_prompts(config.dpo.pairs, config.data.split, config.data.config).prompts if pairs else []),
         config.rollout.max_prompt_tokens,
         None if config.data.prompts in (DEFAULT_PROMPTS, *TASKS) else config.data.prompts,
         room=(context, config.rollout.max_new_tokens) if context else None,

@@ -113,8 +113,10 @@ def read_pair_file(
     path: str,
     tokenizer,
     split: str = "train",
+    *,
     heldout_fraction: float | None = None,
     heldout: set[str] | frozenset[str] = frozenset(),
+    subset: str | None = None,
 ) -> tuple[list, list[Tensor], list[Tensor]]:
     """Pairs ``{"prompt", "chosen", "rejected"}`` from a .jsonl file or any dataset
     :func:`tether.data.prompts.load_rows` reads (TRL's preference format, standard or
@@ -131,7 +133,7 @@ def read_pair_file(
         FileNotFoundError, ValueError: missing file, bad JSON or a missing field (the row named);
             no pair left after the held-out prompts are dropped.
     """
-    records, where = load_rows(str(path), split, field_name="dpo.pairs")
+    records, where = load_rows(str(path), split, field_name="dpo.pairs", subset=subset)
     prompts, chosen, rejected = [], [], []
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     for obj, at in zip(records, where):
@@ -237,6 +239,7 @@ class DPOTrainer:
                 # with its own held-out set (data.eval_prompts, eval_dataset) no hash share is held out
                 heldout_fraction=None if c.data.eval_prompts else c.data.heldout_fraction,
                 heldout=held,
+                subset=c.data.config,
             )
         )
 
