@@ -55,7 +55,37 @@ def test_the_saved_policy_has_a_model_card(saved_run):
     assert "AutoModelForCausalLM.from_pretrained" in text
     for plot in ("training.png", "score_vs_kl.png"):  # the card shows them: they travel with it
         assert (saved_run / "policy" / plot).exists() and f"({plot})" in text
+    # PPO trains a value head: it is saved, and the card says what it is
+    assert (saved_run / "policy" / "value_head.safetensors").exists() and "value_head.safetensors" in text
+    import transformers
+
+    assert "## Framework versions" in text and f"- transformers: {transformers.__version__}" in text
     print("\n" + text)
+
+
+def test_a_grpo_policy_has_no_value_head_and_the_card_names_hub_datasets(
+    tiny_model_dir, prompt_file, tmp_path
+):
+    """GRPO never trains the value head: it is not saved (so not pushed); the card's metadata
+    names the Hub datasets a run read, not a local file."""
+    from huggingface_hub import ModelCard
+
+    from tether.run.card import hub_datasets, model_card_text
+    from tether.run.config import Config
+
+    out = tmp_path / "grpo"
+    overrides = {"train.algo": "grpo", "train.steps": 1, "train.save_model": "true"}
+    assert main(tiny_run_args(tiny_model_dir, prompt_file, out, overrides, command=True)) == 0
+    assert not (out / "policy" / "value_head.safetensors").exists()
+    assert "value_head" not in (out / "policy" / "README.md").read_text()
+    config = Config().to_dict()
+    config["data"]["prompts"], config["data"]["eval_prompts"] = "trl-lib/tldr", str(prompt_file)
+    config["model"]["name"] = "Qwen/Qwen3-0.6B"  # a Hub base (the embedded default is a GGUF: none)
+    assert hub_datasets(config) == ["trl-lib/tldr"]
+    text = model_card_text(config=config, history=[], evaluation=None, adapter=False, versions={"torch": "2"})
+    card = ModelCard(text)
+    assert card.data.datasets == ["trl-lib/tldr"] and card.data.base_model == "Qwen/Qwen3-0.6B"
+    assert "- torch: 2" in text
 
 
 def test_push_offline_names_hf_hub_offline_and_changes_nothing(saved_run, monkeypatch, capsys):

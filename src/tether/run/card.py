@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 from tether.core.controllers import CONTROLLERS
+from tether.models.loading import is_hub_id
 from tether.run.config import TRAINER_DEFAULTS
 from tether.run.console import number
 from tether.run.files import replace_whole
@@ -102,8 +103,11 @@ def model_card_text(
     repo_id: str | None = None,
     name: str | None = None,
     no_evaluation: str | None = None,
+    value_head: bool = False,
+    versions: dict[str, str] | None = None,
 ) -> str:
-    """The model card's Markdown, YAML metadata first.
+    """The model card's Markdown, YAML metadata first (the Hub's: base model, the Hub datasets
+    trained on, library, tags).
 
     Args:
         config: the run's config as ``Config.to_dict()`` gives it (sections of fields).
@@ -114,6 +118,8 @@ def model_card_text(
         name: the title's run name (None: ``train.run_name``).
         no_evaluation: what the card says when ``evaluation`` is None (default: none was run,
             eval.n_prompts=0).
+        value_head: the folder holds ``value_head.safetensors`` (PPO's critic), said in the card.
+        versions: package -> version, the card's "Framework versions" (None: :func:`versions`).
     """
     from huggingface_hub import ModelCardData
 
@@ -121,7 +127,8 @@ def model_card_text(
     algo = t["algo"]
     base = m["name"]
     meta = ModelCardData(
-        base_model=base if "/" in base and not base.startswith(("/", ".", "~")) else None,
+        base_model=base if is_hub_id(base) else None,
+        datasets=hub_datasets(config) or None,
         library_name="peft" if adapter else "transformers",
         tags=["tether", "rlhf", algo, "kl-regularized"],
         pipeline_tag="text-generation",
@@ -272,10 +279,47 @@ def model_card_text(
         "",
         *load,
         "",
-        "`value_head.safetensors` holds tether's value head (PPO), which generation does not use.",
+        *(
+            ["`value_head.safetensors` holds tether's value head (PPO), which generation does not use.", ""]
+            if value_head
+            else []
+        ),
+        "## Framework versions",
+        "",
+        *(
+            f"- {pkg}: {ver}"
+            for pkg, ver in (versions if versions is not None else framework_versions()).items()
+        ),
         "",
     ]
     return "\n".join(lines)
+
+
+def hub_datasets(config: dict) -> list[str]:
+    """The Hub dataset ids the run read (``data.prompts``, ``data.eval_prompts``, ``dpo.pairs``),
+    for the card's ``datasets``: what ``is_hub_id`` takes for an id and is no local path."""
+    d = config["data"]
+    specs = [d.get("prompts"), d.get("eval_prompts"), (config.get("dpo") or {}).get("pairs")]
+    out: list[str] = []
+    for s in specs:
+        if isinstance(s, str) and is_hub_id(s) and not Path(s).exists() and s not in out:
+            out.append(s)
+    return out
+
+
+def framework_versions() -> dict[str, str]:
+    """The versions of the packages that made the policy (TRL's cards list theirs too)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import tether
+
+    out = {"tether": tether.__version__}
+    for pkg in ("transformers", "torch", "accelerate", "peft", "datasets", "tokenizers"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            continue
+    return out
 
 
 def write_model_card(
@@ -295,6 +339,7 @@ def write_model_card(
     """
     folder = Path(folder)
     adapter = (folder / "adapter_config.json").exists()
+    value_head = (folder / "value_head.safetensors").exists()
     name = config["train"].get("run_name") or Path(run_dir).name
     text = model_card_text(
         config=config,
@@ -303,6 +348,7 @@ def write_model_card(
         adapter=adapter,
         name=name,
         no_evaluation=no_evaluation,
+        value_head=value_head,
     )
     for name in PLOTS:
         if (Path(run_dir) / name).exists():

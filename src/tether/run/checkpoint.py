@@ -541,9 +541,11 @@ def save_policy(
     whole: dict | None = None,
     *,
     base_model: tuple[str, str | None] | None = None,
+    value_head: bool = True,
 ) -> None:
     """The final policy as a model folder (``save_pretrained``; a LoRA run's adapter as a peft
-    folder), its tokenizer and ``value_head.safetensors``. ``whole``: when the policy is sharded,
+    folder), its tokenizer and, when ``value_head`` (the trainer trains one: PPO),
+    ``value_head.safetensors``. ``whole``: when the policy is sharded,
     ``{"lm": ..., "value_head": ...}``, their whole tensors
     (:func:`tether.models.sharding.full_state_dict`, gathered by every process).
 
@@ -575,8 +577,11 @@ def save_policy(
             adapter["base_model_name_or_path"], adapter["revision"] = base_model
             (tmp / "adapter_config.json").write_text(json.dumps(adapter, indent=2, sort_keys=True) + "\n")
         tokenizer.save_pretrained(tmp)
-        head = whole["value_head"] if whole is not None else policy.value_head.state_dict()
-        save_file({k: v.detach().contiguous() for k, v in head.items()}, str(tmp / "value_head.safetensors"))
+        if value_head:  # GRPO, RLOO and DPO never train it: an untrained head is not shipped
+            head = whole["value_head"] if whole is not None else policy.value_head.state_dict()
+            save_file(
+                {k: v.detach().contiguous() for k, v in head.items()}, str(tmp / "value_head.safetensors")
+            )
     except (OSError, RuntimeError, SafetensorError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise write_error(out, e, "The final policy is not saved; the last checkpoint is kept") from None

@@ -1,10 +1,11 @@
 """``tether push RUN ORG/NAME``: a run's saved policy, with its model card, to the Hugging Face Hub.
 
 One commit through ``huggingface_hub``: every file of ``<run>/policy`` (the weights or the LoRA
-adapter, the tokenizer, ``value_head.safetensors``, the plots) and its ``README.md`` with the
-loading example naming the repository. Nothing is read from the run folder but files to upload
-(no code runs from it), and a run folder holding a symbolic link is refused (its target's bytes
-would be uploaded). The repository is created private unless ``private=False`` (``--public``).
+adapter, the tokenizer, ``value_head.safetensors`` where PPO trained one, the plots) and its
+``README.md`` with the loading example naming the repository. Nothing is read from the run
+folder but files to upload (no code runs from it), and a run folder holding a symbolic link is
+refused (its target's bytes would be uploaded). The repository is created private unless
+``private=False`` (``--public``).
 """
 
 from __future__ import annotations

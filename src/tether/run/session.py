@@ -243,7 +243,14 @@ def save_final_policy(run: Run, whole: dict | None, *, evaluated: bool = True) -
     failed: an eval.json there is an earlier run's, before a resume extended it)."""
     c, w = run.config, run.writer
     base = (c.model.name, c.model.revision) if is_hub_id(c.model.name) else None
-    save_policy(run.policy, run.tokenizer, w.run_dir / "policy", whole, base_model=base)
+    save_policy(
+        run.policy,
+        run.tokenizer,
+        w.run_dir / "policy",
+        whole,
+        base_model=base,
+        value_head=c.trainer.value_head,
+    )
     card = w.run_dir / "policy" / "README.md"
     evaluation = (
         read_json(w.run_dir / "eval.json") if evaluated and (w.run_dir / "eval.json").exists() else None
