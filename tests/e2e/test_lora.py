@@ -369,6 +369,26 @@ def test_a_peft_model_with_lora_dropout_is_refused_by_name(tiny_tokenizer, promp
     assert json.loads((out / "policy" / "adapter_config.json").read_text())["lora_dropout"] == 0.0
 
 
+def test_a_peft_model_with_modules_to_save_is_refused_by_name(tiny_tokenizer, prompt_file, tmp_path):
+    """TRL's LoraConfig(modules_to_save=["lm_head"]): peft's trainable full copy of lm_head beside
+    the adapter was refused as 'the reference model has trainable parameters', naming neither
+    the option nor the fix. Now named, before anything is written."""
+    from peft import LoraConfig, get_peft_model
+
+    from tether import train
+
+    lm = make_tiny_llama(len(tiny_tokenizer), eos_token_id=tiny_tokenizer.eos_token_id)
+    peft = get_peft_model(
+        lm, LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"], lora_dropout=0.0)
+    )
+    config = _lora_config(None, prompt_file, tmp_path / "run", "train.steps=1")
+    with pytest.raises(
+        ValueError, match=r"modules_to_save \(\{'default': \['lm_head'\]\}\).*Drop modules_to_save"
+    ):
+        train(config, model=peft, tokenizer=tiny_tokenizer)
+    assert not (tmp_path / "run").exists()
+
+
 def test_an_adapter_trained_with_dropout_trains_on_without_it_and_says_so(
     tiny_model_dir, tiny_tokenizer, prompt_file, tmp_path, caplog
 ):

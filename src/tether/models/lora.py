@@ -127,7 +127,7 @@ def add_lora(
     return peft_model
 
 
-def check_no_lora_dropout(model: nn.Module) -> None:
+def check_passed_peft_model(model: nn.Module) -> None:
     """Refuse a peft model passed to tether whose LoRA adapters have dropout (``lora_dropout > 0``).
 
     tether turns every dropout off (:func:`tether.models.loading.disable_dropout`): the sampler's,
@@ -136,11 +136,30 @@ def check_no_lora_dropout(model: nn.Module) -> None:
     off in silence would train with 0 while its config, and the ``adapter_config.json`` saved with
     the policy, said otherwise.
 
+    Also refuses ``modules_to_save`` (TRL's ``LoraConfig(modules_to_save=[...])``): peft trains a
+    full copy of those modules beside the originals, and tether's reference is the policy's own
+    modules with the adapters switched off (:class:`AdapterReference`), whose frozen parameters
+    it fingerprints and checks; a copy that trains with the adapter would have to be switched and
+    saved in step, which tether does not do, so it is named rather than half-supported.
+
     Raises:
-        ValueError: an adapter has ``lora_dropout > 0``, naming it and the fix.
+        ValueError: an adapter has ``lora_dropout > 0``, or ``modules_to_save``, naming it and the fix.
     """
     if not is_peft_model(model):
         return
+    saved = {
+        name: list(c.modules_to_save)
+        for name, c in model.peft_config.items()
+        if getattr(c, "modules_to_save", None)
+    }
+    if saved:
+        raise ValueError(
+            f"train(model=...): the peft model's adapters have modules_to_save ({saved}); tether's LoRA "
+            "reference is the policy's own modules with the adapter switched off, and full trainable copies "
+            "beside it are not supported. Drop modules_to_save (LoraConfig(modules_to_save=None)), or train "
+            "without LoRA (the whole model, or its last blocks: model.trainable_layers; the reference is "
+            "then a frozen copy)"
+        )
     dropped = {name: c.lora_dropout for name, c in model.peft_config.items() if getattr(c, "lora_dropout", 0)}
     if dropped:
         raise ValueError(

@@ -49,7 +49,7 @@ from tether.models.loading import (
     prepare_tokenizer,
     resolve_model_path,
 )
-from tether.models.lora import add_lora, check_no_lora_dropout
+from tether.models.lora import add_lora, check_passed_peft_model
 from tether.models.policy import PolicyWithValue
 from tether.models.reference import (
     check_reference,
@@ -903,7 +903,7 @@ def check_before_loading(config: Config, *, resume: bool, model, scorer) -> Path
     if model is None:
         check_model_name(config.model.name, config.model.revision)
     else:
-        check_no_lora_dropout(model)
+        check_passed_peft_model(model)
     if scorer is None:
         check_scorer_spec(config.reward.scorer)
     if config.eval.fluency_model != "none" and (config.eval.n_prompts or config.eval.every):
