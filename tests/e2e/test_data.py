@@ -289,9 +289,11 @@ def test_reward_funcs_is_trls_name_for_scorer(tiny_lm, tiny_tokenizer, tmp_path)
 
 
 def test_dpo_reads_trls_preference_formats(tiny_tokenizer, tmp_path):
-    """Standard (strings) and conversational (messages) rows, from a saved dataset."""
+    """Standard (strings) and conversational (messages) rows, from a saved dataset; a text
+    response gets EOS, a conversational one is the chat template's tokens (below)."""
     import datasets
 
+    from tests.conftest import make_chat_tokenizer
     from tether.trainers.dpo import read_pair_file
 
     standard = {"prompt": "the movie", "chosen": " was great", "rejected": " was bad"}
@@ -304,16 +306,91 @@ def test_dpo_reads_trls_preference_formats(tiny_tokenizer, tmp_path):
     want = [
         tiny_tokenizer(t, add_special_tokens=False)["input_ids"] + [eos] for t in (" was great", " was bad")
     ]
-    for row in (standard, convo):
-        datasets.Dataset.from_list([row, row]).save_to_disk(str(tmp_path / "d"))
-        prompts, chosen, rejected = read_pair_file(str(tmp_path / "d"), tiny_tokenizer)
-        assert prompts == [row["prompt"]] * 2
-        assert [chosen[0].tolist(), rejected[0].tolist()] == want
+    datasets.Dataset.from_list([standard, standard]).save_to_disk(str(tmp_path / "d"))
+    prompts, chosen, rejected = read_pair_file(str(tmp_path / "d"), tiny_tokenizer)
+    assert prompts == [standard["prompt"]] * 2
+    assert [chosen[0].tolist(), rejected[0].tolist()] == want
+    chat = make_chat_tokenizer()
+    datasets.Dataset.from_list([convo, convo]).save_to_disk(str(tmp_path / "c"))
+    prompts, chosen, rejected = read_pair_file(str(tmp_path / "c"), chat)
+    assert prompts == [convo["prompt"]] * 2
+    # ChatML: the response's text, then <|im_end|> (301) and the newline after it, no EOS
+    assert chat.decode(chosen[0]) == " was great<|im_end|>\n" and chosen[0].tolist()[-2] == 301
     datasets.Dataset.from_list([{"prompt": "x", "chosen": "", "rejected": "y"}]).save_to_disk(
         str(tmp_path / "e")
     )
     with pytest.raises(ValueError, match=r"row 1 needs non-empty"):
         read_pair_file(str(tmp_path / "e"), tiny_tokenizer)
+
+
+def _trl_dpo_ids(tokenizer, row):
+    """TRL 1.16's DPO tokens of one row, by its own functions in its own order
+    (DPOTrainer._prepare_dataset: extract_prompt if no prompt, EOS for text, then tokenize_fn)."""
+    from trl.data_utils import _tokenize, common_prefix_length, extract_prompt, is_conversational
+
+    if "prompt" not in row:
+        row = extract_prompt(row)
+    if not is_conversational(row):
+        row = {**row, **{k: row[k] + tokenizer.eos_token for k in ("chosen", "rejected")}}
+        p = _tokenize(tokenizer, row["prompt"])["input_ids"]
+        pc = _tokenize(tokenizer, row["prompt"] + row["chosen"])["input_ids"]
+        pr = _tokenize(tokenizer, row["prompt"] + row["rejected"])["input_ids"]
+    else:
+        p = _tokenize(tokenizer, row["prompt"], add_generation_prompt=True)["input_ids"]
+        pc = _tokenize(tokenizer, row["prompt"] + row["chosen"])["input_ids"]
+        pr = _tokenize(tokenizer, row["prompt"] + row["rejected"])["input_ids"]
+    n = min(common_prefix_length(p, pc), common_prefix_length(p, pr))
+    return row["prompt"], pc[n:], pr[n:]
+
+
+@pytest.mark.parametrize("explicit", [True, False])
+def test_conversational_pairs_are_trls_tokens_implicit_prompt_included(tmp_path, explicit):
+    """A conversational pair, with its prompt given or implicit (TRL's extract_prompt: the common
+    prefix of messages): the same prompt, and the same chosen and rejected ids as TRL's DPO."""
+    import json
+
+    from tests.conftest import make_chat_tokenizer
+    from tether.trainers.dpo import read_pair_file
+
+    chat = make_chat_tokenizer()
+    user = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the movie was"}]
+    good, bad = [{"role": "assistant", "content": "great fun"}], [{"role": "assistant", "content": "dull"}]
+    row = (
+        {"prompt": user, "chosen": good, "rejected": bad}
+        if explicit
+        else {"chosen": user + good, "rejected": user + bad}
+    )
+    (tmp_path / "p.jsonl").write_text(json.dumps(row) + "\n")
+    prompts, chosen, rejected = read_pair_file(str(tmp_path / "p.jsonl"), chat)
+    prompt, want_c, want_r = _trl_dpo_ids(chat, row)
+    assert prompts == [prompt] == [user]
+    assert (chosen[0].tolist(), rejected[0].tolist()) == (want_c, want_r)
+
+
+def test_implicit_text_prompts_are_trls_and_degenerate_rows_are_refused(tiny_tokenizer, tmp_path):
+    import json
+
+    from tether.data.prompts import explicit_pair
+    from tether.trainers.dpo import read_pair_file
+
+    row = {"chosen": "the movie was great", "rejected": "the movie was bad"}
+    # TRL: the common prefix 'the movie was ' loses its last space to the responses
+    assert explicit_pair(row, "r") == {"prompt": "the movie was", "chosen": " great", "rejected": " bad"}
+    from trl.data_utils import extract_prompt
+
+    assert explicit_pair(row, "r") == extract_prompt(row)
+    (tmp_path / "p.jsonl").write_text(json.dumps(row) + "\n")
+    prompts, chosen, _ = read_pair_file(str(tmp_path / "p.jsonl"), tiny_tokenizer)
+    assert prompts == ["the movie was"]
+    assert chosen[0].tolist() == tiny_tokenizer(" great", add_special_tokens=False)["input_ids"] + [
+        tiny_tokenizer.eos_token_id
+    ]
+    with pytest.raises(ValueError, match="share no prompt to extract \\(they differ from the start\\)"):
+        explicit_pair({"chosen": "good", "rejected": "bad"}, "p.jsonl:1")
+    with pytest.raises(ValueError, match="share no prompt to extract \\(one is the other's start\\)"):
+        explicit_pair({"chosen": "the movie", "rejected": "the movie was bad"}, "p.jsonl:1")
+    with pytest.raises(ValueError, match="unpaired preference row .* TRL's KTOTrainer"):
+        explicit_pair({"prompt": "a", "completion": "b", "label": True}, "p.jsonl:1")
 
 
 def test_dpo_refuses_a_response_holding_a_tools_message(tiny_tokenizer, tmp_path):

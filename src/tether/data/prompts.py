@@ -443,6 +443,42 @@ def _subset_error(e: ValueError, spec: str, subset: str | None) -> None:
         raise ValueError(f"{what}{have}; choose one with data.config=NAME") from None
 
 
+def explicit_pair(row: dict, at: str) -> dict:
+    """A preference row with its ``prompt`` explicit, as TRL's DPO reads it.
+
+    A row of ``chosen`` and ``rejected`` alone (TRL's implicit-prompt format: each holds the
+    prompt and its response) gets the prompt TRL's ``extract_prompt`` gives: the longest common
+    prefix of the two (characters of text, messages of conversations), a space just before the
+    point they part left with the responses. Rows with a ``prompt`` are returned as they are.
+
+    Raises:
+        ValueError: an unpaired row (``prompt``, ``completion``, ``label``: KTO's format, TRL's
+            ``KTOTrainer``), or an implicit row whose two sides share no prompt, or one of which
+            is the other's prefix (no response would be left to compare; TRL then cuts the prompt
+            at an arbitrary place), naming the row.
+    """
+    if "completion" in row and "label" in row and "chosen" not in row:
+        raise ValueError(
+            f"dpo.pairs: {at} is an unpaired preference row (prompt, completion, label: KTO's format, "
+            "TRL's KTOTrainer); DPO needs pairs: prompt, chosen and rejected"
+        )
+    if "prompt" in row:
+        return row
+    c, r = row.get("chosen"), row.get("rejected")
+    if not (isinstance(c, str) and isinstance(r, str)) and not (isinstance(c, list) and isinstance(r, list)):
+        return row  # named by the pair checks: not two texts or two conversations
+    idx = next((i for i in range(min(len(c), len(r))) if c[i] != r[i]), None)
+    if idx is not None and idx > 0 and c[idx - 1] == " ":  # TRL: the space goes with the responses
+        idx -= 1
+    if not idx:
+        why = "one is the other's start" if idx is None else "they differ from the start"
+        raise ValueError(
+            f'dpo.pairs: {at} has no "prompt", and its "chosen" and "rejected" share no prompt to '
+            f'extract ({why}); give the prompt in a "prompt" column'
+        )
+    return {**row, "prompt": c[:idx], "chosen": c[idx:], "rejected": r[idx:]}
+
+
 def pair_prompts(spec: str, split: str = "train", subset: str | None = None) -> PromptData:
     """The distinct prompts of a preference-pair file or dataset (``dpo.pairs``: rows of
     ``prompt``, ``chosen``, ``rejected``), each with its first row's other columns (not
@@ -452,6 +488,7 @@ def pair_prompts(spec: str, split: str = "train", subset: str | None = None) -> 
         FileNotFoundError, ValueError: as :func:`load_rows`; a row without a prompt.
     """
     records, where = load_rows(spec, split, field_name="dpo.pairs", subset=subset)
+    records = [explicit_pair(r, at) for r, at in zip(records, where)]
     first: dict[str, int] = {}
     for i, r in enumerate(records):
         p = r.get("prompt")

@@ -33,9 +33,9 @@ from tether.core.kl import estimate_kl
 from tether.core.losses import DPOLoss, dpo_loss
 from tether.core.masked import masked_sum
 from tether.core.shaping import shape_rewards
-from tether.data.prompts import PromptSampler, is_heldout, load_rows, prompt_key
+from tether.data.prompts import PromptSampler, explicit_pair, is_heldout, load_rows, prompt_key
 from tether.judges.contract import ScorerFailed, ScorerStopped, score_rollout, trainer_state
-from tether.models.sampling import sample_seeds
+from tether.models.sampling import render_chat, sample_seeds
 from tether.models.scoring import (
     policy_and_reference_logprobs,
     rollout_from_responses,
@@ -109,6 +109,31 @@ def response_text(x) -> str | None:
     return None
 
 
+def conversation_response_ids(tokenizer, prompt: list, response: list, at: str) -> list[int]:
+    """A conversational pair's response as the tokens TRL's DPO trains on: the chat template's
+    rendering of ``prompt + response`` after that of ``prompt`` with the assistant's turn opened,
+    so the template's end of turn and what follows it (ChatML's ``<|im_end|>\\n``) belong to the
+    response, and no EOS is added (TRL 1.16, ``DPOTrainer._prepare_dataset``).
+
+    Raises:
+        ValueError: the template renders the prompt alone otherwise than at the start of the
+            whole conversation (TRL then trains on the shorter shared prefix, a context the policy
+            never saw at sampling); the row named.
+    """
+    whole = tokenizer(
+        render_chat(tokenizer, prompt + response, add_generation_prompt=False), add_special_tokens=False
+    )
+    alone = tokenizer(render_chat(tokenizer, prompt, add_generation_prompt=True), add_special_tokens=False)
+    whole, alone = whole["input_ids"], alone["input_ids"]
+    if whole[: len(alone)] != alone or len(whole) == len(alone):
+        raise ValueError(
+            f"dpo.pairs: {at}: the chat template renders the prompt with the assistant's turn opened "
+            "otherwise than at the start of the whole conversation, so the response's tokens do not "
+            "follow the prompt's; use a template that renders the prompt the same way in both"
+        )
+    return whole[len(alone) :]
+
+
 def read_pair_file(
     path: str,
     tokenizer,
@@ -120,8 +145,10 @@ def read_pair_file(
 ) -> tuple[list, list[Tensor], list[Tensor]]:
     """Pairs ``{"prompt", "chosen", "rejected"}`` from a .jsonl file or any dataset
     :func:`tether.data.prompts.load_rows` reads (TRL's preference format, standard or
-    conversational: a prompt of messages, chosen and rejected as assistant messages); responses
-    get EOS appended.
+    conversational: a prompt of messages, chosen and rejected as assistant messages; or TRL's
+    implicit-prompt rows, :func:`tether.data.prompts.explicit_pair`). A text response gets EOS
+    appended; a conversational one is the template's tokens, as TRL's
+    (:func:`conversation_response_ids`).
 
     Args:
         heldout_fraction: drop the pairs whose prompt the hash split holds out
@@ -137,6 +164,7 @@ def read_pair_file(
     prompts, chosen, rejected = [], [], []
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     for obj, at in zip(records, where):
+        obj = explicit_pair(obj, at)  # TRL's implicit-prompt rows: the common prefix is the prompt
         prompt = obj.get("prompt")
         texts = [response_text(obj.get(k)) for k in ("chosen", "rejected")]
         ok_prompt = (isinstance(prompt, str) and prompt) or response_text(prompt)
@@ -160,14 +188,13 @@ def read_pair_file(
                     "Drop the other turns from the pairs (or move the conversation so far into the prompt)"
                 )
         prompts.append(prompt)
-        for text, out in zip(texts, (chosen, rejected)):
-            out.append(
-                torch.tensor(
-                    tokenizer(text, add_special_tokens=False)["input_ids"] + eos,
-                    dtype=torch.long,
-                    device="cpu",
-                )
+        for k, text, out in zip(("chosen", "rejected"), texts, (chosen, rejected)):
+            ids = (
+                conversation_response_ids(tokenizer, prompt, obj[k], at)
+                if isinstance(prompt, list)
+                else tokenizer(text, add_special_tokens=False)["input_ids"] + eos
             )
+            out.append(torch.tensor(ids, dtype=torch.long, device="cpu"))
     if not prompts:
         raise ValueError(
             f"dpo.pairs: {path} holds no pairs"
