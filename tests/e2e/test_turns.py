@@ -471,3 +471,23 @@ def test_an_environment_that_fails_mid_run_keeps_the_trained_steps(
     monkeypatch.delenv("TETHER_TEST_ENV_FAULT")
     assert main(_tiny_args(tiny_model_dir, prompt_file, full) + tool) == 0
     assert metric_rows(out) == metric_rows(full)
+
+
+def test_turn_settings_load_before_the_environment_is_passed(tiny_model_dir, prompt_file, tmp_path):
+    """rollout.max_turns and rollout.stop_strings written in the config of a run whose environment
+    comes as train(env=f) were refused when the config loaded, before f could be given; now they
+    load, train with f, and without any environment are refused when the run starts, by name,
+    before anything is written."""
+    from tests.conftest import tiny_run_args, tool_env
+    from tether import train
+    from tether.run.config import ConfigError, load_config
+
+    turns = {"rollout.max_turns": 2, "rollout.stop_strings": "e", "rollout.max_new_tokens": 8}
+    config = load_config(None, tiny_run_args(tiny_model_dir, prompt_file, tmp_path / "run", turns))
+    assert config.rollout.max_turns == 2 and config.rollout.env is None
+    out = train(config, env=tool_env)
+    assert any(r["rollout/env_tokens"] > 0 for r in metric_rows(out))
+    alone = load_config(None, tiny_run_args(tiny_model_dir, prompt_file, tmp_path / "alone", turns))
+    with pytest.raises(ConfigError, match=r"rollout.max_turns=2 .*needs rollout.env or train\(env=...\)"):
+        train(alone)
+    assert not (tmp_path / "alone").exists()

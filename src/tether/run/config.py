@@ -746,27 +746,6 @@ class RolloutConfig(_Defaulted):
                 "must name the text that ends a policy turn for rollout.env to answer (e.g. ['</call>']): "
                 "with rollout.env_format=raw an end id ends the episode",
             )
-        else:
-            _check(
-                self.max_turns == 1,
-                "rollout.max_turns",
-                self.max_turns,
-                "needs rollout.env (the environment that answers between turns)",
-            )
-            _check(
-                not self.stop_strings,
-                "rollout.stop_strings",
-                self.stop_strings,
-                "end a policy turn for rollout.env to answer; without rollout.env a response ends at an "
-                "end id only (leave rollout.stop_strings empty)",
-            )
-            _check(
-                self.env_format == "auto",
-                "rollout.env_format",
-                self.env_format,
-                "says how rollout.env's text joins the response; without rollout.env there is none "
-                "(leave rollout.env_format at auto)",
-            )
         _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", self.max_new_tokens, "must be >= 1")
         _check(
             self.temperature >= MIN_TEMPERATURE,
@@ -797,6 +776,38 @@ class RolloutConfig(_Defaulted):
             "rollout.batch_size",
             self.batch_size,
             f"must be a multiple of rollout.group_size={self.group_size}",
+        )
+
+    def check_turn_fields(self) -> None:
+        """The fields that need an environment (rollout.max_turns > 1, rollout.stop_strings,
+        rollout.env_format), refused without one. Checked when the run starts
+        (:meth:`Config.for_run`), not when the config loads: ``train(config, env=f)`` gives the
+        environment as an object after the config was written.
+
+        Raises:
+            ConfigError: one of them is set and there is no environment (rollout.env, ``env=``).
+        """
+        if self.env is not None:
+            return
+        _check(
+            self.max_turns == 1,
+            "rollout.max_turns",
+            self.max_turns,
+            "needs rollout.env or train(env=...) (the environment that answers between turns)",
+        )
+        _check(
+            not self.stop_strings,
+            "rollout.stop_strings",
+            self.stop_strings,
+            "end a policy turn for rollout.env to answer; without rollout.env a response ends at an "
+            "end id only (leave rollout.stop_strings empty)",
+        )
+        _check(
+            self.env_format == "auto",
+            "rollout.env_format",
+            self.env_format,
+            "says how rollout.env's text joins the response; without rollout.env there is none "
+            "(leave rollout.env_format at auto)",
         )
 
     def sampling_fields(self) -> dict:
@@ -1831,7 +1842,9 @@ class Config:
             tree["data"]["prompts"] = data
         if model is not None:
             tree["model"]["name"] = model
-        return _build(Config, tree, "")
+        config = _build(Config, tree, "")
+        config.rollout.check_turn_fields()
+        return config
 
     def to_dict(self, resolved: bool = True) -> dict:
         """Plain nested dict; ``resolved=False`` keeps the defaults the run fills as None."""
