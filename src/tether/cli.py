@@ -73,6 +73,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     seen.add_argument("--public", dest="public", action="store_const", const=True, help="create it public")
     pu.set_defaults(public=False)
+    cv = sub.add_parser(
+        "convert",
+        help="translate a TRL GRPO/RLOO/DPO recipe (YAML) into tether's config, key by key",
+        description="Every key is mapped, computed (the arithmetic said), moot, or refused with the "
+        "reason; a recipe with a refused key is written only with --allow-dropped.",
+    )
+    cv.add_argument("recipe", help="the TRL recipe (YAML: trl grpo --config's file)")
+    cv.add_argument(
+        "--trainer", required=True, choices=["grpo", "rloo", "dpo"], help="the TRL trainer it is for"
+    )
+    cv.add_argument("-o", "--out", default=None, help="tether config to write (default RECIPE.tether.yaml)")
+    cv.add_argument("--processes", type=int, default=1, help="processes TRL ran on (per-device sizes x this)")
+    cv.add_argument("--allow-dropped", action="store_true", help="write even when keys have no tether field")
     rp = sub.add_parser("report", help="write a self-contained HTML report of a run directory")
     rp.add_argument("run_dir")
     rp.add_argument("--out", help="output file (default RUN_DIR/report.html)")
@@ -183,6 +196,30 @@ def _interpolate(run_dir: str, alphas: str) -> int:
     return 0
 
 
+def _convert(args) -> int:
+    """``tether convert RECIPE --trainer T``: every key's fate, then the config written."""
+    from tether.run.config import ConfigError
+    from tether.run.convert import RecipeError, convert_file, fate_table, write_converted
+
+    out = Path(args.out) if args.out else Path(args.recipe).with_suffix(".tether.yaml")
+    try:
+        fates, tree = convert_file(args.recipe, args.trainer, processes=args.processes)
+        print(fate_table(fates))
+        dropped = write_converted(fates, tree, out, allow_dropped=args.allow_dropped)
+    except (FileNotFoundError, RecipeError, ConfigError, OSError) as e:
+        print(f"tether: error: {_said(e)}", file=sys.stderr)
+        return 1
+    kinds = [f.kind for f in fates if not f.key.startswith("(")]
+    print(
+        f"tether: {len(kinds)} keys: "
+        + ", ".join(f"{kinds.count(k)} {k}" for k in ("mapped", "computed", "moot", "refused"))
+        + f"; written {out}"
+        + (f" without {', '.join(f.key for f in dropped)}" if dropped else "")
+        + f". Run it: tether train --config {out}"
+    )
+    return 0
+
+
 def _close_process_group() -> None:
     import torch.distributed as dist
 
@@ -198,6 +235,8 @@ def _main(argv: list[str] | None) -> int:
         _quiet_transformers()
     if args.command == "reward":
         return _reward_fit(args)
+    if args.command == "convert":
+        return _convert(args)
     if args.command == "push":
         from tether.run.publish import push
 

@@ -1,0 +1,220 @@
+"""``tether convert`` (issue 55): a TRL recipe translated key by key, every key mapped,
+computed, moot or refused with its reason; the converted config runs; ``tether train --config``
+of a TRL recipe says to convert it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import yaml
+
+from tether.cli import main
+from tether.run.config import ConfigError, load_config
+from tether.run.convert import RULES, SIZE_KEYS, TRL_DEFAULTS, RecipeError, convert, tether_config
+
+# a TRL 1.16 GRPO recipe as `trl grpo --config recipe.yaml` takes it: script, model and
+# training arguments (42 keys)
+RECIPE = {
+    "model_name_or_path": "Qwen/Qwen3-0.6B",
+    "model_revision": "main",
+    "trust_remote_code": False,
+    "dtype": "bfloat16",
+    "attn_implementation": "sdpa",
+    "use_peft": True,
+    "lora_r": 16,
+    "lora_alpha": 32,
+    "lora_dropout": 0.05,
+    "lora_target_modules": ["q_proj", "v_proj"],
+    "dataset_name": "trl-lib/DeepMath-103K",
+    "dataset_config": "default",
+    "dataset_train_split": "train",
+    "reward_funcs": ["accuracy_reward", "my_rewards.format_reward"],
+    "reward_weights": [1.0, 0.2],
+    "chat_template_kwargs": {"enable_thinking": False},
+    "output_dir": "runs/qwen-grpo",
+    "run_name": "qwen-grpo",
+    "seed": 7,
+    "learning_rate": 1e-6,
+    "lr_scheduler_type": "cosine",
+    "warmup_ratio": 0.1,
+    "weight_decay": 0.0,
+    "max_grad_norm": 1.0,
+    "per_device_train_batch_size": 4,
+    "gradient_accumulation_steps": 4,
+    "num_generations": 8,
+    "num_iterations": 2,
+    "max_steps": 200,
+    "max_completion_length": 1024,
+    "temperature": 0.9,
+    "top_p": 0.95,
+    "beta": 0.04,
+    "epsilon": 0.2,
+    "epsilon_high": 0.28,
+    "loss_type": "dapo",
+    "scale_rewards": "group",
+    "use_vllm": False,
+    "gradient_checkpointing": True,
+    "bf16": True,
+    "logging_steps": 10,
+    "save_steps": 50,
+}
+
+
+def test_every_key_of_a_42_key_recipe_has_a_fate():
+    assert len(RECIPE) == 42
+    fates = {f.key: f for f in convert(RECIPE, "grpo")}
+    assert set(RECIPE) <= set(fates)
+    kinds = {k: fates[k].kind for k in RECIPE}
+    # what has no tether field, and says why
+    assert {k for k, v in kinds.items() if v == "refused"} == {
+        "attn_implementation",
+        "lora_dropout",
+        "top_p",
+        "epsilon_high",
+    }
+    assert all(fates[k].why for k in RECIPE if kinds[k] in ("refused", "moot"))
+    tree = tether_config(list(fates.values()))
+    # the arithmetic of the sizes (one process): a TRL optimizer step takes 4 x 1 x 4 = 16
+    # completions, a generation 4 x 1 x steps_per_generation (= gradient_accumulation_steps 4)
+    # = 16; each generation feeds steps_per_generation x num_iterations = 8 optimizer steps, so
+    # 200 TRL steps are 25 tether steps; warmup ceil(0.1 x 200) = 20 optimizer steps
+    assert (
+        tree["optim"].items()
+        >= {
+            "micro_batch_size": 4,
+            "minibatch_size": 16,
+            "epochs": 2,
+            "warmup_steps": 20,
+        }.items()
+    )
+    assert tree["rollout"] == {
+        "batch_size": 16,
+        "group_size": 8,
+        "max_new_tokens": 1024,
+        "temperature": 0.9,
+    }
+    assert tree["train"]["steps"] == 25 and tree["train"]["algo"] == "grpo" and tree["train"]["seed"] == 7
+    assert tree["kl"] == {"kl_coef": 0.04, "controller": "fixed"}
+    assert tree["reward"]["scorer"] == ["trl.rewards:accuracy_reward", "my_rewards:format_reward"]
+    assert (
+        tree["model"].items()
+        >= {
+            "name": "Qwen/Qwen3-0.6B",
+            "dtype": "bfloat16",
+            "lora_r": 16,
+            "lora_alpha": 32,
+        }.items()
+    )
+    assert tree["data"] == {
+        "prompts": "trl-lib/DeepMath-103K",
+        "config": "default",
+        "split": "train",
+        "chat_template_kwargs": {"enable_thinking": False},
+    }
+
+
+def test_trls_defaults_are_trls():
+    """The defaults the converter fills for keys a recipe leaves out are TRL 1.16's own."""
+    from trl import DPOConfig, GRPOConfig, RLOOConfig
+
+    for trainer, cls in (("grpo", GRPOConfig), ("rloo", RLOOConfig), ("dpo", DPOConfig)):
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        for key, value in TRL_DEFAULTS[trainer].items():
+            assert defaults[key] == value, (trainer, key)
+        for key, value in (("per_device_train_batch_size", 8), ("gradient_accumulation_steps", 1)):
+            assert defaults[key] == value
+        if trainer != "dpo":
+            assert defaults["num_iterations"] == 1 and defaults["steps_per_generation"] is None
+
+
+def test_a_left_out_key_runs_at_trls_default_and_no_max_steps_is_refused():
+    fates = {f.key: f for f in convert({"max_steps": 10}, "rloo")}
+    assert (
+        fates["learning_rate"].fields == {"optim.lr": 1e-6} and "TRL's default" in fates["learning_rate"].why
+    )
+    assert fates["beta"].fields == {"kl.kl_coef": 0.05, "kl.controller": "fixed"}
+    assert fates["num_generations"].fields == {"rollout.group_size": 2}
+    # 8 x 1 x 1 completions a generation, one optimizer step each
+    assert tether_config(list(fates.values()))["train"]["steps"] == 10
+    nosteps = {f.key: f for f in convert({}, "grpo")}
+    assert nosteps["max_steps"].kind == "refused" and "give max_steps" in nosteps["max_steps"].why
+    uneven = {f.key: f for f in convert({"max_steps": 10, "gradient_accumulation_steps": 4}, "grpo")}
+    assert uneven["max_steps"].kind == "refused" and "not a whole number" in uneven["max_steps"].why
+
+
+def test_unknown_keys_are_refused_by_name():
+    fates = {f.key: f for f in convert({"max_steps": 4, "vllm_mode": "colocate"}, "grpo")}
+    assert fates["vllm_mode"].kind == "refused" and "not a key the converter knows" in fates["vllm_mode"].why
+    with pytest.raises(RecipeError, match="--trainer 'ppo'"):
+        convert({}, "ppo")
+    assert set(SIZE_KEYS).isdisjoint(RULES)
+
+
+def test_the_cli_converts_refuses_without_allow_dropped_and_the_result_runs(
+    tiny_model_dir, prompt_file, tmp_path, capsys
+):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(RECIPE))
+    out = tmp_path / "recipe.tether.yaml"
+    assert main(["convert", str(recipe), "--trainer", "grpo"]) == 1
+    err = capsys.readouterr().err
+    assert "no tether field does attn_implementation" in err and "--allow-dropped" in err
+    assert not out.exists()
+    assert main(["convert", str(recipe), "--trainer", "grpo", "--allow-dropped"]) == 0
+    said = capsys.readouterr().out
+    assert "| `epsilon_high` | `0.28` | refused |" in said and "4 refused" in said
+    text = out.read_text()
+    assert "# dropped: top_p=0.95" in text
+    config = load_config(out)
+    assert config.optim.minibatch_size == 16 and config.kl.kl_coef == 0.04
+    # the converted 42-key recipe runs, on the tiny model and a local prompt file in place of
+    # the Hub's (and the lengths and steps of a test)
+    offline = [
+        f"model.name={tiny_model_dir}",
+        "model.model_revision=null".replace("model_revision", "revision"),
+        f"data.prompts={prompt_file}",
+        "data.config=null",
+        "data.chat_template_kwargs={}",
+        "reward.scorer=vader",
+        "reward.weights=null",
+        "model.dtype=float32",
+        "rollout.max_new_tokens=4",
+        "train.steps=1",
+        f"train.output_dir={tmp_path / 'qwen-grpo'}",
+        "eval.n_prompts=0",
+        "eval.fluency_model=none",
+    ]
+    assert main(["train", "--config", str(out), *offline]) == 0
+    assert (tmp_path / "qwen-grpo" / "metrics.jsonl").exists()
+    capsys.readouterr()
+    # the converted recipe, on the tiny model and a local prompt file, trains
+    small = tmp_path / "small.yaml"
+    small.write_text(
+        yaml.safe_dump(
+            {
+                "max_steps": 2,
+                "per_device_train_batch_size": 4,
+                "num_generations": 2,
+                "max_completion_length": 4,
+                "learning_rate": 1e-5,
+                "beta": 0.04,
+                "model_name_or_path": str(tiny_model_dir),
+                "dataset_name": str(prompt_file),
+                "output_dir": str(tmp_path / "run"),
+                "gradient_checkpointing": False,
+            }
+        )
+    )
+    assert main(["convert", str(small), "--trainer", "grpo", "-o", str(tmp_path / "small.tether.yaml")]) == 0
+    capsys.readouterr()
+    overrides = ["eval.n_prompts=0", "eval.fluency_model=none", "train.save_model=false"]
+    assert main(["train", "--config", str(tmp_path / "small.tether.yaml"), *overrides]) == 0
+    assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 2
+
+
+def test_train_with_a_trl_recipe_says_to_convert_it(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({"learning_rate": 1e-6, "beta": 0.04, "model": {"name": "x"}}))
+    with pytest.raises(ConfigError, match=r"is a TRL recipe \(beta, learning_rate\).*tether convert"):
+        load_config(recipe)
