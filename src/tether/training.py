@@ -19,7 +19,7 @@ from tether.models.turns import EnvFailed
 from tether.run.announce import announce_start
 from tether.run.best import BestPolicy
 from tether.run.checkpoint import latest_checkpoint
-from tether.run.config import Config
+from tether.run.config import Config, ConfigError
 from tether.run.console import say
 from tether.run.evaluation import Evaluator, fluency_judge, reference_eval, reference_periodic
 from tether.run.files import resume_hint
@@ -110,6 +110,15 @@ def train(
         else None,
     )
     c = config
+    if c.train.hub_model_id:  # the upload at the end needs the network: said before any step
+        from tether.run.publish import offline
+
+        if offline():
+            raise ConfigError(
+                f"train.hub_model_id={c.train.hub_model_id}: HF_HUB_OFFLINE is set, so the policy could "
+                "not be pushed when the run ends; unset it, or drop train.hub_model_id and push later "
+                "with tether push RUN ORG/NAME"
+            )
     # before anything loads: a train.algo with a row of defaults needs its class (and advantage)
     trainer_class(c.train.algo, samples=c.trainer.samples)
     evaluating = bool(c.eval.n_prompts or c.eval.every)

@@ -245,3 +245,53 @@ def test_the_card_escapes_the_users_text(tmp_path):
     (tmp_path / "README.md").write_text(text)
     card = ModelCard.load(tmp_path / "README.md")
     assert card.data.license is None and "license" not in card.data.to_dict()
+
+
+def test_train_hub_model_id_pushes_the_policy_when_the_run_ends(
+    tiny_model_dir, prompt_file, tmp_path, monkeypatch, capsys
+):
+    """TRL's push_to_hub + hub_model_id: the saved policy and its card, one commit when the run
+    ends; offline, refused before anything is written; an upload that fails leaves the run whole
+    and says how to retry."""
+    from huggingface_hub import HfApi
+
+    calls = {}
+    monkeypatch.setattr(
+        HfApi, "create_repo", lambda self, repo_id, **kw: calls.setdefault("repo", (repo_id, kw))
+    )
+
+    def create_commit(self, repo_id, operations, **kw):
+        calls["files"] = sorted(op.path_in_repo for op in operations)
+        return type("Info", (), {"commit_url": f"https://huggingface.co/{repo_id}/commit/abc"})()
+
+    monkeypatch.setattr(HfApi, "create_commit", create_commit)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    out = tmp_path / "run"
+    hub = {"train.steps": 1, "train.save_model": "true", "train.hub_model_id": "my-org/my-policy"}
+    assert main(tiny_run_args(tiny_model_dir, prompt_file, out, hub, command=True)) == 0
+    assert calls["repo"] == ("my-org/my-policy", {"private": True, "exist_ok": True, "repo_type": "model"})
+    assert calls["files"] == sorted(
+        p.relative_to(out / "policy").as_posix() for p in (out / "policy").rglob("*") if p.is_file()
+    )
+    assert "pushed the policy to my-org/my-policy" in capsys.readouterr().out
+    # offline: said before the run starts, nothing written
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(tiny_run_args(tiny_model_dir, prompt_file, tmp_path / "off", hub, command=True)) == 2
+    assert "HF_HUB_OFFLINE is set" in capsys.readouterr().err and not (tmp_path / "off").exists()
+    # an upload that fails: the run is complete, the policy saved, the retry named
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+
+    def refused(self, repo_id, operations, **kw):
+        raise OSError("401 unauthorized")
+
+    monkeypatch.setattr(HfApi, "create_commit", refused)
+    assert main(tiny_run_args(tiny_model_dir, prompt_file, tmp_path / "fail", hub, command=True)) == 1
+    err = capsys.readouterr().err
+    assert "401 unauthorized" in err and f"tether push {tmp_path / 'fail'} my-org/my-policy" in err
+    assert (tmp_path / "fail" / "metrics.jsonl").exists() and (
+        tmp_path / "fail" / "policy" / "README.md"
+    ).exists()
+    with pytest.raises(Exception, match="set train.save_model=true"):
+        from tether.run.config import load_config
+
+        load_config(None, ["train.hub_model_id=a/b", "train.save_model=false"])

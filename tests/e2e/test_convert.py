@@ -218,3 +218,12 @@ def test_train_with_a_trl_recipe_says_to_convert_it(tmp_path):
     recipe.write_text(yaml.safe_dump({"learning_rate": 1e-6, "beta": 0.04, "model": {"name": "x"}}))
     with pytest.raises(ConfigError, match=r"is a TRL recipe \(beta, learning_rate\).*tether convert"):
         load_config(recipe)
+
+
+def test_push_to_hub_with_a_model_id_pushes_at_the_end():
+    fates = {f.key: f for f in convert({"max_steps": 4, "push_to_hub": True, "hub_model_id": "o/n"}, "grpo")}
+    assert (
+        fates["hub_model_id"].fields == {"train.hub_model_id": "o/n"} and fates["push_to_hub"].kind == "moot"
+    )
+    alone = {f.key: f for f in convert({"max_steps": 4, "push_to_hub": True}, "grpo")}
+    assert alone["push_to_hub"].kind == "refused" and "give hub_model_id" in alone["push_to_hub"].why

@@ -1378,6 +1378,13 @@ class TrainConfig:
     """Print and record a sample table every N steps."""
     save_model: bool = True
     """Save the final policy with save_pretrained (to <run>/policy)."""
+    hub_model_id: str | None = None
+    """Push the saved policy and its model card to this Hugging Face Hub repository (ORG/NAME)
+    when the run ends, as ``tether push RUN ORG/NAME`` does (TRL's ``push_to_hub`` with
+    ``hub_model_id``); needs train.save_model, the network and a login, checked before the first
+    step. A failed upload leaves the run whole: ``tether push`` retries it. None: no push."""
+    hub_private: bool = True
+    """A repository train.hub_model_id creates is private (an existing one keeps its visibility)."""
     threads: int | None = None
     """torch threads; None keeps torch's default."""
     progress: bool = True
@@ -1450,6 +1457,19 @@ class TrainConfig:
                 f"choose from {list(TRACKERS)} or name a tracker class as module:Class",
             )
         _check(self.steps >= 1, "train.steps", self.steps, "must be >= 1")
+        _check(
+            self.hub_model_id is None or self.save_model,
+            "train.hub_model_id",
+            self.hub_model_id,
+            "pushes the saved policy: set train.save_model=true",
+        )
+        _check(
+            self.hub_model_id is None
+            or (isinstance(self.hub_model_id, str) and self.hub_model_id.count("/") == 1),
+            "train.hub_model_id",
+            self.hub_model_id,
+            "must be a Hub repository id, ORG/NAME",
+        )
         _check(0 <= self.seed <= MAX_SEED, "train.seed", self.seed, f"must be in [0, {MAX_SEED}] (32 bits)")
         _check(self.sample_every >= 1, "train.sample_every", self.sample_every, "must be >= 1")
         _check(
@@ -2169,6 +2189,8 @@ FIELD_UNITS: dict[str, str] = {
     "data.chat_template": "",
     "data.chat_template_kwargs": "",
     "data.config": "",
+    "train.hub_model_id": "",
+    "train.hub_private": "",
     # reward
     "reward.scorer": "",
     "reward.weights": "dimensionless (one per reward)",

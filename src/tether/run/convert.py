@@ -382,8 +382,24 @@ RULES = {
     "evaluation_strategy": _eval_strategy,
     "per_device_eval_batch_size": _moot("tether's evaluation batches are its own"),
     "num_train_epochs": _num_train_epochs,
-    "push_to_hub": _moot_if(False, "nothing pushed", "run `tether push RUN ORG/NAME` after the run"),
-    "hub_model_id": _refused("run `tether push RUN ORG/NAME` after the run"),
+    "push_to_hub": lambda v, r, t: (
+        ("moot", {}, "nothing pushed")
+        if not v
+        else ("moot", {}, "train.hub_model_id (hub_model_id) pushes at the end")
+        if r.get("hub_model_id")
+        else ("refused", {}, "give hub_model_id: tether pushes to a named ORG/NAME repository")
+    ),
+    "hub_model_id": lambda v, r, t: (
+        ("mapped", {"train.hub_model_id": v}, "pushed when the run ends")
+        if r.get("push_to_hub")
+        else ("moot", {}, "push_to_hub is not set")
+    ),
+    "hub_private_repo": _same("train.hub_private"),
+    "hub_strategy": _moot_if(
+        ("every_save", "end"),
+        "tether pushes the final policy once, at the end (no checkpoint pushes)",
+        "tether pushes the final policy once, at the end",
+    ),
     "dataloader_num_workers": _moot("tether draws its own batches"),
     "remove_unused_columns": _moot("every other column travels with its row"),
 }

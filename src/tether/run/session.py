@@ -202,10 +202,30 @@ def finish(session: Session, *, before, t_start: float, last: int, saved: int = 
         raise_unevaluated(run, ended, last, checkpoint)
     if monitor.fired:
         say(f"tether: {len(monitor.fired)} health warning(s), see {w.run_dir / 'warnings.jsonl'}", show)
+    if c.train.hub_model_id and D.is_main():
+        push_at_end(w.run_dir, c.train.hub_model_id, private=c.train.hub_private, show=show)
     session.reporter.train_end(w.run_dir)
     say(f"tether: done in {time.perf_counter() - t_start:.0f} s; plots and metrics in {w.run_dir}", show)
     D.barrier()  # the other processes wait for rank 0's evaluation, so the run ends together
     return run.writer.run_dir
+
+
+def push_at_end(run_dir: Path, repo_id: str, *, private: bool, show: bool) -> None:
+    """train.hub_model_id: the saved policy and its card to the Hub (:func:`tether.run.publish.push`).
+
+    Raises:
+        RuntimeError: the upload failed; the run is whole, and the message says how to retry.
+    """
+    from tether.run.publish import push
+
+    try:
+        url = push(run_dir, repo_id, private=private)
+    except (RuntimeError, ValueError, FileNotFoundError) as e:
+        raise RuntimeError(
+            f"{e}. The run is complete and its policy saved; upload it again with: "
+            f"tether push {run_dir} {repo_id}"
+        ) from e
+    say(f"tether: pushed the policy to {repo_id}: {url}", show)
 
 
 def raise_unevaluated(run: Run, ended: Ending, last: int, checkpoint: Path | None) -> NoReturn:
