@@ -8,6 +8,7 @@ stays torch-only)::
     from tether import FixedKLController, AdaptiveKLController, BudgetKLController, make_controller
     from tether import KLLeash, shape_rewards                   # where the KL goes, once
     from tether import StopTraining, Interrupted                # a callback's stop, and its end
+    from tether import push                                     # a run's policy to the Hub
 
     config = load_config("my.yaml", ["kl.kl_coef=0.1", "train.steps=40"])
     run_dir = train(config)
@@ -38,6 +39,7 @@ _EXPORTS = {
     "shape_rewards": "tether.core.shaping",
     "StopTraining": "tether.run.reporting",
     "Interrupted": "tether.run.signals",
+    "push": "tether.run.publish",
 }
 __all__ = sorted(_EXPORTS) + ["__version__"]
 

@@ -196,6 +196,26 @@ def _interpolate(run_dir: str, alphas: str) -> int:
     return 0
 
 
+def _trl_recipe(path: str | None) -> str | None:
+    """What ``--config`` of a TRL recipe (TRL's keys at the top, not tether's sections) is told:
+    to convert it; None for any other file (its own error stands)."""
+    from tether.run.config import ConfigError, read_yaml
+    from tether.run.convert import looks_like_a_trl_recipe
+
+    try:
+        tree = read_yaml(Path(path).read_text(encoding="utf-8"), f"--config {path}") if path else None
+    except (OSError, UnicodeDecodeError, ValueError, ConfigError):
+        return None
+    keys = looks_like_a_trl_recipe(tree) if isinstance(tree, dict) else []
+    if not keys:
+        return None
+    named = ", ".join(keys[:4]) + (" ..." if len(keys) > 4 else "")
+    return (
+        f"--config {path} is a TRL recipe ({named}), not a tether config; translate it first: "
+        f"tether convert {path} --trainer grpo (or rloo, dpo)"
+    )
+
+
 def _convert(args) -> int:
     """``tether convert RECIPE --trainer T``: every key's fate, then the config written."""
     from tether.run.config import ConfigError
@@ -313,7 +333,7 @@ def _main(argv: list[str] | None) -> int:
         config = load_config(args.config, overrides)
         sweep = _parse_sweep(args.sweep) if args.command == "frontier" else []
     except (ConfigError, FileNotFoundError) as e:
-        print(f"tether: config error: {_said(e)}", file=sys.stderr)
+        print(f"tether: config error: {_trl_recipe(args.config) or _said(e)}", file=sys.stderr)
         return 2
     if getattr(args, "print_config", False):
         from tether.core.text import shown

@@ -5,6 +5,7 @@ of a TRL recipe says to convert it."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import yaml
@@ -213,11 +214,13 @@ def test_the_cli_converts_refuses_without_allow_dropped_and_the_result_runs(
     assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 2
 
 
-def test_train_with_a_trl_recipe_says_to_convert_it(tmp_path):
+def test_train_with_a_trl_recipe_says_to_convert_it(tmp_path, capsys):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump({"learning_rate": 1e-6, "beta": 0.04, "model": {"name": "x"}}))
-    with pytest.raises(ConfigError, match=r"is a TRL recipe \(beta, learning_rate\).*tether convert"):
+    with pytest.raises(ConfigError, match="unknown config key"):
         load_config(recipe)
+    assert main(["train", "--config", str(recipe)]) == 2
+    assert re.search(r"is a TRL recipe \(beta, learning_rate\).*tether convert", capsys.readouterr().err)
 
 
 def test_push_to_hub_with_a_model_id_pushes_at_the_end():

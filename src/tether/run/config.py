@@ -2066,15 +2066,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                 f"--config {p} must hold a mapping of sections (model:, kl:, ...), "
                 f"not a {type(tree).__name__}"
             )
-        from tether.run.convert import looks_like_a_trl_recipe
-
-        trl_keys = looks_like_a_trl_recipe(tree)
-        if trl_keys:
-            named = ", ".join(trl_keys[:4]) + (" ..." if len(trl_keys) > 4 else "")
-            raise ConfigError(
-                f"--config {p} is a TRL recipe ({named}), not a tether config; translate it first: "
-                f"tether convert {p} --trainer grpo (or rloo, dpo)"
-            )
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(
