@@ -222,6 +222,12 @@ def _convert(args) -> int:
     from tether.run.convert import RecipeError, convert_file, fate_table, write_converted
 
     out = Path(args.out) if args.out else Path(args.recipe).with_suffix(".tether.yaml")
+    if out.resolve() == Path(args.recipe).resolve():
+        print(
+            f"tether: error: -o {out} is the recipe itself; write the tether config elsewhere",
+            file=sys.stderr,
+        )
+        return 1
     try:
         fates, tree = convert_file(args.recipe, args.trainer, processes=args.processes)
         print(fate_table(fates))

@@ -77,9 +77,10 @@ def test_every_key_of_a_42_key_recipe_has_a_fate():
     assert all(fates[k].why for k in RECIPE if kinds[k] in ("refused", "moot"))
     tree = tether_config(list(fates.values()))
     # the arithmetic of the sizes (one process): a TRL optimizer step takes 4 x 1 x 4 = 16
-    # completions, a generation 4 x 1 x steps_per_generation (= gradient_accumulation_steps 4)
-    # = 16; each generation feeds steps_per_generation x num_iterations = 8 optimizer steps, so
-    # 200 TRL steps are 25 tether steps; warmup ceil(0.1 x 200) = 20 optimizer steps
+    # completions (4 micro-steps of 4), a generation 4 x 1 x steps_per_generation (=
+    # gradient_accumulation_steps 4) = 16; TRL generates every steps_per_generation x
+    # num_iterations = 8 micro-steps = 2 optimizer steps, so 200 TRL steps are 100 tether steps
+    # (each 2 epochs over its 16 completions in one minibatch); warmup ceil(0.1 x 200) = 20
     assert (
         tree["optim"].items()
         >= {
@@ -95,7 +96,7 @@ def test_every_key_of_a_42_key_recipe_has_a_fate():
         "max_new_tokens": 1024,
         "temperature": 0.9,
     }
-    assert tree["train"]["steps"] == 25 and tree["train"]["algo"] == "grpo" and tree["train"]["seed"] == 7
+    assert tree["train"]["steps"] == 100 and tree["train"]["algo"] == "grpo" and tree["train"]["seed"] == 7
     assert tree["kl"] == {"kl_coef": 0.04, "controller": "fixed"}
     assert tree["reward"]["scorer"] == ["trl.rewards:accuracy_reward", "my_rewards:format_reward"]
     assert (
@@ -140,8 +141,37 @@ def test_a_left_out_key_runs_at_trls_default_and_no_max_steps_is_refused():
     assert tether_config(list(fates.values()))["train"]["steps"] == 10
     nosteps = {f.key: f for f in convert({}, "grpo")}
     assert nosteps["max_steps"].kind == "refused" and "give max_steps" in nosteps["max_steps"].why
-    uneven = {f.key: f for f in convert({"max_steps": 10, "gradient_accumulation_steps": 4}, "grpo")}
+    # accumulation: a generation is one optimizer step (TRL's default steps_per_generation), so
+    # 10 TRL steps are 10 tether steps of 8 x 4 = 32 completions
+    acc = tether_config(convert({"max_steps": 10, "gradient_accumulation_steps": 4}, "grpo"))
+    assert (
+        acc["train"]["steps"] == 10 and acc["rollout"]["batch_size"] == acc["optim"]["minibatch_size"] == 32
+    )
+    # generation_batch_size 16 at 4 per device: steps_per_generation 4 (TRL's division), so a
+    # generation of 16 is 2 optimizer steps of 4 x 2 = 8
+    gen = tether_config(
+        convert(
+            {
+                "max_steps": 10,
+                "per_device_train_batch_size": 4,
+                "gradient_accumulation_steps": 2,
+                "generation_batch_size": 16,
+            },
+            "grpo",
+        )
+    )
+    assert (
+        gen["rollout"]["batch_size"] == 16
+        and gen["optim"]["minibatch_size"] == 8
+        and gen["train"]["steps"] == 5
+    )
+    uneven = {f.key: f for f in convert({"max_steps": 9, "steps_per_generation": 2}, "grpo")}
     assert uneven["max_steps"].kind == "refused" and "not a whole number" in uneven["max_steps"].why
+    for bad in ({"max_steps": "ten"}, {"max_steps": 10.5}, {"max_steps": 4, "num_iterations": 0}):
+        fates = {f.key: f for f in convert(bad, "grpo")}
+        assert any(f.kind == "refused" and "a whole number >= 1" in f.why for f in fates.values()), bad
+    odd = {f.key: f for f in convert({"max_steps": 4, "reward_funcs": 5, "save_steps": "x"}, "grpo")}
+    assert odd["reward_funcs"].kind == odd["save_steps"].kind == "refused"
 
 
 def test_unknown_keys_are_refused_by_name():
@@ -230,3 +260,25 @@ def test_push_to_hub_with_a_model_id_pushes_at_the_end():
     )
     alone = {f.key: f for f in convert({"max_steps": 4, "push_to_hub": True}, "grpo")}
     assert alone["push_to_hub"].kind == "refused" and "give hub_model_id" in alone["push_to_hub"].why
+
+
+def test_bad_recipe_files_and_writing_over_the_recipe_are_refused(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("learning_rate: [1\n")
+    assert main(["convert", str(bad), "--trainer", "grpo"]) == 1
+    assert "not valid UTF-8 YAML data" in capsys.readouterr().err
+    code = tmp_path / "code.yaml"
+    code.write_text("learning_rate: !!python/name:os.system\n")
+    assert main(["convert", str(code), "--trainer", "grpo"]) == 1
+    assert "tether: error:" in capsys.readouterr().err
+    ok = tmp_path / "ok.yaml"
+    ok.write_text("max_steps: 4\n")
+    assert main(["convert", str(ok), "--trainer", "grpo", "-o", str(ok)]) == 1
+    assert "is the recipe itself" in capsys.readouterr().err and ok.read_text() == "max_steps: 4\n"
+
+
+def test_a_hub_model_id_must_be_a_repository_id():
+    for bad in ("/x", "a/", "a b/c", "-a/b", "a/b/c"):
+        with pytest.raises(ConfigError, match="train.hub_model_id"):
+            load_config(None, [f"train.hub_model_id={bad}"])
+    assert load_config(None, ["train.hub_model_id=my-org/my.policy"]).train.hub_model_id == "my-org/my.policy"

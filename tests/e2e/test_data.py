@@ -692,3 +692,31 @@ def test_a_ppo_step_with_nothing_scored_leaves_the_weights_as_they_were(tiny_mod
     start = load_file(str(next(tiny_model_dir.glob("*.safetensors"))))
     end = load_file(str(tmp_path / "run" / "policy" / "model.safetensors"))
     assert all(torch.equal(start[k], end[k]) for k in start)
+
+
+def test_dpo_eos_is_not_doubled_and_mixed_formats_are_refused(tiny_tokenizer, tmp_path):
+    """TRL's add_eos: a text response that already ends with EOS gets none more; a row mixing a
+    text prompt with message responses has no one rendering (TRL refuses it too)."""
+    import json
+
+    from tether.trainers.dpo import read_pair_file
+
+    eos = tiny_tokenizer.eos_token
+    row = {"prompt": "the movie", "chosen": " was great" + eos, "rejected": " was bad"}
+    (tmp_path / "p.jsonl").write_text(json.dumps(row) + "\n")
+    _, chosen, rejected = read_pair_file(str(tmp_path / "p.jsonl"), tiny_tokenizer)
+    assert chosen[0].tolist() == tiny_tokenizer(" was great", add_special_tokens=False)["input_ids"] + [
+        tiny_tokenizer.eos_token_id
+    ]
+    assert (
+        rejected[0].tolist()[-1] == tiny_tokenizer.eos_token_id
+        and rejected[0].tolist()[-2] != tiny_tokenizer.eos_token_id
+    )
+    mixed = {
+        "prompt": "hi",
+        "chosen": [{"role": "assistant", "content": "a"}],
+        "rejected": [{"role": "assistant", "content": "b"}],
+    }
+    (tmp_path / "m.jsonl").write_text(json.dumps(mixed) + "\n")
+    with pytest.raises(ValueError, match=r"m.jsonl:1 mixes formats: \"prompt\" is text"):
+        read_pair_file(str(tmp_path / "m.jsonl"), tiny_tokenizer)

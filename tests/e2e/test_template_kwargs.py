@@ -121,3 +121,51 @@ def test_both_spellings_on_the_command_line_give_one_mapping():
     a = load_config(None, ["data.chat_template_kwargs.enable_thinking=false"]).data.chat_template_kwargs
     b = load_config(None, ["data.chat_template_kwargs={enable_thinking: false}"]).data.chat_template_kwargs
     assert a == b == {"enable_thinking": False}
+
+
+def test_nested_tagged_and_reserved_variables_from_the_command_line():
+    assert load_config(None, ["data.chat_template_kwargs.a.b=false"]).data.chat_template_kwargs == {
+        "a": {"b": False}
+    }
+    with pytest.raises(ConfigError, match="is not YAML data"):
+        load_config(None, ["data.chat_template_kwargs.x=!!python/name:os.system"])
+    with pytest.raises(ConfigError, match="messages is apply_chat_template's own argument"):
+        load_config(None, ["data.chat_template_kwargs.messages=1"])
+
+
+def test_conversational_dpo_pairs_take_the_variables(thinking_model, tmp_path):
+    """DPO renders its pairs through the template: the variables count there, where data.prompts
+    (a text file) alone would say they change nothing; the responses' tokens follow the prompt
+    with the think block."""
+    import json
+
+    from tether import train
+    from tether.trainers.dpo import read_pair_file
+
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": f"rate film {i}"}],
+            "chosen": [{"role": "assistant", "content": "good"}],
+            "rejected": [{"role": "assistant", "content": "bad"}],
+        }
+        for i in range(12)
+    ]
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("".join(f"the film {i} was\n" for i in range(20)))
+    overrides = {
+        "train.algo": "dpo",
+        "dpo.pairs": str(pairs),
+        "data.chat_template_kwargs.enable_thinking": "false",
+        "eval.fluency_model": "none",
+    }
+    out = train(load_config(None, tiny_run_args(thinking_model, prompts, tmp_path / "dpo", overrides)))
+    assert (out / "metrics.jsonl").exists()
+    from tether.models.sampling import set_template_kwargs
+
+    tok = _tokenizer()
+    set_template_kwargs(tok, {"enable_thinking": False})
+    _, chosen, _ = read_pair_file(str(pairs), tok)
+    # the response after the opened turn and its think block: the text and ChatML's close
+    assert tok.decode(chosen[0]) == "good<|im_end|>\n"

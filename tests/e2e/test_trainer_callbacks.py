@@ -204,7 +204,7 @@ def test_a_returned_control_replaces_it():
     hooks = TrainerCallbackHooks(Fresh())
     hooks.control = TrainerControl()
     hooks.on_step_begin(0)
-    assert hooks.end_reason == "a callback (Fresh) set control.should_training_stop"
+    assert hooks.end_reason == "a callback set control.should_training_stop (after Fresh's events)"
 
 
 def test_trl_logs_add_trl_names_beside_tethers():
@@ -242,3 +242,54 @@ def test_each_trainer_drives_a_trainer_callback(tiny_model_dir, prompt_file, tmp
     assert [log["epoch"] for log in rec.logs] == epochs
     assert epochs[0] > 0 and epochs[1] == pytest.approx(2 * epochs[0], rel=1e-12)
     assert [r["step"] for r in metric_rows(out)] == [0, 1]
+
+
+def test_transformers_semantics_log_history_shared_control_and_failures(
+    tiny_model_dir, prompt_file, tmp_path
+):
+    """As transformers' Trainer: on_log sees its own entry last in state.log_history; every
+    TrainerCallback shares one control (one's stop request is the other's to read); a callback
+    that fails in on_train_begin stops the run before any step, named by its own class;
+    EarlyStoppingCallback is refused with tether's way to stop early."""
+    from transformers import EarlyStoppingCallback
+
+    from tether import train
+
+    class LastLog(TrainerCallback):
+        def __init__(self):
+            self.last = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.last.append(state.log_history[-1]["step"])
+
+    class Stopper(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = True
+
+    class Reader(TrainerCallback):
+        def __init__(self):
+            self.saw = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.saw.append(control.should_training_stop)
+
+    last, reader = LastLog(), Reader()
+    out = tmp_path / "run"
+    train(_config(tiny_model_dir, prompt_file, out, {"train.steps": 3}), callbacks=[last, Stopper(), reader])
+    assert last.last == [1]  # the step's own entry (global_step 1), and the run ended after it
+    assert reader.saw == [True]  # the Stopper's request, on the one control
+
+    class Broken(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            raise RuntimeError("no tracker")
+
+    with pytest.raises(
+        ReportingError, match=r"callback Broken.on_train_begin failed: RuntimeError: no tracker"
+    ):
+        train(
+            _config(tiny_model_dir, prompt_file, tmp_path / "broken", {"train.steps": 2}),
+            callbacks=[Broken()],
+        )
+    assert not (tmp_path / "broken").exists()  # nothing trained, nothing left
+    with pytest.raises(TypeError, match="eval.best_by .* with eval.patience"):
+        train(_config(tiny_model_dir, prompt_file, tmp_path / "es", {}), callbacks=[EarlyStoppingCallback()])

@@ -468,8 +468,24 @@ class ModelConfig:
         return self.lora_r > 0 or self.adapter is not None
 
 
+def _hub_repo_id(value) -> bool:
+    """Whether ``value`` is a valid ``ORG/NAME`` Hub repository id (huggingface_hub's rule)."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if not isinstance(value, str) or value.count("/") != 1:
+        return False
+    try:
+        validate_repo_id(value)
+    except HFValidationError:
+        return False
+    return True
+
+
 RESERVED_TEMPLATE_KWARGS = (
     "conversation",
+    "messages",
+    "add_special_tokens",
     "tools",
     "documents",
     "chat_template",
@@ -1464,11 +1480,10 @@ class TrainConfig:
             "pushes the saved policy: set train.save_model=true",
         )
         _check(
-            self.hub_model_id is None
-            or (isinstance(self.hub_model_id, str) and self.hub_model_id.count("/") == 1),
+            self.hub_model_id is None or _hub_repo_id(self.hub_model_id),
             "train.hub_model_id",
             self.hub_model_id,
-            "must be a Hub repository id, ORG/NAME",
+            "must be a Hub repository id, ORG/NAME (letters, digits, '-', '_', '.'; no '--' or '..')",
         )
         _check(0 <= self.seed <= MAX_SEED, "train.seed", self.seed, f"must be in [0, {MAX_SEED}] (32 bits)")
         _check(self.sample_every >= 1, "train.sample_every", self.sample_every, "must be >= 1")
@@ -1976,10 +1991,7 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
             return {}
         if not isinstance(value, dict):
             raise ConfigError(f"{name}={shown(value)} is invalid: expected a mapping, e.g. {name}={{a: 1}}")
-        return {
-            k: (read_yaml(v, f"override {name}.{k}", at=f"{name}.{k}") if isinstance(v, _Raw) else v)
-            for k, v in value.items()
-        }
+        return _mapping_values(value, name)
     if origin is list:
         if isinstance(value, str):
             return value  # a comma-separated list on the command line: the section parses it
@@ -1995,6 +2007,27 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
                 )
         return [_coerce(v, item, name) if item is not Any else v for v in value]
     return value
+
+
+def _mapping_values(value: dict, name: str) -> dict:
+    """A mapping field's values, an override's text read as YAML data at every depth
+    (``a.b.c=false`` is ``{b: {c: False}}``).
+
+    Raises:
+        ConfigError: an override's text is not YAML data (a tag, an unclosed bracket), named.
+    """
+    out = {}
+    for k, v in value.items():
+        if isinstance(v, dict):
+            out[k] = _mapping_values(v, f"{name}.{k}")
+        elif isinstance(v, _Raw):
+            try:
+                out[k] = read_yaml(v, f"override {name}.{k}", at=f"{name}.{k}") if v != "" else ""
+            except yaml.YAMLError as e:
+                raise ConfigError(f"{name}.{k}={shown(str(v))} is not YAML data ({e})") from None
+        else:
+            out[k] = v
+    return out
 
 
 def _build(cls: type, data: dict, prefix: str) -> Any:

@@ -213,10 +213,34 @@ def _num_train_epochs(v, r, t):
     return "refused", {}, "tether counts steps (train.steps): give max_steps"
 
 
+def _count(recipe: dict, key: str, default: int | None = None) -> int:
+    """``recipe[key]`` (or ``default``) as a count: a whole number >= 1.
+
+    Raises:
+        RecipeError: anything else (text, a fraction, zero), naming the key.
+    """
+    v = recipe.get(key, default)
+    if v is None:
+        v = default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v) or int(v) < 1:
+        raise RecipeError(f"{key}={v!r}: a whole number >= 1")
+    return int(v)
+
+
 def _sizes(recipe: dict, trainer: str, processes: int) -> tuple[dict, list[str], str | None]:
-    """tether's batch fields and train.steps from TRL's sizes; the arithmetic, and a refusal."""
-    per_device = int(recipe.get("per_device_train_batch_size", 8))
-    accumulate = int(recipe.get("gradient_accumulation_steps", 1))
+    """tether's batch fields and train.steps from TRL's sizes; the arithmetic, and a refusal.
+
+    TRL (GRPO, RLOO) draws a generation of ``per_device_train_batch_size x processes x
+    steps_per_generation`` completions every ``steps_per_generation x num_iterations``
+    micro-steps, and an optimizer step is ``gradient_accumulation_steps`` micro-steps; a tether
+    step draws ``rollout.batch_size`` completions and takes ``optim.epochs x rollout.batch_size /
+    optim.minibatch_size`` optimizer steps on them.
+
+    Raises:
+        RecipeError: a size that is not a whole number >= 1, or a warmup ratio outside [0, 1).
+    """
+    per_device = _count(recipe, "per_device_train_batch_size", 8)
+    accumulate = _count(recipe, "gradient_accumulation_steps", 1)
     out: dict[str, Any] = {
         "optim.micro_batch_size": per_device,
         "optim.minibatch_size": per_device * processes * accumulate,
@@ -226,7 +250,6 @@ def _sizes(recipe: dict, trainer: str, processes: int) -> tuple[dict, list[str],
         f"optim.minibatch_size = per_device_train_batch_size x processes x gradient_accumulation_steps "
         f"= {per_device} x {processes} x {accumulate} = {out['optim.minibatch_size']}",
     ]
-    max_steps = recipe.get("max_steps")
     if trainer == "dpo":
         out["rollout.batch_size"] = out["optim.minibatch_size"]
         out["optim.epochs"] = 1
@@ -235,29 +258,44 @@ def _sizes(recipe: dict, trainer: str, processes: int) -> tuple[dict, list[str],
     else:
         if "generation_batch_size" in recipe and "steps_per_generation" in recipe:
             return out, said, "give generation_batch_size or steps_per_generation, not both (as TRL)"
-        if "generation_batch_size" in recipe:
-            gen = int(recipe["generation_batch_size"])
-            if gen % out["optim.minibatch_size"]:
+        if "generation_batch_size" in recipe:  # TRL: steps_per_generation = it / (per device x processes)
+            gen = _count(recipe, "generation_batch_size")
+            if gen % (per_device * processes):
                 return (
                     out,
                     said,
                     (
-                        f"generation_batch_size={gen} is not a multiple of the optimizer batch "
-                        f"{out['optim.minibatch_size']}"
+                        f"generation_batch_size={gen} is not a multiple of per_device_train_batch_size x "
+                        f"processes = {per_device * processes}"
                     ),
                 )
-            steps_per_generation = gen // out["optim.minibatch_size"]
+            steps_per_generation = gen // (per_device * processes)
         else:
-            steps_per_generation = int(recipe.get("steps_per_generation") or accumulate)
+            steps_per_generation = _count(recipe, "steps_per_generation", accumulate)
         out["rollout.batch_size"] = per_device * processes * steps_per_generation
-        out["optim.epochs"] = int(recipe.get("num_iterations", 1))
+        out["optim.epochs"] = _count(recipe, "num_iterations", 1)
         said.append(
             f"rollout.batch_size = per_device_train_batch_size x processes x steps_per_generation = "
             f"{per_device} x {processes} x {steps_per_generation} = {out['rollout.batch_size']}"
         )
-        per_rollout = steps_per_generation * out["optim.epochs"]
-    if max_steps not in (None, -1):
-        if int(max_steps) % per_rollout:
+        if steps_per_generation % accumulate:
+            return (
+                out,
+                said,
+                (
+                    f"steps_per_generation={steps_per_generation} is not a multiple of "
+                    f"gradient_accumulation_steps={accumulate}: an optimizer step would take completions of "
+                    "two generations, which a tether step never does"
+                ),
+            )
+        per_rollout = steps_per_generation // accumulate * out["optim.epochs"]
+        said.append(
+            f"optimizer steps a step = num_iterations x steps_per_generation / gradient_accumulation_steps "
+            f"= {out['optim.epochs']} x {steps_per_generation} / {accumulate} = {per_rollout}"
+        )
+    if recipe.get("max_steps") not in (None, -1):
+        max_steps = _count(recipe, "max_steps")
+        if max_steps % per_rollout:
             return (
                 out,
                 said,
@@ -266,13 +304,16 @@ def _sizes(recipe: dict, trainer: str, processes: int) -> tuple[dict, list[str],
                     f"{per_rollout} optimizer steps each"
                 ),
             )
-        out["train.steps"] = int(max_steps) // per_rollout
-        said.append(f"train.steps = max_steps / {per_rollout} optimizer steps a step = {out['train.steps']}")
-        if "warmup_ratio" in recipe and recipe["warmup_ratio"]:
-            out["optim.warmup_steps"] = math.ceil(float(recipe["warmup_ratio"]) * int(max_steps))
+        out["train.steps"] = max_steps // per_rollout
+        said.append(f"train.steps = max_steps / {per_rollout} = {out['train.steps']}")
+        ratio = recipe.get("warmup_ratio")
+        if ratio:
+            if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio < 1:
+                raise RecipeError(f"warmup_ratio={ratio!r}: a number in [0, 1)")
+            out["optim.warmup_steps"] = math.ceil(float(ratio) * max_steps)
             said.append(
-                f"optim.warmup_steps = ceil(warmup_ratio x max_steps) = ceil({recipe['warmup_ratio']} x "
-                f"{max_steps}) = {out['optim.warmup_steps']} (transformers' rule)"
+                f"optim.warmup_steps = ceil(warmup_ratio x max_steps) = ceil({ratio} x {max_steps}) = "
+                f"{out['optim.warmup_steps']} (transformers' rule)"
             )
     return out, said, None
 
@@ -455,7 +496,10 @@ def convert(recipe: dict, trainer: str, *, processes: int = 1) -> list[Fate]:
     if processes < 1:
         raise RecipeError(f"--processes {processes}: at least 1")
     fates = []
-    sizes, said, refusal = _sizes(recipe, trainer, processes)
+    try:
+        sizes, said, refusal = _sizes(recipe, trainer, processes)
+    except RecipeError as e:
+        sizes, said, refusal = {}, [], str(e)
     for key, value in recipe.items():
         if key in SIZE_KEYS:
             if refusal is not None:
@@ -467,7 +511,14 @@ def convert(recipe: dict, trainer: str, *, processes: int = 1) -> list[Fate]:
         if rule is None:
             fates.append(Fate(key, value, "refused", "no tether field (not a key the converter knows)"))
             continue
-        kind, fields, why = rule(value, recipe, trainer)
+        try:
+            kind, fields, why = rule(value, recipe, trainer)
+        except (TypeError, ValueError, AttributeError) as e:  # a value of the wrong kind
+            kind, fields, why = (
+                "refused",
+                {},
+                f"{value!r} is not a value this key takes ({type(e).__name__}: {e})",
+            )
         fates.append(Fate(key, value, kind, why, fields))
     if recipe.get("max_steps") in (None, -1) and "num_train_epochs" not in recipe:
         fates.append(
@@ -527,12 +578,17 @@ def convert_file(path: str | Path, trainer: str, *, processes: int = 1) -> tuple
         tether.run.config.ConfigError: not YAML.
         RecipeError: as :func:`convert`.
     """
+    import yaml
+
     from tether.run.config import read_yaml
 
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"tether convert: no file {p}")
-    recipe = read_yaml(p.read_text(encoding="utf-8"), f"tether convert {p}") or {}
+    try:
+        recipe = read_yaml(p.read_text(encoding="utf-8"), f"tether convert {p}") or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise RecipeError(f"tether convert {p}: not valid UTF-8 YAML data ({e})") from None
     fates = convert(recipe, trainer, processes=processes)
     return fates, tether_config(fates)
 

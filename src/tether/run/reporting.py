@@ -295,18 +295,32 @@ class Reporter:
             fn = getattr(cb, hook, None)
             if fn is None:
                 continue
+            name = cb.name if isinstance(cb, TrainerCallbackHooks) else type(cb).__name__
             try:
-                self._guarded(f"callback {type(cb).__name__}.{hook}", lambda fn=fn: fn(*args))
+                self._guarded(f"callback {name}.{hook}", lambda fn=fn: fn(*args))
             except StopTraining as e:
-                why = f"a callback ({type(cb).__name__}.{hook}: {e or 'StopTraining'})"
+                why = f"a callback ({name}.{hook}: {e or 'StopTraining'})"
                 if self.ended:
                     log.warning("tether: %s asked to stop after the run had ended: nothing to stop", why)
                 else:
                     self.stop.append(why)
 
     def train_begin(self, context: RunContext) -> None:
-        """Before the first step this process runs: ``on_train_begin(context)``."""
+        """Before the first step this process runs: ``on_train_begin(context)``; the run's
+        TrainerCallbacks share one control. A callback that fails here stops the run before any
+        step (nothing trained; as transformers, whose Trainer raises before training).
+
+        Raises:
+            ReportingError: a callback failed in ``on_train_begin`` (or ``on_init_end``).
+        """
+        hooks = self._trainer_callbacks()
+        for h in hooks[1:]:
+            h.share_with(hooks[0])
         self._call("on_train_begin", context)
+        if self.error is not None:
+            error, self.error = self.error, None
+            self.stop.clear()
+            raise error
 
     def step_begin(self, step: int) -> None:
         """Before step ``step``: ``on_step_begin(step)``."""

@@ -202,9 +202,9 @@ def finish(session: Session, *, before, t_start: float, last: int, saved: int = 
         raise_unevaluated(run, ended, last, checkpoint)
     if monitor.fired:
         say(f"tether: {len(monitor.fired)} health warning(s), see {w.run_dir / 'warnings.jsonl'}", show)
-    if c.train.hub_model_id and D.is_main():
-        push_at_end(w.run_dir, c.train.hub_model_id, private=c.train.hub_private, show=show)
     session.reporter.train_end(w.run_dir)
+    if c.train.hub_model_id and D.is_main():  # after the callbacks' end: a failed upload ends nothing
+        push_at_end(w.run_dir, c.train.hub_model_id, private=c.train.hub_private, show=show)
     say(f"tether: done in {time.perf_counter() - t_start:.0f} s; plots and metrics in {w.run_dir}", show)
     D.barrier()  # the other processes wait for rank 0's evaluation, so the run ends together
     return run.writer.run_dir

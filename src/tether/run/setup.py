@@ -1052,6 +1052,8 @@ def apply_template_kwargs(config: Config, scorer, parts) -> None:
     kwargs = config.data.chat_template_kwargs
     if not kwargs:
         return
+    if config.pairs_file:  # DPO renders its pairs' prompts and responses (the template's tokens)
+        parts = (*parts, pair_prompts(config.dpo.pairs, config.data.split, config.data.config))
     if not config.data.chat_template and not any(is_conversational(list(p.prompts[:1])) for p in parts if p):
         raise ConfigError(
             f"data.chat_template_kwargs={shown(kwargs)} would change nothing: the prompts are text and "

@@ -204,9 +204,21 @@ class TrainerCallbackHooks:
     """
 
     def __init__(self, callback):
+        from transformers import EarlyStoppingCallback
+
+        if isinstance(callback, EarlyStoppingCallback):
+            raise TypeError(
+                "train(callbacks=...): transformers' EarlyStoppingCallback needs a Trainer's "
+                "metric_for_best_model and load_best_model_at_end; tether's early stopping is "
+                "eval.best_by (gold or proxy) with eval.patience, on the held-out evaluation"
+            )
         self.callback = callback
         self.name = type(callback).__name__
-        self.args = self.state = self.control = None
+        self.args = self.state = None
+        self.shared: dict = {"control": None}
+        """The control, one object for every TrainerCallback of the run (as transformers' one
+        ``CallbackHandler`` holds it): a dict, so that one replaced by a callback's return value is
+        every callback's. :meth:`share_with` joins the holders."""
         self.kwargs: dict = {}
         self.end_reason: str | None = None
         self._said_evaluate = False
@@ -226,6 +238,20 @@ class TrainerCallbackHooks:
 
     def __repr__(self) -> str:
         return f"TrainerCallbackHooks({self.callback!r})"
+
+    @property
+    def control(self):
+        """The run's ``transformers.TrainerControl`` (shared by its TrainerCallbacks), or None
+        before the run begins."""
+        return self.shared["control"]
+
+    @control.setter
+    def control(self, value) -> None:
+        self.shared["control"] = value
+
+    def share_with(self, other: TrainerCallbackHooks) -> None:
+        """Use ``other``'s control holder: one control for both, as in transformers."""
+        self.shared = other.shared
 
     # ---- calling ----------------------------------------------------------------------------
     def _event(self, name: str, **extra) -> None:
@@ -262,7 +288,7 @@ class TrainerCallbackHooks:
         """Read ``control`` after an event group: the stop request (kept), the moot flags reset."""
         c = self.control
         if c.should_training_stop and self.end_reason is None:
-            self.end_reason = f"a callback ({self.name}) set control.should_training_stop"
+            self.end_reason = f"a callback set control.should_training_stop (after {self.name}'s events)"
         if c.should_evaluate and not self._said_evaluate:
             self._said_evaluate = True
             log.warning(
@@ -298,7 +324,8 @@ class TrainerCallbackHooks:
         for row in context.history:  # a resumed run's earlier steps, as TRL's log_history keeps them
             step = int(row.get("step", 0))
             self.state.log_history.append({**trl_logs(row, self._epoch_at(step + 1)), "step": step + 1})
-        self.control = TrainerControl()
+        if self.control is None:  # the first TrainerCallback of the run makes the shared control
+            self.control = TrainerControl()
         self.kwargs = {
             "model": context.model,
             "processing_class": context.tokenizer,
@@ -322,8 +349,8 @@ class TrainerCallbackHooks:
         self.state.epoch = self._epoch_at(step + 1)
         self._event("on_step_end")
         logs = trl_logs(metrics, self.state.epoch)
+        self.state.log_history.append({**logs, "step": step + 1})  # before on_log, as transformers
         self._event("on_log", logs=logs)
-        self.state.log_history.append({**logs, "step": step + 1})
         if math.floor(self.state.epoch) > math.floor(before) and step + 1 < self.state.max_steps:
             self._event("on_epoch_end")
             self._event("on_epoch_begin")

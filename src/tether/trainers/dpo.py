@@ -111,27 +111,35 @@ def response_text(x) -> str | None:
 
 def conversation_response_ids(tokenizer, prompt: list, response: list, at: str) -> list[int]:
     """A conversational pair's response as the tokens TRL's DPO trains on: the chat template's
-    rendering of ``prompt + response`` after that of ``prompt`` with the assistant's turn opened,
-    so the template's end of turn and what follows it (ChatML's ``<|im_end|>\\n``) belong to the
-    response, and no EOS is added (TRL 1.16, ``DPOTrainer._prepare_dataset``).
+    rendering of ``prompt + response`` after the part it shares with that of ``prompt`` with the
+    assistant's turn opened, so the template's end of turn and what follows it (ChatML's
+    ``<|im_end|>\\n``) belong to the response, and no EOS is added (TRL 1.16,
+    ``DPOTrainer._prepare_dataset``). Where the opened turn holds what the conversation's
+    rendering does not (Qwen3's empty think block with ``enable_thinking=false``), the response
+    is scored after the prompt as it is sampled, the opened turn whole; TRL scores the same
+    tokens after the shorter shared part (and warns).
 
     Raises:
-        ValueError: the template renders the prompt alone otherwise than at the start of the
-            whole conversation (TRL then trains on the shorter shared prefix, a context the policy
-            never saw at sampling); the row named.
+        ValueError: the two renderings part before the end of the prompt's own messages (the
+            response's tokens would carry prompt text), or the response renders to nothing; the
+            row named.
     """
     whole = tokenizer(
         render_chat(tokenizer, prompt + response, add_generation_prompt=False), add_special_tokens=False
     )
     alone = tokenizer(render_chat(tokenizer, prompt, add_generation_prompt=True), add_special_tokens=False)
-    whole, alone = whole["input_ids"], alone["input_ids"]
-    if whole[: len(alone)] != alone or len(whole) == len(alone):
+    messages = tokenizer(
+        render_chat(tokenizer, prompt, add_generation_prompt=False), add_special_tokens=False
+    )
+    whole, alone, messages = whole["input_ids"], alone["input_ids"], messages["input_ids"]
+    shared = next((i for i, (a, b) in enumerate(zip(whole, alone)) if a != b), min(len(whole), len(alone)))
+    if shared < len(messages) or whole[: len(messages)] != messages or shared == len(whole):
         raise ValueError(
-            f"dpo.pairs: {at}: the chat template renders the prompt with the assistant's turn opened "
-            "otherwise than at the start of the whole conversation, so the response's tokens do not "
-            "follow the prompt's; use a template that renders the prompt the same way in both"
+            f"dpo.pairs: {at}: the chat template renders the prompt's messages otherwise alone than in "
+            "the whole conversation (or the response to nothing), so the response's tokens cannot be "
+            "told from the prompt's; use a template that renders the messages the same way in both"
         )
-    return whole[len(alone) :]
+    return whole[shared:]
 
 
 def read_pair_file(
@@ -168,6 +176,18 @@ def read_pair_file(
         prompt = obj.get("prompt")
         texts = [response_text(obj.get(k)) for k in ("chosen", "rejected")]
         ok_prompt = (isinstance(prompt, str) and prompt) or response_text(prompt)
+        if (
+            ok_prompt
+            and all(texts)
+            and len({isinstance(obj[k], list) for k in ("prompt", "chosen", "rejected")}) > 1
+        ):
+            # a text prompt with message responses (or the other way round) has no one rendering:
+            # TRL refuses it too
+            kind = "messages" if isinstance(prompt, list) else "text"
+            raise ValueError(
+                f'dpo.pairs: {at} mixes formats: "prompt" is {kind}, and "chosen" and "rejected" must '
+                "then be too (TRL's standard or conversational format)"
+            )
         if not ok_prompt or not all(texts):
             raise ValueError(
                 f'dpo.pairs: {at} needs non-empty "prompt", "chosen" and "rejected" (strings, or lists '
@@ -192,7 +212,9 @@ def read_pair_file(
             ids = (
                 conversation_response_ids(tokenizer, prompt, obj[k], at)
                 if isinstance(prompt, list)
-                else tokenizer(text, add_special_tokens=False)["input_ids"] + eos
+                # EOS appended where the text does not end with it already (TRL's add_eos)
+                else tokenizer(text, add_special_tokens=False)["input_ids"]
+                + (eos if not (tokenizer.eos_token and text.endswith(tokenizer.eos_token)) else [])
             )
             out.append(torch.tensor(ids, dtype=torch.long, device="cpu"))
     if not prompts:
