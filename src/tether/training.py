@@ -36,7 +36,7 @@ from tether.run.lock import release as release_lock
 from tether.run.metrics import flat_config, sample_rows
 from tether.run.monitor import HealthMonitor, health_thresholds
 from tether.run.passed import passed_objects
-from tether.run.reporting import Reporter, check_callbacks
+from tether.run.reporting import Reporter, ReportingError, check_callbacks
 from tether.run.session import Session, StepLog, evaluates, finish, log_step
 from tether.run.setup import Run, build_run, discard_failed_start
 from tether.run.signals import Interrupted, install_signal_handlers
@@ -209,8 +209,15 @@ def _train(
     session = Session(
         run=run, trainer=trainer, evaluator=evaluator, monitor=monitor, reporter=reporter, best=best
     )
+    # rank 0's callbacks begin; one that fails stops every process before the first step
+    began: BaseException | None = None
     if D.is_main():
-        reporter.train_begin(run_context(run, trainer, start))
+        try:
+            reporter.train_begin(run_context(run, trainer, start))
+        except ReportingError as e:
+            began = e
+    if D.all_reduce_max(torch.tensor([float(began is not None)]))[0].item() > 0:
+        raise began or ReportingError("a callback failed in on_train_begin on rank 0")
     try:
         last, saved = _loop(session, start=start, stop=stop)
     except KeyboardInterrupt:  # a second signal (user code tells its own apart): stopped at once
