@@ -268,16 +268,22 @@ def test_transformers_semantics_log_history_shared_control_and_failures(
 
     class Reader(TrainerCallback):
         def __init__(self):
-            self.saw = []
+            self.saw, self.state = [], None
 
         def on_step_end(self, args, state, control, **kwargs):
             self.saw.append(control.should_training_stop)
+            self.state = state
+
+        def on_train_end(self, args, state, control, **kwargs):
+            self.log_history = list(state.log_history)
 
     last, reader = LastLog(), Reader()
     out = tmp_path / "run"
     train(_config(tiny_model_dir, prompt_file, out, {"train.steps": 3}), callbacks=[last, Stopper(), reader])
     assert last.last == [1]  # the step's own entry (global_step 1), and the run ended after it
     assert reader.saw == [True]  # the Stopper's request, on the one control
+    # one state for the run's callbacks, one log_history entry per step
+    assert [e["step"] for e in reader.log_history] == [1]
 
     class Broken(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):

@@ -214,11 +214,10 @@ class TrainerCallbackHooks:
             )
         self.callback = callback
         self.name = type(callback).__name__
-        self.args = self.state = None
-        self.shared: dict = {"control": None}
-        """The control, one object for every TrainerCallback of the run (as transformers' one
-        ``CallbackHandler`` holds it): a dict, so that one replaced by a callback's return value is
-        every callback's. :meth:`share_with` joins the holders."""
+        self.shared: dict = {"control": None, "state": None, "args": None}
+        """The control, state and arguments, one of each for every TrainerCallback of the run (as
+        transformers' one ``CallbackHandler`` holds them): a dict, so that a control replaced by a
+        callback's return value is every callback's. :meth:`share_with` joins the holders."""
         self.kwargs: dict = {}
         self.end_reason: str | None = None
         self._said_evaluate = False
@@ -238,6 +237,16 @@ class TrainerCallbackHooks:
 
     def __repr__(self) -> str:
         return f"TrainerCallbackHooks({self.callback!r})"
+
+    @property
+    def args(self):
+        """The run's ``transformers.TrainingArguments`` (:func:`training_arguments`), shared."""
+        return self.shared["args"]
+
+    @property
+    def state(self):
+        """The run's ``transformers.TrainerState``, shared by its TrainerCallbacks."""
+        return self.shared["state"]
 
     @property
     def control(self):
@@ -310,22 +319,6 @@ class TrainerCallbackHooks:
 
         cfg = context.config
         self._epoch_at = context.epoch_at or (lambda step: 0.0)
-        self.args = training_arguments(cfg, context.run_dir, device=context.device)
-        self.state = trainer_state(
-            context.start_step,
-            cfg.train.steps,
-            self._epoch_at(context.start_step),
-            logging_steps=1,
-            eval_steps=cfg.eval.every or 0,
-            save_steps=cfg.train.checkpoint_every or 0,
-            train_batch_size=cfg.rollout.batch_size,
-            num_train_epochs=math.ceil(self._epoch_at(cfg.train.steps)),
-        )
-        for row in context.history:  # a resumed run's earlier steps, as TRL's log_history keeps them
-            step = int(row.get("step", 0))
-            self.state.log_history.append({**trl_logs(row, self._epoch_at(step + 1)), "step": step + 1})
-        if self.control is None:  # the first TrainerCallback of the run makes the shared control
-            self.control = TrainerControl()
         self.kwargs = {
             "model": context.model,
             "processing_class": context.tokenizer,
@@ -334,6 +327,22 @@ class TrainerCallbackHooks:
             "train_dataloader": None,
             "eval_dataloader": None,
         }
+        if self.state is None:  # the run's first TrainerCallback makes the shared args, state, control
+            self.shared["args"] = training_arguments(cfg, context.run_dir, device=context.device)
+            self.shared["state"] = trainer_state(
+                context.start_step,
+                cfg.train.steps,
+                self._epoch_at(context.start_step),
+                logging_steps=1,
+                eval_steps=cfg.eval.every or 0,
+                save_steps=cfg.train.checkpoint_every or 0,
+                train_batch_size=cfg.rollout.batch_size,
+                num_train_epochs=math.ceil(self._epoch_at(cfg.train.steps)),
+            )
+            for row in context.history:  # a resumed run's earlier steps, as TRL's log_history keeps them
+                step = int(row.get("step", 0))
+                self.state.log_history.append({**trl_logs(row, self._epoch_at(step + 1)), "step": step + 1})
+            self.control = TrainerControl()
         self._event("on_init_end")
         self._event("on_train_begin")
         self._event("on_epoch_begin")
@@ -349,7 +358,9 @@ class TrainerCallbackHooks:
         self.state.epoch = self._epoch_at(step + 1)
         self._event("on_step_end")
         logs = trl_logs(metrics, self.state.epoch)
-        self.state.log_history.append({**logs, "step": step + 1})  # before on_log, as transformers
+        history = self.state.log_history
+        if not history or history[-1].get("step") != step + 1:  # once per step for the shared state
+            history.append({**logs, "step": step + 1})  # before on_log, as transformers
         self._event("on_log", logs=logs)
         if math.floor(self.state.epoch) > math.floor(before) and step + 1 < self.state.max_steps:
             self._event("on_epoch_end")
