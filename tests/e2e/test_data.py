@@ -720,3 +720,16 @@ def test_dpo_eos_is_not_doubled_and_mixed_formats_are_refused(tiny_tokenizer, tm
     (tmp_path / "m.jsonl").write_text(json.dumps(mixed) + "\n")
     with pytest.raises(ValueError, match=r"m.jsonl:1 mixes formats: \"prompt\" is text"):
         read_pair_file(str(tmp_path / "m.jsonl"), tiny_tokenizer)
+
+
+def test_a_dpo_tools_column_is_refused_not_ignored(tiny_tokenizer, tmp_path):
+    """TRL's DPO renders a row's `tools` schemas into its prompt; tether's does not yet, so the
+    column is refused by name rather than trained on other tokens than TRL's."""
+    import json
+
+    from tether.trainers.dpo import read_pair_file
+
+    row = {"prompt": "a", "chosen": " b", "rejected": " c", "tools": [{"type": "function"}]}
+    (tmp_path / "p.jsonl").write_text(json.dumps(row) + "\n")
+    with pytest.raises(ValueError, match=r'p.jsonl:1 has a "tools" column'):
+        read_pair_file(str(tmp_path / "p.jsonl"), tiny_tokenizer)

@@ -452,11 +452,18 @@ def explicit_pair(row: dict, at: str) -> dict:
     point they part left with the responses. Rows with a ``prompt`` are returned as they are.
 
     Raises:
-        ValueError: an unpaired row (``prompt``, ``completion``, ``label``: KTO's format, TRL's
+        ValueError: a row with a ``tools`` column (TRL renders it; tether's DPO does not yet), an
+            unpaired row (``prompt``, ``completion``, ``label``: KTO's format, TRL's
             ``KTOTrainer``), or an implicit row whose two sides share no prompt, or one of which
             is the other's prefix (no response would be left to compare; TRL then cuts the prompt
             at an arbitrary place), naming the row.
     """
+    if row.get("tools"):
+        raise ValueError(
+            f'dpo.pairs: {at} has a "tools" column: TRL renders its schemas into the row\'s prompt through '
+            "the chat template, which tether's DPO does not do yet (its tokens would differ from "
+            "TRL's); drop the column, or write the tools into the prompt's system message"
+        )
     if "completion" in row and "label" in row and "chosen" not in row:
         raise ValueError(
             f"dpo.pairs: {at} is an unpaired preference row (prompt, completion, label: KTO's format, "
