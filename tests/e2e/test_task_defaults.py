@@ -492,19 +492,21 @@ def test_a_task_run_at_the_demos_defaults_is_told_the_measured_settings():
         return [x for x in task_defaults_lines(c, has_judge=False, n_heldout=394) if "measured at" in x]
 
     assert note() == [
-        "tether: note: data.prompts=arithmetic was measured at rollout.max_new_tokens=5 optim.lr=5e-5; "
-        "this run keeps the demo's defaults there, at which the held-out accuracy fell (README, \"Verifiable "
-        'rewards")'
+        "tether: note: data.prompts=arithmetic was measured at rollout.max_new_tokens=5 optim.lr=5e-5 "
+        "kl.budget=1 anchor.coef=1; this run keeps the demo's defaults there (README, \"Verifiable "
+        'rewards": what each one changes)'
     ]
     assert (
         "optim.lr=5e-5" in note("rollout.max_new_tokens=5")[0]
         and "max_new_tokens" not in note("rollout.max_new_tokens=5")[0]
     )
     # a setting of the user's own, or the measured ones: no note
-    assert note("rollout.max_new_tokens=8", "optim.lr=1e-4") == []
-    assert note("rollout.max_new_tokens=5", "optim.lr=5e-5") == []
-    # what the note names is what the benchmark runs
+    own = ("rollout.max_new_tokens=8", "optim.lr=1e-4", "kl.budget=2", "anchor.coef=0.5")
+    assert note(*own) == []
+    assert note("rollout.max_new_tokens=5", "optim.lr=5e-5", "kl.budget=1", "anchor.coef=1") == []
+    # what the note names is what the benchmark runs: COMMON, and the recommended row of RUNS
     from tests.conftest import REPO
 
     bench = (REPO / "benchmarks" / "rlvr.py").read_text()
     assert '"rollout.max_new_tokens=5",' in bench and '"optim.lr=5e-5",' in bench
+    assert '"budget 1 + anchor 1": ["kl.budget=1", "anchor.coef=1"]' in bench

@@ -58,8 +58,7 @@ def task_defaults_lines(
     if at_defaults:
         lines.append(
             f"tether: note: data.prompts={c.data.prompts} was measured at {' '.join(at_defaults)}; this run "
-            "keeps the demo's defaults there, at which the held-out accuracy fell (README, \"Verifiable "
-            'rewards")'
+            'keeps the demo\'s defaults there (README, "Verifiable rewards": what each one changes)'
         )
     if c.eval.n_prompts or c.eval.every:
         if has_judge:

@@ -131,7 +131,7 @@ def _scheduler(v, r, t):
 def _save_steps(v, r, t):
     if r.get("save_strategy", "steps") == "no":
         return "moot", {}, "save_strategy is no"
-    return "mapped", {"train.checkpoint_every": int(v)}, ""
+    return _in_steps("train.checkpoint_every", "a checkpoint")(v, r, t)
 
 
 def _save_strategy(v, r, t):
@@ -145,7 +145,7 @@ def _save_strategy(v, r, t):
 def _eval_steps(v, r, t):
     if r.get("eval_strategy", r.get("evaluation_strategy", "no")) != "steps":
         return "moot", {}, "eval_strategy is not steps"
-    return "mapped", {"eval.every": int(v)}, "tether's periodic held-out evaluation"
+    return _in_steps("eval.every", "tether's periodic held-out evaluation")(v, r, t)
 
 
 def _eval_strategy(v, r, t):
@@ -315,7 +315,28 @@ def _sizes(recipe: dict, trainer: str, processes: int) -> tuple[dict, list[str],
                 f"optim.warmup_steps = ceil(warmup_ratio x max_steps) = ceil({ratio} x {max_steps}) = "
                 f"{out['optim.warmup_steps']} (transformers' rule)"
             )
+    out["(optimizer steps a step)"] = per_rollout
     return out, said, None
+
+
+PER_STEP = "(optimizer steps a step)"
+"""The key under which :func:`convert` hands the rules TRL's optimizer steps per tether step."""
+
+
+def _in_steps(field: str, what: str):
+    """A rule for a count of TRL's optimizer steps (``save_steps``, ``eval_steps``): tether's
+    ``field`` counts its steps, each :data:`PER_STEP` optimizer steps, so the count is divided
+    (rounded up: a checkpoint or an evaluation no later than TRL's)."""
+
+    def rule(v, r, t):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+            raise ValueError(f"{v!r} is not a count of steps")
+        per = r.get(PER_STEP) or 1
+        n = math.ceil(v / per)
+        why = f"{what}: ceil({v} TRL optimizer steps / {per} a tether step) = {n} tether steps"
+        return ("computed" if per > 1 else "mapped"), {field: n}, why
+
+    return rule
 
 
 SIZE_KEYS = (
@@ -500,19 +521,22 @@ def convert(recipe: dict, trainer: str, *, processes: int = 1) -> list[Fate]:
         sizes, said, refusal = _sizes(recipe, trainer, processes)
     except RecipeError as e:
         sizes, said, refusal = {}, [], str(e)
+    context = {**recipe, PER_STEP: sizes.pop(PER_STEP, None)}
     for key, value in recipe.items():
         if key in SIZE_KEYS:
             if refusal is not None:
                 fates.append(Fate(key, value, "refused", refusal))
             else:
-                fates.append(Fate(key, value, "computed", "; ".join(said)))
+                fates.append(
+                    Fate(key, value, "computed", "with the other sizes (the arithmetic below the table)")
+                )
             continue
         rule = RULES.get(key)
         if rule is None:
             fates.append(Fate(key, value, "refused", "no tether field (not a key the converter knows)"))
             continue
         try:
-            kind, fields, why = rule(value, recipe, trainer)
+            kind, fields, why = rule(value, context, trainer)
         except (TypeError, ValueError, AttributeError) as e:  # a value of the wrong kind
             kind, fields, why = (
                 "refused",
@@ -567,6 +591,9 @@ def fate_table(fates: list[Fate]) -> str:
             continue
         fields = ", ".join(f"{k}={v}" for k, v in f.fields.items())
         rows.append(f"| `{f.key}` | `{f.value}` | {f.kind} | {fields} | {f.why} |")
+    sizes = next((f for f in fates if f.key == "(sizes)"), None)
+    if sizes is not None:
+        rows += ["", f"sizes ({sizes.kind}): " + sizes.why.replace("; ", "\n  ")]
     return "\n".join(rows)
 
 
