@@ -12,6 +12,8 @@ from pathlib import Path
 
 
 def _parser() -> argparse.ArgumentParser:
+    from tether.run.convert import TRAINERS as CONVERTED  # no torch: the parser stays quick
+
     p = argparse.ArgumentParser(prog="tether", description="RLHF fine-tuning on a visible KL leash.")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser(
@@ -80,9 +82,7 @@ def _parser() -> argparse.ArgumentParser:
         "reason; a recipe with a refused key is written only with --allow-dropped.",
     )
     cv.add_argument("recipe", help="the TRL recipe (YAML: trl grpo --config's file)")
-    cv.add_argument(
-        "--trainer", required=True, choices=["grpo", "rloo", "dpo"], help="the TRL trainer it is for"
-    )
+    cv.add_argument("--trainer", required=True, choices=CONVERTED, help="the TRL trainer it is for")
     cv.add_argument("-o", "--out", default=None, help="tether config to write (default RECIPE.tether.yaml)")
     cv.add_argument("--processes", type=int, default=1, help="processes TRL ran on (per-device sizes x this)")
     cv.add_argument("--allow-dropped", action="store_true", help="write even when keys have no tether field")

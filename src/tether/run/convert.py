@@ -16,10 +16,11 @@ run would differ from the recipe's there, and the written YAML's header says whe
 the recipe runs: it is read as YAML data (:func:`tether.run.config.read_yaml`).
 
 Sizes assume one process (``processes``: TRL's per-device sizes times the processes are
-tether's global ones). Units: ``max_steps`` counts TRL's optimizer steps, ``train.steps``
-tether's rollouts (each ``optim.epochs`` x ``rollout.batch_size / optim.minibatch_size``
-optimizer steps), so ``train.steps = max_steps / (steps_per_generation x num_iterations)``,
-refused when that is not a whole number.
+tether's global ones). Units: ``max_steps``, ``save_steps`` and ``eval_steps`` count TRL's
+optimizer steps, ``train.steps`` tether's rollouts (each ``optim.epochs`` x ``rollout.batch_size /
+optim.minibatch_size`` optimizer steps), so ``train.steps = max_steps / (num_iterations x
+steps_per_generation / gradient_accumulation_steps)``, refused when that is not a whole number
+(:func:`_sizes`).
 """
 
 from __future__ import annotations

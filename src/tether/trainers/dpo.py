@@ -109,8 +109,9 @@ def response_text(x) -> str | None:
     return None
 
 
-def conversation_response_ids(tokenizer, prompt: list, response: list, at: str) -> list[int]:
-    """A conversational pair's response as the tokens TRL's DPO trains on: the chat template's
+def conversation_response_ids(tokenizer, prompt: list, responses: list[list], at: str) -> list[list[int]]:
+    """A conversational pair's responses (chosen, rejected) as the tokens TRL's DPO trains on,
+    the prompt rendered once for both: for each response, the chat template's
     rendering of ``prompt + response`` after the part it shares with that of ``prompt`` with the
     assistant's turn opened, so the template's end of turn and what follows it (ChatML's
     ``<|im_end|>\\n``) belong to the response, and no EOS is added (TRL 1.16,
@@ -124,22 +125,26 @@ def conversation_response_ids(tokenizer, prompt: list, response: list, at: str) 
             response's tokens would carry prompt text), or the response renders to nothing; the
             row named.
     """
-    whole = tokenizer(
-        render_chat(tokenizer, prompt + response, add_generation_prompt=False), add_special_tokens=False
-    )
-    alone = tokenizer(render_chat(tokenizer, prompt, add_generation_prompt=True), add_special_tokens=False)
-    messages = tokenizer(
-        render_chat(tokenizer, prompt, add_generation_prompt=False), add_special_tokens=False
-    )
-    whole, alone, messages = whole["input_ids"], alone["input_ids"], messages["input_ids"]
-    shared = next((i for i, (a, b) in enumerate(zip(whole, alone)) if a != b), min(len(whole), len(alone)))
-    if shared < len(messages) or whole[: len(messages)] != messages or shared == len(whole):
-        raise ValueError(
-            f"dpo.pairs: {at}: the chat template renders the prompt's messages otherwise alone than in "
-            "the whole conversation (or the response to nothing), so the response's tokens cannot be "
-            "told from the prompt's; use a template that renders the messages the same way in both"
+
+    def ids(messages: list, opened: bool) -> list[int]:
+        text = render_chat(tokenizer, messages, add_generation_prompt=opened)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    alone, own = ids(prompt, True), ids(prompt, False)
+    out = []
+    for response in responses:
+        whole = ids(prompt + response, False)
+        shared = next(
+            (i for i, (a, b) in enumerate(zip(whole, alone)) if a != b), min(len(whole), len(alone))
         )
-    return whole[shared:]
+        if shared < len(own) or whole[: len(own)] != own or shared == len(whole):
+            raise ValueError(
+                f"dpo.pairs: {at}: the chat template renders the prompt's messages otherwise alone than "
+                "in the whole conversation (or the response to nothing), so the response's tokens cannot "
+                "be told from the prompt's; use a template that renders the messages the same way in both"
+            )
+        out.append(whole[shared:])
+    return out
 
 
 def read_pair_file(
@@ -208,14 +213,17 @@ def read_pair_file(
                     "Drop the other turns from the pairs (or move the conversation so far into the prompt)"
                 )
         prompts.append(prompt)
-        for k, text, out in zip(("chosen", "rejected"), texts, (chosen, rejected)):
-            ids = (
-                conversation_response_ids(tokenizer, prompt, obj[k], at)
-                if isinstance(prompt, list)
-                # EOS appended where the text does not end with it already (TRL's add_eos)
-                else tokenizer(text, add_special_tokens=False)["input_ids"]
+        pair = (
+            conversation_response_ids(tokenizer, prompt, [obj["chosen"], obj["rejected"]], at)
+            if isinstance(prompt, list)
+            # EOS appended where the text does not end with it already (TRL's add_eos)
+            else [
+                tokenizer(text, add_special_tokens=False)["input_ids"]
                 + (eos if not (tokenizer.eos_token and text.endswith(tokenizer.eos_token)) else [])
-            )
+                for text in texts
+            ]
+        )
+        for ids, out in zip(pair, (chosen, rejected)):
             out.append(torch.tensor(ids, dtype=torch.long, device="cpu"))
     if not prompts:
         raise ValueError(
