@@ -61,6 +61,7 @@ def train(
     callbacks=None,
     env=None,
     reward_funcs: Scorer | None = None,
+    tools=None,
 ) -> Path:
     """Run ``config`` end to end (or continue it from its last checkpoint); returns the run directory.
 
@@ -79,6 +80,8 @@ def train(
     see :func:`tether.run.setup.build_run`. ``env``: the multi-turn rollout's environment as a
     callable (``rollout.env``'s signature; TRL passes its tools as objects too), or set
     ``config.rollout.env`` to one; config.yaml records its name, and a resume asks for it again.
+    ``tools``: TRL's ``tools=[...]``, Python functions the policy calls (``rollout.tools``,
+    :mod:`tether.models.tools`), recorded and asked for again as ``env`` is.
     ``eval_dataset`` (the same kinds as ``train_dataset``,
     or ``data.eval_prompts``) is the held-out set, instead of the hash share of the training
     prompts; a training prompt that is also in it is left out of training (said). ``callbacks``:
@@ -100,7 +103,7 @@ def train(
             )
         scorer = reward_funcs
     callbacks = check_callbacks(callbacks)
-    config, scorer, env = passed_objects(config, scorer=scorer, env=env)  # objects for names
+    config, scorer, env = passed_objects(config, scorer=scorer, env=env, tools=tools)  # objects for names
     # the config as the run starts it: rebuilt and checked whole, its defaults filled for this
     # train.algo and this data (a Python edit after load_config counts, config.yaml records it)
     config = config.for_run(

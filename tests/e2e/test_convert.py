@@ -285,3 +285,12 @@ def test_a_hub_model_id_must_be_a_repository_id():
         with pytest.raises(ConfigError, match="train.hub_model_id"):
             load_config(None, [f"train.hub_model_id={bad}"])
     assert load_config(None, ["train.hub_model_id=my-org/my.policy"]).train.hub_model_id == "my-org/my.policy"
+
+
+def test_tool_calling_iterations_become_turns():
+    # TRL counts the tool rounds after the first turn; tether counts the policy's turns: 3 -> 4
+    fates = {f.key: f for f in convert({"max_steps": 4, "max_tool_calling_iterations": 3}, "grpo")}
+    assert fates["max_tool_calling_iterations"].fields == {"rollout.max_turns": 4}
+    unlimited = {f.key: f for f in convert({"max_steps": 4, "max_tool_calling_iterations": None}, "grpo")}
+    assert unlimited["max_tool_calling_iterations"].kind == "refused"
+    assert "set rollout.max_turns" in unlimited["max_tool_calling_iterations"].why

@@ -46,6 +46,10 @@ def _in_source(name: str, source: str) -> bool:
     return re.search(rf"[\"'.]{pattern}[\"']|\b{pattern}\s*[:=]", source) is not None
 
 
+TOOL_METRICS = ("rollout/tool_calls", "rollout/tool_failures", "rollout/tool_failure_fraction")
+"""What a tool-calling run logs (``test_train_with_tools_end_to_end`` checks each)."""
+
+
 @pytest.fixture(scope="module")
 def logged(tiny_model_dir, tmp_path_factory) -> set[str]:
     """Every metric name a tiny GRPO run (two rewards, periodic evaluation), PPO run and DPO run log."""
@@ -80,6 +84,8 @@ def test_every_trl_metric_in_the_table_is_trls_and_every_tether_metric_is_logged
                 assert {"length_judge", "one_if_long"} <= {
                     k[len(prefix) :] for k in logged if k.startswith(prefix)
                 }
+            elif name.startswith("rollout/tool_"):  # a tool-calling run's: tests/e2e/test_tools.py
+                assert name in TOOL_METRICS, name
             else:
                 assert name in logged, f"docs/trl.md names tether metric {name!r}, which no run logs"
 

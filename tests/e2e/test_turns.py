@@ -488,6 +488,8 @@ def test_turn_settings_load_before_the_environment_is_passed(tiny_model_dir, pro
     out = train(config, env=tool_env)
     assert any(r["rollout/env_tokens"] > 0 for r in metric_rows(out))
     alone = load_config(None, tiny_run_args(tiny_model_dir, prompt_file, tmp_path / "alone", turns))
-    with pytest.raises(ConfigError, match=r"rollout.max_turns=2 .*needs rollout.env or train\(env=...\)"):
+    with pytest.raises(
+        ConfigError, match=r"rollout.max_turns=2 .*needs rollout.env or rollout.tools \(train\(env=...\)"
+    ):
         train(alone)
     assert not (tmp_path / "alone").exists()

@@ -66,6 +66,7 @@ def best_of_n_points(
     from tether.models.sampling import sample_seeds
     from tether.run.evaluation import evaluation_state
     from tether.run.setup import (
+        config_env,
         config_sampler,
         load_prompts,
         load_run_lm,
@@ -84,7 +85,7 @@ def best_of_n_points(
     # the runs' own stages (tether.run.setup): the same tokenizer set-up and weights as a run's
     path = resolve_model_path(c.model.name, c.model.revision)
     device = resolve_device(c.train.device)  # the run's device and weight dtype
-    tok = load_run_tokenizer(c, path)
+    tok = load_run_tokenizer(c, path, tools=getattr(config_env(c), "schemas", None))
     lm = load_run_lm(c, path=path, dtype=resolve_dtype(c.model.dtype, device), device=device)
     m = max(ns)
     # the runs' sampler (tool turns with rollout.env), decoding the reference eagerly

@@ -356,6 +356,17 @@ def env_never_answered(history: list[dict], t: HealthThresholds) -> Alarm | None
     s = _series(history, "rollout/env_tokens")
     if len(s) < ENV_SILENT_STEPS or any(v > 0 for _, v in s):
         return None
+    if _series(history, "rollout/tool_calls"):  # rollout.tools: the policy called no tool
+        return Alarm(
+            "env_never_answered",
+            s[-1][0],
+            f"the policy called no tool in the {len(s)} steps so far (rollout/tool_calls 0)",
+            "no assistant turn held a tool call the tokenizer's parser reads (the format the chat template "
+            "shows in the prompt's tool instructions), or every answer was dropped for not fitting the "
+            "token budget",
+            "look at the policy's turns in samples.jsonl (messages); start from a model tuned for tool use, "
+            "or show the policy a call in the prompts; raise rollout.max_new_tokens",
+        )
     return Alarm(
         "env_never_answered",
         s[-1][0],

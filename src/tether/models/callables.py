@@ -5,6 +5,7 @@ deadline can end the wait and Ctrl-C is heard while it runs (:data:`RUNNING` say
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import importlib
 import inspect
@@ -214,3 +215,22 @@ def call_with_deadline(fn: Callable[[], object], *, timeout: float | None, what:
     if call.error is not None:
         raise call.error
     return call.value
+
+
+def awaited(reply):
+    """A user's function's result, awaited when it is a coroutine (an ``async def`` callback
+    hook; an environment's is awaited by :func:`call_env`): run to its end on an event loop of its
+    own, in a worker thread when this thread already runs one (a notebook), so that it never meets
+    the caller's loop."""
+    if not inspect.isawaitable(reply):
+        return reply
+
+    async def wait():
+        return await reply
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # no loop here: the usual script
+        return asyncio.run(wait())
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, wait()).result()

@@ -136,6 +136,10 @@ class Rollout:
     """Per row, the sample seed it was drawn with (:func:`sample_seeds`; a multi-turn row's turns
     are keyed from it), so that a later stage can sample the same rows again (the compile check,
     :class:`tether.models.rollouts.CompileChoice`); None where the responses were not sampled here."""
+    tool_calls: list[int] | None = None
+    """Per row, the tool calls run in a tool-calling rollout (``rollout.tools``), or None."""
+    tool_failures: list[int] | None = None
+    """Per row, how many of ``tool_calls`` failed (raised, named no tool), or None."""
     compiled: bool = False
     """Whether the responses were decoded by the compiled decode step (``rollout.compile``,
     :func:`generate`'s ``compiled``): the ``rollout/compiled`` metric."""
@@ -147,10 +151,16 @@ class Rollout:
 
     def turn_metrics(self) -> dict[str, Tensor]:
         """Per-row numbers of a multi-turn rollout, by metric name: ``env_tokens``, (B,) float, the
-        tokens the environment wrote in each response; {} for a one-turn rollout."""
+        tokens the environment wrote in each response, and in a tool-calling one ``tool_calls``
+        and ``tool_failures``, the calls run and failed; {} for a one-turn rollout."""
         if self.env_mask is None:
             return {}
-        return {"env_tokens": self.env_mask.sum(-1).float()}
+        out = {"env_tokens": self.env_mask.sum(-1).float()}
+        if self.tool_calls is not None and self.tool_failures is not None:
+            device = self.env_mask.device
+            out["tool_calls"] = torch.tensor(self.tool_calls, dtype=torch.float32, device=device)
+            out["tool_failures"] = torch.tensor(self.tool_failures, dtype=torch.float32, device=device)
+        return out
 
     def turn_row(self, i: int) -> dict:
         """What row ``i``'s record (samples.jsonl, the report) holds of its turns: ``env`` (the

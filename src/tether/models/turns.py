@@ -31,8 +31,6 @@ episodes through their turns, and the :class:`Rollout` assembled from the episod
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import copy
 import functools
 import inspect
@@ -48,6 +46,7 @@ from tether.models.callables import (
     PASSED_FROM_PYTHON,
     Abandoned,
     SignalStop,
+    awaited,
     call_with_deadline,
     import_callable,
     running,
@@ -65,6 +64,7 @@ from tether.models.sampling import (
     stop_text,
     tokenize_prompts,
 )
+from tether.models.tools import check_tool_template, parse_turn, tool_suffix_ids
 
 EnvFn = Callable[..., "str | None"]
 """``env(prompt=..., completion=..., turn=..., **columns) -> str | None``: the environment's text
@@ -169,25 +169,6 @@ def env_column_names(env: EnvFn, columns: Sequence[str]) -> list[str]:
             "or defaults for the ones no column fills"
         ) from None
     return names
-
-
-def awaited(reply):
-    """A user's function's result, awaited when it is a coroutine (an ``async def`` callback
-    hook; an environment's is awaited by :func:`call_env`): run to its end on an event loop of its
-    own, in a worker thread when this thread already runs one (a notebook), so that it never meets
-    the caller's loop."""
-    if not inspect.isawaitable(reply):
-        return reply
-
-    async def wait():
-        return await reply
-
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:  # no loop here: the usual script
-        return asyncio.run(wait())
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(asyncio.run, wait()).result()
 
 
 SIGNAL_ON_A_THREAD = "signal only works in main thread"
@@ -580,6 +561,8 @@ class Episode:
         messages: a chat row's response as messages (assistant turns, tool messages).
         ended: the episode ended on its own (an end id, the environment's None), not at a limit.
         done: no turn follows (ended, or cut at a limit).
+        tool_calls: a tool-calling row's calls run (:class:`ToolCalls`).
+        tool_failures: how many of them failed (:class:`tether.models.tools.ToolReplies`).
     """
 
     row: int
@@ -595,6 +578,8 @@ class Episode:
     messages: list[dict] = field(default_factory=list)
     ended: bool = False
     done: bool = False
+    tool_calls: int = 0
+    tool_failures: int = 0
 
     @property
     def context(self) -> list[int]:
@@ -627,9 +612,15 @@ class TurnFormat:
     def __init__(self, tokenizer, ends: Sequence[int], max_new_tokens: int):
         self.tokenizer, self.ends, self.max_new_tokens = tokenizer, ends, max_new_tokens
 
-    def turn_written(self, ep: Episode, content: str) -> None:
-        """A policy turn was appended to ``ep`` (``content``: its text, end ids left out)."""
+    def turn_written(self, ep: Episode, content: str, n: int) -> None:
+        """A policy turn was appended to ``ep``: its last ``n`` tokens (``content``: their text,
+        end ids left out)."""
         raise NotImplementedError
+
+    def checked_reply(self, reply, *, left: int, forbidden: set[int], where: str):
+        """What of the environment's ``reply`` is tokenized (:func:`reply_text`), or None where
+        it surely does not fit the ``left`` tokens."""
+        return reply_text(self.tokenizer, reply, left=left, chat=self.chat, forbidden=forbidden, where=where)
 
     def completion(self, ep: Episode, at_end: bool) -> str | list[dict] | None:
         """What the environment gets after a policy turn (``at_end``: it ended at an end id), or
@@ -659,7 +650,7 @@ class RawText(TurnFormat):
     chat = False
     end_id_ends_episode = True
 
-    def turn_written(self, ep: Episode, content: str) -> None:
+    def turn_written(self, ep: Episode, content: str, n: int) -> None:
         """Nothing to record: the transcript is the tokens."""
 
     def completion(self, ep: Episode, at_end: bool) -> str | None:
@@ -703,7 +694,7 @@ class ChatTemplate(TurnFormat):
     chat = True
     end_id_ends_episode = False
 
-    def turn_written(self, ep: Episode, content: str) -> None:
+    def turn_written(self, ep: Episode, content: str, n: int) -> None:
         ep.messages.append({"role": "assistant", "content": content})
 
     def history(self, ep: Episode) -> list[dict]:
@@ -763,6 +754,77 @@ class ChatTemplate(TurnFormat):
     def env_offsets(self, ep: Episode, text: str) -> None:
         """None: a chat row's messages tell where the environment's text is."""
         return None
+
+
+class ToolCalls(ChatTemplate):
+    """The chat format of a tool-calling run (``rollout.tools``, :mod:`tether.models.tools`):
+    each assistant turn parsed into a message (``tool_calls``, ``reasoning_content``) by the
+    tokenizer's response parser; a turn the template's close ended and that calls tools is
+    answered by the tools' messages, whose tokens follow the close
+    (:func:`tether.models.tools.tool_suffix_ids`, TRL's construction, which never re-renders the
+    policy's text); any other turn ends the episode. The reward reads the messages.
+
+    Args:
+        schemas: the tools' JSON schemas (arguments typed by them when parsed).
+        close_id: the id that closes an assistant turn (``<|im_end|>``).
+        render: the run's chat rendering without the tools' schemas (TRL renders the tools'
+            tokens so).
+    """
+
+    def __init__(self, tokenizer, ends: Sequence[int], max_new_tokens: int, *, schemas, close_id, render):
+        super().__init__(tokenizer, ends, max_new_tokens)
+        self.schemas, self.close_id, self.render = schemas, close_id, render
+
+    def turn_written(self, ep: Episode, content: str, n: int) -> None:
+        prefix = ep.context[: len(ep.context) - n]
+        ep.messages.append(
+            parse_turn(self.tokenizer, ep.tokens[len(ep.tokens) - n :], prefix=prefix, schemas=self.schemas)
+        )
+
+    def completion(self, ep: Episode, at_end: bool) -> list[dict] | None:
+        """The messages so far (copies) after a turn the template's close ended with tool
+        calls; None (the episode ends) after any other turn."""
+        if not (at_end and ep.tokens[-1:] == [self.close_id] and ep.messages[-1].get("tool_calls")):
+            return None
+        return copy.deepcopy(ep.messages)
+
+    def checked_reply(self, reply, *, left: int, forbidden: set[int], where: str):
+        """The tool messages, each content checked as a chat reply (:func:`reply_text`), or None
+        where they surely do not fit ``left`` tokens together.
+
+        Raises:
+            EnvReplyError: not tool messages, or a content that cannot be appended.
+        """
+        if not isinstance(reply, list) or not all(
+            isinstance(m, dict) and m.get("role") == TOOL_ROLE and isinstance(m.get("content"), str)
+            for m in reply
+        ):
+            raise EnvReplyError(
+                f"the tools' answer for {where} is not a list of tool messages: {str(reply)[:80]!r}"
+            )
+        room = (left + 1) * longest_token_chars(self.tokenizer)
+        if sum(normalized_length(self.tokenizer, m["content"]) for m in reply) > room:
+            return None
+        for m in reply:
+            reply_text(self.tokenizer, m["content"], left=left, chat=True, forbidden=forbidden, where=where)
+        return reply
+
+    def reply_ids(self, ep: Episode, reply, text, *, left: int, at_end: bool) -> list[int] | None:
+        """The ids of the tool messages after the closed turn (the close is the policy's), or None
+        where they do not fit the ``left`` tokens (a tool message is never cut: TRL's rule)."""
+        ep.tool_calls += getattr(reply, "calls", len(reply))  # run, whether their answer fits or not
+        ep.tool_failures += getattr(reply, "failures", 0)
+        if text is None:
+            say_long_reply(str(reply), left, self.max_new_tokens, chat=True)
+            return None
+        env_ids = tool_suffix_ids(self.tokenizer, list(reply), close_id=self.close_id, render=self.render)
+        if len(env_ids) > left:
+            say_long_reply(str(reply), left, self.max_new_tokens, chat=True)
+            return None
+        ep.messages += [dict(m) for m in reply]
+        ep.ended = False
+        ep.replies += [m["content"] for m in reply]
+        return env_ids
 
 
 @dataclass
@@ -839,7 +901,7 @@ class ToolLoop:
             ep.done = True  # cut at the token budget
         ep.append(tokens, new_logps[: len(tokens)].tolist())
         content = self.tokenizer.decode([t for t in tokens if t not in self.ends], skip_special_tokens=True)
-        self.fmt.turn_written(ep, content)
+        self.fmt.turn_written(ep, content, len(tokens))
         return at_end
 
     def env_turn(self, ep: Episode, turn: int, *, at_end: bool, forbidden: set[int]) -> None:
@@ -872,9 +934,7 @@ class ToolLoop:
             return
         left = self.settings.max_new_tokens - len(ep.tokens)
         try:
-            text = reply_text(
-                self.tokenizer, reply, left=left, chat=self.fmt.chat, forbidden=forbidden, where=where
-            )
+            text = self.fmt.checked_reply(reply, left=left, forbidden=forbidden, where=where)
             env_ids = self.fmt.reply_ids(ep, reply, text, left=left, at_end=at_end)
         except EnvReplyError:
             raise
@@ -890,6 +950,46 @@ class ToolLoop:
             return
         ep.append(env_ids)
         ep.done = len(ep.tokens) >= self.settings.max_new_tokens
+
+
+def tool_format(
+    tokenizer, prompt, env, ends: Sequence[int], settings: SamplingSettings, *, chat: bool
+) -> ToolCalls:
+    """The :class:`ToolCalls` format of a tool-calling run (``env``: a
+    :class:`tether.models.tools.ToolEnv`), its template checked to carry tools and its parser set
+    (:func:`tether.models.tools.check_tool_template`).
+
+    Raises:
+        ValueError: the prompts are not rendered by the chat template, stop strings are set (a
+            tool-calling turn ends at the template's close, as TRL's), the close is not an end id,
+            or the template cannot carry tools (each naming the fix).
+    """
+    if not chat:
+        raise ValueError(
+            "rollout.tools needs prompts rendered by the chat template (conversations, or "
+            "data.chat_template=true), which carries the tools' schemas and calls; rollout.env_format=raw "
+            "cannot carry them"
+        )
+    if settings.stop_strings:
+        raise ValueError(
+            f"rollout.stop_strings={list(settings.stop_strings)}: with rollout.tools a policy turn ends "
+            "where the chat template closes an assistant message, and its tool calls are parsed from the "
+            "whole turn (TRL's tool loop); leave rollout.stop_strings empty"
+        )
+    close = chat_closing_id(tokenizer, prompt_messages(prompt), "2 + 3 =")
+    if close is None or int(close) not in {int(e) for e in ends}:
+        name = tokenizer.convert_ids_to_tokens(int(close)) if close is not None else None
+        raise ValueError(
+            f"rollout.tools: the chat template closes an assistant's message with {name!r} (id {close}), "
+            f"which is not an end id of generation {list(ends)} (the tokenizer's EOS and the model's "
+            "generation_config.eos_token_id), so a turn would not end there and no tool would be called; add "
+            "the id to the model's generation_config.eos_token_id (a base model's lists only its own EOS)"
+        )
+    render = functools.partial(render_chat, tokenizer, tools=None)
+    check_tool_template(tokenizer, close_id=close, render=render)
+    return ToolCalls(
+        tokenizer, ends, settings.max_new_tokens, schemas=env.schemas, close_id=close, render=render
+    )
 
 
 def assemble(
@@ -939,6 +1039,8 @@ def assemble(
         ],
         messages=[ep.messages for ep in episodes] if fmt.chat else None,
         seeds=[ep.seed for ep in episodes],
+        tool_calls=[ep.tool_calls for ep in episodes] if isinstance(fmt, ToolCalls) else None,
+        tool_failures=[ep.tool_failures for ep in episodes] if isinstance(fmt, ToolCalls) else None,
     )
 
 
@@ -1019,9 +1121,12 @@ def generate_turns(
     passed = env_column_names(env, list(columns))
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, s.max_prompt_tokens, device)
     ends = end_token_ids(tokenizer, lm)
-    if chat and chat[0] and s.max_turns > 1:
+    if chat and chat[0] and s.max_turns > 1 and not getattr(env, "tool_calls", False):
         check_chat_turns_close(tokenizer, prompts[0], ends, s.stop_strings)
-    fmt = (ChatTemplate if chat and chat[0] else RawText)(tokenizer, ends, s.max_new_tokens)
+    if getattr(env, "tool_calls", False):  # rollout.tools: TRL's tool loop
+        fmt: TurnFormat = tool_format(tokenizer, prompts[0], env, ends, s, chat=bool(chat and chat[0]))
+    else:
+        fmt = (ChatTemplate if chat and chat[0] else RawText)(tokenizer, ends, s.max_new_tokens)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else ends[0]
     episodes = [
         Episode(

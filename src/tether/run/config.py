@@ -683,6 +683,18 @@ class RolloutConfig(_Defaulted):
     (no KL, entropy, policy or value loss), policy and reference score them alike, GAE steps
     across them by policy token (docs/kl.md), the reward reads the whole transcript and
     samples.jsonl lists them under ``env``. PPO, GRPO, RLOO; decoded eagerly."""
+    tools: list[str] = field(default_factory=list)
+    """TRL's ``tools=[...]``: Python functions the policy may call, ``module:function`` each (a
+    list, or one text with commas), or ``train(tools=[f, ...])``. Each needs type hints and a
+    Google-style docstring: its JSON schema goes into the prompt through the chat template; after
+    each assistant turn the template's close ends, the calls in it are parsed with the
+    tokenizer's response parser (the Hermes ``<tool_call>`` format recognized), each run as
+    ``f(**arguments)`` (awaited when ``async def``), and the results appended as tool messages
+    (``{"role": "tool", "name", "content"}``); a call that raises or names no tool gets
+    ``{"error": ...}`` as its result, and a turn without calls ends the episode: TRL 1.16's tool
+    loop, token for token (docs/trl.md). The tools' tokens are context, as rollout.env's; the
+    reward gets the messages (``tool_calls`` parsed). Needs rollout.max_turns >= 2 (TRL's
+    max_tool_calling_iterations + 1); not with rollout.env or rollout.stop_strings."""
     env_timeout: float | None = 60.0
     """Seconds one call of ``rollout.env`` may take (null: no limit). With a limit each call runs
     on a worker thread while tether waits (code that needs the main thread, a ``signal.alarm``
@@ -739,6 +751,49 @@ class RolloutConfig(_Defaulted):
             "must be non-empty texts (quote one that YAML would read otherwise: ['Answer: x'], [' e'])",
         )
         _check(self.max_turns >= 1, "rollout.max_turns", self.max_turns, "must be >= 1")
+        if isinstance(self.tools, str):  # on the CLI: a YAML list, or names joined by commas
+            text = self.tools
+            loaded = _text_yaml(text, "rollout.tools") if text.strip().startswith("[") else None
+            self.tools = (
+                loaded if isinstance(loaded, list) else [t.strip() for t in text.split(",") if t.strip()]
+            )
+        if self.tools:
+            _check(
+                isinstance(self.tools, list)
+                and all(
+                    isinstance(t, str) and (":" in t or t.startswith("(from Python)")) for t in self.tools
+                ),
+                "rollout.tools",
+                self.tools,
+                "must be module:function names (importable functions), e.g. [mytools:multiply, mytools:add]",
+            )
+            _check(
+                self.env is None,
+                "rollout.tools",
+                self.tools,
+                f"and rollout.env={self.env} both answer the policy's turns; give one of them",
+            )
+            _check(
+                self.max_turns >= 2,
+                "rollout.max_turns",
+                self.max_turns,
+                "must be >= 2 with rollout.tools (a turn that calls tools, their answers, the next turn); "
+                "TRL's max_tool_calling_iterations is rollout.max_turns - 1",
+            )
+            _check(
+                not self.stop_strings,
+                "rollout.stop_strings",
+                self.stop_strings,
+                "must be empty with rollout.tools: a turn ends where the chat template closes an assistant "
+                "message, and its calls are parsed from the whole turn (TRL's tool loop)",
+            )
+            _check(
+                self.env_format != "raw",
+                "rollout.env_format",
+                self.env_format,
+                "must be auto or chat with rollout.tools: the chat template carries the tools' schemas "
+                "and calls",
+            )
         _check(
             self.env_timeout is None or 0 < self.env_timeout < math.inf,
             "rollout.env_timeout",
@@ -794,6 +849,11 @@ class RolloutConfig(_Defaulted):
             f"must be a multiple of rollout.group_size={self.group_size}",
         )
 
+    @property
+    def multi_turn(self) -> bool:
+        """Whether something answers between the policy's turns: rollout.env or rollout.tools."""
+        return self.env is not None or bool(self.tools)
+
     def check_turn_fields(self) -> None:
         """The fields that need an environment (rollout.max_turns > 1, rollout.stop_strings,
         rollout.env_format), refused without one. Checked when the run starts
@@ -803,13 +863,14 @@ class RolloutConfig(_Defaulted):
         Raises:
             ConfigError: one of them is set and there is no environment (rollout.env, ``env=``).
         """
-        if self.env is not None:
+        if self.multi_turn:
             return
         _check(
             self.max_turns == 1,
             "rollout.max_turns",
             self.max_turns,
-            "needs rollout.env or train(env=...) (the environment that answers between turns)",
+            "needs rollout.env or rollout.tools (train(env=...), train(tools=[...])), what answers "
+            "between turns",
         )
         _check(
             not self.stop_strings,
@@ -835,6 +896,7 @@ class RolloutConfig(_Defaulted):
             "rollout.temperature": self.temperature,
             "rollout.max_prompt_tokens": self.max_prompt_tokens,
             "rollout.env": self.env,
+            "rollout.tools": list(self.tools),
             "rollout.max_turns": self.max_turns,
             "rollout.stop_strings": list(self.stop_strings),
             "rollout.env_format": self.env_format,
@@ -1606,7 +1668,7 @@ class Config:
             self._check_sharding()
         if self.rollout.compile is True:
             self._check_compile()
-        if self.rollout.env is not None:
+        if self.rollout.multi_turn:
             why = None
             if not spec.samples:
                 why = f"{self.train.algo.upper()} samples pairs in one turn"
@@ -1614,7 +1676,8 @@ class Config:
                 why = "multi-turn rollouts are not built for train.sharding=fsdp"
             elif self.rollout.compile is True:
                 why = "multi-turn rollouts decode eagerly; leave rollout.compile at auto or false"
-            _check(why is None, "rollout.env", self.rollout.env, f"{why}")
+            name = "rollout.env" if self.rollout.env is not None else "rollout.tools"
+            _check(why is None, name, self.rollout.env or self.rollout.tools, f"{why}")
         _check(
             self.rollout.group_size >= spec.min_group_size,
             "rollout.group_size",
@@ -2227,6 +2290,7 @@ FIELD_UNITS: dict[str, str] = {
     "rollout.group_size": "samples per prompt",
     "rollout.compile": "",
     "rollout.env": "",
+    "rollout.tools": "",
     "rollout.env_format": "",
     "rollout.max_turns": "policy turns",
     "rollout.env_timeout": "seconds",

@@ -402,6 +402,15 @@ RULES = {
     "importance_sampling_level": _moot_if(
         "token", "token-level ratios", "sequence-level (GSPO) has no equivalent"
     ),
+    "max_tool_calling_iterations": lambda v, r, t: (
+        ("refused", {}, "None is no limit; tether counts turns: set rollout.max_turns (iterations + 1)")
+        if v is None
+        else (
+            "mapped",
+            {"rollout.max_turns": int(v) + 1},
+            "rollout.max_turns counts the policy's turns: iterations + 1",
+        )
+    ),
     "use_vllm": _moot_if(False, "transformers generation", "tether generates with its own seeded sampler"),
     "log_completions": _moot("samples.jsonl and the sample table every train.sample_every steps"),
     "num_completions_to_print": _moot("the sample table shows the step's samples"),

@@ -10,7 +10,7 @@ from tether.models.callables import PASSED_FROM_PYTHON, python_object_spec
 from tether.run.config import Config
 
 
-def passed_objects(config: Config, *, scorer, env) -> tuple[Config, object, object]:
+def passed_objects(config: Config, *, scorer, env, tools=None) -> tuple[Config, object, object]:
     """The config with its objects replaced by their names, and the objects: ``(config, scorer,
     env)``.
 
@@ -18,17 +18,22 @@ def passed_objects(config: Config, *, scorer, env) -> tuple[Config, object, obje
     scorer and leaves ``reward.scorer`` unset (config.yaml then names it, as
     :func:`tether.run.setup.python_scorer_spec` writes it). An environment given as
     ``config.rollout.env`` or ``train(env=...)`` is named in ``rollout.env``, so that a resume asks
-    for it again. The config is copied before its objects are replaced, the objects themselves kept
+    for it again. Tools (``train(tools=[...])`` or functions put in
+    ``config.rollout.tools``) become the environment (:class:`tether.models.tools.ToolEnv`), named
+    in ``rollout.tools``. The config is copied before its objects are replaced, the objects themselves kept
     (a tool client holding a lock or a socket cannot be deep-copied, and need not be).
 
     Args:
         config: as the caller built it (not changed).
         scorer: the ``scorer`` (or ``reward_funcs``) passed to ``train``, or None.
         env: the ``env`` passed to ``train``, or None.
+        tools: the ``tools`` passed to ``train`` (functions), or None.
 
     Raises:
-        ValueError: both ``train(env=...)`` and a ``rollout.env`` name give the environment, or
-            ``env`` is not callable.
+        ValueError: both ``train(env=...)`` and a ``rollout.env`` name give the environment, both
+            ``train(tools=...)`` and ``rollout.tools`` give tools, tools beside an environment, or
+            ``env`` is not callable; a tool that cannot be described
+            (:func:`tether.models.tools.tool_schema`).
     """
     spec, given = config.reward.scorer, config.rollout.env
     objects = [spec, given, *(spec if isinstance(spec, list) else [])]
@@ -47,4 +52,25 @@ def passed_objects(config: Config, *, scorer, env) -> tuple[Config, object, obje
             raise ValueError(f"train(env=...) takes a callable, got a {type(env).__name__}")
         config = copy.deepcopy(config, dict(keep))
         config.rollout.env = python_object_spec(env)
+    listed = config.rollout.tools if isinstance(config.rollout.tools, list) else []
+    if tools is not None or any(callable(t) for t in listed):
+        from tether.models.tools import ToolEnv, tool_specs
+
+        if tools is not None and listed and not all(str(t).startswith(PASSED_FROM_PYTHON) for t in listed):
+            raise ValueError(
+                f"train(tools=...) and rollout.tools={shown(listed)} both give the tools; give one of them"
+            )
+        if env is not None:
+            raise ValueError(
+                "train(tools=...) and an environment (env=..., rollout.env) both answer the policy's "
+                "turns; give one"
+            )
+        tools = list(tools if tools is not None else listed)
+        if not all(callable(t) for t in tools):
+            raise ValueError(
+                "train(tools=...) takes functions (typed, with Google-style docstrings), as TRL's tools=[...]"
+            )
+        env = ToolEnv(tools)
+        config = copy.deepcopy(config, {id(t): t for t in tools})
+        config.rollout.tools = tool_specs(tools)
     return config, scorer, env

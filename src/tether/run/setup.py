@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import datetime as _dt
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -58,9 +59,17 @@ from tether.models.reference import (
     make_reference,
 )
 from tether.models.rollouts import Sampler, SamplingSettings, make_sampler
-from tether.models.sampling import prompt_texts, set_template_kwargs, use_chat_template
+from tether.models.sampling import prompt_texts, render_chat, set_template_kwargs, use_chat_template
 from tether.models.sharding import shard_model
-from tether.models.turns import chat_reply_text, env_column_names, load_env, prompt_messages, turn_formats
+from tether.models.tools import check_tool_template, load_tools
+from tether.models.turns import (
+    chat_closing_id,
+    chat_reply_text,
+    env_column_names,
+    load_env,
+    prompt_messages,
+    turn_formats,
+)
 from tether.run.config import Config, ConfigError, check_world_size, dump_config, read_yaml
 from tether.run.files import remove_tree, run_id
 from tether.run.folder import check_no_links, tether_entry
@@ -560,6 +569,8 @@ def config_env(config: Config) -> Callable | None:
         ValueError: a name that does not import, or the name of an object passed from Python
             (it must be passed again: :func:`tether.models.turns.load_env`).
     """
+    if config.rollout.tools:
+        return load_tools(config.rollout.tools)
     return load_env(config.rollout.env) if config.rollout.env else None
 
 
@@ -764,7 +775,7 @@ def build_run(
         for w in config.placement.warnings:
             log.warning("tether: warning: %s", w)
         # 3. the tokenizer and the prompts' lengths; 4. the policy and its frozen reference
-        tokenizer = load_run_tokenizer(config, path, tokenizer)
+        tokenizer = load_run_tokenizer(config, path, tokenizer, tools=getattr(env, "schemas", None))
         config = check_prompts_fit(config, tokenizer, model=model, path=path, parts=(train_prompts, heldout))
         check_env_format(config, tokenizer, parts=(train_prompts, heldout), env=env)
         policy, reference, forwards = load_policy_and_reference(
@@ -827,7 +838,7 @@ def record_passed_objects(
             )
         config = copy.deepcopy(config)
         config.data.eval_prompts = "(an eval_dataset passed to train)"
-    if env is not None:
+    if env is not None and not getattr(env, "tool_calls", False):  # tools are named in rollout.tools
         config = copy.deepcopy(config)
         config.rollout.env = python_object_spec(env)
     given = config.reward._given("scorer")
@@ -933,7 +944,7 @@ def load_data_and_scorer(
     scorer = make_scorer(
         config.reward.scorer if scorer is None else scorer, config.reward.weights, device=device
     )
-    turns = config.rollout.env is not None
+    turns = config.rollout.multi_turn
     check_scorer_columns(scorer, train_prompts.columns, multi_turn=turns)
     if evaluation is not None:
         check_scorer_columns(scorer, heldout.columns, data_field=field, multi_turn=turns)
@@ -1028,16 +1039,19 @@ def claim_run_dir(run_dir: Path) -> RunWriter:
     return writer
 
 
-def load_run_tokenizer(config: Config, path: Path | None, tokenizer=None):
+def load_run_tokenizer(config: Config, path: Path | None, tokenizer=None, *, tools: list[dict] | None = None):
     """The run's tokenizer: ``tokenizer`` if given, else model.name's (from ``path``), with a
     padding token and left padding (:func:`tether.models.loading.prepare_tokenizer`) and, with
-    data.chat_template, the chat template applied to prompts."""
+    data.chat_template, the chat template applied to prompts; data.chat_template_kwargs and the
+    tools' schemas (``tools``, rollout.tools: the template's ``tools``) given to the template."""
     if tokenizer is None:
         tokenizer = load_model_part(load_tokenizer, config.model.name, path, config.model.trust_remote_code)
     prepare_tokenizer(tokenizer)
     if config.data.chat_template:
         use_chat_template(tokenizer)
-    set_template_kwargs(tokenizer, config.data.chat_template_kwargs)
+    set_template_kwargs(
+        tokenizer, {**config.data.chat_template_kwargs, **({"tools": tools} if tools else {})}
+    )
     return tokenizer
 
 
@@ -1098,11 +1112,11 @@ def check_env_format(config: Config, tokenizer, *, parts, env: Callable | None =
             (:func:`tether.models.turns.generate_turns` raises the same at sampling time).
     """
     r = config.rollout
-    if r.env is None:
+    if not r.multi_turn:
         return
     prompts = [p for part in parts for p in part.prompts]
     chat = turn_formats(tokenizer, prompts, r.env_format, r.stop_strings, r.max_turns)
-    env = env if env is not None else load_env(r.env)
+    env = env if env is not None else config_env(config)
     # the held-out part comes from data.eval_prompts (or eval_dataset) when one is given
     held_out = config.data.eval_prompts
     if held_out is None:
@@ -1119,7 +1133,17 @@ def check_env_format(config: Config, tokenizer, *, parts, env: Callable | None =
                 f"{field_name}: a column is named {ENV_REPLIES!r}, the keyword under which a reward gets "
                 "what rollout.env wrote in a multi-turn run; rename the column"
             )
-    if chat and chat[0]:  # the template must carry a tool message after the assistant's text
+    if getattr(env, "tool_calls", False):  # TRL's tools: the template carries them, a parser reads them
+        if not (chat and chat[0]):
+            raise ValueError(
+                "rollout.tools needs prompts rendered by the chat template (conversations, or "
+                "data.chat_template=true), which carries the tools' schemas and calls"
+            )
+        close = chat_closing_id(tokenizer, prompt_messages(prompts[0]), "2 + 3 =")
+        check_tool_template(
+            tokenizer, close_id=close, render=functools.partial(render_chat, tokenizer, tools=None)
+        )
+    elif chat and chat[0]:  # the template must carry a tool message after the assistant's text
         # an assistant's text as a policy writes it: spaces and newlines at its ends (a template
         # that trims them cannot carry a turn verbatim)
         for content in ("2 + 3 =", " 2 + 3 = ", "\n2 + 3 =\n"):

@@ -759,6 +759,8 @@ def sample_metrics(
     row["response/length"] = D.sequence_mean(mask.sum(-1).float())
     for name, values in rollout.turn_metrics().items():  # a multi-turn rollout: rollout/env_tokens
         row[f"rollout/{name}"] = D.sequence_mean(values)
+    if row.get("rollout/tool_calls"):  # TRL's tools/failure_frequency: failed calls / calls
+        row["rollout/tool_failure_fraction"] = row["rollout/tool_failures"] / row["rollout/tool_calls"]
     # diversity of the batch's responses (words, tether.core.diversity), over all processes
     texts = [t for part in D.gather_objects(list(rollout.own_texts)) for t in part]  # the policy's
     row["response/distinct_2"] = distinct_n(texts, 2)

@@ -1,0 +1,405 @@
+"""TRL's tool convention (``rollout.tools``, ``train(tools=[...])``), against TRL 1.16's own loop.
+
+The oracle is TRL's code: ``GRPOTrainer._tool_call_loop`` and ``_get_tool_suffix_ids`` run on a
+trainer made without its ``__init__`` (:func:`trl_tool_episode`), on a tiny tokenizer carrying
+Qwen3's chat template (TRL's copy) and Qwen3's tool tags. Generation is scripted the same way in
+both libraries: each policy turn is the next text of :data:`TURNS`, so the comparison is of what
+each library builds around the turns (prompt ids, the tools' tokens, masks, messages), token for
+token.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")  # the test extra pins trl==1.16.0
+
+from tests.conftest import make_tiny_llama, make_tokenizer, metric_rows, tiny_run_args  # noqa: E402
+from tether.models.sampling import SamplingSettings, set_template_kwargs  # noqa: E402
+from tether.models.tools import ToolEnv, tool_schema  # noqa: E402
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+    """
+    return a * b
+
+
+def divide(a: int, b: int) -> float:
+    """Divide one integer by another.
+
+    Args:
+        a: The dividend.
+        b: The divisor.
+    """
+    return a / b
+
+
+async def negate(a: int) -> int:
+    """Negate an integer (an async tool, awaited).
+
+    Args:
+        a: The integer.
+    """
+    return -a
+
+
+TOOLS = [multiply, divide, negate]
+
+PROMPT = [{"role": "user", "content": "What is 3 times 4, and 1 over 0?"}]
+
+TURNS = [
+    # two calls in one turn: one answers, one raises (ZeroDivisionError -> {"error": ...})
+    '<tool_call>\n{"name": "multiply", "arguments": {"a": 3, "b": 4}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "divide", "arguments": {"a": 1, "b": 0}}\n</tool_call><|im_end|>',
+    # reasoning, text, a call to a tool that does not exist, and an async one
+    "<think>\nhm\n</think>\n\nLet me check.\n"
+    '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "negate", "arguments": {"a": 12}}\n</tool_call><|im_end|>',
+    # no call: the episode ends
+    "It is 12, and 1 over 0 has no value.<|im_end|>",
+]
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory) -> Path:
+    """The tiny tokenizer with Qwen3's special tokens, tool tags and chat template (TRL's copy of
+    Qwen3's), ``<|im_end|>`` its EOS as in Qwen3's instruct models, and a tiny Llama."""
+    out = tmp_path_factory.mktemp("tiny-qwen3")
+    tok = make_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.add_tokens(
+        ["<tool_call>", "</tool_call>", "<think>", "</think>", "<tool_response>", "</tool_response>"]
+    )
+    tok.eos_token = "<|im_end|>"
+    tok.chat_template = (Path(trl.__file__).parent / "chat_templates" / "qwen3.jinja").read_text()
+    tok.save_pretrained(out)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    model = make_tiny_llama(len(tok), eos_token_id=end, pad_token_id=tok.pad_token_id)
+    model.config.max_position_embeddings = 2048
+    model.generation_config.eos_token_id = end
+    model.save_pretrained(out)
+    return out
+
+
+def load(folder):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def trl_tool_episode(tok, tools, prompt, turns, max_iterations=10, max_completion_length=4096):
+    """TRL 1.16's tool episode: the prompt rendered as ``GRPOTrainer._tokenize_prompts`` renders
+    it, the first turn parsed as ``_generate`` parses it, then ``_tool_call_loop`` with
+    ``_generate_single_turn`` scripted to return the next of ``turns``. Returns ``(prompt_ids,
+    completion_ids, tool_mask, completions, calls, failures)``."""
+    from trl.chat_template_utils import (
+        add_response_schema,
+        get_training_chat_template,
+        is_chat_template_prefix_preserving,
+        parse_response,
+    )
+
+    add_response_schema(tok)
+    t = trl.GRPOTrainer.__new__(trl.GRPOTrainer)
+    t.processing_class = t._tokenizer = tok
+    t._is_vlm = False
+    t.use_vllm = False
+    t.model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=1 << 20))
+    t.chat_template = None if is_chat_template_prefix_preserving(tok) else get_training_chat_template(tok)
+    t.chat_template_kwargs = {}
+    t.tools = list(tools)
+    t.environment_factories = None
+    t.max_tool_calling_iterations = max_iterations
+    t.max_completion_length = max_completion_length
+    t._sync_tool_dicts = [{f.__name__: f for f in tools if not _is_async(f)}]
+    t._async_tool_dicts = [{f.__name__: f for f in tools if _is_async(f)}]
+    if t._async_tool_dicts[0]:
+        from trl.trainer.utils import start_event_loop_in_daemon
+
+        _, t.async_loop, ready = start_event_loop_in_daemon(name="test-tools")
+        ready.wait()
+    script = iter(tok(x, add_special_tokens=False)["input_ids"] for x in turns)
+    t._generate_single_turn = lambda ids, *a, **k: ([next(script) for _ in ids], None)
+    prompt_ids = tok.apply_chat_template(
+        [prompt],
+        tools=t.tools,
+        chat_template=t.chat_template,
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+    )["input_ids"]
+    first = next(script)
+    completions = [[parse_response(tok, first, prefix=prompt_ids[0], tools=t.tools)]]
+    mask, completions, completion_ids, _, calls, failures, _ = t._tool_call_loop(
+        [list(prompt)], prompt_ids, [list(first)], completions, None, None, {}
+    )
+    return prompt_ids[0], completion_ids[0], mask[0], completions[0], calls, failures
+
+
+def _is_async(f):
+    import inspect
+
+    return inspect.iscoroutinefunction(f)
+
+
+def tether_tool_episode(tok, tools, prompt, turns, monkeypatch, *, max_turns=11, max_new_tokens=4096):
+    """tether's episode of the same script: :func:`tether.models.turns.generate_turns` with the
+    tools' :class:`ToolEnv`, the prompt's template given the schemas as a run gives them, and
+    each policy turn's sampling replaced by the next of ``turns`` (the turn loop, parsing, tools
+    and tokens are tether's own)."""
+    import tether.models.turns as turns_module
+
+    env = ToolEnv(tools)
+    set_template_kwargs(tok, {"tools": env.schemas})
+    script = iter(tok(x, add_special_tokens=False)["input_ids"] for x in turns)
+
+    def scripted(lm, ids, mask, *, max_new_tokens, **kwargs):
+        rows = [next(script)[:max_new_tokens] for _ in range(ids.shape[0])]
+        width = max(len(r) for r in rows)
+        new = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in rows])
+        return new, torch.full(new.shape, -1.0)
+
+    monkeypatch.setattr(turns_module, "sample_tokens", scripted)
+    lm = make_tiny_llama(len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    settings = SamplingSettings(
+        max_new_tokens=max_new_tokens,
+        temperature=1.0,
+        max_turns=max_turns,
+        env_timeout=None,
+        max_prompt_tokens=None,
+    )
+    return turns_module.generate_turns(lm, tok, [prompt], env, settings=settings, seeds=[0])
+
+
+def test_tool_episode_equals_trls_token_for_token(qwen3_dir, monkeypatch):
+    """The same prompt ids, completion ids, masks, tool messages and parsed turns as TRL 1.16."""
+    p_ids, c_ids, trl_mask, trl_messages, calls, failures = trl_tool_episode(
+        load(qwen3_dir), TOOLS, PROMPT, TURNS
+    )
+    tok = load(qwen3_dir)
+    r = tether_tool_episode(tok, TOOLS, PROMPT, TURNS, monkeypatch)
+    assert r.prompt_ids[0][r.prompt_mask[0].bool()].tolist() == p_ids
+    n = len(c_ids)
+    assert r.response_ids[0, :n].tolist() == c_ids and r.response_ids.shape[1] == n
+    assert r.response_mask[0].tolist() == [bool(m) for m in trl_mask]  # the policy's tokens only
+    assert r.env_mask[0].tolist() == [not m for m in trl_mask]
+    assert r.messages[0] == trl_messages  # the reward's completions: parsed turns, named tool messages
+    roles = [m["role"] for m in trl_messages]
+    assert roles == ["assistant", "tool", "tool", "assistant", "tool", "tool", "assistant"]
+    assert trl_messages[1] == {"role": "tool", "name": "multiply", "content": "12"}
+    assert trl_messages[2] == {"role": "tool", "name": "divide", "content": "{'error': 'division by zero'}"}
+    assert trl_messages[4] == {"role": "tool", "name": "add", "content": "{'error': 'Tool add not found.'}"}
+    assert trl_messages[5] == {"role": "tool", "name": "negate", "content": "-12"}
+    assert trl_messages[3]["reasoning_content"] == "hm" and trl_messages[3]["content"] == "Let me check."
+    assert (calls, failures) == (4, 2) and (r.tool_calls, r.tool_failures) == ([4], [2])
+    assert r.ended.tolist() == [True]
+    metrics = r.turn_metrics()
+    assert metrics["tool_calls"].tolist() == [4.0] and metrics["tool_failures"].tolist() == [2.0]
+
+
+def test_tool_messages_that_do_not_fit_are_dropped_as_trl_drops_them(qwen3_dir, monkeypatch):
+    """A budget that ends inside the first tools' answer: TRL rolls the answer back and the
+    episode ends with the first turn; tether drops it whole (a tool message is never cut)."""
+    tok = load(qwen3_dir)
+    first = len(tok(TURNS[0], add_special_tokens=False)["input_ids"])
+    _, c_ids, trl_mask, trl_messages, _, _ = trl_tool_episode(
+        load(qwen3_dir), TOOLS, PROMPT, TURNS, max_completion_length=first + 5
+    )
+    r = tether_tool_episode(tok, TOOLS, PROMPT, TURNS, monkeypatch, max_new_tokens=first + 5)
+    assert len(c_ids) == first and r.response_ids.shape[1] == first
+    assert r.response_ids[0].tolist() == c_ids and r.messages[0] == trl_messages == trl_messages[:1]
+    assert r.ended.tolist() == [False]  # cut at the token budget, not ended on its own
+    assert r.tool_calls == [2]  # the calls ran (TRL counts them too)
+
+
+def test_max_turns_is_trls_iterations_plus_one(qwen3_dir, monkeypatch):
+    """rollout.max_turns=2 is TRL's max_tool_calling_iterations=1: one answer, then the turn after
+    it is the last (its calls not run)."""
+    _, c_ids, trl_mask, trl_messages, _, _ = trl_tool_episode(
+        load(qwen3_dir), TOOLS, PROMPT, TURNS, max_iterations=1
+    )
+    r = tether_tool_episode(load(qwen3_dir), TOOLS, PROMPT, TURNS, monkeypatch, max_turns=2)
+    assert r.response_ids[0].tolist() == c_ids and r.messages[0] == trl_messages
+    assert [m["role"] for m in trl_messages] == ["assistant", "tool", "tool", "assistant"]
+
+
+def test_tool_schema_refuses_what_cannot_be_described():
+    def untyped(a):
+        """Add.
+
+        Args:
+            a: a number.
+        """
+
+    with pytest.raises(ValueError, match=r"cannot describe the tool 'untyped'.*type hint"):
+        tool_schema(untyped)
+    with pytest.raises(ValueError, match=r"is a int; a tool is a function"):
+        tool_schema(3)
+    with pytest.raises(ValueError, match="two tools are named 'multiply'"):
+        ToolEnv([multiply, multiply])
+    with pytest.raises(ValueError, match="rollout.tools is empty"):
+        ToolEnv([])
+    assert tool_schema(multiply)["function"]["parameters"]["required"] == ["a", "b"]
+
+
+def test_a_template_without_tools_is_refused(tmp_path, monkeypatch):
+    """ChatML without tool support (the tiny chat tokenizer's template drops tool_calls): refused
+    before sampling, naming the fix."""
+    from tests.conftest import make_chat_tokenizer
+
+    tok = make_chat_tokenizer()
+    tok.save_pretrained(tmp_path)
+    with pytest.raises(
+        ValueError, match=r"closes an assistant's message with '<\|im_end\|>' \(id 301\), which is not"
+    ):
+        tether_tool_episode(load(tmp_path), TOOLS, PROMPT, TURNS, monkeypatch)
+    tok.eos_token = "<|im_end|>"  # now a turn ends at the close; the template still drops tool calls
+    tok.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="drops part of a tool exchange"):
+        tether_tool_episode(load(tmp_path), TOOLS, PROMPT, TURNS, monkeypatch)
+
+
+def test_config_fields_are_checked():
+    from tether.run.config import ConfigError, RolloutConfig
+
+    assert RolloutConfig(tools="m:a, m:b", max_turns=3).tools == ["m:a", "m:b"]
+    assert RolloutConfig(tools="[m:a, m:b]", max_turns=3).tools == ["m:a", "m:b"]
+    with pytest.raises(ConfigError, match=r"rollout.max_turns.*>= 2 with rollout.tools"):
+        RolloutConfig(tools=["m:a"])
+    with pytest.raises(ConfigError, match="rollout.tools.*both answer"):
+        RolloutConfig(tools=["m:a"], env="m:e", max_turns=2)
+    with pytest.raises(ConfigError, match="rollout.stop_strings.*must be empty with rollout.tools"):
+        RolloutConfig(tools=["m:a"], max_turns=2, stop_strings=["</tool_call>"])
+    with pytest.raises(ConfigError, match="rollout.tools.*module:function"):
+        RolloutConfig(tools=["multiply"], max_turns=2)
+
+
+def count_tool_calls(prompts, completions, **kwargs) -> list[float]:
+    """A TRL-style reward reading the parsed ``tool_calls`` of each completion's messages."""
+    return [float(sum(len(m.get("tool_calls") or []) for m in c)) for c in completions]
+
+
+def test_train_with_tools_end_to_end(qwen3_dir, tmp_path, monkeypatch):
+    """``tether.train(config, tools=[...], reward_funcs=...)`` on a conversational dataset, each
+    policy turn scripted (:data:`TURNS`, by the tool answers in its context): the run calls the
+    tools, its reward reads the parsed ``tool_calls``, it logs the tools' metrics (TRL's
+    ``tools/call_frequency`` and ``tools/failure_frequency``), records the tools in config.yaml,
+    and a resume without them asks for them."""
+    import yaml
+
+    import tether
+    import tether.models.turns as turns_module
+    from tether.run.config import load_config
+
+    tok = load(qwen3_dir)
+    answer = tok.convert_tokens_to_ids("<tool_response>")
+    script = [tok(x, add_special_tokens=False)["input_ids"] for x in TURNS]
+
+    def scripted(lm, ids, mask, *, max_new_tokens, **kwargs):  # the turn after 0, 2 or 4 tool answers
+        rows = [script[min(2, int((row == answer).sum()) // 2)][:max_new_tokens] for row in ids]
+        width = max(len(r) for r in rows)
+        new = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in rows])
+        return new, torch.zeros(new.shape)
+
+    monkeypatch.setattr(turns_module, "sample_tokens", scripted)
+
+    data = tmp_path / "chat.jsonl"
+    data.write_text(
+        "".join(json.dumps({"prompt": [{"role": "user", "content": f"q {i}"}]}) + "\n" for i in range(12))
+    )
+    out = tmp_path / "run"
+    args = tiny_run_args(
+        qwen3_dir,
+        data,
+        out,
+        {
+            "train.algo": "grpo",
+            "rollout.max_turns": 3,
+            "rollout.max_new_tokens": 400,
+            "rollout.batch_size": 4,
+            "train.steps": 1,
+            "reward.scorer": None,
+            "train.save_model": None,
+        },
+    )
+    config = load_config(None, args)
+    run = tether.train(config, tools=[multiply, negate], reward_funcs=count_tool_calls)
+    rows = metric_rows(run)
+    # each row: turn 0 calls multiply and divide (no such tool here), turn 1 add (none) and negate
+    assert rows[-1]["rollout/tool_calls"] == 4 and rows[-1]["rollout/tool_failures"] == 2
+    assert rows[-1]["rollout/tool_failure_fraction"] == 0.5
+    assert rows[-1]["objective/scores"] == 4  # count_tool_calls read 2 + 2 parsed calls per completion
+    recorded = yaml.safe_load((run / "config.yaml").read_text())["rollout"]["tools"]
+    assert recorded == [
+        "(from Python) tests.e2e.test_tools:multiply",
+        "(from Python) tests.e2e.test_tools:negate",
+    ]
+    with pytest.raises(ValueError, match="passed from Python.*tools=\\[...\\]"):
+        tether.train(load_config(run / "config.yaml", []), resume=True, reward_funcs=count_tool_calls)
+
+
+def test_tools_named_on_the_command_line(qwen3_dir, tmp_path, capsys):
+    """``rollout.tools=module:function,...`` from the CLI: the run finishes with the schemas in its
+    prompts (the tiny model calls nothing) and config.yaml names the tools, which a resume imports."""
+    import yaml
+
+    from tether.cli import main
+
+    data = tmp_path / "chat.jsonl"
+    data.write_text(
+        "".join(json.dumps({"prompt": [{"role": "user", "content": f"q {i}"}]}) + "\n" for i in range(12))
+    )
+    out = tmp_path / "run"
+    overrides = {
+        "train.algo": "grpo",
+        "rollout.tools": "tests.e2e.test_tools:multiply,tests.e2e.test_tools:negate",
+        "rollout.max_turns": 2,
+        "rollout.max_new_tokens": 4,
+        "rollout.batch_size": 4,
+        "train.steps": 1,
+        "train.save_model": None,
+        "train.checkpoint_every": 1,
+    }
+    assert main(tiny_run_args(qwen3_dir, data, out, overrides, command=True)) == 0
+    config = yaml.safe_load((out / "config.yaml").read_text())
+    assert config["rollout"]["tools"] == ["tests.e2e.test_tools:multiply", "tests.e2e.test_tools:negate"]
+    import re
+
+    said = capsys.readouterr()
+    longest = int(re.search(r"rollout.max_prompt_tokens=(\d+)", said.out + said.err).group(1))
+    assert longest > 800  # the schemas are in the prompt (the bare one: 10 tokens)
+    assert main(["train", "--resume", str(out), "train.steps=2"]) == 0
+    assert [r["step"] for r in metric_rows(out)] == [0, 1]
+    warned = [json.loads(x) for x in (out / "warnings.jsonl").read_text().splitlines()]
+    assert any("the policy called no tool in the 2 steps" in w["message"] for w in warned), warned
+
+
+def test_a_model_whose_template_cannot_carry_tools_is_refused_before_loading(
+    chat_model_dir, tmp_path, capsys
+):
+    """ChatML without tool support (it renders no tool_calls): refused before the run folder is kept."""
+    from tether.cli import main
+
+    data = tmp_path / "chat.jsonl"
+    data.write_text(
+        "".join(json.dumps({"prompt": [{"role": "user", "content": f"q {i}"}]}) + "\n" for i in range(12))
+    )
+    out = tmp_path / "run"
+    overrides = {
+        "train.algo": "grpo",
+        "rollout.tools": "tests.e2e.test_tools:multiply",
+        "rollout.max_turns": 2,
+    }
+    assert main(tiny_run_args(chat_model_dir, data, out, overrides, command=True)) != 0
+    assert "drops part of a tool exchange" in capsys.readouterr().err
+    assert not out.exists()
