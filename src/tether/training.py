@@ -62,6 +62,7 @@ def train(
     env=None,
     reward_funcs: Scorer | None = None,
     tools=None,
+    environment_factory=None,
 ) -> Path:
     """Run ``config`` end to end (or continue it from its last checkpoint); returns the run directory.
 
@@ -81,7 +82,9 @@ def train(
     callable (``rollout.env``'s signature; TRL passes its tools as objects too), or set
     ``config.rollout.env`` to one; config.yaml records its name, and a resume asks for it again.
     ``tools``: TRL's ``tools=[...]``, Python functions the policy calls (``rollout.tools``,
-    :mod:`tether.models.tools`), recorded and asked for again as ``env`` is.
+    :mod:`tether.models.tools`), recorded and asked for again as ``env`` is;
+    ``environment_factory``: TRL's, a class made once per rollout row (``reset(**row)``, its
+    methods as tools, ``get_reward``; ``rollout.environment_factory``).
     ``eval_dataset`` (the same kinds as ``train_dataset``,
     or ``data.eval_prompts``) is the held-out set, instead of the hash share of the training
     prompts; a training prompt that is also in it is left out of training (said). ``callbacks``:
@@ -103,7 +106,9 @@ def train(
             )
         scorer = reward_funcs
     callbacks = check_callbacks(callbacks)
-    config, scorer, env = passed_objects(config, scorer=scorer, env=env, tools=tools)  # objects for names
+    config, scorer, env = passed_objects(
+        config, scorer=scorer, env=env, tools=tools, environment_factory=environment_factory
+    )  # objects for names
     # the config as the run starts it: rebuilt and checked whole, its defaults filled for this
     # train.algo and this data (a Python edit after load_config counts, config.yaml records it)
     config = config.for_run(

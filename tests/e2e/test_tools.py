@@ -403,3 +403,164 @@ def test_a_model_whose_template_cannot_carry_tools_is_refused_before_loading(
     assert main(tiny_run_args(chat_model_dir, data, out, overrides, command=True)) != 0
     assert "drops part of a tool exchange" in capsys.readouterr().err
     assert not out.exists()
+
+
+class Shop:
+    """An environment object as TRL's environment_factory takes it: reset(**row), a public method
+    as the row's tool, get_reward()."""
+
+    def __init__(self):
+        self.bought: list[str] = []
+        self.budget = 0
+
+    def reset(self, prompt, budget, **kwargs) -> str:
+        self.bought, self.budget = [], int(budget)
+        return f" You have {self.budget} coins."
+
+    def buy(self, item: str) -> str:
+        """Buy an item.
+
+        Args:
+            item: The item's name.
+        """
+        if len(self.bought) >= self.budget:
+            raise RuntimeError("no coins left")
+        self.bought.append(item)
+        return f"bought {item}"
+
+    def get_reward(self) -> float:
+        return float(len(self.bought))
+
+    def _private(self) -> None:
+        """Not a tool (TRL skips names that start with _)."""
+
+
+SHOP_TURNS = [
+    '<tool_call>\n{"name": "buy", "arguments": {"item": "tea"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "buy", "arguments": {"item": "jam"}}\n</tool_call><|im_end|>',
+    "Done.<|im_end|>",
+]
+
+
+def test_environment_factory_episode_equals_trls(qwen3_dir, monkeypatch):
+    """One object per row, reset with its row (the observation appended to the prompt as TRL
+    appends it), its methods the row's tools: the same ids, masks and messages as TRL's loop run
+    with that object's methods; the object's state after the rollout is the reward's."""
+    import tether.models.turns as turns_module
+    from tether.models.tools import FactoryEnv
+
+    tok = load(qwen3_dir)
+    env = FactoryEnv(Shop)
+    assert list(env.tools) == ["buy"]  # reset, get_reward and _private are not tools
+    set_template_kwargs(tok, {"tools": env.schemas})
+    script = iter(tok(x, add_special_tokens=False)["input_ids"] for x in SHOP_TURNS)
+
+    def scripted(lm, ids, mask, *, max_new_tokens, **kwargs):
+        row = next(script)
+        return torch.tensor([row]), torch.zeros(1, len(row))
+
+    monkeypatch.setattr(turns_module, "sample_tokens", scripted)
+    lm = make_tiny_llama(len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    settings = SamplingSettings(max_new_tokens=4096, temperature=1.0, max_turns=4, env_timeout=None)
+    r = turns_module.generate_turns(
+        lm, tok, [PROMPT], env, settings=settings, seeds=[0], columns={"budget": [1]}
+    )
+    shown = [{"role": "user", "content": PROMPT[0]["content"] + " You have 1 coins."}]
+    assert r.prompts == [shown]  # the reward's prompts, as TRL's
+    trl_shop = Shop()
+    trl_shop.reset(prompt=PROMPT, budget=1)
+    p_ids, c_ids, trl_mask, trl_messages, calls, failures = trl_tool_episode(
+        load(qwen3_dir), [trl_shop.buy], shown, SHOP_TURNS
+    )
+    assert r.prompt_ids[0][r.prompt_mask[0].bool()].tolist() == p_ids
+    assert r.response_ids[0].tolist() == c_ids and r.response_mask[0].tolist() == [bool(m) for m in trl_mask]
+    assert r.messages[0] == trl_messages
+    assert trl_messages[2] == {"role": "tool", "name": "buy", "content": "{'error': 'no coins left'}"}
+    assert r.environments[0].bought == trl_shop.bought == ["tea"] and (calls, failures) == (2, 1)
+    assert env.rewards(environments=r.environments) == [1.0]
+
+
+def shop_spent(prompts, completions, environments, **kwargs) -> list[float]:
+    """A TRL-style reward reading the rows' environment objects."""
+    return [-0.5 * len(e.bought) for e in environments]
+
+
+def test_train_with_environment_factory_end_to_end(qwen3_dir, tmp_path, monkeypatch):
+    """``tether.train(config, environment_factory=Shop, reward_funcs=[...])``: the rows' objects
+    are reset with their rows, their methods called, ``environments`` reaches the reward, and
+    ``get_reward`` is a reward of its own (``reward/Shop``, weight 1)."""
+    import yaml
+
+    import tether
+    import tether.models.turns as turns_module
+    from tether.run.config import load_config
+
+    tok = load(qwen3_dir)
+    answer = tok.convert_tokens_to_ids("<tool_response>")
+    script = [tok(x, add_special_tokens=False)["input_ids"] for x in SHOP_TURNS]
+
+    def scripted(lm, ids, mask, *, max_new_tokens, **kwargs):
+        rows = [script[min(1, int((row == answer).sum()))][:max_new_tokens] for row in ids]
+        width = max(len(r) for r in rows)
+        return torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in rows]), torch.zeros(
+            len(rows), width
+        )
+
+    monkeypatch.setattr(turns_module, "sample_tokens", scripted)
+    data = tmp_path / "shop.jsonl"
+    rows = [{"prompt": [{"role": "user", "content": f"buy {i}"}], "budget": 2} for i in range(12)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "run"
+    overrides = {
+        "train.algo": "grpo",
+        "rollout.max_turns": 3,
+        "rollout.max_new_tokens": 300,
+        "rollout.batch_size": 4,
+        "train.steps": 1,
+        "reward.scorer": None,
+        "train.save_model": None,
+    }
+    config = load_config(None, tiny_run_args(qwen3_dir, data, out, overrides))
+    run = tether.train(config, environment_factory=Shop, reward_funcs=[shop_spent])
+    last = metric_rows(run)[-1]
+    # each row bought tea and jam (budget 2): Shop's reward 2, shop_spent -1, the sum 1
+    assert last["reward/Shop"] == 2 and last["reward/shop_spent"] == -1 and last["objective/scores"] == 1
+    assert last["rollout/tool_calls"] == 2 and last["rollout/tool_failures"] == 0
+    recorded = yaml.safe_load((run / "config.yaml").read_text())["rollout"]
+    assert recorded["environment_factory"] == "(from Python) tests.e2e.test_tools:Shop"
+    with pytest.raises(ValueError, match="environment_factory names a factory that was passed from Python"):
+        tether.train(load_config(run / "config.yaml", []), resume=True, reward_funcs=[shop_spent])
+
+
+def test_environment_factory_refusals():
+    from tether.models.tools import FactoryEnv
+
+    class NoReset:
+        def act(self, x: int) -> int:
+            """Act.
+
+            Args:
+                x: a number.
+            """
+            return x
+
+    with pytest.raises(ValueError, match="NoReset has no reset method"):
+        FactoryEnv(NoReset)
+    with pytest.raises(ValueError, match="a dict of several environments is not supported"):
+        FactoryEnv({"a": Shop})
+    env = FactoryEnv(Shop)
+    with pytest.raises(ValueError, match="not a conversation whose last message is text"):
+        env.begin(["a text prompt"], {"budget": [1]})
+
+    class Weird(Shop):
+        def reset(self, **row):
+            return 3
+
+    with pytest.raises(ValueError, match=r"Weird.reset returned a int"):
+        FactoryEnv(Weird).begin([PROMPT], {"budget": [1]})
+    from tether.models.tools import load_environment_factory
+
+    named = load_environment_factory("tests.e2e.test_tools:Shop", ["tests.e2e.test_tools:multiply"])
+    assert list(named.tools) == ["multiply", "buy"] and named.has_reward
+    with pytest.raises(ValueError, match=r"passed from Python.*environment_factory=\.\.\."):
+        load_environment_factory("(from Python) tests.e2e.test_tools:Shop")

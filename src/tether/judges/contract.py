@@ -66,6 +66,10 @@ TRL_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "l
 (``GRPOTrainer._calculate_rewards``; RLOO's is the same): a dataset column never replaces one."""
 
 
+ENVIRONMENTS = "environments"
+"""TRL's keyword for the rows' environment objects (``environment_factory``), given to every
+reward function that names it or takes ``**kwargs`` in a run with one."""
+
 ENV_REPLIES = "env_replies"
 """The keyword a multi-turn rollout's environment texts reach a reward under (module docstring);
 not TRL's (its tool runs pass messages, whose roles tell the tool's text apart). A dataset column
@@ -557,7 +561,10 @@ def score_rollout(
         rollout.responses,
         where,
         prompts=rollout.prompts,
-        columns=rollout.columns,
+        # environment_factory's objects: TRL's `environments` keyword, passed as a column is
+        columns=rollout.columns
+        if rollout.environments is None
+        else {**(rollout.columns or {}), ENVIRONMENTS: list(rollout.environments)},
         completion_ids=rollout.completion_ids,
         state=state,
         reward_log=reward_log,

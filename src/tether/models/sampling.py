@@ -140,6 +140,9 @@ class Rollout:
     """Per row, the tool calls run in a tool-calling rollout (``rollout.tools``), or None."""
     tool_failures: list[int] | None = None
     """Per row, how many of ``tool_calls`` failed (raised, named no tool), or None."""
+    environments: list | None = None
+    """Per row, its environment object (``environment_factory``, TRL's ``environments``), as the
+    rollout left it, or None."""
     compiled: bool = False
     """Whether the responses were decoded by the compiled decode step (``rollout.compile``,
     :func:`generate`'s ``compiled``): the ``rollout/compiled`` metric."""

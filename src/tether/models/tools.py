@@ -103,7 +103,9 @@ class ToolEnv:
         self.__qualname__ = "tools[" + ",".join(self.tools) + "]"
         self.__module__ = __name__
 
-    def __call__(self, prompt, completion, turn, **columns) -> ToolReplies | None:
+    def __call__(self, prompt, completion, turn, _row: int | None = None, **columns) -> ToolReplies | None:
+        """The tool messages answering the last turn's calls, or None where it calls none
+        (``_row``: the row's index in the batch, which :class:`FactoryEnv` reads)."""
         calls = completion[-1].get("tool_calls") if completion else None
         if not calls:
             return None
@@ -137,6 +139,93 @@ class ToolEnv:
             return name, {"error": str(e)}, True
 
 
+class FactoryEnv(ToolEnv):
+    """TRL's ``environment_factory``: an object per rollout row, made by ``factory()`` and kept in
+    a pool across steps (TRL's "construct once, reset often"), whose public methods are the row's
+    tools beside ``tools``. Before a batch is sampled, :meth:`begin` calls each row's
+    ``reset(**row)`` (the row's ``prompt`` and dataset columns); text it returns is appended to
+    the prompt's last message, as TRL does. A class with ``get_reward()`` gives a reward of its own
+    (:meth:`rewards`, weight 1, named after the class); every reward function gets the row's
+    objects as ``environments`` (TRL's keyword).
+
+    Raises:
+        ValueError: ``factory`` is not callable, its object has no ``reset``, or a method cannot
+            be described as a tool (:func:`tool_schema`), each naming the fix.
+    """
+
+    def __init__(self, factory: Callable, tools: Sequence[Callable] = ()):
+        if not callable(factory) or isinstance(factory, dict):
+            raise ValueError(
+                "environment_factory takes a class or a function making one environment object, got "
+                f"{type(factory).__name__} (a dict of several environments is not supported: give one "
+                "factory)"
+            )
+        self.factory = factory
+        probe = factory()
+        members = dict(inspect.getmembers(type(probe), predicate=inspect.isfunction))
+        if "reset" not in members:
+            raise ValueError(
+                f"environment_factory: {type(probe).__qualname__} has no reset method; TRL calls "
+                "reset(**row) on each rollout's environment before it samples"
+            )
+        self.methods = [m for m in members if m not in ("reset", "get_reward") and not m.startswith("_")]
+        self.has_reward = "get_reward" in members
+        self.kind = type(probe)
+        self.standalone = list(tools)
+        super().__init__(self.standalone + [getattr(probe, m) for m in self.methods])
+        self.pool = [probe]
+        self.active: list = []
+        self.__qualname__ = f"environment_factory[{self.kind.__qualname__}]"
+
+    def begin(self, prompts: list, columns: dict[str, list]) -> list:
+        """Reset one environment object per row (made when the pool runs short) with its row,
+        ``reset(prompt=..., **columns)``; returns the prompts, each with the text ``reset``
+        returned (if any) appended to its last message (TRL's rule).
+
+        Raises:
+            ValueError: ``reset`` returned something other than text or None, or a prompt that
+                is not a conversation of text messages got an observation.
+        """
+        import copy
+
+        while len(self.pool) < len(prompts):
+            self.pool.append(self.factory())
+        self.active = self.pool[: len(prompts)]
+        out = []
+        for i, (prompt, env) in enumerate(zip(prompts, self.active)):
+            row = {"prompt": copy.deepcopy(prompt), **{k: copy.deepcopy(v[i]) for k, v in columns.items()}}
+            observation = env.reset(**row)
+            if observation is None:
+                out.append(prompt)
+                continue
+            if not isinstance(observation, str):
+                raise ValueError(
+                    f"environment_factory: {self.kind.__qualname__}.reset returned a "
+                    f"{type(observation).__name__}; it returns text to append to the prompt, or None"
+                )
+            if not (isinstance(prompt, list) and prompt and isinstance(prompt[-1].get("content"), str)):
+                raise ValueError(
+                    "environment_factory: reset returned text to append to the prompt, and the prompt is "
+                    "not a conversation whose last message is text; give conversational prompts"
+                )
+            out.append(prompt[:-1] + [{**prompt[-1], "content": prompt[-1]["content"] + observation}])
+        return out
+
+    def __call__(self, prompt, completion, turn, _row: int | None = None, **columns) -> ToolReplies | None:
+        if _row is None:
+            raise ValueError("environment_factory: a tool call came without its row")
+        env = self.active[_row]
+        self.tools = {
+            **{tool_schema(fn)["function"]["name"]: fn for fn in self.standalone},
+            **{m: getattr(env, m) for m in self.methods},
+        }
+        return super().__call__(prompt, completion, turn, **columns)
+
+    def rewards(self, environments=None, **kwargs) -> list[float | None]:
+        """``get_reward()`` of each row's object (TRL's reward of an environment that owns it)."""
+        return [awaited(e.get_reward()) if type(e) is self.kind else None for e in environments or []]
+
+
 def load_tools(specs: Sequence[str | Callable]) -> ToolEnv:
     """The :class:`ToolEnv` of ``rollout.tools``: each ``module:function`` imported
     (:func:`tether.models.callables.import_callable`), or the function itself.
@@ -160,6 +249,25 @@ def load_tools(specs: Sequence[str | Callable]) -> ToolEnv:
         else:
             tools.append(import_callable(str(spec), "rollout.tools"))
     return ToolEnv(tools)
+
+
+def load_environment_factory(spec: str | Callable, tools: Sequence[str | Callable] = ()) -> FactoryEnv:
+    """The :class:`FactoryEnv` of ``rollout.environment_factory`` (``module:Class``, or the
+    factory itself) with ``rollout.tools`` beside its methods.
+
+    Raises:
+        ValueError: as :func:`load_tools`, for the factory too.
+    """
+    if not callable(spec):
+        if str(spec).startswith(PASSED_FROM_PYTHON):
+            raise ValueError(
+                "rollout.environment_factory names a factory that was passed from Python "
+                f"({str(spec).removeprefix(PASSED_FROM_PYTHON).strip()}), which config.yaml cannot rebuild: "
+                "pass it again, tether.train(config, environment_factory=...) (with resume=True to go on "
+                "with a run), or name it, rollout.environment_factory=module:Class"
+            )
+        spec = import_callable(str(spec), "rollout.environment_factory")
+    return FactoryEnv(spec, load_tools(tools).tools.values() if tools else ())
 
 
 def tool_specs(tools: Sequence[Callable]) -> list[str]:

@@ -922,6 +922,8 @@ class ToolLoop:
         # other rows or the transcript the reward reads
         row_columns = {k: copy.deepcopy(v) for k, v in ep.columns.items()}
         where = f"row {ep.row} after turn {turn}"
+        if getattr(self.env, "tool_calls", False):  # rollout.tools: the row picks its environment object
+            row_columns["_row"] = ep.row
         reply = call_env(
             self.env,
             dict(prompt=copy.deepcopy(ep.prompt), completion=so_far, turn=turn, **row_columns),
@@ -1118,6 +1120,8 @@ def generate_turns(
         raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
     chat = turn_formats(tokenizer, prompts, s.env_format, s.stop_strings, s.max_turns)
     columns = columns or {}
+    if hasattr(env, "begin"):  # environment_factory: each row's object reset with its row, first
+        prompts = env.begin(prompts, columns)
     passed = env_column_names(env, list(columns))
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, s.max_prompt_tokens, device)
     ends = end_token_ids(tokenizer, lm)
@@ -1139,4 +1143,9 @@ def generate_turns(
         for b, prompt in enumerate(prompts)
     ]
     ToolLoop(lm=lm, tokenizer=tokenizer, env=env, fmt=fmt, settings=s, ends=ends, pad=pad).run(episodes)
-    return assemble(episodes, fmt, prompts=prompts, prompt_ids=prompt_ids, prompt_mask=prompt_mask, pad=pad)
+    rollout = assemble(
+        episodes, fmt, prompts=prompts, prompt_ids=prompt_ids, prompt_mask=prompt_mask, pad=pad
+    )
+    if hasattr(env, "begin"):
+        rollout.environments = list(env.active)
+    return rollout

@@ -695,6 +695,14 @@ class RolloutConfig(_Defaulted):
     loop, token for token (docs/trl.md). The tools' tokens are context, as rollout.env's; the
     reward gets the messages (``tool_calls`` parsed). Needs rollout.max_turns >= 2 (TRL's
     max_tool_calling_iterations + 1); not with rollout.env or rollout.stop_strings."""
+    environment_factory: str | None = None
+    """TRL's ``environment_factory``: ``module:Class`` (or ``train(environment_factory=Class)``),
+    made once per rollout row and kept across steps. Before each batch, each row's object gets
+    ``reset(**row)`` (the prompt and the dataset columns; text it returns is appended to the
+    prompt's last message); its public methods are that row's tools (beside rollout.tools), run
+    as rollout.tools' are; a ``get_reward()`` method is a reward of its own (weight 1, named after
+    the class), and every reward function gets the rows' objects as ``environments``. Needs
+    rollout.max_turns >= 2; not with rollout.env."""
     env_timeout: float | None = 60.0
     """Seconds one call of ``rollout.env`` may take (null: no limit). With a limit each call runs
     on a worker thread while tether waits (code that needs the main thread, a ``signal.alarm``
@@ -757,7 +765,14 @@ class RolloutConfig(_Defaulted):
             self.tools = (
                 loaded if isinstance(loaded, list) else [t.strip() for t in text.split(",") if t.strip()]
             )
-        if self.tools:
+        if self.environment_factory is not None:
+            _check(
+                ":" in str(self.environment_factory) or callable(self.environment_factory),
+                "rollout.environment_factory",
+                self.environment_factory,
+                "must be module:Class (an importable class or function making one environment object)",
+            )
+        if self.tools or self.environment_factory is not None:
             _check(
                 isinstance(self.tools, list)
                 and all(
@@ -769,8 +784,8 @@ class RolloutConfig(_Defaulted):
             )
             _check(
                 self.env is None,
-                "rollout.tools",
-                self.tools,
+                "rollout.tools" if self.tools else "rollout.environment_factory",
+                self.tools or self.environment_factory,
                 f"and rollout.env={self.env} both answer the policy's turns; give one of them",
             )
             _check(
@@ -852,7 +867,7 @@ class RolloutConfig(_Defaulted):
     @property
     def multi_turn(self) -> bool:
         """Whether something answers between the policy's turns: rollout.env or rollout.tools."""
-        return self.env is not None or bool(self.tools)
+        return self.env is not None or bool(self.tools) or self.environment_factory is not None
 
     def check_turn_fields(self) -> None:
         """The fields that need an environment (rollout.max_turns > 1, rollout.stop_strings,
@@ -897,6 +912,7 @@ class RolloutConfig(_Defaulted):
             "rollout.max_prompt_tokens": self.max_prompt_tokens,
             "rollout.env": self.env,
             "rollout.tools": list(self.tools),
+            "rollout.environment_factory": self.environment_factory,
             "rollout.max_turns": self.max_turns,
             "rollout.stop_strings": list(self.stop_strings),
             "rollout.env_format": self.env_format,
@@ -2291,6 +2307,7 @@ FIELD_UNITS: dict[str, str] = {
     "rollout.compile": "",
     "rollout.env": "",
     "rollout.tools": "",
+    "rollout.environment_factory": "",
     "rollout.env_format": "",
     "rollout.max_turns": "policy turns",
     "rollout.env_timeout": "seconds",

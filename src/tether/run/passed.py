@@ -10,7 +10,9 @@ from tether.models.callables import PASSED_FROM_PYTHON, python_object_spec
 from tether.run.config import Config
 
 
-def passed_objects(config: Config, *, scorer, env, tools=None) -> tuple[Config, object, object]:
+def passed_objects(
+    config: Config, *, scorer, env, tools=None, environment_factory=None
+) -> tuple[Config, object, object]:
     """The config with its objects replaced by their names, and the objects: ``(config, scorer,
     env)``.
 
@@ -28,6 +30,9 @@ def passed_objects(config: Config, *, scorer, env, tools=None) -> tuple[Config, 
         scorer: the ``scorer`` (or ``reward_funcs``) passed to ``train``, or None.
         env: the ``env`` passed to ``train``, or None.
         tools: the ``tools`` passed to ``train`` (functions), or None.
+        environment_factory: TRL's ``environment_factory`` passed to ``train`` (a class), or None;
+            also from ``config.rollout.environment_factory`` as an object. It becomes the
+            environment (:class:`tether.models.tools.FactoryEnv`), with the tools beside it.
 
     Raises:
         ValueError: both ``train(env=...)`` and a ``rollout.env`` name give the environment, both
@@ -53,6 +58,33 @@ def passed_objects(config: Config, *, scorer, env, tools=None) -> tuple[Config, 
         config = copy.deepcopy(config, dict(keep))
         config.rollout.env = python_object_spec(env)
     listed = config.rollout.tools if isinstance(config.rollout.tools, list) else []
+    named = config.rollout.environment_factory
+    if environment_factory is not None or callable(named):
+        from tether.models.tools import FactoryEnv, load_tools, tool_specs
+
+        if (
+            environment_factory is not None
+            and named is not None
+            and not str(named).startswith(PASSED_FROM_PYTHON)
+        ):
+            raise ValueError(
+                f"train(environment_factory=...) and rollout.environment_factory={shown(named)} both give "
+                "it; give one of them"
+            )
+        if env is not None:
+            raise ValueError(
+                "train(environment_factory=...) and an environment (env=..., rollout.env) both answer the "
+                "policy's turns; give one"
+            )
+        factory = environment_factory if environment_factory is not None else named
+        passed = list(tools) if tools is not None else [t for t in listed if callable(t)]
+        standalone = passed or (list(load_tools(listed).tools.values()) if listed else [])
+        env = FactoryEnv(factory, standalone)
+        config = copy.deepcopy(config, {id(factory): factory, **{id(t): t for t in standalone}})
+        config.rollout.environment_factory = python_object_spec(factory)
+        if passed:
+            config.rollout.tools = tool_specs(passed)
+        return config, scorer, env
     if tools is not None or any(callable(t) for t in listed):
         from tether.models.tools import ToolEnv, tool_specs
 

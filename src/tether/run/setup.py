@@ -32,7 +32,14 @@ from tether.data.prompts import (
     unique_prompts,
 )
 from tether.data.tasks import TASKS, task_prompts
-from tether.judges.contract import ENV_REPLIES, Scorer, WeightedReward, is_conversational, required_arguments
+from tether.judges.contract import (
+    ENV_REPLIES,
+    ENVIRONMENTS,
+    Scorer,
+    WeightedReward,
+    is_conversational,
+    required_arguments,
+)
 from tether.judges.scorers import (
     PYTHON_SCORER,
     RewardModelScorer,
@@ -61,7 +68,7 @@ from tether.models.reference import (
 from tether.models.rollouts import Sampler, SamplingSettings, make_sampler
 from tether.models.sampling import prompt_texts, render_chat, set_template_kwargs, use_chat_template
 from tether.models.sharding import shard_model
-from tether.models.tools import check_tool_template, load_tools
+from tether.models.tools import check_tool_template, load_environment_factory, load_tools
 from tether.models.turns import (
     chat_closing_id,
     chat_reply_text,
@@ -441,6 +448,15 @@ def fill_max_prompt_tokens(config: Config, longest: int, context: int | None) ->
     if given:
         return config
     config = copy.deepcopy(config)
+    if r.environment_factory is not None and context is not None:  # reset() may lengthen a prompt
+        config.rollout._fill("max_prompt_tokens", context - r.max_new_tokens)
+        if is_main():
+            print(
+                f"tether: rollout.max_prompt_tokens={context - r.max_new_tokens}: what the model's {context} "
+                f"positions leave beside rollout.max_new_tokens={r.max_new_tokens}, as environment_factory's "
+                f"reset() may append to a prompt (the data's longest has {longest} tokens)"
+            )
+        return config
     config.rollout._fill("max_prompt_tokens", longest)
     if is_main():
         cap = f"; the model's {context} positions cap it at {context - r.max_new_tokens}" if context else ""
@@ -569,6 +585,8 @@ def config_env(config: Config) -> Callable | None:
         ValueError: a name that does not import, or the name of an object passed from Python
             (it must be passed again: :func:`tether.models.turns.load_env`).
     """
+    if config.rollout.environment_factory:
+        return load_environment_factory(config.rollout.environment_factory, config.rollout.tools)
     if config.rollout.tools:
         return load_tools(config.rollout.tools)
     return load_env(config.rollout.env) if config.rollout.env else None
@@ -762,6 +780,7 @@ def build_run(
         eval_dataset=eval_dataset,
         judges=judges,
         device=accelerator.device,
+        env=env,
     )
     apply_template_kwargs(config, scorer, (train_prompts, heldout))
     anchor_texts = load_anchor_texts(config)
@@ -923,13 +942,15 @@ def check_before_loading(config: Config, *, resume: bool, model, scorer) -> Path
 
 
 def load_data_and_scorer(
-    config: Config, *, scorer, train_dataset, judges: dict | None, device, eval_dataset=None
+    config: Config, *, scorer, train_dataset, judges: dict | None, device, eval_dataset=None, env=None
 ) -> tuple[PromptData, PromptData, Scorer]:
     """The training and held-out prompts (a user's file reads in seconds; the embedded prompts
     download once) and the reward: reward.scorer, or TRL's reward_funcs from Python (a callable,
     a reward model, (model, tokenizer), or a list of them), counted against reward.weights; a
     reward model runs on ``device``. The reward and the judges are checked against the data's
-    columns (and integer answers) here, before any model loads."""
+    columns (and integer answers) here, before any model loads. An ``environment_factory`` whose
+    objects own a reward (``get_reward``) adds it, named after their class, at weight 1 (TRL's
+    rule), or is the reward where none is given."""
     train_prompts, heldout = (
         load_prompts(config) if train_dataset is None else dataset_prompts(train_dataset, config)
     )
@@ -941,13 +962,29 @@ def load_data_and_scorer(
     else:  # the hash share is the evaluation set: each prompt once (its copies trained on nothing)
         source = "train_dataset" if train_dataset is not None else "data.prompts"
         heldout = unique_prompts(heldout, f"{source} (its held-out share)")
-    scorer = make_scorer(
-        config.reward.scorer if scorer is None else scorer, config.reward.weights, device=device
-    )
+    own = getattr(env, "has_reward", False)  # environment_factory's get_reward
+    if own and scorer is None and config.reward._given("scorer") is None:
+        scorer = WeightedReward({env.kind.__name__: env.rewards})
+    else:
+        scorer = make_scorer(
+            config.reward.scorer if scorer is None else scorer, config.reward.weights, device=device
+        )
+        if own:
+            parts = scorer.scorers if isinstance(scorer, WeightedReward) else {scorer_name(scorer): scorer}
+            weights = scorer.weights if isinstance(scorer, WeightedReward) else [1.0]
+            scorer = WeightedReward({**parts, env.kind.__name__: env.rewards}, [*weights, 1.0])
     turns = config.rollout.multi_turn
-    check_scorer_columns(scorer, train_prompts.columns, multi_turn=turns)
+    factory = hasattr(env, "begin")
+    for part, where in ((train_prompts, "data.prompts"), (evaluation, field)):
+        if factory and part is not None and ENVIRONMENTS in (part.columns or {}):
+            raise ValueError(
+                f"{where}: a column is named {ENVIRONMENTS!r}, the keyword under which a reward gets "
+                "environment_factory's objects; rename the column"
+            )
+    extra = {ENVIRONMENTS: []} if factory else {}
+    check_scorer_columns(scorer, {**train_prompts.columns, **extra}, multi_turn=turns)
     if evaluation is not None:
-        check_scorer_columns(scorer, heldout.columns, data_field=field, multi_turn=turns)
+        check_scorer_columns(scorer, {**heldout.columns, **extra}, data_field=field, multi_turn=turns)
     check_integer_answers(scorer, train_prompts, heldout)
     for field_name, judge in (judges or {}).items():
         check_scorer_columns(judge, train_prompts.columns, field_name, multi_turn=turns)
