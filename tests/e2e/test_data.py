@@ -722,14 +722,20 @@ def test_dpo_eos_is_not_doubled_and_mixed_formats_are_refused(tiny_tokenizer, tm
         read_pair_file(str(tmp_path / "m.jsonl"), tiny_tokenizer)
 
 
-def test_a_dpo_tools_column_is_refused_not_ignored(tiny_tokenizer, tmp_path):
-    """TRL's DPO renders a row's `tools` schemas into its prompt; tether's does not yet, so the
-    column is refused by name rather than trained on other tokens than TRL's."""
+def test_a_dpo_tools_column_on_a_text_prompt_is_refused_not_ignored(tiny_tokenizer, tmp_path):
+    """A text prompt is rendered by no chat template, so a row's `tools` would change nothing (TRL
+    ignores it there): refused by name. Conversational rows: tests/e2e/test_tools.py."""
     import json
 
     from tether.trainers.dpo import read_pair_file
 
     row = {"prompt": "a", "chosen": " b", "rejected": " c", "tools": [{"type": "function"}]}
     (tmp_path / "p.jsonl").write_text(json.dumps(row) + "\n")
-    with pytest.raises(ValueError, match=r'p.jsonl:1 has a "tools" column'):
+    with pytest.raises(
+        ValueError, match=r'p.jsonl:1 has a "tools" or "chat_template_kwargs" column and a text'
+    ):
+        read_pair_file(str(tmp_path / "p.jsonl"), tiny_tokenizer)
+    row = {"prompt": [{"role": "user", "content": "a"}], "chosen": [], "rejected": [], "tools": "[{"}
+    (tmp_path / "p.jsonl").write_text(json.dumps(row) + "\n")
+    with pytest.raises(ValueError, match=r'p.jsonl:1: its "tools" column is text that is not JSON'):
         read_pair_file(str(tmp_path / "p.jsonl"), tiny_tokenizer)

@@ -564,3 +564,36 @@ def test_environment_factory_refusals():
     assert list(named.tools) == ["multiply", "buy"] and named.has_reward
     with pytest.raises(ValueError, match=r"passed from Python.*environment_factory=\.\.\."):
         load_environment_factory("(from Python) tests.e2e.test_tools:Shop")
+
+
+@pytest.mark.parametrize("as_text", [False, True])
+def test_a_dpo_tools_column_gives_trls_tokens(qwen3_dir, tmp_path, as_text):
+    """A conversational preference row with TRL's per-row ``tools`` column (a list of schemas, or
+    its JSON text, which TRL parses) and ``chat_template_kwargs`` column: the prompt tokens and
+    the chosen and rejected ids TRL's DPO tokenizes (its ``tokenize_fn``, the schemas rendered
+    into the prompt, thinking off)."""
+    from trl.data_utils import _tokenize, common_prefix_length
+
+    from tether.models.sampling import prompt_texts
+    from tether.trainers.dpo import read_pair_file
+
+    tok = load(qwen3_dir)
+    schemas = [tool_schema(multiply)]
+    row = {
+        "prompt": PROMPT,
+        "chosen": [{"role": "assistant", "content": "12"}],
+        "rejected": [{"role": "assistant", "content": "7"}],
+        "tools": json.dumps(schemas) if as_text else schemas,
+        "chat_template_kwargs": {"enable_thinking": False},
+    }
+    (tmp_path / "p.jsonl").write_text(json.dumps(row) + "\n")
+    prompts, chosen, rejected = read_pair_file(str(tmp_path / "p.jsonl"), tok)
+    kwargs = {"tools": schemas, "enable_thinking": False}  # TRL's apply_chat_template_kwargs
+    p = _tokenize(tok, row["prompt"], add_generation_prompt=True, **kwargs)["input_ids"]
+    pc = _tokenize(tok, row["prompt"] + row["chosen"], **kwargs)["input_ids"]
+    pr = _tokenize(tok, row["prompt"] + row["rejected"], **kwargs)["input_ids"]
+    n = min(common_prefix_length(p, pc), common_prefix_length(p, pr))
+    assert (chosen[0].tolist(), rejected[0].tolist()) == (pc[n:], pr[n:])
+    text = prompt_texts(tok, prompts)[0]
+    assert tok(text, add_special_tokens=False)["input_ids"] == p and '"name": "multiply"' in text
+    assert "<think>\n\n</think>" in text  # the row's enable_thinking=False reached the template

@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 from tether.core.text import SHOWN_CHARS, shown
 from tether.models.loading import cache_dir
+from tether.models.sampling import RowPrompt
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +211,8 @@ def records_to_data(
                 for m in p
             )
         ):
-            prompts.append([{"role": m["role"], "content": m["content"]} for m in p])
+            messages = [{"role": m["role"], "content": m["content"]} for m in p]
+            prompts.append(RowPrompt(messages, p.template_kwargs) if isinstance(p, RowPrompt) else messages)
         else:
             at = where[i] if where is not None else f"{source} row {i + 1}"
             column = prompt_column if len(prompt_column) <= SHOWN_CHARS else shown(prompt_column)
@@ -443,6 +445,42 @@ def _subset_error(e: ValueError, spec: str, subset: str | None) -> None:
         raise ValueError(f"{what}{have}; choose one with data.config=NAME") from None
 
 
+def row_template_kwargs(row: dict, at: str) -> dict:
+    """A preference row's own chat template variables, as TRL's DPO reads them: its
+    ``chat_template_kwargs`` column and its ``tools`` column (a list of JSON schemas, or JSON
+    text of one, which TRL parses), both for a conversational prompt only.
+
+    Raises:
+        ValueError: ``tools`` that is not a list of schemas (or JSON text of one),
+            ``chat_template_kwargs`` that is not a mapping, or either on a text prompt (TRL renders
+            text prompts without a template: they would change nothing); the row named.
+    """
+    kwargs: dict = {}
+    tools, extra = row.get("tools"), row.get("chat_template_kwargs")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as e:
+            raise ValueError(f'dpo.pairs: {at}: its "tools" column is text that is not JSON ({e})') from None
+    if tools:
+        if not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise ValueError(
+                f'dpo.pairs: {at}: its "tools" column must be a list of JSON schemas (TRL\'s format: '
+                '{"type": "function", "function": {...}}), or JSON text of one'
+            )
+        kwargs["tools"] = tools
+    if extra:
+        if not isinstance(extra, dict):
+            raise ValueError(f'dpo.pairs: {at}: its "chat_template_kwargs" column must be a mapping')
+        kwargs.update(extra)
+    if kwargs and not isinstance(row.get("prompt", row.get("chosen")), list):
+        raise ValueError(
+            f'dpo.pairs: {at} has a "tools" or "chat_template_kwargs" column and a text prompt, which '
+            "no chat template renders (TRL ignores them there); give conversational rows, or drop the column"
+        )
+    return kwargs
+
+
 def explicit_pair(row: dict, at: str) -> dict:
     """A preference row with its ``prompt`` explicit, as TRL's DPO reads it.
 
@@ -452,18 +490,19 @@ def explicit_pair(row: dict, at: str) -> dict:
     point they part left with the responses. Rows with a ``prompt`` are returned as they are.
 
     Raises:
-        ValueError: a row with a ``tools`` column (TRL renders it; tether's DPO does not yet), an
-            unpaired row (``prompt``, ``completion``, ``label``: KTO's format, TRL's
-            ``KTOTrainer``), or an implicit row whose two sides share no prompt, or one of which
-            is the other's prefix (no response would be left to compare; TRL then cuts the prompt
-            at an arbitrary place), naming the row.
+        ValueError: bad ``tools`` or ``chat_template_kwargs`` columns (:func:`row_template_kwargs`;
+            good ones make the prompt a :class:`tether.models.sampling.RowPrompt`), an
+            unpaired row (``prompt``, ``completion``, ``label``: KTO's format, TRL's ``KTOTrainer``),
+            or an implicit row whose two sides share no prompt, or one of which is the other's
+            prefix (no response would be left to compare; TRL then cuts the prompt at an arbitrary
+            place), naming the row.
     """
-    if row.get("tools"):
-        raise ValueError(
-            f'dpo.pairs: {at} has a "tools" column: TRL renders its schemas into the row\'s prompt through '
-            "the chat template, which tether's DPO does not do yet (its tokens would differ from "
-            "TRL's); drop the column, or write the tools into the prompt's system message"
-        )
+    kwargs = row_template_kwargs(row, at)
+    if kwargs:  # the row's own template variables travel with its prompt
+        out = explicit_pair({k: v for k, v in row.items() if k not in ("tools", "chat_template_kwargs")}, at)
+        if isinstance(out.get("prompt"), list):
+            out["prompt"] = RowPrompt(out["prompt"], kwargs)
+        return out
     if "completion" in row and "label" in row and "chosen" not in row:
         raise ValueError(
             f"dpo.pairs: {at} is an unpaired preference row (prompt, completion, label: KTO's format, "

@@ -243,10 +243,22 @@ def set_template_kwargs(tokenizer, kwargs: dict) -> None:
     setattr(tokenizer, TEMPLATE_KWARGS, dict(kwargs))
 
 
+class RowPrompt(list):
+    """A conversation with template variables of its own row (TRL's per-row ``tools`` and
+    ``chat_template_kwargs`` columns of a preference dataset): a list of messages as any
+    conversational prompt, whose ``template_kwargs`` every rendering of it adds
+    (:func:`render_chat`, :func:`prompt_texts`)."""
+
+    def __init__(self, messages, template_kwargs: dict | None = None):
+        super().__init__(messages)
+        self.template_kwargs = dict(template_kwargs or {})
+
+
 def render_chat(tokenizer, messages: list, *, add_generation_prompt: bool, **kwargs) -> str:
     """``messages`` rendered as text by ``tokenizer``'s chat template, with the template
-    variables :func:`set_template_kwargs` gave it: the one place tether applies a chat template."""
-    extra = {**getattr(tokenizer, TEMPLATE_KWARGS, {}), **kwargs}
+    variables :func:`set_template_kwargs` gave it and those of the row (:class:`RowPrompt`): the
+    one place tether applies a chat template."""
+    extra = {**getattr(tokenizer, TEMPLATE_KWARGS, {}), **getattr(messages, "template_kwargs", {}), **kwargs}
     return tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
     )

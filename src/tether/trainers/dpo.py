@@ -35,7 +35,7 @@ from tether.core.masked import masked_sum
 from tether.core.shaping import shape_rewards
 from tether.data.prompts import PromptSampler, explicit_pair, is_heldout, load_rows, prompt_key
 from tether.judges.contract import ScorerFailed, ScorerStopped, score_rollout, trainer_state
-from tether.models.sampling import render_chat, sample_seeds
+from tether.models.sampling import RowPrompt, render_chat, sample_seeds
 from tether.models.scoring import (
     policy_and_reference_logprobs,
     rollout_from_responses,
@@ -132,8 +132,8 @@ def conversation_response_ids(tokenizer, prompt: list, responses: list[list], at
 
     alone, own = ids(prompt, True), ids(prompt, False)
     out = []
-    for response in responses:
-        whole = ids(prompt + response, False)
+    for response in responses:  # the row's own template variables (RowPrompt) kept
+        whole = ids(RowPrompt(prompt + response, getattr(prompt, "template_kwargs", {})), False)
         shared = next(
             (i for i, (a, b) in enumerate(zip(whole, alone)) if a != b), min(len(whole), len(alone))
         )
