@@ -6,6 +6,7 @@ Nothing here downloads anything; a 2-layer Llama with hidden size 32 loads in mi
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import subprocess
@@ -164,12 +165,17 @@ def tiny_model_dir(tmp_path_factory, tiny_tokenizer) -> Path:
 
 @pytest.fixture(autouse=True)
 def tiny_fluency_judge(request, monkeypatch, tiny_model_dir):
-    """The embedded fluency judge (Gemma-3-270M, eval.fluency_model's default) is the tiny Llama in
-    every test run in this process, except those marked ``real_fluency``: its numbers are then
-    the tiny model's, and no test waits for the real one."""
+    """The embedded fluency judge (Gemma-3-270M, what eval.fluency_model=auto turns on) is the tiny
+    Llama in every test run in this process, except those marked ``real_fluency``: its numbers are
+    then the tiny model's, and no test waits for the real one. ``auto`` keeps it on in every run
+    (tiny runs are all short), except in tests marked ``fluency_auto``, which test its rule."""
     if request.node.get_closest_marker("real_fluency"):
         return
+    import tether.judges.fluency as fluency
     import tether.models.loading as loading
+
+    if not request.node.get_closest_marker("fluency_auto"):  # eval.fluency_model=auto keeps the judge on
+        monkeypatch.setattr(fluency, "AUTO_SHARE", math.inf)
 
     real = loading.embedded_model_folder
     monkeypatch.setattr(

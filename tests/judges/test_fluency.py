@@ -108,3 +108,37 @@ def test_the_fluency_judge_reads_the_first_samples_of_each_prompt(tiny_tokenizer
     )
     assert every.responses == r.responses  # the same seeds, the same samples
     assert every.fluency_nll == [float(len(x)) for x in r.responses]
+
+
+def test_fluency_cost_share_hand_worked():
+    from tether.judges.fluency import fluency_cost_share
+
+    # judge: 200 params x 10 responses x 7 tokens = 14,000; training: 100 params x 40 sequences x 5
+    # forward-equivalents x 7 tokens = 140,000; the share 14,000 / 140,000 = 0.1
+    kw = dict(judge_params=200, judged_responses=10, policy_params=100, forwards_per_sequence=5, tokens=7)
+    assert fluency_cost_share(trained_sequences=40, **kw) == pytest.approx(0.1, rel=1e-12)
+    assert fluency_cost_share(trained_sequences=0, **kw) == float("inf")  # nothing trained: never cheap
+
+
+@pytest.mark.fluency_auto
+def test_auto_turns_the_judge_off_on_a_short_run_of_user_data_and_says_why(
+    tiny_model_dir, prompt_file, tmp_path, capsys
+):
+    """A 1-step run on a user's prompts: Gemma-3-270M's forwards on its held-out responses
+    dwarf a tiny policy's training, so ``auto`` is none, said with its arithmetic; the run logs
+    no fluency and records ``none`` as its evaluation's judge."""
+    import json
+
+    from tests.conftest import metric_rows, tiny_run_args
+    from tether.cli import main
+
+    out = tmp_path / "run"
+    assert main(tiny_run_args(tiny_model_dir, prompt_file, out, {"eval.n_prompts": 8}, command=True)) == 0
+    said = capsys.readouterr().out
+    assert "tether: eval.fluency_model=auto: none: the fluency judge (gemma3-270m, 268M parameters" in said
+    assert (
+        "over the 25% it is allowed on data other than the demo's; eval.fluency_model=gemma3-270m turns it on"
+        in said
+    )
+    assert not any("eval/fluency_nll" in r for r in metric_rows(out))
+    assert "eval/fluency_nll" not in json.loads((out / "eval.json").read_text()).get("policy", {})

@@ -71,7 +71,7 @@ def task_defaults_lines(
         else:
             gold = "alone (eval.judge=none)"
         lines.append(f"tether: the held-out evaluation scores with the run's reward (reward.scorer) {gold}")
-        if c.eval.fluency_model != "none":
+        if c.eval.fluency_model not in ("none", "auto"):  # auto: said when it is decided
             lines.append(
                 f"tether: the fluency judge is eval.fluency_model={c.eval.fluency_model} (its NLL of each "
                 "held-out response; eval.fluency_model=none turns it off)"

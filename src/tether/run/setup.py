@@ -936,7 +936,7 @@ def check_before_loading(config: Config, *, resume: bool, model, scorer) -> Path
         check_passed_peft_model(model)
     if scorer is None:
         check_scorer_spec(config.reward.scorer)
-    if config.eval.fluency_model != "none" and (config.eval.n_prompts or config.eval.every):
+    if config.eval.fluency_model not in ("none", "auto") and (config.eval.n_prompts or config.eval.every):
         check_model_name(config.eval.fluency_model, field_name="eval.fluency_model")
     return run_dir
 
