@@ -144,6 +144,20 @@ def offline_cli(home: Path, *args: str) -> subprocess.CompletedProcess:
     )
 
 
+REAL_AUTO_SHARE = 0.25
+"""tether.judges.fluency.AUTO_SHARE as tether sets it (checked in :func:`pytest_configure`)."""
+
+
+def pytest_configure(config):
+    """``eval.fluency_model=auto`` keeps the judge on in every run of this process, module-scoped
+    fixtures' included: tiny runs are all short, and the tests read its numbers; tests marked
+    ``fluency_auto`` get the real share back (:func:`tiny_fluency_judge`)."""
+    import tether.judges.fluency as fluency
+
+    assert fluency.AUTO_SHARE == REAL_AUTO_SHARE, "update REAL_AUTO_SHARE"
+    fluency.AUTO_SHARE = math.inf
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     return make_tokenizer()
@@ -174,8 +188,8 @@ def tiny_fluency_judge(request, monkeypatch, tiny_model_dir):
     import tether.judges.fluency as fluency
     import tether.models.loading as loading
 
-    if not request.node.get_closest_marker("fluency_auto"):  # eval.fluency_model=auto keeps the judge on
-        monkeypatch.setattr(fluency, "AUTO_SHARE", math.inf)
+    if request.node.get_closest_marker("fluency_auto"):  # its real rule (pytest_configure lifted it)
+        monkeypatch.setattr(fluency, "AUTO_SHARE", REAL_AUTO_SHARE)
 
     real = loading.embedded_model_folder
     monkeypatch.setattr(
