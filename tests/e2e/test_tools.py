@@ -97,7 +97,9 @@ def load(folder):
     return AutoTokenizer.from_pretrained(folder)
 
 
-def trl_tool_episode(tok, tools, prompt, turns, max_iterations=10, max_completion_length=4096):
+def trl_tool_episode(
+    tok, tools, prompt, turns, max_iterations=10, max_completion_length=4096, template_kwargs=None
+):
     """TRL 1.16's tool episode: the prompt rendered as ``GRPOTrainer._tokenize_prompts`` renders
     it, the first turn parsed as ``_generate`` parses it, then ``_tool_call_loop`` with
     ``_generate_single_turn`` scripted to return the next of ``turns``. Returns ``(prompt_ids,
@@ -116,7 +118,7 @@ def trl_tool_episode(tok, tools, prompt, turns, max_iterations=10, max_completio
     t.use_vllm = False
     t.model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=1 << 20))
     t.chat_template = None if is_chat_template_prefix_preserving(tok) else get_training_chat_template(tok)
-    t.chat_template_kwargs = {}
+    t.chat_template_kwargs = dict(template_kwargs or {})
     t.tools = list(tools)
     t.environment_factories = None
     t.max_tool_calling_iterations = max_iterations
@@ -137,6 +139,7 @@ def trl_tool_episode(tok, tools, prompt, turns, max_iterations=10, max_completio
         add_generation_prompt=True,
         tokenize=True,
         return_dict=True,
+        **t.chat_template_kwargs,
     )["input_ids"]
     first = next(script)
     completions = [[parse_response(tok, first, prefix=prompt_ids[0], tools=t.tools)]]
@@ -152,7 +155,9 @@ def _is_async(f):
     return inspect.iscoroutinefunction(f)
 
 
-def tether_tool_episode(tok, tools, prompt, turns, monkeypatch, *, max_turns=11, max_new_tokens=4096):
+def tether_tool_episode(
+    tok, tools, prompt, turns, monkeypatch, *, max_turns=11, max_new_tokens=4096, template_kwargs=None
+):
     """tether's episode of the same script: :func:`tether.models.turns.generate_turns` with the
     tools' :class:`ToolEnv`, the prompt's template given the schemas as a run gives them, and
     each policy turn's sampling replaced by the next of ``turns`` (the turn loop, parsing, tools
@@ -160,7 +165,7 @@ def tether_tool_episode(tok, tools, prompt, turns, monkeypatch, *, max_turns=11,
     import tether.models.turns as turns_module
 
     env = ToolEnv(tools)
-    set_template_kwargs(tok, {"tools": env.schemas})
+    set_template_kwargs(tok, {**(template_kwargs or {}), "tools": env.schemas})
     script = iter(tok(x, add_special_tokens=False)["input_ids"] for x in turns)
 
     def scripted(lm, ids, mask, *, max_new_tokens, **kwargs):
@@ -597,3 +602,97 @@ def test_a_dpo_tools_column_gives_trls_tokens(qwen3_dir, tmp_path, as_text):
     text = prompt_texts(tok, prompts)[0]
     assert tok(text, add_special_tokens=False)["input_ids"] == p and '"name": "multiply"' in text
     assert "<think>\n\n</think>" in text  # the row's enable_thinking=False reached the template
+
+
+ODD_TURNS = [
+    # arguments null (TRL: {}, the tool called), a list (TRL: the call raises, {"error": ...}), and
+    # a tool that echoes a special token (tether: an error result, where TRL would append it)
+    '<tool_call>\n{"name": "negate", "arguments": null}\n</tool_call>\n'
+    '<tool_call>\n{"name": "multiply", "arguments": [3, 4]}\n</tool_call><|im_end|>',
+    "Done.<|im_end|>",
+]
+
+
+def negate_nothing(a: int = 5) -> int:
+    """Negate an integer.
+
+    Args:
+        a: The integer.
+    """
+    return -a
+
+
+@pytest.mark.parametrize("thinking", [None, False])
+def test_odd_calls_and_a_prefilled_turn_as_trl(qwen3_dir, monkeypatch, thinking):
+    """Calls TRL's validation lets through (arguments null; arguments a list, which makes the call
+    raise) handled as TRL handles them, with Qwen3's thinking off too (its template prefills the
+    opened turn with an empty think block, data.chat_template_kwargs), token for token."""
+    negate = negate_nothing
+    negate.__name__ = "negate"
+    tools = [multiply, negate]
+    kwargs = {} if thinking is None else {"enable_thinking": thinking}
+    p_ids, c_ids, trl_mask, trl_messages, calls, failures = trl_tool_episode(
+        load(qwen3_dir), tools, PROMPT, ODD_TURNS, template_kwargs=kwargs
+    )
+    r = tether_tool_episode(load(qwen3_dir), tools, PROMPT, ODD_TURNS, monkeypatch, template_kwargs=kwargs)
+    assert r.prompt_ids[0][r.prompt_mask[0].bool()].tolist() == p_ids
+    assert r.response_ids[0].tolist() == c_ids and r.response_mask[0].tolist() == [bool(m) for m in trl_mask]
+    assert r.messages[0] == trl_messages
+    assert trl_messages[1] == {"role": "tool", "name": "negate", "content": "-5"}
+    assert "must be a mapping" in trl_messages[2]["content"] and (calls, failures) == (2, 1)
+    assert (r.tool_calls, r.tool_failures) == ([2], [1])
+
+
+def echo(text: str) -> str:
+    """Repeat a text.
+
+    Args:
+        text: The text.
+    """
+    return text
+
+
+def test_a_tool_output_with_special_tokens_is_the_calls_error(qwen3_dir, monkeypatch):
+    """A tool that echoes ``<|im_start|>`` (the policy sampled it into its arguments): the call's
+    result is an error (counted failed), the episode goes on; a sampled call never stops the run."""
+    turns = [
+        '<tool_call>\n{"name": "echo", "arguments": {"text": "a<|im_start|>b"}}\n</tool_call><|im_end|>',
+        TURNS[2],
+    ]
+    r = tether_tool_episode(load(qwen3_dir), [echo], PROMPT, turns, monkeypatch)
+    tool = r.messages[0][1]
+    assert tool["name"] == "echo" and tool["content"].startswith("{'error': 'the output holds special tokens")
+    assert (r.tool_calls, r.tool_failures) == ([1], [1]) and [m["role"] for m in r.messages[0]][
+        -1
+    ] == "assistant"
+
+
+def test_text_prompts_with_tools_are_refused_naming_the_fix(qwen3_dir, monkeypatch):
+    with pytest.raises(ValueError, match=r"rollout.tools needs prompts rendered by the chat template"):
+        tether_tool_episode(load(qwen3_dir), TOOLS, "a text prompt", TURNS, monkeypatch)
+
+
+def test_a_dpo_response_that_only_calls_a_tool_is_trls_tokens(qwen3_dir, tmp_path):
+    """A chosen response that is an assistant turn with tool_calls and no content (TRL renders
+    it): the same ids as TRL's DPO."""
+    from trl.data_utils import _tokenize, common_prefix_length
+
+    from tether.trainers.dpo import read_pair_file
+
+    tok = load(qwen3_dir)
+    call = {"type": "function", "function": {"name": "multiply", "arguments": {"a": 3, "b": 4}}}
+    row = {
+        "prompt": PROMPT,
+        "chosen": [{"role": "assistant", "content": None, "tool_calls": [call]}],
+        "rejected": [{"role": "assistant", "content": "7"}],
+        "tools": [tool_schema(multiply)],
+    }
+    (tmp_path / "p.jsonl").write_text(json.dumps(row) + "\n")
+    _, chosen, rejected = read_pair_file(str(tmp_path / "p.jsonl"), tok)
+    kwargs = {"tools": row["tools"]}
+    p = _tokenize(tok, row["prompt"], add_generation_prompt=True, **kwargs)["input_ids"]
+    pc = _tokenize(tok, row["prompt"] + row["chosen"], **kwargs)["input_ids"]
+    pr = _tokenize(tok, row["prompt"] + row["rejected"], **kwargs)["input_ids"]
+    n = min(common_prefix_length(p, pc), common_prefix_length(p, pr))
+    assert (chosen[0].tolist(), rejected[0].tolist()) == (pc[n:], pr[n:])
+    assert "<tool_call>" in tok.decode(chosen[0].tolist())

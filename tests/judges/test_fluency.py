@@ -142,3 +142,34 @@ def test_auto_turns_the_judge_off_on_a_short_run_of_user_data_and_says_why(
     )
     assert not any("eval/fluency_nll" in r for r in metric_rows(out))
     assert "eval/fluency_nll" not in json.loads((out / "eval.json").read_text()).get("policy", {})
+
+
+@pytest.mark.fluency_auto
+def test_auto_on_a_dpo_pairs_file_is_decided_and_a_resume_decides_again(tiny_model_dir, tmp_path, capsys):
+    """DPO on a user's pairs (data.prompts left at its default, as a DPO run leaves it) is not the
+    demo's data: auto decides by cost (none here). config.yaml keeps auto, so a resume decides
+    again and reports no changed fluency setting."""
+    import json
+
+    import yaml
+
+    from tests.conftest import tiny_run_args
+    from tether.cli import main
+
+    pairs = tmp_path / "pairs.jsonl"
+    rows = [{"prompt": f"the movie {i} was", "chosen": " good", "rejected": " bad"} for i in range(30)]
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "run"
+    overrides = {
+        "train.algo": "dpo",
+        "dpo.pairs": str(pairs),
+        "data.prompts": None,
+        "eval.n_prompts": 4,
+        "train.checkpoint_every": 1,
+    }
+    assert main(tiny_run_args(tiny_model_dir, None, out, overrides, command=True)) == 0
+    assert "tether: eval.fluency_model=auto: none:" in capsys.readouterr().out
+    assert main(["train", "--resume", str(out), "train.steps=2"]) == 0
+    said = capsys.readouterr().out
+    assert "eval.fluency_model=auto: none:" in said and "fluency_model: 'auto'" not in said
+    assert yaml.safe_load((out / "config.yaml").read_text())["eval"]["fluency_model"] == "auto"

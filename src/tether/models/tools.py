@@ -375,10 +375,29 @@ def check_tool_template(tokenizer, *, close_id: int, render) -> None:
     tokenizer.response_template = hermes_response_template(anchor, close)
 
 
+def assistant_close_id(tokenizer, *, render) -> int | None:
+    """The id the chat template writes right after an assistant's text (``<|im_end|>``): where a
+    tool-calling turn ends. Read from a conversation of one user and one assistant message, so a
+    template that prefills the opened turn (Qwen3's empty think block with
+    ``enable_thinking=false``) or re-renders earlier turns gives it as well; None where the text
+    is followed by no token of its own."""
+    content = "2 + 3 ="
+    text = render(
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": content}],
+        add_generation_prompt=False,
+    )
+    at = text.rfind(content)
+    if at < 0:
+        return None
+    head = tokenizer(text[: at + len(content)], add_special_tokens=False)["input_ids"]
+    full = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return full[len(head)] if full[: len(head)] == head and len(full) > len(head) else None
+
+
 def parse_turn(tokenizer, ids: list[int], *, prefix: list[int], schemas: list[dict]) -> dict:
     """One assistant turn's tokens as a message, TRL's ``parse_response``:
     ``tokenizer.parse_response(ids, prefix=..., tools=...)``, the EOS text stripped from the
-    content, an empty content as ``""``; a turn the parser cannot read (a malformed call) is its
+    content, an empty content as ``""``; a turn the parser cannot read (a call without a name) is its
     decoded text (special tokens skipped) as the content, with no ``tool_calls``.
 
     Args:
@@ -397,13 +416,17 @@ def parse_turn(tokenizer, ids: list[int], *, prefix: list[int], schemas: list[di
             parsed["content"] = parsed["content"].removesuffix(tokenizer.eos_token)
         if not parsed.get("content"):
             parsed["content"] = ""
-        for call in parsed.get("tool_calls") or []:
-            function = call.get("function") if isinstance(call, dict) else None
+        calls = parsed.get("tool_calls")
+        if calls is not None and not isinstance(calls, list):
+            raise ValueError("tool_calls must be a list")
+        for call in calls or []:  # TRL's checks: a name; arguments None or missing are {}
+            if not isinstance(call, dict):
+                raise ValueError("a tool call that is not an object")
+            function = call["function"] if "function" in call else call
             if not isinstance(function, dict) or not isinstance(function.get("name"), str):
                 raise ValueError("a tool call without a name")
-            if not isinstance(function.get("arguments", {}), dict):
-                raise ValueError("a tool call whose arguments are not an object")
-            function.setdefault("arguments", {})
+            if function.get("arguments") is None:
+                function["arguments"] = {}
     except (ValueError, TypeError, json.JSONDecodeError):
         parsed = {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)}
     return parsed

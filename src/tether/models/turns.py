@@ -64,7 +64,7 @@ from tether.models.sampling import (
     stop_text,
     tokenize_prompts,
 )
-from tether.models.tools import check_tool_template, parse_turn, tool_suffix_ids
+from tether.models.tools import assistant_close_id, check_tool_template, parse_turn, tool_suffix_ids
 
 EnvFn = Callable[..., "str | None"]
 """``env(prompt=..., completion=..., turn=..., **columns) -> str | None``: the environment's text
@@ -176,14 +176,16 @@ SIGNAL_ON_A_THREAD = "signal only works in main thread"
 as a ``signal.alarm`` timeout does) on a thread other than the main one."""
 
 
-def call_env(env: EnvFn, kwargs: dict, *, timeout: float | None, where: str, so_far) -> str | None:
+def call_env(
+    env: EnvFn, kwargs: dict, *, timeout: float | None, where: str, so_far, field: str = "rollout.env"
+) -> str | None:
     """``env(**kwargs)``, awaited when it is ``async def``: with a ``timeout``, on a worker thread
     for at most that many seconds (:func:`tether.models.callables.call_with_deadline`), so that an
     environment that never answers ends the rollout instead of the run hanging; with none
     (``rollout.env_timeout=null``), on this thread, so that code that needs the main thread (a
     ``signal.alarm`` timeout of its own) works. Ctrl-C is heard while it runs either way (the first
     said, naming the call; a second ends it). ``where`` (``row 1 after turn 0``) and ``so_far``
-    (the completion it got) name the call.
+    (the completion it got) name the call, ``field`` what the user set (``rollout.tools``).
 
     Raises:
         EnvFailed: it raised anything (``SystemExit`` and ``KeyboardInterrupt`` too: a tool's
@@ -191,7 +193,7 @@ def call_env(env: EnvFn, kwargs: dict, *, timeout: float | None, where: str, so_
             fix named), its deadline passed (``rollout.env_timeout`` named), or a signal ended the
             wait or the call (``interrupted``).
     """
-    what = f"rollout.env ({where})"
+    what = f"{field} ({where})"
     shown = f"completion so far {str(so_far)[-80:]!r}"
     try:
         if timeout is None:
@@ -204,7 +206,7 @@ def call_env(env: EnvFn, kwargs: dict, *, timeout: float | None, where: str, so_
         if e.interrupted:
             raise EnvFailed(f"stopped while waiting for {what}", interrupted=True) from None
         raise EnvFailed(
-            f"rollout.env did not answer within rollout.env_timeout={timeout:g} s on {where} ({shown}); "
+            f"{field} did not answer within rollout.env_timeout={timeout:g} s on {where} ({shown}); "
             "the call is left running on a thread of its own. Find what it waits on (a tool that calls a "
             "service: give it a timeout of its own), or raise rollout.env_timeout (null: no limit)"
         ) from None
@@ -220,7 +222,7 @@ def call_env(env: EnvFn, kwargs: dict, *, timeout: float | None, where: str, so_
                 "rollout.env_timeout itself), or set rollout.env_timeout=null to call it on the main thread, "
                 "with no deadline"
             )
-        raise EnvFailed(f"rollout.env raised {type(e).__name__} on {where} ({shown}){said}") from e
+        raise EnvFailed(f"{field} raised {type(e).__name__} on {where} ({shown}){said}") from e
 
 
 @functools.lru_cache(maxsize=8)
@@ -462,6 +464,23 @@ def turn_formats(
             "render, or rollout.env_format=raw): a raw turn ends only at an end id, which ends the episode, "
             "so rollout.env would never answer. Name the text that ends a policy turn (e.g. "
             "rollout.stop_strings=['</call>']), or use conversational prompts or data.chat_template=true"
+        )
+    return chat
+
+
+def tool_turn_formats(tokenizer, prompts: Sequence, env_format: EnvFormat) -> list[bool]:
+    """:func:`turn_formats` of a tool-calling run (``rollout.tools``): every row's turns through
+    the chat template, which carries the tools' schemas and calls.
+
+    Raises:
+        ValueError: a prompt the chat template does not render (the fix named).
+    """
+    chat = [chat_turns(tokenizer, p, env_format) for p in prompts]
+    if not all(chat):
+        raise ValueError(
+            "rollout.tools needs prompts rendered by the chat template (conversations, or "
+            "data.chat_template=true), which carries the tools' schemas and calls; these are text prompts "
+            "the template does not render"
         )
     return chat
 
@@ -790,10 +809,14 @@ class ToolCalls(ChatTemplate):
 
     def checked_reply(self, reply, *, left: int, forbidden: set[int], where: str):
         """The tool messages, each content checked as a chat reply (:func:`reply_text`), or None
-        where they surely do not fit ``left`` tokens together.
+        where they surely do not fit ``left`` tokens together. A result that cannot be appended
+        (special tokens such as ``<|im_end|>``, which a tool echoing the policy's text may return;
+        text that is not valid Unicode) becomes the call's ``{"error": ...}`` and counts as a failed
+        call, said once: a sampled call cannot stop the run (TRL would append the tokens and
+        restructure the conversation).
 
         Raises:
-            EnvReplyError: not tool messages, or a content that cannot be appended.
+            EnvReplyError: not tool messages.
         """
         if not isinstance(reply, list) or not all(
             isinstance(m, dict) and m.get("role") == TOOL_ROLE and isinstance(m.get("content"), str)
@@ -805,8 +828,19 @@ class ToolCalls(ChatTemplate):
         room = (left + 1) * longest_token_chars(self.tokenizer)
         if sum(normalized_length(self.tokenizer, m["content"]) for m in reply) > room:
             return None
-        for m in reply:
-            reply_text(self.tokenizer, m["content"], left=left, chat=True, forbidden=forbidden, where=where)
+        for m in reply:  # a result that cannot be appended is the call's error, as a raising tool's
+            try:
+                reply_text(
+                    self.tokenizer, m["content"], left=1 << 30, chat=True, forbidden=forbidden, where=where
+                )
+            except EnvReplyError as e:
+                # (the error names no token: its text would hold the special tokens again)
+                m["content"] = str({"error": "the output holds special tokens or invalid text, not appended"})
+                if hasattr(reply, "failures"):
+                    reply.failures += 1
+                say_once(
+                    "tool output", f"tether: rollout.tools: {e}; the call's result is that error instead"
+                )
         return reply
 
     def reply_ids(self, ep: Episode, reply, text, *, left: int, at_end: bool) -> list[int] | None:
@@ -930,6 +964,7 @@ class ToolLoop:
             timeout=self.settings.env_timeout,
             where=where,
             so_far=so_far,
+            field="rollout.tools" if getattr(self.env, "tool_calls", False) else "rollout.env",
         )
         if reply is None:  # the environment ended the episode: it ended, not cut at a limit
             ep.done = ep.ended = True
@@ -978,7 +1013,8 @@ def tool_format(
             "where the chat template closes an assistant message, and its tool calls are parsed from the "
             "whole turn (TRL's tool loop); leave rollout.stop_strings empty"
         )
-    close = chat_closing_id(tokenizer, prompt_messages(prompt), "2 + 3 =")
+    render = functools.partial(render_chat, tokenizer, tools=None)
+    close = assistant_close_id(tokenizer, render=render)
     if close is None or int(close) not in {int(e) for e in ends}:
         name = tokenizer.convert_ids_to_tokens(int(close)) if close is not None else None
         raise ValueError(
@@ -987,7 +1023,6 @@ def tool_format(
             "generation_config.eos_token_id), so a turn would not end there and no tool would be called; add "
             "the id to the model's generation_config.eos_token_id (a base model's lists only its own EOS)"
         )
-    render = functools.partial(render_chat, tokenizer, tools=None)
     check_tool_template(tokenizer, close_id=close, render=render)
     return ToolCalls(
         tokenizer, ends, settings.max_new_tokens, schemas=env.schemas, close_id=close, render=render
@@ -1118,7 +1153,11 @@ def generate_turns(
     prompts = list(prompts)
     if len(seeds) != len(prompts):
         raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-    chat = turn_formats(tokenizer, prompts, s.env_format, s.stop_strings, s.max_turns)
+    chat = (
+        tool_turn_formats(tokenizer, prompts, s.env_format)
+        if getattr(env, "tool_calls", False)
+        else turn_formats(tokenizer, prompts, s.env_format, s.stop_strings, s.max_turns)
+    )
     columns = columns or {}
     if hasattr(env, "begin"):  # environment_factory: each row's object reset with its row, first
         prompts = env.begin(prompts, columns)

@@ -1695,8 +1695,15 @@ class Config:
                 why = "multi-turn rollouts are not built for train.sharding=fsdp"
             elif self.rollout.compile is True:
                 why = "multi-turn rollouts decode eagerly; leave rollout.compile at auto or false"
-            name = "rollout.env" if self.rollout.env is not None else "rollout.tools"
-            _check(why is None, name, self.rollout.env or self.rollout.tools, f"{why}")
+            r = self.rollout
+            name, value = (
+                ("rollout.env", r.env)
+                if r.env is not None
+                else ("rollout.environment_factory", r.environment_factory)
+                if r.environment_factory is not None
+                else ("rollout.tools", r.tools)
+            )
+            _check(why is None, name, value, f"{why}")
         _check(
             self.rollout.group_size >= spec.min_group_size,
             "rollout.group_size",

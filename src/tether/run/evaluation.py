@@ -18,7 +18,7 @@ from tether.core.diversity import distinct_n, repetition, self_bleu
 from tether.core.kl import estimate_kl, sequence_kl
 from tether.core.passk import ks_up_to, pass_at_k
 from tether.data.capability import capability_texts
-from tether.data.prompts import DEFAULT_PROMPTS, PromptData
+from tether.data.prompts import PromptData
 from tether.judges.contract import Scorer, score_rollout, trainer_state
 from tether.judges.fluency import continuation_logprobs, mean_nll
 from tether.models.callables import PASSED_FROM_PYTHON
@@ -571,7 +571,7 @@ class Evaluator:
             "eval.n_prompts": e.n_prompts,
             "eval.samples_per_prompt": e.samples_per_prompt,
             "eval.judge": e.judge,
-            "eval.fluency_model": e.fluency_model,
+            "eval.fluency_model": self.run.fluency_model or e.fluency_model,
             "eval.fluency_samples": e.fluency_samples,
             "reward": c.to_dict(resolved=False)["reward"],
         }
@@ -767,7 +767,7 @@ def auto_fluency_model(run: Run) -> str:
 
     c = run.config
     name = F.DEFAULT_FLUENCY_MODEL
-    if c.data.prompts == DEFAULT_PROMPTS or c.eval.best_fluency_margin is not None:
+    if c.embedded_data or c.eval.best_fluency_margin is not None:
         return name
     e, r = c.eval, c.rollout
     per_eval = e.fluency_samples
@@ -801,19 +801,21 @@ def auto_fluency_model(run: Run) -> str:
 
 def fluency_judge(run: Run):
     """The fluency judge of eval.fluency_model on rank 0 (the one that evaluates), or None;
-    ``auto`` resolved first (:func:`auto_fluency_model`, the config's field set to it, so that
-    the evaluation records which)."""
+    ``auto`` resolved first (:func:`auto_fluency_model`) into ``run.fluency_model``, which the
+    evaluation records (the config keeps ``auto``: a resume decides again)."""
     c = run.config
-    if c.eval.fluency_model == "auto" and (c.eval.n_prompts or c.eval.every) and run.heldout_prompts:
-        c.eval.fluency_model = auto_fluency_model(run)
-    if c.eval.fluency_model in ("none", "auto") or not D.is_main() or not run.heldout_prompts:
+    run.fluency_model = c.eval.fluency_model
+    if c.eval.fluency_model == "auto":
+        used = (c.eval.n_prompts or c.eval.every) and run.heldout_prompts
+        run.fluency_model = auto_fluency_model(run) if used else "none"
+    if run.fluency_model == "none" or not D.is_main() or not run.heldout_prompts:
         return None
     if not (c.eval.n_prompts or c.eval.every):
         return None
     from tether.judges.fluency import FluencyJudge
 
     device = run.accelerator.device if run.accelerator is not None else "cpu"
-    return FluencyJudge(c.eval.fluency_model, device)
+    return FluencyJudge(run.fluency_model, device)
 
 
 def reference_periodic(evaluator: Evaluator, before, run_dir: Path, resume: bool) -> None:

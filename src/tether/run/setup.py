@@ -68,13 +68,18 @@ from tether.models.reference import (
 from tether.models.rollouts import Sampler, SamplingSettings, make_sampler
 from tether.models.sampling import prompt_texts, render_chat, set_template_kwargs, use_chat_template
 from tether.models.sharding import shard_model
-from tether.models.tools import check_tool_template, load_environment_factory, load_tools
+from tether.models.tools import (
+    assistant_close_id,
+    check_tool_template,
+    load_environment_factory,
+    load_tools,
+)
 from tether.models.turns import (
-    chat_closing_id,
     chat_reply_text,
     env_column_names,
     load_env,
     prompt_messages,
+    tool_turn_formats,
     turn_formats,
 )
 from tether.run.config import Config, ConfigError, check_world_size, dump_config, read_yaml
@@ -555,6 +560,10 @@ class Run:
     run_dir_existed: bool = False
     """The run directory existed (empty) before this run, see :func:`discard_failed_start`."""
     anchor_texts: list[str] | None = None
+    fluency_model: str | None = None
+    """What eval.fluency_model is on this run: its value, or what ``auto`` chose
+    (:func:`tether.run.evaluation.fluency_judge`); None before the evaluator is built. The config
+    keeps ``auto``, so that a resume decides again."""
     """The text anchor's human texts (:func:`load_anchor_texts`), None when ``anchor.coef`` is 0."""
 
 
@@ -1152,8 +1161,12 @@ def check_env_format(config: Config, tokenizer, *, parts, env: Callable | None =
     if not r.multi_turn:
         return
     prompts = [p for part in parts for p in part.prompts]
-    chat = turn_formats(tokenizer, prompts, r.env_format, r.stop_strings, r.max_turns)
     env = env if env is not None else config_env(config)
+    chat = (
+        tool_turn_formats(tokenizer, prompts, r.env_format)
+        if getattr(env, "tool_calls", False)
+        else turn_formats(tokenizer, prompts, r.env_format, r.stop_strings, r.max_turns)
+    )
     # the held-out part comes from data.eval_prompts (or eval_dataset) when one is given
     held_out = config.data.eval_prompts
     if held_out is None:
@@ -1176,10 +1189,14 @@ def check_env_format(config: Config, tokenizer, *, parts, env: Callable | None =
                 "rollout.tools needs prompts rendered by the chat template (conversations, or "
                 "data.chat_template=true), which carries the tools' schemas and calls"
             )
-        close = chat_closing_id(tokenizer, prompt_messages(prompts[0]), "2 + 3 =")
-        check_tool_template(
-            tokenizer, close_id=close, render=functools.partial(render_chat, tokenizer, tools=None)
-        )
+        render = functools.partial(render_chat, tokenizer, tools=None)
+        close = assistant_close_id(tokenizer, render=render)
+        if close is None:
+            raise ValueError(
+                "rollout.tools: the chat template of model.name writes no token of its own after an "
+                "assistant's text, so a tool-calling turn has no end to stop at"
+            )
+        check_tool_template(tokenizer, close_id=close, render=render)
     elif chat and chat[0]:  # the template must carry a tool message after the assistant's text
         # an assistant's text as a policy writes it: spaces and newlines at its ends (a template
         # that trims them cannot carry a turn verbatim)

@@ -20,6 +20,7 @@ reduced over processes (docs/distributed.md).
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Iterator
@@ -97,15 +98,18 @@ class PairLogps(NamedTuple):
 
 def response_text(x) -> str | None:
     """A preference response as text: a string, or a conversational one (a list of messages,
-    TRL's format) as the content of its messages; None if it is neither."""
+    TRL's format) as the content of its messages, a message's ``tool_calls`` (an assistant turn
+    that only calls a tool: content empty or None) as their JSON; None if it is neither."""
     if isinstance(x, str):
         return x
-    if (
-        isinstance(x, list)
-        and x
-        and all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in x)
-    ):
-        return "".join(m["content"] for m in x)
+    if isinstance(x, list) and x and all(isinstance(m, dict) for m in x):
+        parts = []
+        for m in x:
+            content, calls = m.get("content"), m.get("tool_calls")
+            if not (isinstance(content, str) or (content is None and calls)):
+                return None
+            parts.append((content or "") + (json.dumps(calls) if calls else ""))
+        return "".join(parts)
     return None
 
 
