@@ -71,6 +71,13 @@ RUNS = {
     # the same with the anchor three times as strong: the capability change of "budget 1 + anchor
     # 1" (+0.003 +- 0.0015 over 3 seeds) is 2.1 SE from 0, the anchor at 3 (beta 0) held it at 0.001
     "budget 1 + anchor 3": ["kl.budget=1", "anchor.coef=3"],
+    # the forward-KL leash kept pass@16 best of one seed (0.727); with the anchor at 3 for the probe
+    "forward-KL leash + anchor 3": [
+        "kl.controller=fixed",
+        "kl.kl_coef=0.04",
+        "kl.divergence=forward_kl",
+        "anchor.coef=3",
+    ],
     "fixed beta 0.04": ["kl.controller=fixed", "kl.kl_coef=0.04"],
     "Dr. GRPO": ["grpo.scale_by_std=false"],
 }

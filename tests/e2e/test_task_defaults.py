@@ -477,7 +477,9 @@ def test_a_mistyped_local_path_is_not_taken_for_a_hub_id(tmp_path, monkeypatch):
 def test_first_lines_name_the_fluency_judge_and_a_tiny_heldout_set():
     from tether.run.announce import task_defaults_lines
 
-    c = load_config(None, ["data.prompts=p.txt"])
+    auto = load_config(None, ["data.prompts=p.txt"])  # auto says its choice when it decides
+    assert "fluency_model" not in "\n".join(task_defaults_lines(auto, has_judge=False, n_heldout=8))
+    c = load_config(None, ["data.prompts=p.txt", "eval.fluency_model=gemma3-270m"])
     lines = "\n".join(task_defaults_lines(c, has_judge=False, n_heldout=1))
     assert "eval.fluency_model=gemma3-270m" in lines
     assert "only 1 held-out prompt(s)" in lines and "undefined (nan)" in lines

@@ -148,10 +148,12 @@ def _per_sample_quality(c: Config, prompts, texts: list[str], m: int) -> dict[st
 
     values = {"repetition": [repetition(t) for t in texts]}
     if c.eval.fluency_model != "none":
-        from tether.judges.fluency import FluencyJudge
+        from tether.judges.fluency import DEFAULT_FLUENCY_MODEL, FluencyJudge
         from tether.run.setup import resolve_device
 
-        judge = FluencyJudge(c.eval.fluency_model, resolve_device(c.train.device))
+        # auto: the judge itself; the frontier's points are compared on what the leash protects
+        name = DEFAULT_FLUENCY_MODEL if c.eval.fluency_model == "auto" else c.eval.fluency_model
+        judge = FluencyJudge(name, resolve_device(c.train.device))
         values["fluency_nll"] = judge([p for p in prompts.prompts for _ in range(m)], texts)
     out = {}
     for key, vals in values.items():
