@@ -63,6 +63,27 @@ def test_hand_worked_clipped_and_unclipped():
     torch.testing.assert_close(logprobs.grad, _t([[0.0, 0.5, 0.0, 0.0]]), rtol=0, atol=1e-14)
 
 
+def test_clip_higher_widens_the_upper_range_only():
+    # clip_eps 0.2 below, clip_eps_high 0.6 above (DAPO's clip-higher); the tokens of the test above:
+    #   tok 0: ratio 1.5 (< 1.6 now), A = +2: unclipped -3.0, clipped -2*1.5 = -3.0 -> -3.0, with
+    #          gradient d/dlogp = -A*ratio = -3.0
+    #   tok 1: ratio 1.5, A = -1: 1.5 either way (unclipped), d/dlogp = 1.5
+    #   tok 2: ratio 0.5 (< 0.8, the lower range unchanged), A = -1: 0.8, clipped, no gradient
+    # loss = (-3.0 + 1.5 + 0.8) / 3 = -0.7 / 3; clipfrac 1 / 3; grad [-3, 1.5, 0] / 3 = [-1, 0.5, 0]
+    old = _t([[-1.0, -2.0, -0.5, -1.0]])
+    logprobs = (old + _t([[math.log(1.5), math.log(1.5), math.log(0.5), NAN]])).detach().requires_grad_(True)
+    adv = _t([[2.0, -1.0, -1.0, 5.0]])
+    mask = torch.tensor([[1, 1, 1, 0]], dtype=torch.bool)
+    out = ppo_policy_loss(logprobs, old, adv, mask, clip_eps=0.2, clip_eps_high=0.6)
+    assert out.loss.item() == pytest.approx(-0.7 / 3, abs=1e-14)
+    assert out.clipfrac.item() == pytest.approx(1 / 3, abs=1e-7)
+    out.loss.backward()
+    torch.testing.assert_close(logprobs.grad, _t([[-1.0, 0.5, 0.0, 0.0]]), rtol=0, atol=1e-14)
+    # None is the symmetric range, the same numbers as clip_eps_high = clip_eps
+    same = [ppo_policy_loss(logprobs, old, adv, mask, 0.2, clip_eps_high=h).loss.item() for h in (None, 0.2)]
+    assert same[0] == same[1] == pytest.approx(-0.1 / 3, abs=1e-14)
+
+
 def test_ratio_inside_clip_range_never_clips():
     # ratio 1.1 with A = +1: unclipped -1.1, clipped -1.1 (1.1 < 1.2): equal, not counted as clipped
     old = _t([[-1.0]])

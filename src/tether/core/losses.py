@@ -20,7 +20,7 @@ from tether.core.masked import masked_mean
 
 class PolicyLoss(NamedTuple):
     loss: Tensor
-    """scalar, to minimize: -mean_t min(ratio_t A_t, clip(ratio_t, 1 -+ clip_eps) A_t)."""
+    """scalar, to minimize: -mean_t min(ratio_t A_t, clip(ratio_t, 1 - clip_eps, 1 + clip_eps_high) A_t)."""
     clipfrac: Tensor
     """scalar, fraction of valid tokens where the clipped branch was taken."""
     approx_kl: Tensor
@@ -35,18 +35,25 @@ def ppo_policy_loss(
     advantages: Tensor,
     response_mask: Tensor,
     clip_eps: float = 0.2,
+    *,
+    clip_eps_high: float | None = None,
 ) -> PolicyLoss:
     """PPO clipped surrogate loss (Schulman et al. 2017, eq. 7), negated for minimization.
 
     ``ratio = exp(logprobs - old_logprobs)``;
-    ``loss = mean_valid max(-A * ratio, -A * clip(ratio, 1 - clip_eps, 1 + clip_eps))``.
+    ``loss = mean_valid max(-A * ratio, -A * clip(ratio, 1 - clip_eps, 1 + clip_eps_high))``.
+    An upper range wider than the lower one is DAPO's "clip-higher" (Yu et al. 2025, arXiv
+    2503.14476, eq. 10; TRL's ``epsilon_high``): a token whose probability the update raises may
+    rise further before its gradient stops, which keeps exploration where the symmetric clip
+    collapses entropy.
 
     Args:
         logprobs: (B, R) log pi_theta of the taken tokens, with grad.
         old_logprobs: (B, R) log pi_old at rollout time, no grad.
         advantages: (B, R) advantages, no grad.
         response_mask: (B, R) bool.
-        clip_eps: clip range epsilon > 0.
+        clip_eps: clip range epsilon > 0 (below 1: the lower bound ``1 - clip_eps``).
+        clip_eps_high: the upper range (``1 + clip_eps_high``), > 0; None = ``clip_eps``.
 
     Returns:
         :class:`PolicyLoss`.
@@ -58,7 +65,8 @@ def ppo_policy_loss(
     ratio = torch.exp(log_ratio)
     adv = advantages.detach()
     unclipped = -adv * ratio
-    clipped = -adv * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    clipped = -adv * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high)
     loss = masked_mean(torch.maximum(unclipped, clipped), response_mask)
     with torch.no_grad():
         clipfrac = masked_mean((clipped > unclipped).float(), response_mask)

@@ -1213,6 +1213,9 @@ class OptimConfig:
 class PPOConfig:
     clip_eps: float = 0.2
     """Policy ratio clip range epsilon (Schulman et al. 2017); also used by GRPO and RLOO."""
+    clip_eps_high: float | None = None
+    """The ratio's upper clip range, ``1 + clip_eps_high`` (DAPO's clip-higher, Yu et al. 2025;
+    TRL's ``epsilon_high``); None = ``ppo.clip_eps``, one symmetric range. PPO, GRPO and RLOO."""
     clip_eps_value: float = 0.2
     """Value-change clip range (PPO)."""
     vf_coef: float = 0.1
@@ -1250,6 +1253,12 @@ class PPOConfig:
 
     def __post_init__(self) -> None:
         _check(self.clip_eps > 0, "ppo.clip_eps", self.clip_eps, "must be > 0")
+        _check(
+            self.clip_eps_high is None or self.clip_eps_high > 0,
+            "ppo.clip_eps_high",
+            self.clip_eps_high,
+            "must be > 0, or null (ppo.clip_eps above as below)",
+        )
         _check(self.clip_eps_value > 0, "ppo.clip_eps_value", self.clip_eps_value, "must be > 0")
         _check(self.vf_coef >= 0, "ppo.vf_coef", self.vf_coef, "must be >= 0")
         _check(0 <= self.gamma <= 1, "ppo.gamma", self.gamma, "must be in [0, 1]")
@@ -2365,6 +2374,7 @@ FIELD_UNITS: dict[str, str] = {
     "optim.fused_adamw": "",
     # ppo
     "ppo.clip_eps": "dimensionless (ratio distance from 1)",
+    "ppo.clip_eps_high": "dimensionless (ratio distance above 1)",
     "ppo.clip_eps_value": "reward units (value change)",
     "ppo.vf_coef": "dimensionless (loss weight)",
     "ppo.gamma": "dimensionless (per token)",

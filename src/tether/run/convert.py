@@ -394,7 +394,7 @@ RULES = {
     "epsilon_high": lambda v, r, t: (
         ("moot", {}, "equal to epsilon: one symmetric range")
         if v == r.get("epsilon", 0.2)
-        else ("refused", {}, "tether clips one symmetric range (ppo.clip_eps)")
+        else ("mapped", {"ppo.clip_eps_high": v}, "DAPO's clip-higher")
     ),
     "loss_type": _loss_type,
     "scale_rewards": _scale_rewards,

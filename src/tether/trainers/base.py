@@ -161,7 +161,10 @@ class OnPolicyTrainer:
             self.check_ref_logits_bound()
         self.settings = step_settings(c, self.name)
         self.clip = ClipSettings(
-            clip_eps=c.ppo.clip_eps, clip_eps_value=c.ppo.clip_eps_value, vf_coef=c.ppo.vf_coef
+            clip_eps=c.ppo.clip_eps,
+            clip_eps_high=c.ppo.clip_eps_high,
+            clip_eps_value=c.ppo.clip_eps_value,
+            vf_coef=c.ppo.vf_coef,
         )
         self.guard = guard_settings(
             c, self.controller

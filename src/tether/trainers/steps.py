@@ -263,6 +263,7 @@ class ClipSettings:
 
     Attributes:
         clip_eps: the ratio's clip range (``ppo.clip_eps``).
+        clip_eps_high: its upper range (``ppo.clip_eps_high``, DAPO's clip-higher), None = ``clip_eps``.
         clip_eps_value: the value prediction's clip range (``ppo.clip_eps_value``).
         vf_coef: the value loss's weight (``ppo.vf_coef``).
     """
@@ -270,6 +271,7 @@ class ClipSettings:
     clip_eps: float = 0.2
     clip_eps_value: float = 0.2
     vf_coef: float = 0.5
+    clip_eps_high: float | None = None
 
 
 class KLRewards(NamedTuple):
@@ -798,7 +800,9 @@ def clipped_policy_loss(
         ``policy/kl_loss`` (when the KL term applies); ``ratio_dev`` = ``max |ratio - 1|``.
     """
     mask = mb.mask
-    pl = ppo_policy_loss(logprobs, mb.old_logprobs, mb.advantages, mask, clip.clip_eps)
+    pl = ppo_policy_loss(
+        logprobs, mb.old_logprobs, mb.advantages, mask, clip.clip_eps, clip_eps_high=clip.clip_eps_high
+    )
     stats = {"policy/loss": pl.loss, "policy/clipfrac": pl.clipfrac, "policy/approx_kl": pl.approx_kl}
     loss = pl.loss
     if values is not None:
