@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.conftest import make_tiny_llama, tiny_run_args
+from tests.conftest import TINY_RUN, make_tiny_llama, metric_rows, tiny_run_args
 from tether.core import distributed as D
 from tether.core.advantages import WHITEN_EPS
 from tether.core.masked import masked_mean
@@ -646,3 +646,71 @@ def test_two_processes_draw_their_own_random_numbers_for_an_environment(
     _launch(_args(model, prompt_file, tmp_path / "one", "ppo") + tool, 1)
     one = [json.loads(line) for line in (tmp_path / "one" / "samples.jsonl").read_text().splitlines()]
     assert [r["env"] for r in one if r["env"]][0] == halves[0][0]  # rank 0 is the one-process run
+
+
+CALLBACK_SCRIPT = '''
+import json, os, sys
+from transformers import TrainerCallback
+import tether
+from tether.run.config import load_config
+
+
+class StopAfterStep1(TrainerCallback):
+    """A transformers callback as TRL's docs write one: it logs what it sees and asks to stop."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        rank = os.environ.get("RANK", "0")
+        with open(os.path.join(sys.argv[1], f"events-{rank}.jsonl"), "a") as f:
+            seen = {"step": state.global_step, "model": type(kwargs.get("model")).__name__}
+            f.write(json.dumps(seen) + "\\n")
+        if state.global_step >= 1:
+            control.should_training_stop = True
+        return control
+
+
+config = load_config(None, sys.argv[2:])
+tether.train(config, callbacks=[StopAfterStep1()])
+'''
+
+
+def test_two_processes_run_a_trainer_callback_and_stop_together(tiny_tokenizer, prompt_file, tmp_path):
+    """A transformers TrainerCallback under two processes: it runs on rank 0 (tether's hooks run
+    there), its should_training_stop ends both ranks after the same step (no rank waits alone in a
+    collective), checkpointed."""
+    model = _eos_model_dir(tiny_tokenizer, tmp_path / "model")
+    script = tmp_path / "cb.py"
+    script.write_text(CALLBACK_SCRIPT)
+    out = tmp_path / "run"
+    args = [
+        f"model.name={model}",
+        f"data.prompts={prompt_file}",
+        f"train.output_dir={out}",
+        *[f"{k}={v}" for k, v in TINY_RUN.items() if k != "train.steps"],
+        "train.algo=grpo",
+        "rollout.group_size=2",
+        "train.steps=5",
+    ]
+    accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent)) or "accelerate"
+    cmd = [
+        accelerate,
+        "launch",
+        "--multi_gpu",
+        "--num_processes=2",
+        "--num_machines=1",
+        "--mixed_precision=no",
+        "--dynamo_backend=no",
+        str(script),
+        str(tmp_path),
+        *args,
+    ]
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    said = p.stdout + p.stderr
+    exit_abort = "terminate called without an active exception" in said and "tether: done in" in said
+    assert p.returncode == 0 or exit_abort, said[-3000:]
+    events = [json.loads(x) for x in (tmp_path / "events-0.jsonl").read_text().splitlines()]
+    # global_step counts finished steps, as in transformers: 1 after tether's step 0, which asks to stop
+    assert [e["step"] for e in events] == [1] and events[0]["model"]  # the model reachable, as in TRL
+    assert not (tmp_path / "events-1.jsonl").exists()  # rank 0 only
+    assert [r["step"] for r in metric_rows(out)] == [0]
+    assert (out / "checkpoints").is_dir() and "tether: done in" in said
