@@ -11,6 +11,7 @@ token.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -89,6 +90,15 @@ def qwen3_dir(tmp_path_factory) -> Path:
     model.generation_config.eos_token_id = end
     model.save_pretrained(out)
     return out
+
+
+def chat_data(tmp_path: Path) -> Path:
+    """12 one-message conversations, as jsonl rows ``{"prompt": [...]}``."""
+    data = tmp_path / "chat.jsonl"
+    data.write_text(
+        "".join(json.dumps({"prompt": [{"role": "user", "content": f"q {i}"}]}) + "\n" for i in range(12))
+    )
+    return data
 
 
 def load(folder):
@@ -318,10 +328,7 @@ def test_train_with_tools_end_to_end(qwen3_dir, tmp_path, monkeypatch):
 
     monkeypatch.setattr(turns_module, "sample_tokens", scripted)
 
-    data = tmp_path / "chat.jsonl"
-    data.write_text(
-        "".join(json.dumps({"prompt": [{"role": "user", "content": f"q {i}"}]}) + "\n" for i in range(12))
-    )
+    data = chat_data(tmp_path)
     out = tmp_path / "run"
     args = tiny_run_args(
         qwen3_dir,
@@ -360,10 +367,7 @@ def test_tools_named_on_the_command_line(qwen3_dir, tmp_path, capsys):
 
     from tether.cli import main
 
-    data = tmp_path / "chat.jsonl"
-    data.write_text(
-        "".join(json.dumps({"prompt": [{"role": "user", "content": f"q {i}"}]}) + "\n" for i in range(12))
-    )
+    data = chat_data(tmp_path)
     out = tmp_path / "run"
     overrides = {
         "train.algo": "grpo",
@@ -378,8 +382,6 @@ def test_tools_named_on_the_command_line(qwen3_dir, tmp_path, capsys):
     assert main(tiny_run_args(qwen3_dir, data, out, overrides, command=True)) == 0
     config = yaml.safe_load((out / "config.yaml").read_text())
     assert config["rollout"]["tools"] == ["tests.e2e.test_tools:multiply", "tests.e2e.test_tools:negate"]
-    import re
-
     said = capsys.readouterr()
     longest = int(re.search(r"rollout.max_prompt_tokens=(\d+)", said.out + said.err).group(1))
     assert longest > 800  # the schemas are in the prompt (the bare one: 10 tokens)
@@ -395,10 +397,7 @@ def test_a_model_whose_template_cannot_carry_tools_is_refused_before_loading(
     """ChatML without tool support (it renders no tool_calls): refused before the run folder is kept."""
     from tether.cli import main
 
-    data = tmp_path / "chat.jsonl"
-    data.write_text(
-        "".join(json.dumps({"prompt": [{"role": "user", "content": f"q {i}"}]}) + "\n" for i in range(12))
-    )
+    data = chat_data(tmp_path)
     out = tmp_path / "run"
     overrides = {
         "train.algo": "grpo",
