@@ -9,7 +9,7 @@ reward hacking "though it still helps against drift and instability", and that r
 ``reward.scorer=integer-answer``: 1 right, 0 wrong) at equal steps, batch and seeds, in the
 configurations of :data:`RUNS`; by default the matrix of issue 54 (:data:`MATRIX`: no leash, the
 budget leash at 2.5 and 1 nats per sequence, the text anchor at weights 1 and 3 without a leash,
-and the budget at 1 with the anchor at 1), seeds 0-2 (seeds outermost).
+and the budget at 1 with the anchor at 1 and 3), seeds 0-2 (seeds outermost).
 
 For each run: the held-out pass@1 of the reference and of the final policy on the same problems
 and seeds, the gain with its SE paired by problem, pass@k for k = 1 to 16 (Chen et al.'s
@@ -81,9 +81,18 @@ RUNS = {
     "fixed beta 0.04": ["kl.controller=fixed", "kl.kl_coef=0.04"],
     "Dr. GRPO": ["grpo.scale_by_std=false"],
 }
-MATRIX = ["beta 0", "budget 2.5 (default)", "budget 1", "anchor 1", "anchor 3", "budget 1 + anchor 1"]
+MATRIX = [
+    "beta 0",
+    "budget 2.5 (default)",
+    "budget 1",
+    "anchor 1",
+    "anchor 3",
+    "budget 1 + anchor 1",
+    "budget 1 + anchor 3",
+]
 """The configurations run by default (issue 54): no leash, the budget leash at two budgets (nats
-per sequence), the text anchor at two weights with no leash, and the two together."""
+per sequence), the text anchor at two weights with no leash, and the two together at both
+weights (the task's settings: the budget at 1 with the anchor at 3)."""
 
 
 def run_one(name: str, out: Path, steps: int, seed: int, extra: list[str]) -> dict:

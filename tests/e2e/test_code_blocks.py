@@ -130,7 +130,7 @@ END_TO_END = (
     "tether train train.algo=rloo",
     "tether train train.algo=dpo dpo.beta=0.1",
     "tether train data.prompts=arithmetic train.algo=grpo rollout.max_new_tokens=5 optim.lr=5e-5 "
-    "kl.budget=1 anchor.coef=1 rollout.batch_size=32 optim.minibatch_size=16 train.steps=40",
+    "kl.budget=1 anchor.coef=3 rollout.batch_size=32 optim.minibatch_size=16 train.steps=40",
     "tether config",
     "tether config data",
     "tether train --print-config ...",
