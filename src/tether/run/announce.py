@@ -51,7 +51,7 @@ def task_defaults_lines(
             "(1 when the response starts with the row's answer, else 0; tether.judges.verifiers)"
         )
     at_defaults = [
-        f"{name}={value:g}".replace("e-0", "e-")  # 5e-5, as typed
+        f"{name}={value}" if isinstance(value, str) else f"{name}={value:g}".replace("e-0", "e-")  # 5e-5
         for name, value in TASK_SETTINGS.get(c.data.prompts, {}).items()
         if _value(c, name) == _value(Config(), name) != value
     ]
