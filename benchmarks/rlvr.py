@@ -78,6 +78,13 @@ RUNS = {
         "kl.divergence=forward_kl",
         "anchor.coef=3",
     ],
+    # between the two: the forward-KL leash at half the beta, for more of the gain
+    "forward-KL leash 0.02 + anchor 3": [
+        "kl.controller=fixed",
+        "kl.kl_coef=0.02",
+        "kl.divergence=forward_kl",
+        "anchor.coef=3",
+    ],
     "fixed beta 0.04": ["kl.controller=fixed", "kl.kl_coef=0.04"],
     "Dr. GRPO": ["grpo.scale_by_std=false"],
 }
