@@ -571,7 +571,7 @@ class Evaluator:
             "eval.n_prompts": e.n_prompts,
             "eval.samples_per_prompt": e.samples_per_prompt,
             "eval.judge": e.judge,
-            "eval.fluency_model": self.run.fluency_model or e.fluency_model,
+            "eval.fluency_model": getattr(self.run, "fluency_model", None) or e.fluency_model,
             "eval.fluency_samples": e.fluency_samples,
             "reward": c.to_dict(resolved=False)["reward"],
         }
