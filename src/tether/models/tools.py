@@ -171,8 +171,8 @@ class FactoryEnv(ToolEnv):
         self.methods = [m for m in members if m not in ("reset", "get_reward") and not m.startswith("_")]
         self.has_reward = "get_reward" in members
         self.kind = type(probe)
-        self.standalone = list(tools)
-        super().__init__(self.standalone + [getattr(probe, m) for m in self.methods])
+        super().__init__([*tools, *(getattr(probe, m) for m in self.methods)])
+        self.standalone = dict(list(self.tools.items())[: len(tools)])  # name -> function, named once
         self.pool = [probe]
         self.active: list = []
         self.__qualname__ = f"environment_factory[{self.kind.__qualname__}]"
@@ -216,7 +216,7 @@ class FactoryEnv(ToolEnv):
             raise ValueError("environment_factory: a tool call came without its row")
         env = self.active[_row]
         self.tools = {
-            **{tool_schema(fn)["function"]["name"]: fn for fn in self.standalone},
+            **self.standalone,
             **{m: getattr(env, m) for m in self.methods},
         }
         return super().__call__(prompt, completion, turn, **columns)

@@ -989,34 +989,29 @@ class ToolLoop:
         ep.done = len(ep.tokens) >= self.settings.max_new_tokens
 
 
-def tool_format(
-    tokenizer, prompt, env, ends: Sequence[int], settings: SamplingSettings, *, chat: bool
-) -> ToolCalls:
-    """The :class:`ToolCalls` format of a tool-calling run (``env``: a
-    :class:`tether.models.tools.ToolEnv`), its template checked to carry tools and its parser set
-    (:func:`tether.models.tools.check_tool_template`).
+def tool_template(tokenizer, ends: Sequence[int] | None = None) -> tuple[int, Callable]:
+    """A tool-calling run's chat template, checked before any weights load and again when it
+    samples: ``(close_id, render)``, the id that ends an assistant's turn
+    (:func:`tether.models.tools.assistant_close_id`) and the run's rendering without the tools'
+    schemas (TRL renders the tools' tokens so), the template checked to carry tools and its
+    parser set (:func:`tether.models.tools.check_tool_template`).
+
+    Args:
+        ends: the end ids of generation, where known (the model loaded): the close must be one.
 
     Raises:
-        ValueError: the prompts are not rendered by the chat template, stop strings are set (a
-            tool-calling turn ends at the template's close, as TRL's), the close is not an end id,
-            or the template cannot carry tools (each naming the fix).
+        ValueError: the template writes no token after an assistant's text, its close is not
+            among ``ends``, or it cannot carry tools (the fixes named).
     """
-    if not chat:
-        raise ValueError(
-            "rollout.tools needs prompts rendered by the chat template (conversations, or "
-            "data.chat_template=true), which carries the tools' schemas and calls; rollout.env_format=raw "
-            "cannot carry them"
-        )
-    if settings.stop_strings:
-        raise ValueError(
-            f"rollout.stop_strings={list(settings.stop_strings)}: with rollout.tools a policy turn ends "
-            "where the chat template closes an assistant message, and its tool calls are parsed from the "
-            "whole turn (TRL's tool loop); leave rollout.stop_strings empty"
-        )
     render = functools.partial(render_chat, tokenizer, tools=None)
     close = assistant_close_id(tokenizer, render=render)
-    if close is None or int(close) not in {int(e) for e in ends}:
-        name = tokenizer.convert_ids_to_tokens(int(close)) if close is not None else None
+    if close is None:
+        raise ValueError(
+            "rollout.tools: the chat template of model.name writes no token of its own after an "
+            "assistant's text, so a tool-calling turn has no end to stop at"
+        )
+    if ends is not None and int(close) not in {int(e) for e in ends}:
+        name = tokenizer.convert_ids_to_tokens(int(close))
         raise ValueError(
             f"rollout.tools: the chat template closes an assistant's message with {name!r} (id {close}), "
             f"which is not an end id of generation {list(ends)} (the tokenizer's EOS and the model's "
@@ -1024,6 +1019,26 @@ def tool_format(
             "the id to the model's generation_config.eos_token_id (a base model's lists only its own EOS)"
         )
     check_tool_template(tokenizer, close_id=close, render=render)
+    return close, render
+
+
+def tool_format(tokenizer, env, ends: Sequence[int], settings: SamplingSettings) -> ToolCalls:
+    """The :class:`ToolCalls` format of a tool-calling run (``env``: a
+    :class:`tether.models.tools.ToolEnv`; its prompts checked to be chat ones by
+    :func:`tool_turn_formats`), its template checked (:func:`tool_template`).
+
+    Raises:
+        ValueError: stop strings are set (a tool-calling turn ends at the template's close, as
+            TRL's), the close is not an end id, or the template cannot carry tools (each naming
+            the fix).
+    """
+    if settings.stop_strings:
+        raise ValueError(
+            f"rollout.stop_strings={list(settings.stop_strings)}: with rollout.tools a policy turn ends "
+            "where the chat template closes an assistant message, and its tool calls are parsed from the "
+            "whole turn (TRL's tool loop); leave rollout.stop_strings empty"
+        )
+    close, render = tool_template(tokenizer, ends=ends)
     return ToolCalls(
         tokenizer, ends, settings.max_new_tokens, schemas=env.schemas, close_id=close, render=render
     )
@@ -1167,7 +1182,7 @@ def generate_turns(
     if chat and chat[0] and s.max_turns > 1 and not getattr(env, "tool_calls", False):
         check_chat_turns_close(tokenizer, prompts[0], ends, s.stop_strings)
     if getattr(env, "tool_calls", False):  # rollout.tools: TRL's tool loop
-        fmt: TurnFormat = tool_format(tokenizer, prompts[0], env, ends, s, chat=bool(chat and chat[0]))
+        fmt: TurnFormat = tool_format(tokenizer, env, ends, s)
     else:
         fmt = (ChatTemplate if chat and chat[0] else RawText)(tokenizer, ends, s.max_new_tokens)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else ends[0]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import datetime as _dt
-import functools
 import logging
 import os
 from collections.abc import Callable
@@ -66,11 +65,9 @@ from tether.models.reference import (
     make_reference,
 )
 from tether.models.rollouts import Sampler, SamplingSettings, make_sampler
-from tether.models.sampling import prompt_texts, render_chat, set_template_kwargs, use_chat_template
+from tether.models.sampling import prompt_texts, set_template_kwargs, use_chat_template
 from tether.models.sharding import shard_model
 from tether.models.tools import (
-    assistant_close_id,
-    check_tool_template,
     load_environment_factory,
     load_tools,
 )
@@ -79,6 +76,7 @@ from tether.models.turns import (
     env_column_names,
     load_env,
     prompt_messages,
+    tool_template,
     tool_turn_formats,
     turn_formats,
 )
@@ -1183,20 +1181,8 @@ def check_env_format(config: Config, tokenizer, *, parts, env: Callable | None =
                 f"{field_name}: a column is named {ENV_REPLIES!r}, the keyword under which a reward gets "
                 "what rollout.env wrote in a multi-turn run; rename the column"
             )
-    if getattr(env, "tool_calls", False):  # TRL's tools: the template carries them, a parser reads them
-        if not (chat and chat[0]):
-            raise ValueError(
-                "rollout.tools needs prompts rendered by the chat template (conversations, or "
-                "data.chat_template=true), which carries the tools' schemas and calls"
-            )
-        render = functools.partial(render_chat, tokenizer, tools=None)
-        close = assistant_close_id(tokenizer, render=render)
-        if close is None:
-            raise ValueError(
-                "rollout.tools: the chat template of model.name writes no token of its own after an "
-                "assistant's text, so a tool-calling turn has no end to stop at"
-            )
-        check_tool_template(tokenizer, close_id=close, render=render)
+    if getattr(env, "tool_calls", False):  # chat prompts (tool_turn_formats); the template carries tools
+        tool_template(tokenizer)
     elif chat and chat[0]:  # the template must carry a tool message after the assistant's text
         # an assistant's text as a policy writes it: spaces and newlines at its ends (a template
         # that trims them cannot carry a turn verbatim)
