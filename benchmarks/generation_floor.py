@@ -4,6 +4,7 @@ Usage: python benchmarks/generation_floor.py [--model smollm2-135m] [--rows 8] [
        [--compile]
        [--profile]
        python benchmarks/generation_floor.py --floor [--floor-rows 1 8 32 64] [--rounds 3] [--compiled]
+       [--bf16]
 
 Prints, for the embedded default model (fp32):
 
@@ -33,6 +34,10 @@ products are compute- or latency-bound, or time goes outside them). With ``--com
 count is timed a second time with ``rollout.compile``'s decoding (``generate(..., compiled=True)``:
 a static cache and the decode step under ``torch.compile``; compiled before timing, compile time
 printed apart), in turn with the eager calls, and the ratio compiled / eager printed.
+With ``--bf16`` each row count is also timed on ``rollout.dtype=bf16``'s sampler, the bfloat16
+copy of the model (:class:`tether.models.rollouts.SamplerCopy`; compiled too with ``--compiled``),
+with the ratio fp32 / bf16 and the exact KL(bf16 sampler || fp32 learner) per decoded token (and
+its largest), from a rollout scored as the trainers score it.
 
 The variants of each table run in turn, ``--rounds`` times; medians are printed, so a drift in
 the machine's speed (large on this shared 2-core machine) hits every variant alike.
@@ -75,6 +80,7 @@ def main() -> int:
     ap.add_argument("--floor-rows", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--floor-tokens", type=int, nargs=2, default=[8, 24])
     ap.add_argument("--compiled", action="store_true", help="--floor: also time rollout.compile's decoding")
+    ap.add_argument("--bf16", action="store_true", help="--floor: also time rollout.dtype=bf16's decoding")
     args = ap.parse_args()
 
     import torch
@@ -225,27 +231,39 @@ def bandwidth_floor(lm, tok, weights, args) -> int:
         f"floor {floor_ms:.1f} ms/token"
     )
     t1, t2 = args.floor_tokens
-    modes = [False, True] if args.compiled else [False]
+    modes: list = [False, True] if args.compiled else [False]
+    copy = None
+    if args.bf16:  # rollout.dtype=bf16: the sampler's copy, as the trainers build it
+        from tether.models.rollouts import SamplerCopy
+
+        copy = SamplerCopy().of(lm)
+        modes += ["bf16"] + (["bf16 compiled"] if args.compiled else [])
     head = f"| rows | ms per decoded token (median of {args.rounds}) | tokens/s | x floor | GB/s of weights |"
     if args.compiled:
         head += " compiled ms/token | tokens/s | x floor | compiled / eager | compile s |"
+    if args.bf16:
+        head += " bf16 ms/token | tokens/s | fp32 / bf16 | sampler KL nats/token (max) |"
+        if args.compiled:
+            head += " bf16 compiled ms/token | fp32 eager / bf16 compiled |"
     print("\n" + head)
     print("|" + "---|" * (head.count("|") - 1))
     for rows in args.floor_rows:
         prompts = ["The gorgeously elaborate continuation of"] * rows
 
-        def timed(n: int, compiled: bool, prompts=prompts) -> float:
+        def timed(n: int, compiled, prompts=prompts) -> float:
             t = time.perf_counter()
             rows = len(prompts)
-            generate(lm, tok, prompts, n, 1.0, seeds=range(rows), max_prompt_tokens=16, compiled=compiled)
+            model = copy if isinstance(compiled, str) else lm  # "bf16", "bf16 compiled": the copy
+            fused = compiled is True or compiled == "bf16 compiled"
+            generate(model, tok, prompts, n, 1.0, seeds=range(rows), max_prompt_tokens=16, compiled=fused)
             return time.perf_counter() - t
 
         compile_s = 0.0
         for compiled in modes:  # warm-up: each length once (compiled: one graph per cache length)
             for n in (t1, t2):
                 first = timed(n, compiled)
-                compile_s += first - timed(n, compiled) if compiled else 0.0
-        per: dict[bool, list[float]] = {m: [] for m in modes}
+                compile_s += first - timed(n, compiled) if compiled is True else 0.0
+        per: dict = {m: [] for m in modes}
         for _ in range(args.rounds):
             for compiled in modes:
                 per[compiled].append((timed(t2, compiled) - timed(t1, compiled)) / (t2 - t1))
@@ -255,8 +273,33 @@ def bandwidth_floor(lm, tok, weights, args) -> int:
         if args.compiled:
             line += f" {ms[True]:.1f} | {rows / ms[True] * 1e3:.0f} | {ms[True] / floor_ms:.2f} | "
             line += f"{ms[True] / ms[False]:.2f} | {compile_s:.0f} |"
+        if args.bf16:
+            kl, worst = sampler_kl(lm, copy, tok, prompts, t2)
+            line += f" {ms['bf16']:.1f} | {rows / ms['bf16'] * 1e3:.0f} | {ms[False] / ms['bf16']:.2f} | "
+            line += f"{kl:.2e} ({worst:.2e}) |"
+            if args.compiled:
+                line += f" {ms['bf16 compiled']:.1f} | {ms[False] / ms['bf16 compiled']:.2f} |"
         print(line, flush=True)
     return 0
+
+
+def sampler_kl(lm, copy, tok, prompts, tokens: int) -> tuple[float, float]:
+    """The exact KL(bf16 sampler || fp32 learner) per decoded token (mean over the valid ones, and
+    the largest), nats: a rollout of the copy with its logits kept, scored by the learner as the
+    trainers score it (:func:`tether.trainers.common.old_and_ref_logprobs`)."""
+    import torch
+
+    from tether.models.policy import PolicyWithValue
+    from tether.models.sampling import generate
+    from tether.trainers.common import old_and_ref_logprobs
+
+    rollout = generate(copy, tok, prompts, tokens, 1.0, seeds=range(len(prompts)), keep_logits=True)
+    policy = PolicyWithValue(lm)
+    rows = [torch.arange(len(prompts))]
+    out = old_and_ref_logprobs(policy, None, rollout, 1.0, rows, with_values=False, exact_kl=False)
+    mask = rollout.response_mask
+    kl = out.sampler_kl[mask]
+    return float(kl.mean()), float(kl.max())
 
 
 def profile_generate(call) -> None:

@@ -414,6 +414,7 @@ def test_clipped_policy_loss_by_hand():
         values=torch.tensor([[0.4, 0.0, 8.0]], dtype=F64),  # at rollout time
         returns=torch.tensor([[1.0, 0.0, 8.0]], dtype=F64),
         kl_weights=None,
+        is_weights=None,  # the learner sampled (rollout.dtype=fp32)
     )
     no_kl = KLLeash(True, False)
     out = clipped_policy_loss(rows, logprobs, ClipSettings(0.2), no_kl, 0.1)

@@ -123,6 +123,7 @@ class KLLeash:
         row_weights: Tensor | None = None,
         logits: Tensor | None = None,
         ref_logits: Tensor | None = None,
+        token_weights: Tensor | None = None,
     ) -> Tensor | None:
         """``kl_coef * masked_mean(surrogate)`` to add to the loss, or None if not in the loss.
 
@@ -133,6 +134,9 @@ class KLLeash:
         row of its terms (GRPO's ``grpo.scale_kl_by_std``), else 1. ``logits`` (B, R, V) with
         grad and ``ref_logits`` (B, R, V): the policy's and the reference's at the positions, for a
         divergence other than the reverse KL (its per-position value at those states, exact).
+        ``token_weights`` (B, R), no grad: a sampler's importance weights
+        (:func:`tether.core.correction.correction_weights`), each term multiplied by its own;
+        None = 1. The KL stays the learner's: only which samples it is averaged over changes.
 
         Raises:
             ValueError: a divergence other than the reverse KL without the logits.
@@ -150,14 +154,19 @@ class KLLeash:
                 self.divergence, logits, ref_logits, temperature=self.temperature, alpha=self.alpha
             )
             terms = torch.where(mask, terms, 0.0)  # padding's logits are not the policy's choices
-            if row_weights is not None:
-                terms = terms * row_weights.to(terms.dtype)[:, None]
-            return kl_coef * masked_mean(terms, response_mask)
+            return kl_coef * masked_mean(_weighted(terms, row_weights, token_weights), response_mask)
         # masked slots may hold -inf/NaN; neutral values there keep them out of every gradient
         logprobs = torch.where(mask, logprobs, 0.0)
         ref_logprobs = torch.where(mask, ref_logprobs, 0.0)
         old_logprobs = torch.where(mask, old_logprobs, 0.0) if old_logprobs is not None else None
         terms = kl_loss_terms(logprobs, ref_logprobs, self.loss_estimator, old_logprobs, mask)
-        if row_weights is not None:
-            terms = terms * row_weights.to(terms.dtype)[:, None]
-        return kl_coef * masked_mean(terms, response_mask)
+        return kl_coef * masked_mean(_weighted(terms, row_weights, token_weights), response_mask)
+
+
+def _weighted(terms: Tensor, row_weights: Tensor | None, token_weights: Tensor | None) -> Tensor:
+    """``terms`` (B, R) times a weight per row (B,) and per token (B, R), each None = 1."""
+    if row_weights is not None:
+        terms = terms * row_weights.to(terms.dtype)[:, None]
+    if token_weights is not None:
+        terms = terms * token_weights.detach().to(terms.dtype)
+    return terms

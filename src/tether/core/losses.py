@@ -37,6 +37,7 @@ def ppo_policy_loss(
     clip_eps: float = 0.2,
     *,
     clip_eps_high: float | None = None,
+    is_weights: Tensor | None = None,
 ) -> PolicyLoss:
     """PPO clipped surrogate loss (Schulman et al. 2017, eq. 7), negated for minimization.
 
@@ -54,6 +55,10 @@ def ppo_policy_loss(
         response_mask: (B, R) bool.
         clip_eps: clip range epsilon > 0 (below 1: the lower bound ``1 - clip_eps``).
         clip_eps_high: the upper range (``1 + clip_eps_high``), > 0; None = ``clip_eps``.
+        is_weights: (B, R) importance weights of a sampler that is not the learner, no grad
+            (:func:`tether.core.correction.correction_weights`): each token's term is multiplied
+            by its weight (TRL's ``per_token_loss * importance_sampling_ratio``); None = 1. The
+            ratio and its clip stay pi_theta / pi_old, of the learner.
 
     Returns:
         :class:`PolicyLoss`.
@@ -67,7 +72,10 @@ def ppo_policy_loss(
     unclipped = -adv * ratio
     high = clip_eps if clip_eps_high is None else clip_eps_high
     clipped = -adv * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high)
-    loss = masked_mean(torch.maximum(unclipped, clipped), response_mask)
+    terms = torch.maximum(unclipped, clipped)  # (B, R)
+    if is_weights is not None:
+        terms = terms * is_weights.detach().to(terms.dtype)
+    loss = masked_mean(terms, response_mask)
     with torch.no_grad():
         clipfrac = masked_mean((clipped > unclipped).float(), response_mask)
         # k3 of KL(old || new) on samples of old: log p - log q = old - new = -log_ratio

@@ -25,6 +25,7 @@ rollout kind").
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from copy import deepcopy
 from typing import ClassVar, Literal
 
 import torch
@@ -49,6 +50,56 @@ RolloutKind = Literal["one_turn", "tool_turns"]
 """The registered kinds of sampler (:data:`SAMPLERS`)."""
 
 
+class SamplerCopy:
+    """A bfloat16 copy of the policy's LM that the training rollouts decode on (``rollout.dtype=bf16``).
+
+    Built from the policy at the first training rollout (after any resume has loaded its weights)
+    and refreshed before every one after: the tensors the run trains (``requires_grad``: the
+    trained blocks, a LoRA adapter's matrices, applied in bfloat16 as peft applies them) are
+    copied over, rounded to bfloat16; the frozen ones were rounded once. So the copy is always
+    the policy of the step, rounded (a resumed run's too, rebuilt from the checkpoint's weights),
+    and no state of its own is saved. Buffers keep their dtype (rotary frequencies stay float32:
+    rounding them would change every position's angle, not only the weights). A tied input and
+    output embedding stays one tensor.
+    """
+
+    def __init__(self) -> None:
+        self.lm: nn.Module | None = None
+        self.trained: list[tuple[nn.Parameter, nn.Parameter]] = []
+        """(the policy's parameter, the copy's) for each trained tensor."""
+
+    @torch.no_grad()
+    def of(self, lm: nn.Module) -> nn.Module:
+        """The copy of ``lm`` as it is now, built on the first call, refreshed on each later one."""
+        if self.lm is None:
+            self.lm, self.trained = self.build(lm)
+        else:
+            for source, target in self.trained:
+                target.copy_(source)  # rounds to bfloat16
+        return self.lm
+
+    @staticmethod
+    def build(lm: nn.Module) -> tuple[nn.Module, list[tuple[nn.Parameter, nn.Parameter]]]:
+        """A deep copy of ``lm`` with every floating-point parameter bfloat16, in eval mode, and
+        the pairs of trained tensors."""
+        copy = deepcopy(lm).eval()
+        rounded: dict[int, nn.Parameter] = {}  # id of the copy's fp32 parameter -> its bf16 one
+        for module in copy.modules():
+            for name, p in list(module._parameters.items()):
+                if p is None or not p.is_floating_point():
+                    continue
+                if id(p) not in rounded:  # a tied tensor is rounded once and shared again
+                    rounded[id(p)] = nn.Parameter(p.detach().to(torch.bfloat16), requires_grad=False)
+                module._parameters[name] = rounded[id(p)]
+        named = dict(copy.named_parameters(remove_duplicate=False))
+        pairs = [
+            (p, named[name])
+            for name, p in lm.named_parameters(remove_duplicate=True)
+            if p.requires_grad and name in named
+        ]
+        return copy, pairs
+
+
 class Sampler:
     """Samples responses to prompts: a registered kind (:data:`SAMPLERS`), built once per run.
 
@@ -67,6 +118,17 @@ class Sampler:
     def __init__(self, tokenizer, settings: SamplingSettings, env: EnvFn | None = None, *, device="cpu"):
         self.tokenizer, self.settings, self.env = tokenizer, settings, env
         self.device = torch.device(device)
+        self.copy = SamplerCopy() if settings.dtype == "bf16" else None
+        """``rollout.dtype=bf16``: the training rollouts' bfloat16 copy of the policy's LM."""
+
+    def rollout_lm(self, policy: PolicyWithValue) -> nn.Module:
+        """The LM a training rollout decodes on: the policy's own, or with ``rollout.dtype=bf16``
+        its bfloat16 copy, refreshed to the policy's weights now (:class:`SamplerCopy`)."""
+        return self.copy.of(policy.lm) if self.copy is not None else policy.lm
+
+    def on_copy(self, lm: nn.Module) -> bool:
+        """Whether ``lm`` is this sampler's bfloat16 copy (``Rollout.sampler_dtype``)."""
+        return self.copy is not None and lm is self.copy.lm
 
     def sample(
         self,
@@ -101,7 +163,9 @@ class Sampler:
         """A training step's rollout from the policy being trained: its LM, its weights gathered
         for the call (FSDP), its prompt sharing (``model.share_prompt_prefix`` in groups); decoded
         as :meth:`choose_decoding` decided (``Rollout.compiled``)."""
-        return self.sample(policy.lm, prompts, seeds, weights=policy, share_prefix=policy.share_prefix)
+        return self.sample(
+            self.rollout_lm(policy), prompts, seeds, weights=policy, share_prefix=policy.share_prefix
+        )
 
     def choose_decoding(
         self, policy: PolicyWithValue, rollout: Rollout, *, step: int, steps: int, generate_s: float
@@ -251,7 +315,7 @@ class OneTurn(Sampler):
 
     def sample_policy(self, policy, prompts, seeds) -> Rollout:
         return self.decode(
-            policy.lm,
+            self.rollout_lm(policy),
             prompts,
             seeds,
             weights=policy,
@@ -268,7 +332,7 @@ class OneTurn(Sampler):
             steps=steps,
             generate_s=generate_s,
             again=lambda: self.decode(
-                policy.lm,
+                self.rollout_lm(policy),
                 rollout.prompts,
                 rollout.seeds,
                 weights=policy,
@@ -302,8 +366,10 @@ class OneTurn(Sampler):
                 share_prefix=share_prefix,
                 synced=synced,
                 compiled=compiled,
+                keep_logits=self.on_copy(lm),
             )
         rollout.columns = getattr(prompts, "columns", None)
+        rollout.sampler_dtype = "bf16" if self.on_copy(lm) else "fp32"
         return rollout
 
 
@@ -338,4 +404,5 @@ class ToolTurns(Sampler):
             lm, self.tokenizer, list(prompts), self.env, settings=self.settings, seeds=seeds, columns=columns
         )
         rollout.columns = columns
+        rollout.sampler_dtype = "bf16" if self.on_copy(lm) else "fp32"
         return rollout

@@ -12,7 +12,7 @@ import shutil
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -76,6 +76,17 @@ class SamplingSettings:
     env_timeout: float | None = None
     sharded_generation: Literal["blocks", "whole"] = "blocks"
     compile: bool | Literal["auto"] = False
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    """The precision the training rollouts decode in (``rollout.dtype`` resolved): ``bf16`` on a
+    bfloat16 copy of the policy's weights (:class:`tether.models.rollouts.SamplerCopy`), ``fp32``
+    on the learner itself."""
+
+
+SAMPLER_LOGITS_BYTES = 512 << 20
+"""The most memory (512 MiB per process) a low-precision rollout spends keeping the sampler's
+logits (B x max_new_tokens x V, bfloat16) for ``rollout/sampler_kl_exact``; the demo's 16 rows of
+16 tokens over SmolLM2's 49,152 ids take 25 MB. Past it the exact sampler KL is not measured
+(the log-prob metrics and the correction still are)."""
 
 
 @dataclass
@@ -143,6 +154,15 @@ class Rollout:
     environments: list | None = None
     """Per row, its environment object (``environment_factory``, TRL's ``environments``), as the
     rollout left it, or None."""
+    sampler_logits: Tensor | None = None
+    """(B, R, V) bfloat16: the sampler's logits at each response position, where the sampler is a
+    low-precision copy (``rollout.dtype=bf16``; its logits are bfloat16 numbers, kept exactly)
+    and they fit :data:`SAMPLER_LOGITS_BYTES`, else None. With the learner's logits they give the
+    exact ``KL(sampler || learner)`` per position (``rollout/sampler_kl_exact``)."""
+    sampler_dtype: str = "fp32"
+    """``bf16`` where the responses were decoded on the sampler's bfloat16 copy of the policy
+    (``rollout.dtype=bf16``, :class:`tether.models.rollouts.SamplerCopy`): the sampler is then not
+    the learner. ``fp32``: the model that scores them sampled them (in whatever ``model.dtype``)."""
     compiled: bool = False
     """Whether the responses were decoded by the compiled decode step (``rollout.compile``,
     :func:`generate`'s ``compiled``): the ``rollout/compiled`` metric."""
@@ -225,6 +245,8 @@ class Rollout:
             policy_texts=[self.policy_texts[i] for i in rows] if self.policy_texts is not None else None,
             messages=[self.messages[i] for i in rows] if self.messages is not None else None,
             seeds=[self.seeds[i] for i in rows] if self.seeds is not None else None,
+            sampler_logits=self.sampler_logits[idx] if self.sampler_logits is not None else None,
+            sampler_dtype=self.sampler_dtype,
             compiled=self.compiled,
         )
 
@@ -378,23 +400,53 @@ class GumbelMaxSampler(LogitsProcessor):
     logits, float32): :attr:`logprobs`, the sampler's side of ``rollout/logprob_mismatch``.
     """
 
-    def __init__(self, seeds: Sequence[int], temperature: float, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        seeds: Sequence[int],
+        temperature: float,
+        device: torch.device | str = "cpu",
+        *,
+        keep_logits: bool = False,
+    ):
         # the seeds are in [0, 2^63): each fits an int64 as it is
         self.keys = torch.tensor([int(s) for s in seeds], dtype=torch.int64, device=device)  # (B,)
         self.temperature = temperature
         self.steps: list[Tensor] = []
+        self.kept: list[Tensor] | None = [] if keep_logits else None
+        """With ``keep_logits``: each step's (B, V) logits as bfloat16 (exact for a bfloat16
+        model's, whose logits transformers casts to float32 without changing them)."""
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
         z = scores.to(torch.float64) / self.temperature  # (B, V)
         noisy = z + gumbel_noise(self.keys, len(self.steps), scores.shape[-1])  # (B, V); t = calls so far
         chosen = noisy.argmax(-1)  # (B,) what greedy decoding of ``noisy`` picks
         self.steps.append(logprobs_from_logits(scores[:, None, :], chosen[:, None], self.temperature)[:, 0])
+        if self.kept is not None:
+            self.kept.append(scores.to(torch.bfloat16))
         return noisy
 
     @property
     def logprobs(self) -> Tensor:
         """(B, n_steps) float32 nats: the chosen tokens' log-probabilities, one column per step."""
         return torch.stack(self.steps, dim=1)
+
+    @property
+    def logits(self) -> Tensor | None:
+        """(B, n_steps, V) bfloat16: the kept logits, or None (``keep_logits`` off)."""
+        return torch.stack(self.kept, dim=1) if self.kept else None
+
+
+class Sampled(NamedTuple):
+    """What :func:`sample_tokens` returns."""
+
+    new_ids: Tensor
+    """(B, R) long, R <= ``max_new_tokens``; a finished row's later slots hold what transformers
+    wrote there."""
+    logprobs: Tensor
+    """(B, R) float32 nats: each new token's log-prob under the distribution it was drawn from
+    (meaningless after a row ended)."""
+    logits: Tensor | None
+    """(B, R, V) bfloat16: the sampler's logits at each new position (``keep_logits``), or None."""
 
 
 COMPILE_SAVINGS = ((1, 0.20), (8, 0.09), (None, 0.02))
@@ -457,6 +509,24 @@ def can_compile(device: torch.device | str) -> str | None:
     if not hasattr(CompileConfig, "_compile_all_devices"):
         return "this transformers version has no CompileConfig._compile_all_devices (compiling on any device)"
     return None
+
+
+def bf16_matmul_missing() -> str | None:
+    """Why bfloat16 matrix products would not be fast on this CPU, or None when they are: the CPU
+    lists AVX-512 BF16 (``avx512_bf16``) or AMX (``amx_bf16``) in ``/proc/cpuinfo``, and oneDNN is
+    not held below them (``ONEDNN_MAX_CPU_ISA``, as the forced-AVX2 test run sets it). Without
+    them oneDNN emulates bfloat16 in float32, slower than float32 itself."""
+    capped = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    if capped and capped != "ALL" and "BF16" not in capped and "AMX" not in capped:
+        return f"ONEDNN_MAX_CPU_ISA={capped} holds oneDNN below its bfloat16 kernels"
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return "this system has no /proc/cpuinfo to read the CPU's instructions from"
+    if "avx512_bf16" in flags or "amx_bf16" in flags:
+        return None
+    return "this CPU has neither AVX-512 BF16 nor AMX (bfloat16 would be emulated, slower than float32)"
 
 
 COMPILE_CHECK_TOL = 1e-3
@@ -597,7 +667,8 @@ def sample_tokens(
     cache: dict | None = None,
     stop_strings: Sequence[str] = (),
     tokenizer=None,
-) -> tuple[Tensor, Tensor]:
+    keep_logits: bool = False,
+) -> Sampled:
     """Sample continuations of left-padded token ids with :class:`GumbelMaxSampler` under greedy
     decoding (the core of :func:`generate`, and of each policy turn of
     :func:`tether.models.turns.generate_turns`).
@@ -612,11 +683,10 @@ def sample_tokens(
         synced, compile_config, cache: as :func:`generate` sets them.
         stop_strings: texts that also stop a row once its new tokens' text contains one
             (``tokenizer`` decodes them); the context's text is never searched.
+        keep_logits: also return the sampler's logits at each new position (bfloat16).
 
     Returns:
-        ``(new_ids, sampler_logprobs)``: (B, R) long, R <= ``max_new_tokens``, a finished row's
-        later slots holding what transformers wrote there; (B, R) float32 nats, the log-prob of
-        each new token under the distribution it was drawn from (meaningless after a row ended).
+        :class:`Sampled`: ``(new_ids, logprobs, logits)``.
     """
     # A fresh GenerationConfig, not the model folder's: a saved generation_config.json may carry
     # suppress_tokens, repetition penalties, top-k ... that would make the samples differ from
@@ -634,7 +704,7 @@ def sample_tokens(
     stopping = None
     if stop_strings:
         stopping = StoppingCriteriaList([_StopAfterText(tokenizer, stop_strings, input_ids.shape[1])])
-    sampler = GumbelMaxSampler(seeds, temperature, input_ids.device)
+    sampler = GumbelMaxSampler(seeds, temperature, input_ids.device, keep_logits=keep_logits)
     saved, lm.generation_config = lm.generation_config, gen
     try:
         out = lm.generate(
@@ -651,7 +721,9 @@ def sample_tokens(
     finally:
         lm.generation_config = saved
     new_ids = out[:, input_ids.shape[1] :]  # (B, R<=max_new_tokens)
-    return new_ids, sampler.logprobs[:, : new_ids.shape[1]]
+    R = new_ids.shape[1]
+    logits = sampler.logits
+    return Sampled(new_ids, sampler.logprobs[:, :R], logits[:, :R] if logits is not None else None)
 
 
 @torch.no_grad()
@@ -667,6 +739,7 @@ def generate(
     share_prefix: bool = False,
     synced: bool = False,
     compiled: bool = False,
+    keep_logits: bool = False,
 ) -> Rollout:
     """Sample one response per prompt from ``lm`` at ``temperature`` (no top-k, no top-p).
 
@@ -696,6 +769,10 @@ def generate(
     and its noise are the same, only the model's arithmetic is fused differently
     (``tests/models/test_sampling.py`` compares them).
 
+    ``keep_logits`` (a low-precision sampler, ``rollout.dtype=bf16``): keep the sampler's logits
+    (``Rollout.sampler_logits``) where ``B x max_new_tokens x V`` bfloat16 numbers fit
+    :data:`SAMPLER_LOGITS_BYTES`.
+
     Raises:
         ValueError: ``compiled`` with ``synced`` (a collective forward is not compiled here).
     """
@@ -721,7 +798,9 @@ def generate(
                 base, prompt_ids[:, :-1], prompt_mask[:, :-1], position_ids_from_mask(prompt_mask)[:, :-1]
             )
         cache = {cache_argument(getattr(base, base.base_model_prefix)): prefix}
-    response_ids, sampler_logprobs = sample_tokens(
+    vocab = lm.get_output_embeddings().weight.shape[0] if keep_logits else 0
+    keep = keep_logits and len(prompts) * max_new_tokens * vocab * 2 <= SAMPLER_LOGITS_BYTES
+    response_ids, sampler_logprobs, sampler_logits = sample_tokens(
         lm,
         prompt_ids,
         prompt_mask,
@@ -733,6 +812,7 @@ def generate(
         synced=synced,
         compile_config=compile_config,
         cache=cache,
+        keep_logits=keep,
     )
     response_mask = response_mask_from_tokens(response_ids, ends)  # (B, R)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else ends[0]
@@ -753,5 +833,6 @@ def generate(
         ended=ended,
         sampler_logprobs=sampler_logprobs,
         seeds=seeds,
+        sampler_logits=sampler_logits,
         compiled=compiled,
     )

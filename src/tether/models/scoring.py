@@ -99,6 +99,9 @@ class TokenStats:
     kept only when asked (``top_k``: the KL attribution, :mod:`tether.core.attribution`)."""
     top_logprobs: Tensor | None = None
     """(B, R, k) float32: their log-probabilities at the sampling temperature, nats."""
+    sampler_kl: Tensor | None = None
+    """The policy's only, where the rollout kept a low-precision sampler's logits
+    (``Rollout.sampler_logits``): the exact KL(sampler || policy) at each position, (B, R) nats."""
     divergences: Divergences | None = None
     """The reference's only, when asked (``divergences_alpha``): the forward KL, JS and
     alpha-divergence of the policy and the reference at each position (each (B, R), nats)."""
@@ -188,6 +191,10 @@ def policy_and_reference_logprobs(
             this order at each position, from the same slices (the reference's TokenStats'
             ``divergences``, :func:`tether.core.divergences.divergences_from_logits`); None = not.
 
+    Where the rollout kept its sampler's logits (``rollout.sampler_logits``: a bfloat16 sampler),
+    the exact KL(sampler || policy) at each position is taken from the same slices (the policy
+    TokenStats' ``sampler_kl``).
+
     Returns:
         (policy TokenStats with logprobs, entropy and values if asked; reference TokenStats with logprobs
         or None; exact KL (B, R) float32 nats or None). Unmasked.
@@ -224,12 +231,17 @@ def policy_and_reference_logprobs(
         if top_k
     }
     kept_ref = None
+    q = rollout.sampler_logits  # (B, R', V) bfloat16, R' <= R (a row's decode may stop early), or None
+    sampler_kl = torch.zeros(B, R, device=device) if q is not None else None
     for rows in head_row_slices(B, R, policy.head_chunk):
         z = (
             policy_logits[rows] if policy_logits is not None else head_logits(policy_lm, hidden[rows])
         )  # (b, R, V)
         logprobs[rows] = logprobs_from_logits(z, tokens[rows], temperature)
         entropy[rows] = entropy_from_logits(z, temperature)
+        if q is not None:  # KL(sampler || learner) where the sampler decoded (later slots: padding)
+            n = q.shape[1]
+            sampler_kl[rows, :n] = exact_kl_from_logits(q[rows].float(), z[:, :n], temperature, kl_chunk_size)
         if top_k:
             tops["policy"][0][rows], tops["policy"][1][rows] = top_logprobs(
                 z, top_k, temperature, tokens=tokens[rows], logprobs=logprobs[rows]
@@ -270,7 +282,8 @@ def policy_and_reference_logprobs(
         if reference is not None
         else None
     )
-    return TokenStats(logprobs, values, entropy, **_tops(tops.get("policy", none))), ref, exact
+    own = TokenStats(logprobs, values, entropy, sampler_kl=sampler_kl, **_tops(tops.get("policy", none)))
+    return own, ref, exact
 
 
 def _tops(pair: tuple[Tensor | None, Tensor | None]) -> dict:

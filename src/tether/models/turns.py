@@ -915,7 +915,7 @@ class ToolLoop:
             pad_token_id=self.pad,
             stop_strings=list(self.settings.stop_strings),
             tokenizer=self.tokenizer,
-        )
+        )[:2]
 
     def policy_turn(self, ep: Episode, new_ids: Tensor, new_logps: Tensor) -> bool:
         """Append a turn the policy sampled, (T,) ids and log-probs: up to and including its

@@ -673,6 +673,27 @@ class RolloutConfig(_Defaulted):
     logits and crashed with SIGSEGV under forced AVX2 kernels); not with LoRA or FSDP. Where it is
     not built, true is an error naming why and auto stays eager. Compiled generation does not
     share prompt prefixes (model.share_prompt_prefix still applies to scoring and the update)."""
+    dtype: Literal["auto", "bf16", "fp32"] = "fp32"
+    """The precision the training rollouts (PPO, GRPO, RLOO) decode in. bf16: on a bfloat16 copy
+    of the policy's weights, refreshed before each rollout (the trained tensors only; a LoRA
+    adapter applied in bf16), with tether's own sampler; the learner still rescores every sampled
+    token in its own precision, so every ratio, KL and advantage is the learner's, and the
+    sampler's distance is measured (``rollout/sampler_kl_exact``) and corrected
+    (``rollout.correction``). fp32: the learner samples. auto: bf16 where the CPU has bfloat16
+    matrix instructions (AVX-512 BF16 or AMX) and the run decodes on a CPU, else fp32 (the copy
+    costs one deep copy of the model at the first step, repaid by that step's decode).
+    Held-out evaluation, DPO's pairs and best-of-N sample from the learner. Not with
+    train.sharding=fsdp."""
+    correction: Literal["tis", "mis", "none"] = "tis"
+    """How a low-precision sampler's tokens are weighted in the update (rollout.dtype=bf16): tis,
+    token-level truncated importance sampling, each token's policy-gradient and KL-in-loss term
+    times ``min(pi_learner / pi_sampler, rollout.correction_cap)``; mis, sequence-level masked
+    importance sampling, each token of a sequence times the sequence's ratio where it lies in
+    ``[1 / cap, cap]``, the sequence dropped otherwise; none: weight 1 (biased by the mismatch).
+    The derivation and the test-bed measurements: docs/kl.md, "A sampler that is not the learner"."""
+    correction_cap: float = 2.0
+    """The truncation of tis and the band ``[1 / cap, cap]`` of mis (> 1; verl's and Yao et al.'s
+    2; TRL's vllm_importance_sampling_clip_max is 3)."""
     env: str | None = None
     """A multi-turn rollout's environment, ``module:function`` (None: one policy turn). After each
     policy turn that ends at one of ``rollout.stop_strings`` (a tool call's closing tag, say; in
@@ -735,6 +756,23 @@ class RolloutConfig(_Defaulted):
             "choose true (on), false (off) or auto",
         )
         _check(self.batch_size >= 1, "rollout.batch_size", self.batch_size, "must be >= 1")
+        _check(
+            self.dtype in ("auto", "bf16", "fp32"), "rollout.dtype", self.dtype, "choose auto, bf16 or fp32"
+        )
+        _check(
+            self.correction in ("tis", "mis", "none"),
+            "rollout.correction",
+            self.correction,
+            "choose tis (token-level truncated), mis (sequence-level masked) or none",
+        )
+        _check(
+            isinstance(self.correction_cap, (int, float))
+            and math.isfinite(self.correction_cap)
+            and self.correction_cap > 1,
+            "rollout.correction_cap",
+            self.correction_cap,
+            "must be a finite number > 1 (2 truncates the ratio at 2; mis keeps ratios in [1/2, 2])",
+        )
         if isinstance(self.stop_strings, str):  # on the CLI: [a, b] as YAML, else one stop string
             text = self.stop_strings
             loaded = None
@@ -1696,6 +1734,13 @@ class Config:
             self._check_sharding()
         if self.rollout.compile is True:
             self._check_compile()
+        if self.rollout.dtype == "bf16":
+            why = None
+            if not spec.samples:
+                why = f"{self.train.algo.upper()} samples its pairs from the learner"
+            elif self.train.sharding == "fsdp":
+                why = "an FSDP-sharded policy has no whole copy to round (train.sharding=fsdp)"
+            _check(why is None, "rollout.dtype", "bf16", f"{why}; use rollout.dtype=fp32 or auto")
         if self.rollout.multi_turn:
             why = None
             if not spec.samples:
@@ -2324,6 +2369,9 @@ FIELD_UNITS: dict[str, str] = {
     "rollout.forward_batch_size": "rows",
     "rollout.group_size": "samples per prompt",
     "rollout.compile": "",
+    "rollout.dtype": "",
+    "rollout.correction": "",
+    "rollout.correction_cap": "dimensionless (a ratio of probabilities)",
     "rollout.env": "",
     "rollout.tools": "",
     "rollout.environment_factory": "",

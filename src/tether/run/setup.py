@@ -65,7 +65,7 @@ from tether.models.reference import (
     make_reference,
 )
 from tether.models.rollouts import Sampler, SamplingSettings, make_sampler
-from tether.models.sampling import prompt_texts, set_template_kwargs, use_chat_template
+from tether.models.sampling import bf16_matmul_missing, prompt_texts, set_template_kwargs, use_chat_template
 from tether.models.sharding import shard_model
 from tether.models.tools import (
     load_environment_factory,
@@ -565,11 +565,12 @@ class Run:
     """The text anchor's human texts (:func:`load_anchor_texts`), None when ``anchor.coef`` is 0."""
 
 
-def sampling_settings(config: Config) -> SamplingSettings:
+def sampling_settings(config: Config, device: torch.device | str | None = None) -> SamplingSettings:
     """The :class:`tether.models.rollouts.SamplingSettings` of a run: its ``rollout.*`` fields by
-    name, ``train.sharded_generation``, and ``rollout.compile`` as the run can use it: off for DPO
-    (its pairs and probe decode eagerly), ``auto`` off where compiled decoding is not built (LoRA,
-    FSDP; ``true`` there is refused by the config)."""
+    name, ``train.sharded_generation``, ``rollout.compile`` as the run can use it (off for DPO,
+    whose pairs and probe decode eagerly; ``auto`` off where compiled decoding is not built:
+    LoRA, FSDP; ``true`` there is refused by the config) and ``rollout.dtype`` resolved
+    (:func:`rollout_dtype`) for the policy's ``device``."""
     r = config.rollout
     not_built = not config.trainer.samples or config.model.lora or config.train.sharding == "fsdp"
     return SamplingSettings(
@@ -582,7 +583,20 @@ def sampling_settings(config: Config) -> SamplingSettings:
         env_timeout=r.env_timeout,
         sharded_generation=config.train.sharded_generation,
         compile=False if r.compile == "auto" and not_built else r.compile,
+        dtype=rollout_dtype(config, device),
     )
+
+
+def rollout_dtype(config: Config, device: torch.device | str | None) -> str:
+    """``rollout.dtype`` resolved: ``bf16`` or ``fp32``. ``auto`` is bf16 where the trainer samples
+    its rollouts (PPO, GRPO, RLOO), the policy is whole (not FSDP-sharded) and decodes on a CPU
+    with bfloat16 matrix instructions (:func:`tether.models.sampling.bf16_matmul_missing`)."""
+    r = config.rollout
+    if r.dtype != "auto":
+        return r.dtype
+    cpu = device is not None and torch.device(device).type == "cpu"
+    whole = config.trainer.samples and config.train.sharding != "fsdp"
+    return "bf16" if cpu and whole and bf16_matmul_missing() is None else "fp32"
 
 
 def config_env(config: Config) -> Callable | None:
@@ -602,7 +616,7 @@ def config_env(config: Config) -> Callable | None:
 def config_sampler(config: Config, tokenizer, *, device, eager: bool = False) -> Sampler:
     """The sampler a run of ``config`` builds (:func:`run_sampler`), its environment imported by
     name (:func:`config_env`); ``eager``: never compiled (a one-off sampling, the frontier's)."""
-    settings = sampling_settings(config)
+    settings = sampling_settings(config, device)
     return make_sampler(
         tokenizer, replace(settings, compile=False) if eager else settings, config_env(config), device=device
     )
@@ -615,7 +629,7 @@ def run_sampler(config: Config, tokenizer, *, env: Callable | None, device) -> S
     Raises:
         ValueError: ``rollout.compile=true`` where decoding cannot be compiled (the reason named).
     """
-    return make_sampler(tokenizer, sampling_settings(config), env, device=device)
+    return make_sampler(tokenizer, sampling_settings(config, device), env, device=device)
 
 
 ROLLOUT_BYTES_PER_TOKEN = 24

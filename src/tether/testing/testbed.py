@@ -814,6 +814,7 @@ def train_on_policy(
     guard: GuardSettings | None | Literal["auto"] = "auto",
     divergence: str = "reverse_kl",
     alpha: float = 0.5,
+    sampler_shift: Tensor | None = None,
     **step: Any,
 ) -> RunLog:
     """PPO, GRPO or RLOO on the bed, step for step as :class:`tether.trainers.base.OnPolicyTrainer`.
@@ -849,6 +850,12 @@ def train_on_policy(
             counted as the policy's (``response_mask`` all True: in the KL, the losses, the values
             and the advantages), to show that the bed catches it. True (the trainers' way):
             ``response_mask`` is False at ``bed.env_positions``.
+        sampler_shift: (P, V) logits added to the policy's table for sampling only: a sampler
+            that is not the learner (``rollout.dtype=bf16``: the sampler's rounding; any larger
+            perturbation). The batch is drawn from ``softmax(table + sampler_shift)``, its
+            log-probs there become ``Forwards.sampler_logprobs`` and the step's correction
+            (``correction``, ``correction_cap`` in ``**step``) weighs the losses, as in a run;
+            the learner's log-probs stay the table's. None: the learner samples.
         **step: fields of :class:`tether.trainers.steps.StepSettings` other than ``algo``,
             ``group_size``, ``gamma`` and ``gae_lambda`` (which ``algo`` and ``settings`` give):
             ``estimator`` (logged, shaped and controlled on; default k1), ``scale_by_std``
@@ -904,7 +911,8 @@ def train_on_policy(
             group["lr"] = s.lr_at(step, base)
         # 1-3. sample from the current policy (the environment writing its positions) and score
         #      whole sequences
-        tokens = sample(table, V, T, B, gen, env_positions=bed.env_positions, env_logits=bed.env_logits)
+        drawn_from = table.detach() if sampler_shift is None else table.detach() + sampler_shift
+        tokens = sample(drawn_from, V, T, B, gen, env_positions=bed.env_positions, env_logits=bed.env_logits)
         scores = bed.rewards[sequence_index(tokens, V)]  # (B,)
         rows = prefix_indices(tokens, V)  # (B, T)
         # 4. old and reference log-probs (and values), no grad
@@ -912,6 +920,7 @@ def train_on_policy(
             old_logprobs = token_logprobs(table, tokens, V)  # (B, T)
             ref_logprobs = token_logprobs(bed.ref_logits.to(F64), tokens, V)
             old_values = values[rows] if values is not None else None
+            sampler_logprobs = token_logprobs(drawn_from, tokens, V) if sampler_shift is not None else None
             log.exact_kls.append(float(exact_kl(rollout_logprobs(bed, table), ref_seq_logp)))
         # 5-6. the KL the batch was drawn at, as a run's controller reads it, and beta from it
         exact_now = position_kl(table, bed.ref_logits, rows)
@@ -930,7 +939,11 @@ def train_on_policy(
             rollout=TableSamples(tokens, rows, mask),
             scores=scores,
             forwards=Forwards(
-                old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, values=old_values, exact_kl=exact_now
+                old_logprobs=old_logprobs,
+                ref_logprobs=ref_logprobs,
+                values=old_values,
+                exact_kl=exact_now,
+                sampler_logprobs=sampler_logprobs,
             ),
             kl_coef=kl_coef,
             leash=leash,

@@ -124,6 +124,8 @@ def step_settings(config, algo: str) -> StepSettings:
         scale_kl_by_std=c.grpo.scale_kl_by_std,
         controller_signal=c.kl.signal,
         target_unit=c.kl.target_unit,
+        correction=c.rollout.correction,
+        correction_cap=c.rollout.correction_cap,
     )
 
 
@@ -265,7 +267,11 @@ class OnPolicyTrainer:
                 rollout=rollout,
                 scores=scores,
                 # step 4's numbers; optim.reuse_forward: with its forward of the current policy, with grad
-                forwards=forwards.step_forwards(with_ref_logits=self.divergence_leash),
+                forwards=forwards.step_forwards(
+                    with_ref_logits=self.divergence_leash,
+                    # rollout.dtype=bf16: the sampler is not the learner; its log-probs weigh the update
+                    sampler_logprobs=rollout.sampler_logprobs if rollout.sampler_dtype == "bf16" else None,
+                ),
                 minibatches=minibatches,
                 kl_coef=kl_coef,
                 leash=self.leash,
@@ -697,9 +703,35 @@ class OnPolicyTrainer:
             "kl/applied_in_loss": self.leash.counts["loss"],
             "kl/reference_forwards": self.run.reference_forwards[0],
         }
+        row.update(sampler_metrics(exp, forwards))
         row.update(update.metrics())
         row.update(self.extra_metrics(exp, kl_coef))
         return row
+
+
+def sampler_metrics(exp: Experience, forwards: RolloutLogprobs) -> dict:
+    """A low-precision sampler's distance from the learner and its correction, over every process
+    ({} where the learner sampled):
+
+    * ``rollout/sampler_kl_exact``: the exact KL(sampler || learner) over the vocabulary at each
+      sampled position, token mean, nats per token (where the sampler's logits were kept,
+      :data:`tether.models.sampling.SAMPLER_LOGITS_BYTES`); ``rollout/sampler_kl_max``, its
+      largest at any position;
+    * ``rollout/is_clipped_fraction``: the share of policy tokens whose weight is not the exact
+      ratio learner / sampler (truncated by ``tis``, in a sequence ``mis`` dropped; for ``none``,
+      whose ratio leaves ``[1 / cap, cap]``); ``rollout/is_weight_mean``, the weights' token mean
+      (1 for an unbiased sampler; see :func:`tether.core.correction.correction_weights`).
+    """
+    c, mask, row = exp.forwards.correction, exp.rollout.response_mask, {}
+    if forwards.sampler_kl is not None:
+        kl = forwards.sampler_kl  # (B, R)
+        row["rollout/sampler_kl_exact"] = D.token_mean(kl, mask)
+        worst = torch.where(mask, kl, torch.zeros_like(kl))
+        row["rollout/sampler_kl_max"] = D.all_reduce_max(worst.max() if worst.numel() else worst.sum())
+    if c is not None:
+        row["rollout/is_clipped_fraction"] = D.token_mean(c.departed.float(), mask)
+        row["rollout/is_weight_mean"] = D.token_mean(c.weights, mask)
+    return row
 
 
 def sample_metrics(

@@ -231,12 +231,19 @@ class RolloutLogprobs:
     divergences: Divergences | None = None
     """The forward KL, JS and alpha-divergence at each position (each (B, R), nats), when asked
     (``divergences_alpha``: ``kl.divergences``)."""
+    sampler_kl: Tensor | None = None
+    """(B, R) the exact KL(sampler || learner) at each position, nats, where the rollout kept its
+    low-precision sampler's logits (``Rollout.sampler_logits``), else None."""
 
-    def step_forwards(self, with_ref_logits: bool = False) -> Forwards:
+    def step_forwards(
+        self, with_ref_logits: bool = False, sampler_logprobs: Tensor | None = None
+    ) -> Forwards:
         """What steps 5 to 7 read of these (:class:`tether.trainers.steps.Forwards`): the old and
         reference log-probs, the values, the exact KL and, with ``update_forward``, its log-probs
         with grad (``optim.reuse_forward``: step 7's only update differentiates them);
-        ``with_ref_logits``: the reference's kept logits too (``kl.divergence``'s leash)."""
+        ``with_ref_logits``: the reference's kept logits too (``kl.divergence``'s leash);
+        ``sampler_logprobs``: the rollout's own, where a sampler that is not the learner drew it
+        (``rollout.dtype=bf16``: the update's importance weights come from them)."""
         return Forwards(
             old_logprobs=self.old_logprobs,
             ref_logprobs=self.ref_logprobs,
@@ -244,6 +251,7 @@ class RolloutLogprobs:
             exact_kl=self.exact_kl,
             reused_logprobs=self.update_forward.logprobs if self.update_forward is not None else None,
             ref_logits=self.ref_logits if with_ref_logits else None,
+            sampler_logprobs=sampler_logprobs,
         )
 
 
@@ -284,7 +292,7 @@ def old_and_ref_logprobs(
         raise ValueError(f"reuse_forward_of needs one row group, got {len(row_chunks)}")
     device = rollout.response_ids.device
     out = {k: torch.zeros(B, R, device=device) for k in ("old", "ref", "values", "entropy", "exact")}
-    update_forward = policy_logits = ref_hidden = ref_logits = None
+    update_forward = policy_logits = ref_hidden = ref_logits = sampler_kl = None
     divergences: Divergences | None = None
     tops: dict[str, tuple[Tensor, Tensor]] = {}
     for idx in row_chunks:
@@ -331,6 +339,10 @@ def old_and_ref_logprobs(
                 ref_hidden = ref.hidden.new_empty(B, R, ref.hidden.shape[-1])  # (B, R, d)
             ref_hidden[idx] = ref.hidden
         out["old"][idx], out["entropy"][idx] = pol.logprobs, pol.entropy
+        if pol.sampler_kl is not None:
+            if sampler_kl is None:
+                sampler_kl = torch.zeros(B, R, device=device)
+            sampler_kl[idx] = pol.sampler_kl
         if with_values:
             out["values"][idx] = pol.values
         if reference is not None:
@@ -348,6 +360,7 @@ def old_and_ref_logprobs(
         ref_logits=ref_logits,
         top=tops or None,
         divergences=divergences,
+        sampler_kl=sampler_kl,
     )
 
 

@@ -39,6 +39,7 @@ from tether.core.advantages import (
     return_scale,
     rloo_advantages,
 )
+from tether.core.correction import CorrectionWeights, correction_weights
 from tether.core.kl import estimate_kl, kl_k1, sequence_kl
 from tether.core.leash import KLLeash
 from tether.core.losses import clipped_value_loss, dpo_loss, ppo_policy_loss
@@ -84,6 +85,12 @@ class Forwards(NamedTuple):
     ref_logits: Tensor | None = None
     """(B, R, V) the reference's logits at the response positions, for a leash holding another
     divergence than the reverse KL (``kl.divergence``), else None."""
+    sampler_logprobs: Tensor | None = None
+    """log q(y_t | ...) of the sampled tokens under the sampler's distribution, where the sampler is
+    not the learner (``rollout.dtype=bf16``), else None: the tokens are then the learner's own."""
+    correction: CorrectionWeights | None = None
+    """The sampler's importance weights (:func:`tether.core.correction.correction_weights`), set by
+    :func:`make_experience` from ``sampler_logprobs``; None without them."""
 
     def select(self, idx: Tensor) -> Forwards:
         """Rows ``idx`` ((n,) long) of every tensor."""
@@ -94,6 +101,8 @@ class Forwards(NamedTuple):
             exact_kl=_rows(self.exact_kl, idx),
             reused_logprobs=_rows(self.reused_logprobs, idx),
             ref_logits=_rows(self.ref_logits, idx),
+            sampler_logprobs=_rows(self.sampler_logprobs, idx),
+            correction=CorrectionWeights(*(t[idx] for t in self.correction)) if self.correction else None,
         )
 
 
@@ -147,6 +156,13 @@ class Experience(NamedTuple):
     def exact_kl(self) -> Tensor | None:
         """exact per-position KL of the sampling policy, nats, or None (``kl.exact=false``)."""
         return self.forwards.exact_kl
+
+    @property
+    def is_weights(self) -> Tensor | None:
+        """(B, R) the sampler's importance weights the losses multiply (``rollout.correction``; 1
+        on every policy token for ``none``), or None: the learner sampled."""
+        c = self.forwards.correction
+        return c.weights if c is not None else None
 
     @property
     def reused_logprobs(self) -> Tensor | None:
@@ -241,6 +257,10 @@ class StepSettings:
         controller_signal: the KL the controller reads: "exact" (the full-vocabulary KL) or
             "estimator" (``estimator``'s; ``kl.controller_signal`` resolved).
         target_unit: "nats_per_sequence" or "nats_per_token" (``kl.target_unit``).
+        correction, correction_cap: the importance weights of a sampler that is not the learner
+            (``rollout.correction``, ``rollout.correction_cap``,
+            :func:`tether.core.correction.correction_weights`); read only where the rollout's
+            ``Forwards.sampler_logprobs`` are given.
     """
 
     algo: str
@@ -254,6 +274,8 @@ class StepSettings:
     scale_kl_by_std: bool = False
     controller_signal: Literal["estimator", "exact"] = "exact"
     target_unit: Literal["nats_per_sequence", "nats_per_token"] = "nats_per_sequence"
+    correction: str = "tis"
+    correction_cap: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -645,6 +667,16 @@ def make_experience(
         estimate=estimate,
         exact_kl=f.exact_kl if leash.reward_form == "exact" else None,
     )
+    if f.sampler_logprobs is not None:  # the sampler is not the learner: its importance weights
+        forwards = forwards._replace(
+            correction=correction_weights(
+                f.old_logprobs,
+                f.sampler_logprobs,
+                mask,
+                correction=settings.correction,
+                cap=settings.correction_cap,
+            )
+        )
     adv = ADVANTAGES[settings.algo](leashed, mask, f.values, settings, scored=scored)
     if uses_kl_weights(settings, leash):
         adv = adv._replace(
@@ -801,7 +833,13 @@ def clipped_policy_loss(
     """
     mask = mb.mask
     pl = ppo_policy_loss(
-        logprobs, mb.old_logprobs, mb.advantages, mask, clip.clip_eps, clip_eps_high=clip.clip_eps_high
+        logprobs,
+        mb.old_logprobs,
+        mb.advantages,
+        mask,
+        clip.clip_eps,
+        clip_eps_high=clip.clip_eps_high,
+        is_weights=mb.is_weights,
     )
     stats = {"policy/loss": pl.loss, "policy/clipfrac": pl.clipfrac, "policy/approx_kl": pl.approx_kl}
     loss = pl.loss
@@ -819,6 +857,7 @@ def clipped_policy_loss(
         row_weights=mb.kl_weights,
         logits=logits,
         ref_logits=ref_logits,
+        token_weights=mb.is_weights,
     )
     if kl_term is not None:
         stats["policy/kl_loss"] = kl_term
