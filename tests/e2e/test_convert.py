@@ -294,3 +294,12 @@ def test_tool_calling_iterations_become_turns():
     unlimited = {f.key: f for f in convert({"max_steps": 4, "max_tool_calling_iterations": None}, "grpo")}
     assert unlimited["max_tool_calling_iterations"].kind == "refused"
     assert "set rollout.max_turns" in unlimited["max_tool_calling_iterations"].why
+
+
+def test_vllms_importance_sampling_keys_are_moot_without_vllm_and_name_tethers_own_with_it():
+    keys = {"vllm_importance_sampling_mode": "token_truncate", "vllm_importance_sampling_clip_max": 2.0}
+    fates = {f.key: f for f in convert({"max_steps": 4, **keys}, "grpo")}
+    assert all(fates[k].kind == "moot" for k in keys)
+    with_vllm = {f.key: f for f in convert({"max_steps": 4, "use_vllm": True, **keys}, "grpo")}
+    assert with_vllm["use_vllm"].kind == "refused" and "rollout.dtype=bf16" in with_vllm["use_vllm"].why
+    assert all(with_vllm[k].kind == "refused" and "rollout.correction" in with_vllm[k].why for k in keys)

@@ -65,6 +65,19 @@ def _moot_if(default, why: str, refuse: str):
     return rule
 
 
+def _moot_if_no_vllm(v, r, t):
+    """TRL's ``vllm_importance_sampling_*``: read only with ``use_vllm`` (refused itself)."""
+    if not r.get("use_vllm"):
+        return "moot", {}, "TRL applies it only with use_vllm"
+    return (
+        "refused",
+        {},
+        "tether's sampler is not vLLM: rollout.dtype=bf16 samples from a bfloat16 copy, corrected by "
+        "rollout.correction (tis: token_truncate, mis: sequence_mask with clip_min 1/cap) and "
+        "rollout.correction_cap",
+    )
+
+
 def _refused(why: str):
     return lambda v, r, t: ("refused", {}, why)
 
@@ -411,7 +424,15 @@ RULES = {
             "rollout.max_turns counts the policy's turns: iterations + 1",
         )
     ),
-    "use_vllm": _moot_if(False, "transformers generation", "tether generates with its own seeded sampler"),
+    "use_vllm": _moot_if(
+        False,
+        "transformers generation",
+        "tether generates with its own seeded sampler; its low-precision one is rollout.dtype=bf16",
+    ),
+    **{
+        f"vllm_importance_sampling_{name}": _moot_if_no_vllm
+        for name in ("correction", "mode", "clip_max", "clip_min")
+    },
     "log_completions": _moot("samples.jsonl and the sample table every train.sample_every steps"),
     "num_completions_to_print": _moot("the sample table shows the step's samples"),
     "disable_dropout": _moot("dropout is always off in tether"),
