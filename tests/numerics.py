@@ -40,6 +40,8 @@ EXACT = {
     # the same halvings unless a grouping's rounding lands on the ceiling itself
     "guard/fraction",
     "guard/backtracks",
+    # the share of tokens whose ratio passes the cap: the same samples, ratios ~1 against a cap of 2
+    "rollout/is_clipped_fraction",
 }
 """Same samples or same counts: compared with ==."""
 
@@ -80,6 +82,11 @@ def term_magnitudes(row: dict) -> dict[str, float]:
         # as approx_kl is of the old and new ones
         "rollout/logprob_mismatch": m_tok,
         "rollout/logprob_diff_max": m_tok,
+        # rollout.dtype=bf16: the exact KL(sampler || learner) per position, terms as the exact KL's;
+        # the weights exp(learner - sampler) ~ 1 move by their log-probs' rounding
+        "rollout/sampler_kl_exact": m_tok,
+        "rollout/sampler_kl_max": m_tok,
+        "rollout/is_weight_mean": 1.0 + m_tok,
         "policy/kl_loss": m_tok,
         # exactly 0 when the first minibatch is scored in the old log-probs' own batch; a
         # micro-batch is another batch shape: exp(d) - 1 ~ d for a log-prob rounding d

@@ -151,3 +151,25 @@ def test_the_cpu_check_reads_onednns_cap(monkeypatch):
 def test_bad_settings_are_refused_by_name(overrides, field):
     with pytest.raises(ConfigError, match=field):
         load_config(None, [f"{k}={v}" for k, v in overrides.items()])
+
+
+def test_a_lora_adapter_is_applied_in_bf16_and_follows_each_update(
+    tiny_tokenizer, tiny_model_dir, prompt_file, tmp_path
+):
+    from tether.models.lora import add_lora
+    from tether.models.policy import PolicyWithValue
+
+    policy = PolicyWithValue(add_lora(make_tiny_llama(len(tiny_tokenizer)), 4, 8.0, ["q_proj", "v_proj"]))
+    copy = SamplerCopy()
+    bf = copy.of(policy.lm)
+    trained = [n for n, p in policy.lm.named_parameters() if p.requires_grad]
+    assert trained and all("lora_" in n for n in trained)  # the adapter's matrices alone
+    assert len(copy.trained) == len(trained)
+    b = next(p for n, p in policy.lm.named_parameters() if "lora_B" in n)
+    with torch.no_grad():
+        b.fill_(0.5)  # an update of the adapter (peft starts B at 0)
+    bf = copy.of(policy.lm)
+    copied = dict(bf.named_parameters())[next(n for n, p in policy.lm.named_parameters() if p is b)]
+    assert copied.dtype == torch.bfloat16 and bool((copied == 0.5).all())
+    rows = run(tiny_model_dir, prompt_file, tmp_path / "lora", **{"model.lora_r": 4})
+    assert rows[0]["objective/kl_exact"] == 0.0 and all("rollout/sampler_kl_exact" in r for r in rows)

@@ -370,6 +370,7 @@ _ONE_PROCESS: dict[str, Path] = {}
         "dpo, fsdp",
         "grpo, anchor",
         "grpo, anchor, fsdp",
+        "grpo, bf16 rollouts",
     ],
 )
 def test_two_processes_log_the_first_step_of_one(algo, tiny_tokenizer, prompt_file, tmp_path):
@@ -400,8 +401,10 @@ def test_two_processes_log_the_first_step_of_one(algo, tiny_tokenizer, prompt_fi
             "".join(f"plain text {i} of some length, said {i % 3 + 1} times\n" for i in range(8))
         )
         extra += [f"anchor.texts={texts}", "anchor.coef=0.5", "anchor.batch_size=4"]
+    if "bf16" in algo:  # rollout.dtype=bf16: each process decodes on its own bfloat16 copy
+        extra += ["rollout.dtype=bf16"]
     key, algo = algo, algo.split(",")[0]
-    key = algo if "anchor" not in key else key  # the anchor's 1-process run is its own
+    key = algo if "anchor" not in key and "bf16" not in key else key  # their 1-process runs are their own
     # the 1-process run of an algorithm is the same run in every case (the same model, prompts and
     # settings): run once per session, then read
     if key in _ONE_PROCESS:

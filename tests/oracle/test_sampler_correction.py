@@ -4,7 +4,8 @@ not the learner").
 
 The sampler draws each batch from ``softmax(table + shift)``, ``shift`` a fixed table of N(0, sigma^2)
 logits (seed 1): sigma 0.05 is about what bfloat16 weights do to SmolLM2's next-token logits
-(docs/performance.md, "bf16 rollouts"), 0.2 and 0.5 are larger. The trainers' own step code
+(measured: a centred logit difference of std 0.06, an exact sampler KL of 1.3e-3 nats per token;
+docs/kl.md, "A sampler that is not the learner"), 0.2 and 0.5 are larger. The trainers' own step code
 weighs the update (tether.trainers.steps.make_experience -> clipped_policy_loss).
 
 Tolerances, as tests/oracle/test_testbed.py states them: KL(pi || pi*) < 1e-3 nats where pi* is
