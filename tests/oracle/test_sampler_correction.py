@@ -37,12 +37,7 @@ BANDIT = tb.TrainSettings(steps=100, batch_size=1024, group_size=64)
 SEQ = tb.TrainSettings(steps=150, batch_size=1024, group_size=64)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/oracle/conftest.py
 
 
 def shift(bed: tb.TabularBed, sigma: float) -> torch.Tensor:

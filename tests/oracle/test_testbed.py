@@ -43,13 +43,7 @@ G = 64  # GRPO / RLOO group size on the bandit: 16 groups per batch of 1024
 LAST = 20  # batches pooled for the logged-KL check
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # tiny tensors: a second thread only adds contention on a shared 2-core machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/oracle/conftest.py
 
 
 # ---- exact quantities ---------------------------------------------------------------------------

@@ -34,12 +34,7 @@ SETTINGS = tb.TrainSettings(steps=150, batch_size=1024, group_size=G)
 SETTINGS_K1_SEQ = tb.TrainSettings(steps=300, batch_size=1024, group_size=G)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/oracle/conftest.py
 
 
 def env_bed() -> tb.TabularBed:
