@@ -173,3 +173,26 @@ def test_a_lora_adapter_is_applied_in_bf16_and_follows_each_update(
     assert copied.dtype == torch.bfloat16 and bool((copied == 0.5).all())
     rows = run(tiny_model_dir, prompt_file, tmp_path / "lora", **{"model.lora_r": 4})
     assert rows[0]["objective/kl_exact"] == 0.0 and all("rollout/sampler_kl_exact" in r for r in rows)
+
+
+def test_the_run_says_which_model_its_rollouts_decode_on(
+    tiny_model_dir, prompt_file, tmp_path, capsys, monkeypatch
+):
+    run(tiny_model_dir, prompt_file, tmp_path / "bf16", **{"train.steps": 1, "train.progress": "true"})
+    out = capsys.readouterr().out
+    assert "rollout.dtype=bf16: training rollouts decode on a bfloat16 copy of the policy" in out
+    monkeypatch.setattr(sampling, "bf16_matmul_missing", lambda: "no bf16 here")
+    monkeypatch.setattr(setup, "bf16_matmul_missing", lambda: "no bf16 here")
+    import tether.run.announce as announce
+
+    monkeypatch.setattr(announce, "bf16_matmul_missing", lambda: "no bf16 here")
+    run(
+        tiny_model_dir,
+        prompt_file,
+        tmp_path / "auto",
+        **{"train.steps": 1, "train.progress": "true", "rollout.dtype": "auto"},
+    )
+    assert (
+        "rollout.dtype=auto: training rollouts decode on the policy itself (fp32) (no bf16 here)"
+        in capsys.readouterr().out
+    )

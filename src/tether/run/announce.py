@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from tether.core import distributed as D
 from tether.data.tasks import TASK_SETTINGS, TASKS
+from tether.models.sampling import bf16_matmul_missing
 from tether.models.sharding import is_sharded, local_bytes
 from tether.run.config import Config
 from tether.run.console import number, say
@@ -138,6 +139,24 @@ def announce_start(
         + (f"; {D.world_size()} processes (data parallel)" if D.is_distributed() else ""),
         show,
     )
+    if c.rollout.dtype != "fp32" and c.trainer.samples:  # which model the training rollouts decode on
+        why = bf16_matmul_missing()
+        chose = run.sampler.settings.dtype
+        say(
+            f"tether: rollout.dtype={c.rollout.dtype}: training rollouts decode "
+            + (
+                f"on a bfloat16 copy of the policy, corrected by rollout.correction={c.rollout.correction}"
+                if chose == "bf16"
+                else "on the policy itself (fp32)"
+            )
+            + (
+                f" ({why[0].lower() + why[1:]})"
+                if why and c.rollout.dtype == "auto" and chose == "fp32"
+                else ""
+            )
+            + (f"; note: {why[0].lower() + why[1:]}" if why and c.rollout.dtype == "bf16" else ""),
+            show,
+        )
     if is_sharded(run.policy):
         held, ref = local_bytes(run.policy), local_bytes(run.reference) if run.reference else None
         say(
