@@ -57,6 +57,14 @@ def test_mis_weighs_each_token_by_its_sequence_and_drops_one_outside_the_band():
     assert low.weights.tolist() == [[0.0] * 3] and low.departed.all()
 
 
+def test_only_the_sequence_weight_claims_the_prefixes():
+    # an exact divergence at a prefix depends on no token drawn there: mis's weight (the whole
+    # response's ratio) corrects it, tis's (the token's own) does not, and the losses read this flag
+    assert weights(OLD, SAMPLER, MASK, "mis", cap=4.0).per_sequence
+    assert not weights(OLD, SAMPLER, MASK, "tis").per_sequence
+    assert not weights(OLD, SAMPLER, MASK, "none").per_sequence
+
+
 def test_none_weighs_one_and_counts_what_leaves_the_band():
     w = weights(OLD, SAMPLER, MASK, "none")
     assert w.weights.tolist() == [[1.0, 1.0, 1.0, 0.0]]

@@ -74,6 +74,8 @@ def with_pattern(rule: str) -> list[dict]:
             r["guard/fraction"] = 0.0  # the guard restored the weights in the last 3 steps
         if rule == "logprob_mismatch" and s == 19:
             r["rollout/logprob_mismatch"] = 0.028  # bf16 sampling scored in float32
+        if rule == "sampler_correction" and s == 19:
+            r["rollout/is_clipped_fraction"] = 1.0  # mis dropped every sequence of the step
         if rule == "sample_quality" and "eval/fluency_nll" in r and s >= 12:
             r["eval/fluency_nll"] = 4.0  # 0.8 nats/token above the reference's 3.2
         if rule == "capability_loss" and "eval/capability_nll" in r and s >= 12:

@@ -196,3 +196,11 @@ def test_the_run_says_which_model_its_rollouts_decode_on(
         "rollout.dtype=auto: training rollouts decode on the policy itself (fp32) (no bf16 here)"
         in capsys.readouterr().out
     )
+
+
+def test_a_bf16_learner_is_refused_a_bf16_sampler_and_auto_keeps_it_alone(monkeypatch):
+    with pytest.raises(ConfigError, match="already bfloat16"):
+        load_config(None, ["rollout.dtype=bf16", "model.dtype=bfloat16"])
+    monkeypatch.setattr(setup, "bf16_matmul_missing", lambda: None)
+    auto = load_config(None, ["rollout.dtype=auto", "model.dtype=bfloat16"])
+    assert setup.sampling_settings(auto, "cpu").dtype == "fp32"  # the copy would be the learner

@@ -48,9 +48,14 @@ class CorrectionWeights(NamedTuple):
     departed: Tensor
     """bool: the policy tokens where the weight is not the exact ratio ``rho_t`` (``tis``: truncated
     at the cap; ``mis``: in a sequence outside the band), or for ``none`` where ``rho_t`` leaves
-    ``[1 / cap, cap]`` (what the band would have changed): ``rollout/is_clipped_fraction``."""
+    ``[1 / cap, cap]`` (each token's own ratio, as ``tis`` reads it; ``mis``'s band is on the
+    sequence's product, which many tokens near 1 can leave): ``rollout/is_clipped_fraction``."""
     log_ratio: Tensor
     """``old_logprobs - sampler_logprobs`` on the policy's tokens, 0 elsewhere, nats."""
+    per_sequence: bool = False
+    """The weight is the whole response's (``mis``): it also corrects the prefixes, so it applies to
+    a term that depends on no token drawn at its position (an exact divergence over the
+    vocabulary at a prefix), which a token's own ratio (``tis``) does not correct."""
 
 
 def correction_weights(
@@ -115,4 +120,4 @@ def correction_weights(
     else:
         weights = torch.ones_like(log_ratio)
         departed = mask & (log_ratio.abs() > log_cap)
-    return CorrectionWeights(torch.where(mask, weights, 0.0), departed, log_ratio)
+    return CorrectionWeights(torch.where(mask, weights, 0.0), departed, log_ratio, correction == "mis")

@@ -53,6 +53,11 @@ class HealthThresholds:
     """Sampler/learner mismatch: ``rollout/logprob_mismatch`` above this (nats per token) at any
     step. Rounding alone gives far less (docs/performance.md, "bf16"); bf16 sampling scored in
     float32 gave 0.028."""
+    is_clipped_max: float = 0.5
+    """A corrected sampler that is not the learner (``rollout.dtype=bf16``): more than this share of
+    the policy's tokens with a weight that is not their ratio (``rollout/is_clipped_fraction``) at
+    the last step: ``mis`` drops most sequences, or ``tis`` truncates most tokens, and the update
+    learns from few of the samples (with ``mis`` dropping all, from none)."""
     quality_min_proxy_gain: float = 0.02
     """Sample quality: the periodic evaluation's proxy score above the reference's by more than
     this (scorer units) ..."""
@@ -400,6 +405,25 @@ def budget_spent(history: list[dict], t: HealthThresholds) -> Alarm | None:
     )
 
 
+def sampler_correction(history: list[dict], t: HealthThresholds) -> Alarm | None:
+    """The correction discards most of the batch: the last step's ``rollout/is_clipped_fraction``
+    above ``t.is_clipped_max``."""
+    s = _series(history, "rollout/is_clipped_fraction")
+    if not s or s[-1][1] <= t.is_clipped_max:
+        return None
+    return Alarm(
+        "sampler_correction",
+        s[-1][0],
+        f"{s[-1][1]:.0%} of the policy's tokens got a weight other than their ratio learner / sampler "
+        f"(rollout/is_clipped_fraction), above {t.is_clipped_max:.0%}",
+        "the sampler is far from the learner for the band: rollout.correction=mis drops every sequence "
+        "whose ratio leaves [1/cap, cap] (long responses sum many small log-ratios), tis truncates tokens "
+        "past the cap",
+        "widen rollout.correction_cap, use rollout.correction=tis for long responses, or sample in the "
+        "learner's precision (rollout.dtype=fp32)",
+    )
+
+
 RULES: dict[str, Callable[[list[dict], HealthThresholds], Alarm | None]] = {
     "budget_spent": budget_spent,
     "env_never_answered": env_never_answered,
@@ -410,6 +434,7 @@ RULES: dict[str, Callable[[list[dict], HealthThresholds], Alarm | None]] = {
     "k1_negative": k1_negative,
     "overoptimization": overoptimization,
     "logprob_mismatch": logprob_mismatch,
+    "sampler_correction": sampler_correction,
     "sample_quality": sample_quality,
     "capability_loss": capability_loss,
 }

@@ -152,6 +152,7 @@ def policy_and_reference_logprobs(
     ref_logits: Tensor | None = None,
     keep_ref_logits: bool = False,
     divergences_alpha: float | None = None,
+    with_sampler_kl: bool = False,
 ) -> tuple[TokenStats, TokenStats | None, Tensor | None]:
     """No-grad scoring of a rollout by the policy and the reference, one LM-head slice at a time.
 
@@ -191,9 +192,9 @@ def policy_and_reference_logprobs(
             this order at each position, from the same slices (the reference's TokenStats'
             ``divergences``, :func:`tether.core.divergences.divergences_from_logits`); None = not.
 
-    Where the rollout kept its sampler's logits (``rollout.sampler_logits``: a bfloat16 sampler),
-    the exact KL(sampler || policy) at each position is taken from the same slices (the policy
-    TokenStats' ``sampler_kl``).
+    ``with_sampler_kl``, where the rollout kept its sampler's logits (``rollout.sampler_logits``: a
+    bfloat16 sampler): also the exact KL(sampler || policy) at each position, from the same slices
+    (the policy TokenStats' ``sampler_kl``; step 4's scoring asks, the guard's measures do not).
 
     Returns:
         (policy TokenStats with logprobs, entropy and values if asked; reference TokenStats with logprobs
@@ -231,7 +232,8 @@ def policy_and_reference_logprobs(
         if top_k
     }
     kept_ref = None
-    q = rollout.sampler_logits  # (B, R', V) bfloat16, R' <= R (a row's decode may stop early), or None
+    # (B, R', V) bfloat16, R' <= R (a row's decode may stop early), or None
+    q = rollout.sampler_logits if with_sampler_kl else None
     sampler_kl = torch.zeros(B, R, device=device) if q is not None else None
     for rows in head_row_slices(B, R, policy.head_chunk):
         z = (

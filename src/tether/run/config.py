@@ -1740,6 +1740,11 @@ class Config:
                 why = f"{self.train.algo.upper()} samples its pairs from the learner"
             elif self.train.sharding == "fsdp":
                 why = "an FSDP-sharded policy has no whole copy to round (train.sharding=fsdp)"
+            elif self.model.dtype in ("bfloat16", "float16"):
+                why = (
+                    f"the learner's weights are already {self.model.dtype} (model.dtype): the copy would be "
+                    "the learner itself, a second model in memory for nothing"
+                )
             _check(why is None, "rollout.dtype", "bf16", f"{why}; use rollout.dtype=fp32 or auto")
         if self.rollout.multi_turn:
             why = None
@@ -2473,6 +2478,7 @@ FIELD_UNITS: dict[str, str] = {
     "health.k1_negative_tol": "nats per token",
     "health.overopt_min_change": "reward units",
     "health.logprob_mismatch_max": "nats per token",
+    "health.is_clipped_max": "fraction of tokens",
     "health.quality_min_proxy_gain": "reward units",
     "health.quality_fluency_margin": "nats per token",
     "health.quality_repetition_margin": "fraction of 3-grams",

@@ -589,14 +589,16 @@ def sampling_settings(config: Config, device: torch.device | str | None = None) 
 
 def rollout_dtype(config: Config, device: torch.device | str | None) -> str:
     """``rollout.dtype`` resolved: ``bf16`` or ``fp32``. ``auto`` is bf16 where the trainer samples
-    its rollouts (PPO, GRPO, RLOO), the policy is whole (not FSDP-sharded) and decodes on a CPU
-    with bfloat16 matrix instructions (:func:`tether.models.sampling.bf16_matmul_missing`)."""
+    its rollouts (PPO, GRPO, RLOO), the policy is whole (not FSDP-sharded) and float32 (a
+    bfloat16 learner would sample from a bit-identical copy) and decodes on a CPU with bfloat16
+    matrix instructions (:func:`tether.models.sampling.bf16_matmul_missing`)."""
     r = config.rollout
     if r.dtype != "auto":
         return r.dtype
     cpu = device is not None and torch.device(device).type == "cpu"
     whole = config.trainer.samples and config.train.sharding != "fsdp"
-    return "bf16" if cpu and whole and bf16_matmul_missing() is None else "fp32"
+    fp32 = config.model.dtype in ("auto", "float32")  # auto is float32 on a CPU
+    return "bf16" if cpu and whole and fp32 and bf16_matmul_missing() is None else "fp32"
 
 
 def config_env(config: Config) -> Callable | None:

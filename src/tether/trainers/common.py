@@ -315,6 +315,7 @@ def old_and_ref_logprobs(
             top_k=top_k,
             keep_ref_logits=keep_ref_logits,
             divergences_alpha=divergences_alpha,
+            with_sampler_kl=True,  # rollout/sampler_kl_exact, where the sampler's logits were kept
         )
         if ref is not None and ref.divergences is not None:
             if divergences is None:

@@ -102,7 +102,13 @@ class Forwards(NamedTuple):
             reused_logprobs=_rows(self.reused_logprobs, idx),
             ref_logits=_rows(self.ref_logits, idx),
             sampler_logprobs=_rows(self.sampler_logprobs, idx),
-            correction=CorrectionWeights(*(t[idx] for t in self.correction)) if self.correction else None,
+            correction=self.correction._replace(
+                weights=self.correction.weights[idx],
+                departed=self.correction.departed[idx],
+                log_ratio=self.correction.log_ratio[idx],
+            )
+            if self.correction
+            else None,
         )
 
 
@@ -857,7 +863,13 @@ def clipped_policy_loss(
         row_weights=mb.kl_weights,
         logits=logits,
         ref_logits=ref_logits,
-        token_weights=mb.is_weights,
+        # a token's own ratio corrects the sampled-token estimators at its prefix; an exact
+        # divergence at a prefix depends on no token drawn there: only a sequence's weight (mis,
+        # which also corrects the prefixes) applies to it
+        token_weights=mb.is_weights
+        if leash.divergence == "reverse_kl"
+        or (mb.forwards.correction and mb.forwards.correction.per_sequence)
+        else None,
     )
     if kl_term is not None:
         stats["policy/kl_loss"] = kl_term
