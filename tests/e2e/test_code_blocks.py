@@ -109,7 +109,7 @@ def _ids(blocks) -> list[str]:
 # ---- what does not run here, and why ---------------------------------------------------------
 NOT_RUN = {
     "make demo": "sets up .venv, then ~10 min of PPO on the real SmolLM2-135M (its target is checked)",
-    "make test": "the whole suite, ~12 min (its target is checked)",
+    "make test": "the whole suite, 11-33 min by CPU kind (its target is checked)",
     "make lint": "the lint gates, run by CI (its target is checked)",
     "make test-other-kernels": "the numerics tests again under other kernels (its target is checked)",
     "accelerate launch": "starts N processes (N GPUs in docs/usage.md); the `-m tether` part and the "
