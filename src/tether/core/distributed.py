@@ -74,6 +74,14 @@ def all_reduce_max(x: Tensor) -> Tensor:
     return _reduce(x, "MAX")
 
 
+def token_max(values: Tensor, mask: Tensor) -> Tensor:
+    """The largest of ``values`` (B, R) where ``mask`` is True, over every process, float64; the
+    masked slots read 0, so for a non-negative quantity it is its maximum, and 0 for a batch
+    without a valid token (or without rows)."""
+    kept = torch.where(mask.bool(), values, torch.zeros_like(values))
+    return all_reduce_max(kept.max() if kept.numel() else kept.sum())
+
+
 def all_reduce_min(x: Tensor) -> Tensor:
     """Element-wise min over ranks, float64."""
     return _reduce(x, "MIN")

@@ -726,8 +726,7 @@ def sampler_metrics(exp: Experience, forwards: RolloutLogprobs) -> dict:
     if forwards.sampler_kl is not None:
         kl = forwards.sampler_kl  # (B, R)
         row["rollout/sampler_kl_exact"] = D.token_mean(kl, mask)
-        worst = torch.where(mask, kl, torch.zeros_like(kl))
-        row["rollout/sampler_kl_max"] = D.all_reduce_max(worst.max() if worst.numel() else worst.sum())
+        row["rollout/sampler_kl_max"] = D.token_max(kl, mask)
     if c is not None:
         row["rollout/is_clipped_fraction"] = D.token_mean(c.departed.float(), mask)
         row["rollout/is_weight_mean"] = D.token_mean(c.weights, mask)
@@ -819,8 +818,7 @@ def sample_metrics(
     if logprobs is not None and rollout.sampler_logprobs is not None:
         sampler = rollout.sampler_logprobs  # (B, R) the distribution the tokens were drawn from
         row["rollout/logprob_mismatch"] = D.token_mean(kl_k3(sampler, logprobs), mask)
-        diff = torch.where(mask, (sampler - logprobs).abs(), torch.zeros_like(sampler))  # (B, R)
-        row["rollout/logprob_diff_max"] = D.all_reduce_max(diff.max() if diff.numel() else diff.sum())
+        row["rollout/logprob_diff_max"] = D.token_max((sampler - logprobs).abs(), mask)
     return row
 
 
