@@ -27,8 +27,14 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/tether train $(ARGS)
 
+# One pytest-xdist worker per core, at most 4 (each worker and the runs it starts use one thread:
+# tests/conftest.py); --dist worksteal hands a free worker the tests another has not started.
+# TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n)
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist worksteal)
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 # The tests marked `numerics` again, under a CPU kernel set other than this machine's own: on a CPU
 # with AVX-512 PyTorch's, MKL's and oneDNN's AVX2 kernels (what an AVX2-only machine runs), on an
@@ -38,7 +44,7 @@ OTHER_KERNELS := $(shell grep -q avx512f /proc/cpuinfo 2>/dev/null \
 	&& echo ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 \
 	|| echo ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE)
 test-other-kernels: $(STAMP)
-	$(OTHER_KERNELS) $(BIN)/python -m pytest -q -m numerics $(PYTEST_ARGS)
+	$(OTHER_KERNELS) $(BIN)/python -m pytest -q $(XDIST) -m numerics $(PYTEST_ARGS)
 
 # Gates: formatting, lint (line length 110) and a type check of core/ (pyproject.toml)
 lint: $(STAMP)

@@ -11,6 +11,7 @@ import math
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -293,25 +294,33 @@ def _args(model_dir, prompts, out, algo):
     return args + (["rollout.group_size=2"] if algo in ("grpo", "rloo") else [])
 
 
+def _accelerate_launch(processes: int) -> list[str]:
+    """``accelerate launch`` of ``processes`` CPU processes, up to the script or ``-m``: --multi_gpu
+    selects accelerate's torchrun launcher, which on a CPU-only machine runs gloo. Its rendezvous
+    takes a free port, not torchrun's fixed 29500, so that launches of two pytest-xdist workers
+    (`make test`) never meet."""
+    with socket.socket() as s:  # the OS picks a free port; torchrun binds it again a moment later
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent)) or "accelerate"
+    return [
+        accelerate,
+        "launch",
+        "--multi_gpu",
+        f"--num_processes={processes}",
+        "--num_machines=1",
+        f"--main_process_port={port}",
+        "--mixed_precision=no",
+        "--dynamo_backend=no",
+    ]
+
+
 def _launch(args, processes: int) -> str:
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     if processes == 1:
         cmd = [sys.executable, "-m", "tether", "train", *args]
-    else:  # --multi_gpu selects accelerate's torchrun launcher; on a CPU-only machine it runs gloo
-        accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent)) or "accelerate"
-        cmd = [
-            accelerate,
-            "launch",
-            "--multi_gpu",
-            f"--num_processes={processes}",
-            "--num_machines=1",
-            "--mixed_precision=no",
-            "--dynamo_backend=no",
-            "-m",
-            "tether",
-            "train",
-            *args,
-        ]
+    else:
+        cmd = [*_accelerate_launch(processes), "-m", "tether", "train", *args]
     p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     said = p.stdout + p.stderr
     # Known defect, open: under forced AVX2 kernels a rank sometimes aborts at interpreter exit
@@ -545,9 +554,7 @@ def test_fsdp_sigkill_then_resume_matches_uninterrupted(tiny_tokenizer, prompt_f
         ]
 
     _launch(args(full), 2)
-    accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent)) or "accelerate"
-    cmd = [accelerate, "launch", "--multi_gpu", "--num_processes=2", "--num_machines=1"]
-    cmd += ["--mixed_precision=no", "--dynamo_backend=no", "-m", "tether", "train", *args(killed)]
+    cmd = [*_accelerate_launch(2), "-m", "tether", "train", *args(killed)]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     p = subprocess.Popen(
         cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
@@ -693,19 +700,7 @@ def test_two_processes_run_a_trainer_callback_and_stop_together(tiny_tokenizer, 
         "rollout.group_size=2",
         "train.steps=5",
     ]
-    accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent)) or "accelerate"
-    cmd = [
-        accelerate,
-        "launch",
-        "--multi_gpu",
-        "--num_processes=2",
-        "--num_machines=1",
-        "--mixed_precision=no",
-        "--dynamo_backend=no",
-        str(script),
-        str(tmp_path),
-        *args,
-    ]
+    cmd = [*_accelerate_launch(2), str(script), str(tmp_path), *args]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     said = p.stdout + p.stderr

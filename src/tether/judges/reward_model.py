@@ -18,6 +18,7 @@ import hashlib
 import importlib.util
 import json
 import math
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,11 +105,12 @@ class RewardModel:
         from safetensors.torch import save_file
 
         out.mkdir(parents=True, exist_ok=True)
-        save_file(
-            {"weight": self.weight.contiguous(), "bias": torch.tensor([self.bias])},
-            str(out / "head.safetensors"),
-        )
         (out / "report.json").write_text(json.dumps(report, indent=2))
+        # the head last, whole or not at all: its presence is what says the fit is done, and two
+        # processes fitting the default judge at once (a fresh cache) each write their own file
+        tmp = out / f".head.safetensors.tmp{os.getpid()}"
+        save_file({"weight": self.weight.contiguous(), "bias": torch.tensor([self.bias])}, str(tmp))
+        tmp.replace(out / "head.safetensors")
 
     @classmethod
     def load(cls, path: str | Path) -> RewardModel:
@@ -156,8 +158,9 @@ def embeddings_cached(texts: list[str], progress: bool) -> torch.Tensor:
         return torch.load(path, weights_only=True)  # a tensor: nothing in the cache runs code
     e = MiniLMEncoder().encode(texts, progress=progress)
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(e, path.with_suffix(".tmp"))
-    path.with_suffix(".tmp").replace(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")  # one per process: two may fill one key
+    torch.save(e, tmp)
+    tmp.replace(path)
     return e
 
 
