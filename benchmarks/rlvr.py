@@ -9,7 +9,8 @@ reward hacking "though it still helps against drift and instability", and that r
 ``reward.scorer=integer-answer``: 1 right, 0 wrong) at equal steps, batch and seeds, in the
 configurations of :data:`RUNS`; by default the matrix of issue 54 (:data:`MATRIX`: no leash, the
 budget leash at 2.5 and 1 nats per sequence, the text anchor at weights 1 and 3 without a leash,
-and the budget at 1 with the anchor at 1 and 3), seeds 0-2 (seeds outermost).
+the budget at 1 with the anchor at 1 and 3, and the budget at 0.5 with the anchor at 3: the
+task's settings), seeds 0-2 (seeds outermost).
 
 For each run: the held-out pass@1 of the reference and of the final policy on the same problems
 and seeds, the gain with its SE paired by problem, pass@k for k = 1 to 16 (Chen et al.'s
@@ -96,7 +97,9 @@ RUNS = {
     ],
     # the budget leash tighter, for pass@16: at 1 nat per sequence with the anchor at 3 it kept all
     # of beta 0's gain (+0.132 +- 0.005) and the probe, and pass@16 0.708 +- 0.009, 0.012 under the
-    # reference's less one SE; the budget at 2.5 kept 0.602, so the budget is what holds pass@16
+    # reference's less one SE; the budget at 2.5 kept 0.602, so the budget is what holds pass@16.
+    # Measured (3 seeds): +0.127 +- 0.019 of gain (99%), pass@16 0.745 +- 0.003, capability +0.0005
+    # +- 0.0006: the task's settings (tether.data.tasks.TASK_SETTINGS)
     "budget 0.5 + anchor 3": ["kl.budget=0.5", "anchor.coef=3"],
     "fixed beta 0.04": ["kl.controller=fixed", "kl.kl_coef=0.04"],
     "Dr. GRPO": ["grpo.scale_by_std=false"],
@@ -109,10 +112,11 @@ MATRIX = [
     "anchor 3",
     "budget 1 + anchor 1",
     "budget 1 + anchor 3",
+    "budget 0.5 + anchor 3",
 ]
 """The configurations run by default (issue 54): no leash, the budget leash at two budgets (nats
-per sequence), the text anchor at two weights with no leash, and the two together at both
-weights (the task's settings: the budget at 1 with the anchor at 3)."""
+per sequence), the text anchor at two weights with no leash, the two together at both weights,
+and the anchor at 3 with the budget at 0.5 (the task's settings)."""
 
 
 def run_one(name: str, out: Path, steps: int, seed: int, extra: list[str]) -> dict:

@@ -495,7 +495,7 @@ def test_a_task_run_at_the_demos_defaults_is_told_the_measured_settings():
 
     assert note() == [
         "tether: note: data.prompts=arithmetic was measured at rollout.max_new_tokens=5 optim.lr=5e-5 "
-        "kl.budget=1 anchor.coef=3; this run keeps the demo's defaults there (README, \"Verifiable "
+        "kl.budget=0.5 anchor.coef=3; this run keeps the demo's defaults there (README, \"Verifiable "
         'rewards": what each one changes)'
     ]
     assert (
@@ -505,10 +505,10 @@ def test_a_task_run_at_the_demos_defaults_is_told_the_measured_settings():
     # a setting of the user's own, or the measured ones: no note
     own = ("rollout.max_new_tokens=8", "optim.lr=1e-4", "kl.budget=2", "anchor.coef=0.5")
     assert note(*own) == []
-    assert note("rollout.max_new_tokens=5", "optim.lr=5e-5", "kl.budget=1", "anchor.coef=3") == []
+    assert note("rollout.max_new_tokens=5", "optim.lr=5e-5", "kl.budget=0.5", "anchor.coef=3") == []
     # what the note names is what the benchmark runs: COMMON, and the recommended row of RUNS
     from tests.conftest import REPO
 
     bench = (REPO / "benchmarks" / "rlvr.py").read_text()
     assert '"rollout.max_new_tokens=5",' in bench and '"optim.lr=5e-5",' in bench
-    assert '"budget 1 + anchor 3": ["kl.budget=1", "anchor.coef=3"]' in bench
+    assert '"budget 0.5 + anchor 3": ["kl.budget=0.5", "anchor.coef=3"]' in bench
