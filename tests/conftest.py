@@ -184,24 +184,38 @@ def tiny_model_dir(tmp_path_factory, tiny_tokenizer) -> Path:
     return out
 
 
-@pytest.fixture(autouse=True)
-def tiny_fluency_judge(request, monkeypatch, tiny_model_dir):
+@pytest.fixture(scope="session", autouse=True)
+def tiny_gemma(tiny_model_dir):
     """The embedded fluency judge (Gemma-3-270M, what eval.fluency_model=auto turns on) is the tiny
-    Llama in every test run in this process, except those marked ``real_fluency``: its numbers are
-    then the tiny model's, and no test waits for the real one. ``auto`` keeps it on in every run
-    (tiny runs are all short), except in tests marked ``fluency_auto``, which test its rule."""
-    if request.node.get_closest_marker("real_fluency"):
-        return
+    Llama in every run in this process, module-scoped fixtures' included (they are set up before
+    any function-scoped fixture), except in tests marked ``real_fluency``
+    (:func:`tiny_fluency_judge`): its numbers are then the tiny model's, and no test waits for the
+    real one. Yields the real ``embedded_model_folder``."""
+    import tether.models.loading as loading
+
+    real = loading.embedded_model_folder
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(
+            loading,
+            "embedded_model_folder",
+            lambda name: tiny_model_dir if name == "gemma3-270m" else real(name),
+        )
+        yield real
+
+
+@pytest.fixture(autouse=True)
+def tiny_fluency_judge(request, monkeypatch, tiny_gemma):
+    """Tests marked ``real_fluency`` get the real Gemma back (:func:`tiny_gemma`). ``auto`` keeps
+    the judge on in every run (tiny runs are all short), except in tests marked ``fluency_auto``,
+    which test its rule."""
     import tether.judges.fluency as fluency
     import tether.models.loading as loading
 
+    if request.node.get_closest_marker("real_fluency"):
+        monkeypatch.setattr(loading, "embedded_model_folder", tiny_gemma)
+        return
     if request.node.get_closest_marker("fluency_auto"):  # its real rule (pytest_configure lifted it)
         monkeypatch.setattr(fluency, "AUTO_SHARE", REAL_AUTO_SHARE)
-
-    real = loading.embedded_model_folder
-    monkeypatch.setattr(
-        loading, "embedded_model_folder", lambda name: tiny_model_dir if name == "gemma3-270m" else real(name)
-    )
 
 
 @pytest.fixture()

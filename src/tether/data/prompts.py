@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from tether.core.text import SHOWN_CHARS, shown
-from tether.models.loading import cache_dir
+from tether.models.loading import cache_dir, cache_lock
 from tether.models.sampling import RowPrompt
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,15 @@ def icwsm_file(name: str = _MOVIES) -> Path:
     target = root.parent / name
     if target.exists():
         return target
+    with cache_lock(root):
+        if not target.exists():  # another process may have fetched it while this one waited
+            _fetch_icwsm(root)
+    return target
+
+
+def _fetch_icwsm(root: Path) -> None:
+    """Download the archive with pip and unpack its ICWSM folder as ``root`` (held under its
+    :func:`cache_lock`)."""
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [
             sys.executable,
@@ -81,14 +90,13 @@ def icwsm_file(name: str = _MOVIES) -> Path:
             staging = Path(tmp) / "x"
             inner.extractall(staging, filter="data")
             root.parent.mkdir(parents=True, exist_ok=True)
-            dest_tmp = root.with_name(root.name + ".tmp")
+            dest_tmp = root.with_name(root.name + f".tmp{os.getpid()}")
             if dest_tmp.exists():
                 import shutil
 
                 shutil.rmtree(dest_tmp)
             (staging / "hutto_ICWSM_2014").replace(dest_tmp)
             dest_tmp.replace(root)
-    return target
 
 
 def read_ground_truth(path: Path) -> list[Rated]:

