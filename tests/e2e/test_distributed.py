@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import shutil
 import signal
 import socket
@@ -298,10 +299,18 @@ def _accelerate_launch(processes: int) -> list[str]:
     """``accelerate launch`` of ``processes`` CPU processes, up to the script or ``-m``: --multi_gpu
     selects accelerate's torchrun launcher, which on a CPU-only machine runs gloo. Its rendezvous
     takes a free port, not torchrun's fixed 29500, so that launches of two pytest-xdist workers
-    (`make test`) never meet."""
-    with socket.socket() as s:  # the OS picks a free port; torchrun binds it again a moment later
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    (`make test`) never meet. The port is drawn below the kernel's ephemeral range, which the
+    other worker's gloo sockets take theirs from, in the moment before torchrun binds it."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()  # not the tests' seeded generators
+    for _ in range(100):
+        port = rng.randrange(10_000, max(low, 10_001))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                break
+            except OSError:
+                continue
     accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent)) or "accelerate"
     return [
         accelerate,
