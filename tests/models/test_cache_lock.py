@@ -59,3 +59,23 @@ def test_the_icwsm_data_missing_twice_at_once_is_fetched_once(tmp_path, monkeypa
     monkeypatch.setattr(prompts, "_fetch_icwsm", fetch)
     got = _twice_at_once(prompts.icwsm_file)
     assert got == [tmp_path / "data" / prompts._MOVIES] * 2 and len(fetches) == 1
+
+
+def test_the_default_judge_missing_twice_at_once_is_fitted_once(tmp_path, monkeypatch):
+    import torch
+
+    from tether.judges import reward_model as rm
+
+    monkeypatch.setenv("TETHER_CACHE", str(tmp_path))
+    fits = []
+
+    def fit(path, progress, max_sentences):  # slow enough that the second caller arrives meanwhile
+        fits.append(path)
+        time.sleep(0.3)
+        rm.RewardModel(torch.ones(3), 0.5).save(path, {})
+        return {"reward_model": {"pairwise_accuracy": 0.8}, "vader": {"pairwise_accuracy": 0.7}}
+
+    monkeypatch.setattr(rm, "fit_reward_model", fit)
+    got = _twice_at_once(lambda: rm.load_reward_model(progress=False))
+    assert [m.bias for m in got] == [0.5, 0.5]
+    assert fits == [rm.default_rm_dir()]  # the second waited for the lock, then found it fitted

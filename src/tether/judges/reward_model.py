@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from tether.data.prompts import icwsm_file, is_heldout, read_ground_truth
-from tether.models.loading import cache_dir
+from tether.models.loading import cache_dir, cache_lock
 
 ICWSM_FILES = (
     "hutto_ICWSM_2014/movieReviewSnippets_GroundTruth.txt",
@@ -128,19 +128,27 @@ def load_reward_model(path: str | Path | None = None, progress: bool = True) -> 
             raise FileNotFoundError(
                 f"no reward model at {path}; fit one with `tether reward fit --out {path}`"
             )
-        print(
-            "tether: fitting the gold judge (Bradley-Terry on MiniLM embeddings of "
-            f"{DEFAULT_JUDGE_SENTENCES:,} human-rated sentences) once, about 1 minute; cached in {path}",
-            flush=True,
-        )
-        report = fit_reward_model(path, progress=progress, max_sentences=DEFAULT_JUDGE_SENTENCES)
-        rm, vd = report["reward_model"], report["vader"]
-        print(
-            f"tether: gold judge held-out pairwise accuracy {rm['pairwise_accuracy']:.3f} "
-            f"(VADER {vd['pairwise_accuracy']:.3f})",
-            flush=True,
-        )
+        # one process fits the default judge; another that finds it missing waits, then reads it
+        with cache_lock(path):
+            if not (path / "head.safetensors").exists():
+                _fit_default_judge(path, progress=progress)
     return RewardModel.load(path)
+
+
+def _fit_default_judge(path: Path, progress: bool) -> None:
+    """Fit the default gold judge into ``path`` (held under its :func:`cache_lock`)."""
+    print(
+        "tether: fitting the gold judge (Bradley-Terry on MiniLM embeddings of "
+        f"{DEFAULT_JUDGE_SENTENCES:,} human-rated sentences) once, about 1 minute; cached in {path}",
+        flush=True,
+    )
+    report = fit_reward_model(path, progress=progress, max_sentences=DEFAULT_JUDGE_SENTENCES)
+    rm, vd = report["reward_model"], report["vader"]
+    print(
+        f"tether: gold judge held-out pairwise accuracy {rm['pairwise_accuracy']:.3f} "
+        f"(VADER {vd['pairwise_accuracy']:.3f})",
+        flush=True,
+    )
 
 
 def rated_sentences() -> list[tuple[str, float]]:
