@@ -298,6 +298,19 @@ def slow_length_scorer(texts: list[str]) -> list[float]:
     return [len(t) / 100 for t in texts]
 
 
+def length_scorer_held_until_go(texts: list[str]) -> list[float]:
+    """Length / 100, each call held until the file ``$TETHER_TEST_GO`` exists (at most 120 s): a
+    test keeps a run alive, between two steps, for exactly as long as it needs it."""
+    import os
+    import time
+    from pathlib import Path
+
+    go, deadline = Path(os.environ["TETHER_TEST_GO"]), time.monotonic() + 120
+    while not go.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [len(t) / 100 for t in texts]
+
+
 def constant_scorer(texts: list[str]) -> list[float]:
     return [0.5 for _ in texts]
 

@@ -140,8 +140,10 @@ def _args(model_dir, prompts, out, steps):
     )
 
 
-def _start(args):
+def _start(args, go: Path | None = None):
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    if go is not None:  # for tests.conftest:length_scorer_held_until_go
+        env["TETHER_TEST_GO"] = str(go)
     return subprocess.Popen(
         [sys.executable, "-m", "tether", *args],
         cwd=REPO,
@@ -169,18 +171,21 @@ def test_two_runs_on_one_folder_one_writes(tiny_model_dir, prompt_file, tmp_path
     assert "in use by another tether process" in refused or "already holds a run" in refused, refused
     assert _steps(out) == [0, 1, 2]
     assert not (out / LOCK_NAME).exists()  # released at the end
-    # the second resume starts once the first holds the lock (not by timing luck); the first has
-    # 37 steps of >= 0.3 s left, longer than the second takes to start
-    first = _start(["train", "--resume", str(out), "train.steps=40"])
+    # the second resume starts once the first holds the lock (not by timing luck), and the first
+    # holds it until the second has been answered: its reward waits for the test's go
+    go = out.parent / "go"
+    held = ["reward.scorer=tests.conftest:length_scorer_held_until_go"]
+    first = _start(["train", "--resume", str(out), "train.steps=5", *held], go=go)
     deadline = time.monotonic() + 120
     while not (out / LOCK_NAME).exists() and first.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    second = _start(["train", "--resume", str(out), "train.steps=40"])
+    second = _start(["train", "--resume", str(out), "train.steps=5", *held], go=go)
     second_out = second.communicate(timeout=300)[0]
+    go.touch()
     first_out = first.communicate(timeout=300)[0]
     assert (first.returncode, second.returncode) == (0, 1), (first_out, second_out)
     assert f"in use by another tether process (pid {first.pid}" in second_out
-    assert _steps(out) == list(range(40))
+    assert _steps(out) == list(range(5))
 
 
 TAKE = """
