@@ -203,6 +203,44 @@ def tiny_gemma(tiny_model_dir):
         yield real
 
 
+@pytest.fixture(scope="session", autouse=True)
+def quick_plots():
+    """Every figure a run draws in this process is built (its artists, from the run's numbers) but
+    not laid out and rasterized: :func:`tether.run.plots.save_png` writes one small fixed PNG in its
+    place, through the same whole-file writer. Drawing training.png took 1.5-2.5 s of a tiny run's
+    3-8 on 2 cores, in some 300 runs. Tests marked ``real_plots`` draw them
+    (:func:`real_plots`), and runs in a subprocess always do. Yields the real ``save_png``."""
+    import io
+
+    import matplotlib.pyplot as plt
+
+    from tether.run import plots
+    from tether.run.files import replace_whole
+
+    real = plots.save_png
+    fig = plt.figure(figsize=(0.2, 0.2))
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
+    plt.close(fig)
+
+    def stand_in(fig, out, dpi=110):
+        plt.close(fig)
+        replace_whole(Path(out), png.getvalue())
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(plots, "save_png", stand_in)
+        yield real
+
+
+@pytest.fixture(autouse=True)
+def real_plots(request, monkeypatch, quick_plots):
+    """Tests marked ``real_plots`` lay out and rasterize every figure (:func:`quick_plots`)."""
+    from tether.run import plots
+
+    if request.node.get_closest_marker("real_plots"):
+        monkeypatch.setattr(plots, "save_png", quick_plots)
+
+
 @pytest.fixture(autouse=True)
 def tiny_fluency_judge(request, monkeypatch, tiny_gemma):
     """Tests marked ``real_fluency`` get the real Gemma back (:func:`tiny_gemma`). ``auto`` keeps

@@ -13,9 +13,14 @@ from tether.cli import main
 
 
 @pytest.mark.numerics
+@pytest.mark.real_plots
 def test_ppo_cli_end_to_end(tiny_model_dir, prompt_file, tmp_path, capsys):
+    from PIL import Image
+
     out = tmp_path / "run"
     assert main(_tiny_args(tiny_model_dir, prompt_file, out)) == 0
+    # the plots drawn whole (13 x 12.8 inches of ten panels at 110 dpi), not the tests' stand-in
+    assert Image.open(out / "training.png").size == (1430, 1408)
     for name in (
         "config.yaml",
         "metrics.jsonl",
@@ -105,6 +110,7 @@ def test_cli_bad_prompt_file(tiny_model_dir, tmp_path, capsys):
     assert "p.jsonl:2" in capsys.readouterr().err
 
 
+@pytest.mark.real_plots
 @pytest.mark.parametrize("algo", ["grpo", "rloo", "dpo"])
 def test_other_trainers_cli_end_to_end(algo, tiny_model_dir, prompt_file, tmp_path):
     out = tmp_path / algo
@@ -321,6 +327,7 @@ def test_reuse_forward_takes_the_update_forward(algo, tiny_model_dir, prompt_fil
     assert rows["true"][0]["objective/kl_exact"] == 0.0 and rows["true"][1]["objective/kl"] != 0.0
 
 
+@pytest.mark.real_plots
 def test_report_and_tensorboard(tiny_model_dir, prompt_file, tmp_path, capsys):
     # a run with TensorBoard on, then `tether report` on its folder: one self-contained page
     out = tmp_path / "run"

@@ -27,6 +27,15 @@ def test_the_ends_are_the_reference_and_the_saved_policy(tiny_model_dir, prompt_
     assert rows[2]["gain"] == final["gain"] and rows[2]["gold_gain"] == final["gold_gain"]
     assert rows[2]["kl"] == final["policy"]["kl"] and rows[2]["kl"] > 0
     assert (out / "interpolate.png").stat().st_size > 0
+    # a link planted at interpolate.png is refused by name, its target left alone
+    outside = tmp_path / "outside.png"
+    outside.write_bytes(b"kept")
+    (out / "interpolate.png").unlink()
+    (out / "interpolate.png").symlink_to(outside)
+    capsys.readouterr()
+    assert main(["interpolate", str(out), "--alpha", "0"]) == 1
+    assert "interpolate.png -> " in capsys.readouterr().err and outside.read_bytes() == b"kept"
+    (out / "interpolate.png").unlink()
     assert main(["interpolate", str(out), "--alpha", "0"]) == 0  # the run folder's lock was released
 
 

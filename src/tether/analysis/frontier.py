@@ -321,7 +321,6 @@ def plot_frontier(points: list[dict], ref_proxy: float, ref_gold: float, out: Pa
         ax.set_title(f"{key} score against KL")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
     save_png(fig, out)
     return out
 

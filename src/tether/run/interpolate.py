@@ -208,6 +208,8 @@ def plot(rows: list[dict], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from tether.run.plots import save_png
+
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, key, label in (
         (axes[0], "gain", "held-out proxy gain"),
@@ -230,9 +232,7 @@ def plot(rows: list[dict], out: Path) -> None:
         ax.set_xlabel("held-out KL to the reference (nats per sequence)")
         ax.set_ylabel(label)
     fig.suptitle("(1 - α) θ_ref + α θ: the trained policy's weights interpolated toward the reference")
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    save_png(fig, out, dpi=100)  # whole, and never through a link planted in the run folder
 
 
 def interpolate(run_dir: str | Path, alphas: list[float]) -> list[dict]:

@@ -14,16 +14,18 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 from tether.run.files import replace_whole  # noqa: E402
 
 
-def save_png(fig, out: Path) -> None:
-    """Write ``fig`` to ``out`` whole and never through a link (:func:`tether.run.files.replace_whole`),
-    and close it.
+def save_png(fig, out: Path, dpi: int = 110) -> None:
+    """Lay ``fig`` out (``tight_layout``), write it to ``out`` whole and never through a link
+    (:func:`tether.run.files.replace_whole`), and close it. Every figure tether draws goes out
+    through here (the tests stand a cheap writer in for it: tests/conftest.py, ``real_plots``).
 
     Raises:
         OSError: the write failed; ``out`` is as it was.
     """
     png = io.BytesIO()
     try:
-        fig.savefig(png, format="png", dpi=110)
+        fig.tight_layout()
+        fig.savefig(png, format="png", dpi=dpi)
     finally:
         plt.close(fig)
     replace_whole(Path(out), png.getvalue())
@@ -172,7 +174,6 @@ def plot_training(
         ax.set_xlabel("step", fontsize=8)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole
         ax.grid(alpha=0.3)
-    fig.tight_layout()
     save_png(fig, out)
     return out
 
@@ -231,6 +232,5 @@ def plot_score_vs_kl(history: list[dict], out: Path, evals: list[dict] | None = 
     ax.set_ylabel("proxy score (dots: training batches; squares: held out)")
     ax.set_title("score against KL")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
     save_png(fig, out)
     return out
