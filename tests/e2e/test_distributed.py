@@ -344,6 +344,19 @@ def _launch(args, processes: int) -> str:
     return said
 
 
+def _in_process(args) -> None:
+    """The one-process run of ``args`` in this process, at one thread as :func:`_launch`'s ranks
+    run: the 1-vs-2 cases' baseline, without a process start (imports alone take 5-7 s here)."""
+    from tether.cli import main
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main(["train", *args]) == 0
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _kill_tree(pid: int) -> list[int]:
     """SIGKILL a launcher and every process under it, and wait until none runs; returns their pids.
 
@@ -428,7 +441,7 @@ def test_two_processes_log_the_first_step_of_one(algo, tiny_tokenizer, prompt_fi
     if key in _ONE_PROCESS:
         one = _ONE_PROCESS[key]
     else:
-        _launch(_args(model, prompt_file, one, algo) + extra, 1)
+        _in_process(_args(model, prompt_file, one, algo) + extra)
         _ONE_PROCESS[key] = one
     log = _launch(_args(model, prompt_file, two, algo) + extra + micro + fsdp, 2)
     assert "2 processes (data parallel)" in log  # not one process left alone by the launcher
@@ -662,7 +675,7 @@ def test_two_processes_draw_their_own_random_numbers_for_an_environment(
     halves = [[r["env"] for r in rows[:4] if r["env"]], [r["env"] for r in rows[4:] if r["env"]]]
     assert halves[0] and halves[1], "the test needs rows of both processes that called the tool"
     assert halves[0][0] != halves[1][0], halves  # each rank's first draw: its own
-    _launch(_args(model, prompt_file, tmp_path / "one", "ppo") + tool, 1)
+    _in_process(_args(model, prompt_file, tmp_path / "one", "ppo") + tool)
     one = [json.loads(line) for line in (tmp_path / "one" / "samples.jsonl").read_text().splitlines()]
     assert [r["env"] for r in one if r["env"]][0] == halves[0][0]  # rank 0 is the one-process run
 
