@@ -687,6 +687,7 @@ def test_resume_of_a_fixed_beta_takes_the_new_beta(tiny_model_dir, prompt_file, 
     assert load_config(out / "config.until-step-0.yaml", []).kl.kl_coef == 0.05
 
 
+@pytest.mark.real_plots
 def test_a_run_without_reference_writes_valid_json_and_says_kl_is_unmeasured(
     tiny_model_dir, prompt_file, tmp_path, capsys
 ):

@@ -120,11 +120,14 @@ def test_a_prompt_with_no_quality_value_is_left_out_not_zero():
     assert bon_scores(torch.zeros(1, 2), rep[keep], 1)[1] == 0.5
 
 
+@pytest.mark.real_plots
 def test_a_frontier_with_a_reward_named_on_the_command_line(tiny_model_dir, prompt_file, tmp_path, capsys):
     """``tether frontier ... reward.scorer=module:function`` failed before its first run: the
     frontier passed each run the reward it had built while the config named it ("train(scorer=...)
     and reward.scorer='...' both give the reward"). Each run now builds it from the config, whose
     config.yaml then names it, so ``tether train --resume`` rebuilds it."""
+    from PIL import Image
+
     from tests.conftest import tiny_run_args
     from tether.cli import main
     from tether.run.config import load_config
@@ -148,4 +151,5 @@ def test_a_frontier_with_a_reward_named_on_the_command_line(tiny_model_dir, prom
     run = out / "ppo-beta0.05"
     assert load_config(run / "config.yaml", []).reward.scorer == "tests.conftest:length_judge"
     assert (out / "frontier.csv").exists()
+    assert Image.open(out / "frontier.png").size[0] > 1000  # drawn whole (13 inches at 110 dpi)
     assert main(["train", "--resume", str(run), "train.steps=3"]) == 0

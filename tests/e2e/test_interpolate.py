@@ -9,6 +9,7 @@ from tether.cli import main
 from tether.run.interpolate import parse_alphas
 
 
+@pytest.mark.real_plots
 def test_the_ends_are_the_reference_and_the_saved_policy(tiny_model_dir, prompt_file, tmp_path, capsys):
     # alpha 0 is the reference's weights: its held-out samples are the reference's (same seeds), so
     # every change is exactly 0; alpha 1 is the saved policy: eval.json's numbers, exactly

@@ -4,10 +4,13 @@ report say ``n/a`` (and why), and never end in a TypeError."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.conftest import tiny_run_args
 from tether.cli import main
 
 
+@pytest.mark.real_plots
 def test_a_run_whose_reward_and_judge_score_nothing_writes_its_card_and_report(
     tiny_model_dir, prompt_file, tmp_path, capsys
 ):

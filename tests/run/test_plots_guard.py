@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tether.run import plots
 
 
@@ -38,3 +40,31 @@ def test_the_kl_panel_draws_the_guards_ceiling_its_kept_kl_and_its_cuts(monkeypa
     plots.plot_training(history[:1], tmp_path / "u.png", kl_target=2.5, target_label="budget")
     (kl_ax,) = [ax for ax in figs[1].axes if ax.get_title() == dict(plots._PANELS)["objective/kl"]]
     assert "the guard's ceiling" not in {line.get_label() for line in kl_ax.lines}
+
+
+def test_score_vs_kl_says_why_it_is_empty(monkeypatch, tmp_path):
+    """No point to draw: without a reference (no KL) it says so; with KL but no sample scored (the
+    reward returned None for all) it says that, not that there was no reference."""
+    figs = []
+    monkeypatch.setattr(plots, "save_png", lambda fig, out: figs.append(fig))
+    plots.plot_score_vs_kl([{"step": 0, "objective/scores": 0.5}], tmp_path / "a.png")
+    plots.plot_score_vs_kl([{"step": 0, "objective/kl": 0.1, "objective/scores": None}], tmp_path / "b.png")
+    said = [" ".join(t.get_text() for t in fig.axes[0].texts) for fig in figs]
+    assert "no KL measured: no reference model" in said[0]
+    assert "no batch was scored" in said[1] and "no reference" not in said[1]
+
+
+@pytest.mark.real_plots
+def test_the_real_writer_lays_out_and_never_writes_through_a_link(tmp_path):
+    """The real save_png (not the tests' stand-in): a PNG of the figure's size, and a link planted
+    at its path is replaced, its target untouched."""
+    from PIL import Image
+
+    outside = tmp_path / "outside.png"
+    outside.write_bytes(b"kept")
+    out = tmp_path / "run" / "training.png"
+    out.parent.mkdir()
+    out.symlink_to(outside)
+    plots.plot_training([{"step": 0, "objective/kl": 0.0, "objective/scores": 0.1}], out)
+    assert not out.is_symlink() and outside.read_bytes() == b"kept"
+    assert Image.open(out).size == (1430, 1408)  # 13 x 12.8 inches at 110 dpi

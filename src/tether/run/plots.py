@@ -218,10 +218,13 @@ def plot_score_vs_kl(history: list[dict], out: Path, evals: list[dict] | None = 
     if gold_ax is not None:
         gold_ax.set_ylabel("gold score, held out (diamonds)", color="goldenrod")
     if not pts:
+        any_kl = any(isinstance(r.get("objective/kl"), (int, float)) for r in history)
         ax.text(
             0.5,
             0.5,
-            "no KL measured: no reference model\n(kl.kl_coef=0 and kl.monitor=false)",
+            "no batch was scored (the reward returned None for every sample)"
+            if any_kl
+            else "no KL measured: no reference model\n(kl.kl_coef=0 and kl.monitor=false)",
             transform=ax.transAxes,
             ha="center",
             va="center",
