@@ -103,6 +103,37 @@ def test_best_of_n_samples_take_tool_turns_as_the_runs_do(tiny_model_dir, prompt
     assert sum(" [tool:" in t for t in seen) >= 3, seen  # the tool answered (some cut by the budget)
 
 
+def test_an_evaluation_that_scored_nothing_is_a_gap_not_a_crash(tmp_path):
+    """metrics.jsonl keeps a score no sample had as null; the frontier read it as None and its
+    plot raised TypeError (None - float) after every run of the sweep had trained."""
+    import json
+
+    from tether.analysis.frontier import plot_frontier, run_points
+
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [
+        {"step": 0, "eval/kl": 0.0, "eval/proxy_score": 0.1, "eval/gold_score": 0.2, "eval/fluency_nll": 3.0},
+        {
+            "step": 2,
+            "eval/kl": 1.0,
+            "eval/proxy_score": None,
+            "eval/gold_score": None,
+            "eval/fluency_nll": None,
+        },
+        {"step": 4, "eval/kl": 2.0, "eval/proxy_score": 0.4, "eval/gold_score": 0.3, "eval/fluency_nll": 3.1},
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pts = run_points(run, "ppo beta=0.1")
+    assert [p["gold"] for p in pts][::2] == [0.2, 0.3] and math.isnan(pts[1]["gold"])
+    assert math.isnan(pts[1]["proxy"]) and math.isnan(pts[1]["fluency_nll"])
+    # the unscored point is left out of the fit: the fit of the other two, (0, 1) and (1, 2) in d
+    assert fit_gao([1.0, 2.0, 4.0], [0.1, math.nan, 0.3], "rl") == fit_gao([1.0, 4.0], [0.1, 0.3], "rl")
+    bon = [{"method": "best-of-N", "run": "bon-1", "N": 1, "step": "", "kl": 0.0, "proxy": 0.1, "gold": 0.2}]
+    plot_frontier(bon + pts, 0.1, 0.2, tmp_path / "frontier.png")  # no TypeError
+    assert (tmp_path / "frontier.png").exists()
+
+
 def test_a_prompt_with_no_quality_value_is_left_out_not_zero():
     # prompt 0's two samples repeat half their 3-grams (0.5 each); prompt 1's are shorter than 3
     # words, so neither has a repetition rate. The old fill gave prompt 1 the value 0 and the

@@ -38,9 +38,10 @@ def fit_gao(kl: list[float], gain: list[float], form: str) -> tuple[float, float
     """Least-squares (a, b) of ``d (a - b d)`` ("bon") or ``d (a - b log d)`` ("rl"), d = sqrt(KL).
 
     Points with KL <= 0 carry no information about (a, b) (both forms are 0 at d = 0) and are
-    dropped; fewer than 2 usable points give (nan, nan).
+    dropped, as are points without a gain (NaN: an evaluation in which nothing was scored); fewer
+    than 2 usable points give (nan, nan).
     """
-    rows = [(math.sqrt(k), g) for k, g in zip(kl, gain) if k > 0]
+    rows = [(math.sqrt(k), g) for k, g in zip(kl, gain) if k > 0 and math.isfinite(g)]
     if len(rows) < 2:
         return float("nan"), float("nan")
     d = torch.tensor([r[0] for r in rows], dtype=torch.float64)
@@ -173,7 +174,13 @@ statistic of a set, not an expectation over the pick)."""
 
 
 def run_points(run_dir: Path, label: str) -> list[dict]:
-    """Held-out (KL, proxy, gold) points of one run: every periodic eval, and eval.json's end point."""
+    """Held-out (KL, proxy, gold) points of one run: every periodic eval, and eval.json's end point.
+    A score no sample had (null in metrics.jsonl: the reward or judge scored nothing) is NaN here,
+    as in the run's memory: left out of the fits, a gap in the plot."""
+
+    def number(v) -> float:
+        return math.nan if v is None else v
+
     pts = []
     for r in read_jsonl(run_dir / "metrics.jsonl"):
         if "eval/gold_score" in r and "eval/kl" in r:
@@ -185,9 +192,9 @@ def run_points(run_dir: Path, label: str) -> list[dict]:
                     "step": r["step"],
                     "kl": max(r["eval/kl"], 0.0),
                     "kl_bound": "",
-                    "proxy": r["eval/proxy_score"],
-                    "gold": r["eval/gold_score"],
-                    **{k: r[f"eval/{k}"] for k in QUALITY_KEYS if f"eval/{k}" in r},
+                    "proxy": number(r["eval/proxy_score"]),
+                    "gold": number(r["eval/gold_score"]),
+                    **{k: number(r[f"eval/{k}"]) for k in QUALITY_KEYS if f"eval/{k}" in r},
                 }
             )
     return pts
