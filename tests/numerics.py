@@ -134,6 +134,11 @@ def term_magnitudes(row: dict) -> dict[str, float]:
         # cross-entropy's size (the NLL) whatever the difference of the two
         "anchor/forward_kl": row.get("anchor/nll", 0.0) + abs(row.get("anchor/forward_kl", 0.0)),
         "anchor/nll": row.get("anchor/nll", 0.0) + abs(row.get("anchor/forward_kl", 0.0)),
+        # the anchor's weight, the mean of the step's: fixed (exact), or under anchor.budget moved
+        # by (eta + kp) / budget per nat of forward KL, whose rounding (the term above, ~n eps x the
+        # NLL) the caller's gains must keep under the weight's own (tests/e2e/test_distributed.py:
+        # eta 0.01, kp 0, budget 1 -> 0.04 x the NLL's rounding, against the weight's ~0.5)
+        "anchor/coef": abs(row.get("anchor/coef", 0.0)),
         "dpo/loss": 1.0,
         "dpo/margin": beta * L * m_tok,
         "dpo/chosen_reward": beta * L * m_tok,

@@ -145,3 +145,80 @@ def test_bad_anchor_input_is_refused_naming_the_field(tiny_model_dir, prompt_fil
     assert main(args + ["anchor.coef=1", "anchor.kind=js"]) != 0
     assert "anchor.kind" in capsys.readouterr().err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_the_anchor_budget_moves_the_weight_on_the_batch_it_weighs(
+    tiny_model_dir, prompt_file, anchor_file, tmp_path, monkeypatch
+):
+    # anchor.budget: each optimizer step's weight is the controller's after it read that very
+    # batch's forward KL (no lag). Recorded per term: the KL read and the weight the loss took.
+    from tether.core.controllers import BudgetKLController
+    from tether.trainers.anchor import TextAnchor
+
+    seen = []
+    real = TextAnchor.term
+
+    def term(self):
+        out, share = real(self)
+        seen.append((out.stats["anchor/forward_kl"].item(), out.stats["anchor/coef"]))
+        return out, share
+
+    monkeypatch.setattr(TextAnchor, "term", term)
+    out = tmp_path / "run"
+    budget = ["anchor.budget=0.002", "anchor.coef=0", "anchor.budget_eta=2", "anchor.budget_kp=3"]
+    settings = [f"anchor.texts={anchor_file}", "anchor.batch_size=4", "optim.lr=3e-2", *budget]
+    assert main(_tiny_args(tiny_model_dir, prompt_file, out) + settings + ["train.steps=4"]) == 0
+    # the same rule by hand, step by step, from the KLs read: budget 1 on forward_kl / 0.002
+    twin = BudgetKLController(kl_coef=0.0, budget=1.0, eta=2.0, kp=3.0)
+    for fkl, coef in seen:
+        assert coef == twin.update(fkl / 0.002, n_steps=1)
+    assert seen[0] == (0.0, 0.0)  # step 0: the reference's weights, KL 0, under budget: weight 0
+    assert max(c for _, c in seen) > 0  # the KL crossed the budget and the weight rose
+    rows = metric_rows(out)
+    per_step = len(seen) // len(rows)  # 2 epochs x 2 minibatches (tiny_cli_args)
+    for k, r in enumerate(rows):  # the row's anchor/coef: the mean of its optimizer steps' weights
+        mine = [c for _, c in seen[k * per_step : (k + 1) * per_step]]
+        assert r["anchor/coef"] == pytest.approx(sum(mine) / per_step, rel=1e-12, abs=1e-15)
+    card = (out / "policy" / "README.md").read_text()
+    assert "`anchor.budget=0.002` nats per token" in card
+
+
+def test_a_budget_anchor_resumed_carries_its_weight_on(
+    tiny_model_dir, prompt_file, anchor_file, tmp_path, caplog
+):
+    # the controller's weight and dual are checkpointed: a resumed run equals the uninterrupted
+    # one; a resume with changed gains says so, with the weight it goes on from
+    budget = ["anchor.budget=0.002", "anchor.budget_eta=2"]
+
+    def run(out, steps, resumed):
+        quiet = ["train.checkpoint_every=1", "eval.n_prompts=0", "eval.every=0", f"train.steps={steps}"]
+        args = _tiny_args(tiny_model_dir, prompt_file, out) + _anchor(anchor_file, "optim.lr=3e-2", *budget)
+        assert main(args + quiet) == 0
+        if resumed:
+            assert main(["train", "--resume", str(out), *resumed]) == 0
+        return [{k: v for k, v in r.items() if k != "kl/reference_forwards"} for r in metric_rows(out)]
+
+    whole = run(tmp_path / "whole", 3, [])
+    assert run(tmp_path / "cut", 2, ["train.steps=3"]) == whole
+    assert len({r["anchor/coef"] for r in whole}) > 1  # the weight moved: the test reads a state
+    caplog.clear()
+    run(tmp_path / "gains", 2, ["train.steps=3", "anchor.budget_kp=1"])
+    assert "anchor.budget the controller's settings changed (kp 4 -> 1)" in caplog.text
+    caplog.clear()
+    run(tmp_path / "off", 2, ["train.steps=3", "anchor.budget=null"])
+    assert "anchor.budget is off: the fixed anchor.coef from here" in caplog.text
+
+
+def test_bad_anchor_budget_is_refused_naming_the_field(tiny_model_dir, prompt_file, tmp_path, capsys):
+    args = _tiny_args(tiny_model_dir, prompt_file, tmp_path / "r")
+    for bad, field in (
+        (["anchor.budget=0"], "anchor.budget"),
+        (["anchor.budget=-0.1"], "anchor.budget"),
+        (["anchor.budget=nan"], "anchor.budget"),
+        (["anchor.budget=0.1", "anchor.kind=ptx"], "anchor.budget"),
+        (["anchor.budget=0.1", "anchor.budget_eta=0"], "anchor.budget_eta"),
+        (["anchor.budget=0.1", "anchor.budget_kp=-1"], "anchor.budget_kp"),
+    ):
+        assert main(args + bad) != 0, bad
+        assert field in capsys.readouterr().err, bad
+    assert not (tmp_path / "r").exists()

@@ -401,7 +401,9 @@ _ONE_PROCESS: dict[str, Path] = {}
         "dpo, fsdp",
         # the anchor and bf16 rollouts together: two independent levers, one launch fewer
         "grpo, anchor, bf16 rollouts",
-        "grpo, anchor, fsdp",
+        # the anchor's weight under anchor.budget: every process reads the whole batch's forward
+        # KL (an all-reduce each optimizer step, in step with FSDP's collectives)
+        "grpo, anchor budget, fsdp",
     ],
 )
 def test_two_processes_log_the_first_step_of_one(algo, tiny_tokenizer, prompt_file, tmp_path):
@@ -432,6 +434,11 @@ def test_two_processes_log_the_first_step_of_one(algo, tiny_tokenizer, prompt_fi
             "".join(f"plain text {i} of some length, said {i % 3 + 1} times\n" for i in range(8))
         )
         extra += [f"anchor.texts={texts}", "anchor.coef=0.5", "anchor.batch_size=4"]
+        # a budget far over the KL: the weight falls from 0.5 by 0.01 x (1 - forward KL) per
+        # optimizer step, 4 of them (kp 0: no clamp at 0 reached, each weight a rounding of 0.5's size)
+        extra += (
+            ["anchor.budget=1", "anchor.budget_eta=0.01", "anchor.budget_kp=0"] if "budget" in algo else []
+        )
     if "bf16" in algo:  # rollout.dtype=bf16: each process decodes on its own bfloat16 copy
         extra += ["rollout.dtype=bf16"]
     key, algo = algo, algo.split(",")[0]
@@ -469,6 +476,8 @@ def test_two_processes_log_the_first_step_of_one(algo, tiny_tokenizer, prompt_fi
         )
         assert sa == sb
         assert 1.5 < a["response/length"] < 5.5, "the test needs responses of different lengths"
+    if "anchor.budget=1" in extra:  # the weight moved (0.5 - 0.01 x about 1 x 1..4: mean ~0.475)
+        assert 0.47 < a["anchor/coef"] < 0.48, a["anchor/coef"]
     worst = max(margins, key=margins.get)
     print(
         f"{algo}: largest difference 1 vs 2 processes {margins[worst]:.2g} of its tolerance "

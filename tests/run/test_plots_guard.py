@@ -1,4 +1,5 @@
-"""training.png's KL panel shows the update guard: its kept KL, its cuts and its ceiling."""
+"""training.png: the KL panel shows the update guard (its kept KL, its cuts, its ceiling), the anchor
+panel its budget and weight."""
 
 from __future__ import annotations
 
@@ -40,6 +41,25 @@ def test_the_kl_panel_draws_the_guards_ceiling_its_kept_kl_and_its_cuts(monkeypa
     plots.plot_training(history[:1], tmp_path / "u.png", kl_target=2.5, target_label="budget")
     (kl_ax,) = [ax for ax in figs[1].axes if ax.get_title() == dict(plots._PANELS)["objective/kl"]]
     assert "the guard's ceiling" not in {line.get_label() for line in kl_ax.lines}
+
+
+def test_the_anchor_panel_draws_its_forward_kl_budget_and_weight(monkeypatch, tmp_path):
+    figs = []
+    monkeypatch.setattr(plots, "save_png", lambda fig, out: figs.append(fig))
+    title = dict(plots._PANELS)["anchor/forward_kl"]
+    history = [
+        {"step": 0, "anchor/forward_kl": 0.0, "anchor/coef": 0.0},
+        {"step": 1, "anchor/forward_kl": 0.04, "anchor/coef": 1.5},
+    ]
+    plots.plot_training(history, tmp_path / "a.png", anchor_budget=0.03)
+    plots.plot_training([{"step": 0, "objective/kl": 0.0}], tmp_path / "b.png")  # no anchor
+    (ax,) = [a for a in figs[0].axes if a.get_title() == title]
+    assert list(ax.lines[0].get_ydata()) == [0.0, 0.04]  # the training batches' forward KL
+    assert list({line.get_label(): line for line in ax.lines}["anchor.budget"].get_ydata()) == [0.03, 0.03]
+    (twin,) = [a for a in figs[0].axes if a is not ax and a.bbox.bounds == ax.bbox.bounds]
+    assert list(twin.lines[0].get_ydata()) == [0.0, 1.5]  # the weight on its own axis
+    (ax,) = [a for a in figs[1].axes if a.get_title() == title]
+    assert "no text anchor" in " ".join(t.get_text() for t in ax.texts)
 
 
 def test_score_vs_kl_says_why_it_is_empty(monkeypatch, tmp_path):

@@ -153,3 +153,78 @@ def test_texts_of_like_length_share_a_batch_in_a_fixed_shuffled_order(tiny_lm, t
     # the head ran on the text's positions only: the term's count of positions is the batch's
     batch = a.batch(0)
     assert a.reference_logprobs(0, batch).shape[:2] == (1, int(batch.mask.sum()))
+
+
+def test_under_a_budget_the_weight_reads_the_batch_it_weighs(tiny_lm, tiny_tokenizer):
+    # anchor.budget: each term's weight is the budget controller's after it read that batch's
+    # forward KL over the budget; the loss and its gradient are that weight times the definition's
+    # unweighted term (coef 1), so the weight acts on the very update whose KL it read
+    from tether.core.controllers import BudgetKLController
+
+    policy, reference = _models(tiny_lm)
+    # the policy's forward KL on these texts is ~1e-2 nats per token: a budget under it raises the
+    # weight, one over it lowers it; 3 terms under each
+    for budget in (1e-3, 1.0):
+        settings = AnchorSettings(
+            coef=0.2,
+            kind="forward_kl",
+            batch_size=2,
+            max_tokens=8,
+            budget=budget,
+            budget_eta=0.5,
+            budget_kp=2.0,
+        )
+        anchor = TextAnchor(
+            policy=policy, reference=reference, texts=TEXTS, tokenizer=tiny_tokenizer, settings=settings
+        )
+        twin = BudgetKLController(kl_coef=0.2, budget=1.0, eta=0.5, kp=2.0)
+        weights = []
+        for k in range(3):
+            policy.zero_grad(set_to_none=True)
+            out, _ = anchor.term()
+            out.loss.backward()
+            batch = text_batch(anchor.rows[(k % anchor.n_batches) * 2 :][:2], anchor.pad_id, "cpu")
+            value, grads = _definition(policy, reference, batch, kind="forward_kl", coef=1.0)
+            weight = twin.update(out.stats["anchor/forward_kl"].item() / budget, n_steps=1)
+            assert out.stats["anchor/coef"] == weight == anchor.coef
+            weights.append(weight)
+            # the tolerances of the fixed weight's test above, times the weight
+            assert out.loss.item() == pytest.approx(weight * value, rel=1e-4, abs=1e-12)
+            for name, p in policy.lm.named_parameters():
+                scale = weight * grads[name].abs().max().item()
+                assert torch.allclose(p.grad.double(), weight * grads[name], atol=1e-4 * scale + 1e-12), name
+        if budget < 1e-2:
+            assert weights[0] > 0.2 and weights == sorted(weights)  # over budget: the weight rises
+        else:
+            assert weights == [0.0, 0.0, 0.0]  # far under: max(0, 0.2 - 0.5 - 2.0 ...) = 0
+        assert anchor.state_dict()["controller"]["kl_coef"] == weights[-1]
+
+
+def test_under_a_budget_every_process_takes_the_weight_of_the_whole_batch(
+    tiny_lm, tiny_tokenizer, monkeypatch
+):
+    # several processes: the controller reads the token mean of the forward KL over every process
+    # (this process's value times its share, summed by D.all_reduce_sum), never its own rows'
+    # alone. Here the "other process" adds 0.03 nats per token, at a share of 1/2 here
+    from tether.trainers import anchor as anchor_module
+
+    policy, reference = _models(tiny_lm)
+    settings = AnchorSettings(
+        coef=0.0, kind="forward_kl", batch_size=2, max_tokens=8, budget=0.01, budget_eta=1.0, budget_kp=0.0
+    )
+    anchor = TextAnchor(
+        policy=policy, reference=reference, texts=TEXTS, tokenizer=tiny_tokenizer, settings=settings
+    )
+    sent = []
+    monkeypatch.setattr(anchor_module.D, "token_shares", lambda masks: [torch.tensor(0.5)])
+    monkeypatch.setattr(
+        anchor_module.D, "all_reduce_sum", lambda x: sent.append(x.item()) or x.double() + 0.5 * 0.03
+    )
+    out, share = anchor.term()
+    mine = out.stats["anchor/forward_kl"].item()
+    assert sent == [pytest.approx(0.5 * mine, rel=1e-15)]  # float32 value x share, in float64
+    whole = 0.5 * mine + 0.5 * 0.03
+    # kp 0: the weight is the dual, max(0, 0 + 1.0 * (whole / 0.01 - 1))
+    assert out.stats["anchor/coef"] == max(0.0, sent[0] / 0.01 + 0.5 * 0.03 / 0.01 - 1.0)
+    assert out.stats["anchor/coef"] == pytest.approx(whole / 0.01 - 1.0, rel=1e-12)
+    assert out.stats["anchor/coef"] > 0.4  # mine alone (~1e-2 x 1/2) would give ~0

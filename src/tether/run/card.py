@@ -85,10 +85,17 @@ def _guard_row(k: dict, history: list[dict]) -> str:
 
 
 def _anchor_row(a: dict, last: dict) -> str:
-    """The text anchor's row (``anchor.coef > 0``): its kind, weight and text, and its last forward KL."""
+    """The text anchor's row (``anchor.coef > 0`` or ``anchor.budget``): its kind, weight (or
+    budget and last weight) and text, and its last forward KL."""
     kind = "forward KL KL(pi_ref || pi)" if a.get("kind", "forward_kl") == "forward_kl" else "ptx NLL"
+    weight = f"`anchor.coef={a.get('coef', 0):g}`"
+    if a.get("budget") is not None:
+        weight = (
+            f"a weight held to `anchor.budget={a['budget']:g}` nats per token (from `anchor.coef="
+            f"{a.get('coef', 0):g}`; at the last step {number(last.get('anchor/coef'))})"
+        )
     return (
-        f"| text anchor | `anchor.coef={a['coef']:g}` x the exact {kind} on human text "
+        f"| text anchor | {weight} x the exact {kind} on human text "
         f"({_code(a.get('texts', 'builtin'))}); at the last step {number(last.get('anchor/forward_kl'))} "
         "nats per token of forward KL |"
     )
@@ -194,6 +201,7 @@ def model_card_text(
         *(
             [_anchor_row(config.get("anchor") or {}, last)]
             if (config.get("anchor") or {}).get("coef")
+            or (config.get("anchor") or {}).get("budget") is not None
             else []
         ),
         f"| KL at the last step | {number(last.get('objective/kl'))} nats per sequence "

@@ -1339,10 +1339,49 @@ class AnchorConfig:
     max_tokens: int = 64
     """Tokens kept of each text (its first ones); the anchor's term counts each text's next-token
     predictions from its second token on."""
+    budget: float | None = None
+    """Hold the anchor's forward KL (anchor/forward_kl, nats per token, on each optimizer step's
+    batch of text) at or under this budget: the weight is then moved every optimizer step by the
+    budget controller (tether.core.controllers.BudgetKLController, projected dual ascent with a
+    proportional term) on the forward KL of the very batch it weighs, starting from anchor.coef
+    (0 allowed), logged as anchor/coef. None = a fixed weight, anchor.coef. Needs
+    anchor.kind=forward_kl."""
+    budget_eta: float = 1.0
+    """The anchor budget's dual step per optimizer step: the weight rises by budget_eta x
+    (anchor/forward_kl / anchor.budget - 1) each step (weight per unit of relative error, so the
+    same gains fit any budget)."""
+    budget_kp: float = 4.0
+    """The anchor budget's proportional gain: the weight is the dual plus budget_kp x
+    (anchor/forward_kl / anchor.budget - 1), at least 0 (weight per unit of relative error)."""
 
     def __post_init__(self) -> None:
         _check(
             math.isfinite(self.coef) and self.coef >= 0, "anchor.coef", self.coef, "must be >= 0 (0 = off)"
+        )
+        _check(
+            self.budget is None or (math.isfinite(self.budget) and self.budget > 0),
+            "anchor.budget",
+            self.budget,
+            "must be > 0 nats per token, or null for a fixed weight (anchor.coef)",
+        )
+        _check(
+            math.isfinite(self.budget_eta) and self.budget_eta > 0,
+            "anchor.budget_eta",
+            self.budget_eta,
+            "must be > 0",
+        )
+        _check(
+            math.isfinite(self.budget_kp) and self.budget_kp >= 0,
+            "anchor.budget_kp",
+            self.budget_kp,
+            "must be >= 0 (0 = the dual alone)",
+        )
+        _check(
+            self.budget is None or self.kind == "forward_kl",
+            "anchor.budget",
+            self.budget,
+            "holds the forward KL, and anchor.kind=ptx weighs the NLL, whose minimum is not the "
+            "reference (no weight holds a KL by it); use anchor.kind=forward_kl, or anchor.budget=null",
         )
         _check(self.kind in ("forward_kl", "ptx"), "anchor.kind", self.kind, "must be forward_kl or ptx")
         _check(bool(self.texts), "anchor.texts", self.texts, "name builtin or a text source")
@@ -1353,8 +1392,8 @@ class AnchorConfig:
 
     @property
     def on(self) -> bool:
-        """Whether the anchor acts (``coef > 0``)."""
-        return self.coef > 0
+        """Whether the anchor acts (``coef > 0``, or a budget whose weight may rise from 0)."""
+        return self.coef > 0 or self.budget is not None
 
 
 @dataclass
@@ -2451,6 +2490,9 @@ FIELD_UNITS: dict[str, str] = {
     "anchor.column": "",
     "anchor.batch_size": "texts per optimizer step",
     "anchor.max_tokens": "tokens per text",
+    "anchor.budget": "nats per token (anchor/forward_kl)",
+    "anchor.budget_eta": "anchor.coef per unit of relative error, per optimizer step",
+    "anchor.budget_kp": "anchor.coef per unit of relative error",
     # eval
     "eval.n_prompts": "prompts",
     "eval.samples_per_prompt": "samples per prompt",

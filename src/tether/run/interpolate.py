@@ -265,6 +265,7 @@ def interpolate(run_dir: str | Path, alphas: list[float]) -> list[dict]:
     if not config.eval.n_prompts:
         raise ValueError(f"{run_dir}: eval.n_prompts=0, so the run has no held-out evaluation to repeat")
     config.anchor.coef = 0.0  # the text anchor trains only: its texts are not loaded (nor needed)
+    config.anchor.budget = None
     judge = make_scorer(config.eval.judge) if config.eval.judge != "none" else None
     run = build_run(config, resume=True)
     try:

@@ -42,6 +42,7 @@ _PANELS = [
     ("eval/capability_nll", "capability NLL (human text), nats per token"),
     ("response/distinct_2", "distinct-2 (diversity)"),
     ("response/repetition", "3-gram repetition rate"),
+    ("anchor/forward_kl", "text anchor: forward KL, nats per token"),
 ]
 
 _HELD_OUT = {
@@ -76,18 +77,48 @@ def _held_out(ax, history: list[dict], key: str) -> None:
         ax.axhline(refs[-1], ls="--", c="gray", label="reference (held out)")
 
 
+def _anchor(ax, history: list[dict], budget: float | None) -> None:
+    """The text anchor's panel: its budget (a dashed line) and its weight (``anchor/coef``, a
+    second axis), or a note that the run had no anchor."""
+    if not ax.has_data():
+        ax.text(
+            0.5,
+            0.5,
+            "no text anchor\n(anchor.coef, anchor.budget)",
+            transform=ax.transAxes,
+            ha="center",
+            va="center",
+            color="gray",
+            fontsize=8,
+        )
+        return
+    if budget is not None:
+        ax.axhline(budget, ls="--", c="gray", label="anchor.budget")
+    coef = [(r["step"], r["anchor/coef"]) for r in history if isinstance(r.get("anchor/coef"), (int, float))]
+    if coef:
+        twin = ax.twinx()
+        twin.plot(*zip(*coef), c="tab:orange", lw=1, label="weight (anchor/coef)")
+        twin.tick_params(labelsize=7)
+        twin.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper left")
+
+
 def plot_training(
     history: list[dict],
     out: Path,
+    *,
     kl_target: float | None = None,
     target_label: str = "target",
     guard_ceiling: float | None = None,
+    anchor_budget: float | None = None,
 ) -> Path:
-    """Ten panels against step: score, KL (with the target or budget, nats per sequence, labelled
-    ``target_label``, and the update guard's ceiling ``kl.budget * (1 + kl.guard_tol)`` where it
-    is on), beta, RLHF reward, entropy, length, and what the leash protects: the
+    """Eleven panels against step: score, KL (with the target or budget, nats per sequence,
+    labelled ``target_label``, and the update guard's ceiling ``kl.budget * (1 + kl.guard_tol)``
+    where it is on), beta, RLHF reward, entropy, length, and what the leash protects: the
     held-out fluency NLL, the capability NLL of human text no run trains on, distinct-2 and the
-    repetition rate, each against the reference's."""
+    repetition rate, each against the reference's; and the text anchor's forward KL (with
+    ``anchor_budget``, ``anchor.budget``, and the anchor's weight on a second axis, where a
+    run has the anchor on)."""
     steps = [r["step"] for r in history]
     rows = -(-len(_PANELS) // 3)
     fig, axes = plt.subplots(rows, 3, figsize=(13, 3.2 * rows))
@@ -134,6 +165,8 @@ def plot_training(
                     line.set_label("policy's tokens")
                 ax.plot(*zip(*env), marker=".", lw=1, label="environment's tokens (rollout.env)")
                 ax.legend(fontsize=7)
+        if key == "anchor/forward_kl":
+            _anchor(ax, history, anchor_budget)
         if key == "objective/kl":
             exact = [
                 (s, r["objective/kl_exact"])

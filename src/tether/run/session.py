@@ -330,6 +330,7 @@ def final_eval_and_plots(session: Session, before) -> Ending:
             kl_target=target,
             target_label=c.kl.controller_class.held or "target",
             guard_ceiling=c.kl.budget * (1 + c.kl.guard_tol) if c.kl.guard else None,
+            anchor_budget=c.anchor.budget,
         )
         png = w.run_dir / "score_vs_kl.png"
         plot_score_vs_kl(w.history, png, evals)

@@ -11,6 +11,15 @@ positions only, not on padding: the same terms at about half the cost of batches
 padded (:data:`BATCH_ORDER_SEED`). :func:`tether.trainers.update.minibatch_update` adds it to the
 step's loss once, before the step's micro-batches (:data:`tether.trainers.update.StepTerm`).
 
+**A budget** (``anchor.budget``): the weight is moved every optimizer step by a
+:class:`tether.core.controllers.BudgetKLController` that reads the forward KL of the very batch
+it weighs, before the backward (the token mean over every process, so that every process takes
+the same weight), in units of the budget (the controller's budget is 1 and it reads
+``forward_kl / anchor.budget``: its gains are per unit of relative error, the same for any
+budget). The weight thus acts on the update whose KL it read, with no step of lag; it is
+checkpointed with the anchor's position and carried across a resume, whose changed gains or
+budget are printed.
+
 Several processes: each takes an equal share of every batch's rows (``anchor.batch_size`` is a
 multiple of the world size), its term a token mean over its rows weighed by its share of the
 batch's tokens over every process (:func:`tether.core.distributed.token_shares`), so the terms
@@ -30,6 +39,7 @@ from torch import Tensor
 
 from tether.core import distributed as D
 from tether.core.anchor import AnchorKind, anchor_term
+from tether.core.controllers import BudgetKLController
 from tether.models.head import apply_head, left_padded, position_ids_from_mask, tail_hidden
 from tether.models.policy import PolicyWithValue
 from tether.models.sharding import is_sharded, root_gathered
@@ -61,6 +71,13 @@ class AnchorSettings:
     max_tokens: int
     chunk_size: int = 1024
     """Positions per chunk of the forward KL (``kl.exact_chunk_size``)."""
+    budget: float | None = None
+    """``anchor.budget``: the forward KL (nats per token) the weight holds the text to, or None
+    for the fixed weight ``coef``."""
+    budget_eta: float = 1.0
+    """``anchor.budget_eta``: the dual step, weight per unit of relative error."""
+    budget_kp: float = 4.0
+    """``anchor.budget_kp``: the proportional gain, weight per unit of relative error."""
 
 
 @dataclass
@@ -142,6 +159,19 @@ class TextAnchor:
         """Optimizer steps taken with the anchor; the next batch: ``position % n_batches`` (checkpointed)."""
         self.ref_hidden: dict[int, Tensor] = {}
         """The reference's last hidden states (B, L - 1, d) of this process's rows of each batch used."""
+        self.controller = (
+            None
+            if settings.budget is None
+            else BudgetKLController(
+                kl_coef=settings.coef, budget=1.0, eta=settings.budget_eta, kp=settings.budget_kp
+            )
+        )
+        """The weight's controller under ``anchor.budget`` (it reads ``forward_kl / budget``), or None."""
+
+    @property
+    def coef(self) -> float:
+        """The weight the next term takes: ``anchor.coef``, or the controller's last one."""
+        return self.settings.coef if self.controller is None else self.controller.kl_coef
 
     def batch(self, k: int) -> TextBatch:
         """This process's rows of batch ``k`` (:func:`tether.core.distributed.shard`)."""
@@ -204,9 +234,14 @@ class TextAnchor:
 
     def term(self) -> tuple[MicroLoss, Tensor]:
         """The next batch's term: ``(MicroLoss, share)``, the loss a token mean over this process's
-        rows times ``anchor.coef`` (stats ``anchor/forward_kl``, ``anchor/nll``, nats per token)
-        and this process's share of the batch's tokens over every process (1 in one process).
-        Advances :attr:`position`."""
+        rows times the weight (stats ``anchor/forward_kl``, ``anchor/nll``, nats per token, and
+        ``anchor/coef``) and this process's share of the batch's tokens over every process (1 in
+        one process). Under ``anchor.budget`` the weight is the controller's after it read this
+        batch's forward KL (every process's tokens). Advances :attr:`position`.
+
+        Raises:
+            ValueError: under a budget, a forward KL that is not finite (from the controller).
+        """
         k = self.position % self.n_batches
         self.position += 1
         b = self.batch(k)
@@ -219,24 +254,49 @@ class TextAnchor:
             ref_logprobs,
             targets,
             torch.ones_like(targets, dtype=torch.bool),
-            coef=s.coef,
+            coef=1.0 if self.controller is not None else s.coef,
             kind=s.kind,
             chunk_size=s.chunk_size,
         )
         share = D.token_shares([b.mask])[0]
-        stats = {"anchor/forward_kl": out.forward_kl, "anchor/nll": out.nll}
-        return MicroLoss(out.loss, stats), share
+        loss = out.loss
+        if self.controller is not None:
+            assert s.budget is not None
+            # the whole batch's token mean: share 0 (no rows here) weighs this process's NaN by 0
+            mine = torch.where(share > 0, out.forward_kl * share, 0.0).to(torch.float64).cpu()
+            forward_kl = float(D.all_reduce_sum(mine))
+            loss = self.controller.update(forward_kl / s.budget, n_steps=1) * loss
+        stats = {"anchor/forward_kl": out.forward_kl, "anchor/nll": out.nll, "anchor/coef": self.coef}
+        return MicroLoss(loss, stats), share
 
     def state_dict(self) -> dict:
-        return {"position": self.position}
+        """The position, and under a budget the controller's state (its weight and dual)."""
+        state: dict = {"position": self.position}
+        if self.controller is not None:
+            state["controller"] = self.controller.state_dict()
+        return state
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict) -> list[str]:
+        """Restore :meth:`state_dict`; returns what a resume changed, to be printed: the budget's
+        gains (``eta``, ``kp``), or a budget newly on (from ``anchor.coef``) or off (the fixed
+        ``anchor.coef`` from here). A changed ``anchor.budget`` is a new scale for the same
+        controller, which carries its weight on; it is reported by the caller's config diff.
+
+        Raises:
+            ValueError: a controller state no tether wrote (from the controller).
+        """
         self.position = int(state["position"])
+        saved = state.get("controller")
+        if self.controller is None:
+            return ["anchor.budget is off: the fixed anchor.coef from here"] if saved is not None else []
+        if saved is None:
+            return [f"anchor.budget newly on: its weight starts at anchor.coef={self.settings.coef:g}"]
+        return [f"anchor.budget {c}" for c in self.controller.load_state_dict(saved)]
 
 
 def text_anchor(run) -> TextAnchor | None:
     """The run's :class:`TextAnchor` (``anchor.*``, the texts :func:`tether.run.setup.load_anchor_texts`
-    loaded), or None when ``anchor.coef`` is 0."""
+    loaded), or None when the anchor is off (``anchor.coef`` 0 and no ``anchor.budget``)."""
     a = run.config.anchor
     if not a.on or run.anchor_texts is None:
         return None
@@ -251,5 +311,20 @@ def text_anchor(run) -> TextAnchor | None:
             batch_size=a.batch_size,
             max_tokens=a.max_tokens,
             chunk_size=run.config.kl.exact_chunk_size,
+            budget=a.budget,
+            budget_eta=a.budget_eta,
+            budget_kp=a.budget_kp,
         ),
     )
+
+
+def restore_anchor(anchor: TextAnchor, saved: dict) -> None:
+    """Carry a checkpoint's anchor on (:meth:`TextAnchor.load_state_dict`) and print what the
+    resume changed, with the weight the next step takes."""
+    changes = anchor.load_state_dict(saved)
+    if changes:
+        log.warning(
+            "tether: resuming with %s; the anchor's weight for the next step: %g",
+            "; ".join(changes),
+            anchor.coef,
+        )

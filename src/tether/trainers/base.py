@@ -49,7 +49,7 @@ from tether.models.sharding import is_sharded, root_gathered
 from tether.models.turns import EnvFailed
 from tether.run.console import say
 from tether.run.setup import Run
-from tether.trainers.anchor import text_anchor
+from tether.trainers.anchor import restore_anchor, text_anchor
 from tether.trainers.common import (
     RolloutLogprobs,
     make_optimizer,
@@ -456,7 +456,7 @@ class OnPolicyTrainer:
         if self.attribution is not None and "kl_attribution" in state:  # a run from before it: none
             self.attribution.load_state_dict(state["kl_attribution"])
         if self.anchor is not None and "anchor" in state:  # resumed with the anchor newly on: from batch 0
-            self.anchor.load_state_dict(state["anchor"])
+            restore_anchor(self.anchor, state["anchor"])
         restore_optimization(self, state, next_step)  # the optimizer, and its schedule resumed
 
     def restore_controller(self, saved: dict) -> None:

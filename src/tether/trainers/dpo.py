@@ -45,7 +45,7 @@ from tether.models.scoring import (
 from tether.models.sharding import is_sharded, root_gathered
 from tether.models.turns import EnvFailed
 from tether.run.setup import Run
-from tether.trainers.anchor import text_anchor
+from tether.trainers.anchor import restore_anchor, text_anchor
 from tether.trainers.base import sample_metrics
 from tether.trainers.common import (
     RolloutLogprobs,
@@ -433,7 +433,7 @@ class DPOTrainer:
         self.generator.set_state(state["generator"])
         self.position = state["position"]
         if self.anchor is not None and "anchor" in state:  # resumed with the anchor newly on: from batch 0
-            self.anchor.load_state_dict(state["anchor"])
+            restore_anchor(self.anchor, state["anchor"])
         restore_optimization(self, state, next_step)  # the optimizer, and its schedule resumed
 
     # ---- the step --------------------------------------------------------------------------
