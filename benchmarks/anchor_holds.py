@@ -69,6 +69,7 @@ def summarize(out: Path) -> dict:
         "update_s": statistics.median(r["time/update"] for r in rows if "time/update" in r),
         "step_s": statistics.median(r["time/step"] for r in rows if "time/step" in r),
         "anchor_fkl": [r.get("anchor/forward_kl") for r in rows],
+        "anchor_coef": [r.get("anchor/coef") for r in rows],
     }
 
 

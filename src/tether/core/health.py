@@ -322,8 +322,9 @@ def capability_loss(history: list[dict], t: HealthThresholds) -> Alarm | None:
         "the policy drifted from the reference on text it does not sample: the alignment tax. The leash "
         "bounds the KL on the policy's own samples, so beta alone rarely holds this (docs/kl.md, "
         "'The text anchor')",
-        "turn on the text anchor (anchor.coef > 0: the forward KL to the reference on human text in the "
-        "loss), compare with tether interpolate RUN (the weights moved back toward the reference), lower "
+        "turn on the text anchor held to a budget (e.g. anchor.budget=0.03 nats per token: the forward KL "
+        "to the reference on human text in the loss, its weight moved to hold it), compare with tether "
+        "interpolate RUN (the weights moved back toward the reference), lower "
         "optim.lr or kl.budget, or keep an earlier policy (eval.best_by)",
     )
 

@@ -1318,10 +1318,11 @@ class GRPOConfig:
 @dataclass
 class AnchorConfig:
     coef: float = 0.0
-    """The text anchor's weight (0 = off): each optimizer step (every trainer's) adds
-    ``anchor.coef`` times the token mean of ``anchor.kind``'s term on a batch of human text (loss
-    units: nats per token times it; tether.core.anchor). What it protects is the capability probe's
-    kind of number, eval/capability_nll: the policy's modelling of ordinary text."""
+    """The text anchor's weight (0 = off, unless anchor.budget is set): each optimizer step (every
+    trainer's) adds ``anchor.coef`` times the token mean of ``anchor.kind``'s term on a batch of
+    human text (loss units: nats per token times it; tether.core.anchor). What it protects is the
+    capability probe's kind of number, eval/capability_nll: the policy's modelling of ordinary
+    text. Under anchor.budget: the weight the controller starts from."""
     kind: Literal["forward_kl", "ptx"] = "forward_kl"
     """forward_kl: the exact forward KL KL(pi_ref || pi) over the vocabulary at every position of
     the text, whose minimum is the reference; ptx: the text's NLL (InstructGPT's PPO-ptx), whose
