@@ -201,12 +201,15 @@ def test_a_budget_anchor_resumed_carries_its_weight_on(
     whole = run(tmp_path / "whole", 3, [])
     assert run(tmp_path / "cut", 2, ["train.steps=3"]) == whole
     assert len({r["anchor/coef"] for r in whole}) > 1  # the weight moved: the test reads a state
-    caplog.clear()
-    run(tmp_path / "gains", 2, ["train.steps=3", "anchor.budget_kp=1"])
-    assert "anchor.budget the controller's settings changed (kp 4 -> 1)" in caplog.text
-    caplog.clear()
-    run(tmp_path / "off", 2, ["train.steps=3", "anchor.budget=null"])
-    assert "anchor.budget is off: the fixed anchor.coef from here" in caplog.text
+    for changed, said in (
+        (["anchor.budget_kp=1"], "anchor.budget's settings changed (anchor.budget_kp 4 -> 1)"),
+        (["anchor.budget=0.004"], "anchor.budget 0.002 -> 0.004 nats per token"),
+        (["anchor.budget=null"], "anchor.budget off: the fixed anchor.coef from here"),
+        (["anchor.budget=null", "anchor.coef=0"], "resuming with the text anchor off"),
+    ):
+        caplog.clear()
+        run(tmp_path / "-".join(changed), 2, ["train.steps=3", *changed])
+        assert said in caplog.text, (changed, caplog.text)
 
 
 def test_bad_anchor_budget_is_refused_naming_the_field(tiny_model_dir, prompt_file, tmp_path, capsys):
@@ -216,6 +219,7 @@ def test_bad_anchor_budget_is_refused_naming_the_field(tiny_model_dir, prompt_fi
         (["anchor.budget=-0.1"], "anchor.budget"),
         (["anchor.budget=nan"], "anchor.budget"),
         (["anchor.budget=0.1", "anchor.kind=ptx"], "anchor.budget"),
+        (["anchor.budget=0.1", "anchor.kind=js"], "anchor.kind"),  # the kind's own error first
         (["anchor.budget=0.1", "anchor.budget_eta=0"], "anchor.budget_eta"),
         (["anchor.budget=0.1", "anchor.budget_kp=-1"], "anchor.budget_kp"),
     ):

@@ -228,3 +228,21 @@ def test_under_a_budget_every_process_takes_the_weight_of_the_whole_batch(
     assert out.stats["anchor/coef"] == max(0.0, sent[0] / 0.01 + 0.5 * 0.03 / 0.01 - 1.0)
     assert out.stats["anchor/coef"] == pytest.approx(whole / 0.01 - 1.0, rel=1e-12)
     assert out.stats["anchor/coef"] > 0.4  # mine alone (~1e-2 x 1/2) would give ~0
+
+
+def test_under_a_budget_a_forward_kl_that_is_not_finite_is_refused_by_name(
+    tiny_lm, tiny_tokenizer, monkeypatch
+):
+    # a NaN forward KL (overflowed logits) would make every process's weight NaN: refused,
+    # naming the anchor's statistic, before any backward
+    from tether.trainers import anchor as anchor_module
+
+    policy, reference = _models(tiny_lm)
+    settings = AnchorSettings(coef=0.0, kind="forward_kl", batch_size=2, max_tokens=8, budget=0.01)
+    anchor = TextAnchor(
+        policy=policy, reference=reference, texts=TEXTS, tokenizer=tiny_tokenizer, settings=settings
+    )
+    monkeypatch.setattr(anchor_module.D, "all_reduce_sum", lambda x: x.double() * float("nan"))
+    with pytest.raises(FloatingPointError, match="anchor/forward_kl is nan"):
+        anchor.term()
+    assert anchor.controller.kl_coef == 0.0 and anchor.controller.dual == 0.0  # not moved

@@ -91,7 +91,7 @@ def _anchor_row(a: dict, last: dict) -> str:
     weight = f"`anchor.coef={a.get('coef', 0):g}`"
     if a.get("budget") is not None:
         weight = (
-            f"a weight held to `anchor.budget={a['budget']:g}` nats per token (from `anchor.coef="
+            f"a weight held to `anchor.budget={a['budget']:g}` nats per token (its dual from `anchor.coef="
             f"{a.get('coef', 0):g}`; at the last step {number(last.get('anchor/coef'))})"
         )
     return (

@@ -1079,7 +1079,7 @@ class KLConfig(_Defaulted):
     monitor: bool = True
     """Log the KL even when kl_coef is 0 (needs the reference forward). With kl_coef 0 and
     monitor false, no reference model is built and KL metrics are omitted (unless the text anchor
-    is on, anchor.coef > 0: it needs the reference, and the KL is then logged as well)."""
+    is on, anchor.coef > 0 or anchor.budget: it needs the reference, and the KL is then logged as well)."""
 
     def __post_init__(self) -> None:
         _check(
@@ -1344,8 +1344,8 @@ class AnchorConfig:
     """Hold the anchor's forward KL (anchor/forward_kl, nats per token, on each optimizer step's
     batch of text) at or under this budget: the weight is then moved every optimizer step by the
     budget controller (tether.core.controllers.BudgetKLController, projected dual ascent with a
-    proportional term) on the forward KL of the very batch it weighs, starting from anchor.coef
-    (0 allowed), logged as anchor/coef. None = a fixed weight, anchor.coef. Needs
+    proportional term) on the forward KL of the very batch it weighs, its dual starting at
+    anchor.coef (0 allowed), logged as anchor/coef. None = a fixed weight, anchor.coef. Needs
     anchor.kind=forward_kl."""
     budget_eta: float = 1.0
     """The anchor budget's dual step per optimizer step: the weight rises by budget_eta x
@@ -1377,6 +1377,7 @@ class AnchorConfig:
             self.budget_kp,
             "must be >= 0 (0 = the dual alone)",
         )
+        _check(self.kind in ("forward_kl", "ptx"), "anchor.kind", self.kind, "must be forward_kl or ptx")
         _check(
             self.budget is None or self.kind == "forward_kl",
             "anchor.budget",
@@ -1384,7 +1385,6 @@ class AnchorConfig:
             "holds the forward KL, and anchor.kind=ptx weighs the NLL, whose minimum is not the "
             "reference (no weight holds a KL by it); use anchor.kind=forward_kl, or anchor.budget=null",
         )
-        _check(self.kind in ("forward_kl", "ptx"), "anchor.kind", self.kind, "must be forward_kl or ptx")
         _check(bool(self.texts), "anchor.texts", self.texts, "name builtin or a text source")
         _check(self.batch_size >= 1, "anchor.batch_size", self.batch_size, "must be >= 1")
         _check(

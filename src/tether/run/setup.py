@@ -558,11 +558,11 @@ class Run:
     run_dir_existed: bool = False
     """The run directory existed (empty) before this run, see :func:`discard_failed_start`."""
     anchor_texts: list[str] | None = None
+    """The text anchor's human texts (:func:`load_anchor_texts`), None when the anchor is off."""
     fluency_model: str | None = None
     """What eval.fluency_model is on this run: its value, or what ``auto`` chose
     (:func:`tether.run.evaluation.fluency_judge`); None before the evaluator is built. The config
     keeps ``auto``, so that a resume decides again."""
-    """The text anchor's human texts (:func:`load_anchor_texts`), None when ``anchor.coef`` is 0."""
 
 
 def sampling_settings(config: Config, device: torch.device | str | None = None) -> SamplingSettings:

@@ -31,7 +31,9 @@ cached for a batch by all processes or by none), as FSDP's collectives need.
 from __future__ import annotations
 
 import logging
+import math
 import random
+import re
 from dataclasses import dataclass
 
 import torch
@@ -240,7 +242,8 @@ class TextAnchor:
         batch's forward KL (every process's tokens). Advances :attr:`position`.
 
         Raises:
-            ValueError: under a budget, a forward KL that is not finite (from the controller).
+            FloatingPointError: under a budget, a forward KL that is not finite (the weight would
+                be NaN on every process; the step is not taken).
         """
         k = self.position % self.n_batches
         self.position += 1
@@ -264,23 +267,29 @@ class TextAnchor:
             assert s.budget is not None
             # the whole batch's token mean: share 0 (no rows here) weighs this process's NaN by 0
             mine = torch.where(share > 0, out.forward_kl * share, 0.0).to(torch.float64).cpu()
-            forward_kl = float(D.all_reduce_sum(mine))
+            forward_kl = float(D.all_reduce_sum(mine))  # the same number on every process
+            if not math.isfinite(forward_kl):
+                raise FloatingPointError(
+                    f"anchor/forward_kl is {forward_kl} on batch {k} of anchor.texts, so anchor.budget's "
+                    "weight cannot follow it: the policy's logits on the text overflowed; lower optim.lr"
+                )
             loss = self.controller.update(forward_kl / s.budget, n_steps=1) * loss
         stats = {"anchor/forward_kl": out.forward_kl, "anchor/nll": out.nll, "anchor/coef": self.coef}
         return MicroLoss(loss, stats), share
 
     def state_dict(self) -> dict:
-        """The position, and under a budget the controller's state (its weight and dual)."""
+        """The position, and under a budget the controller's state (its weight and dual) and the
+        budget it held (``anchor.budget``)."""
         state: dict = {"position": self.position}
         if self.controller is not None:
             state["controller"] = self.controller.state_dict()
+            state["budget"] = self.settings.budget
         return state
 
     def load_state_dict(self, state: dict) -> list[str]:
-        """Restore :meth:`state_dict`; returns what a resume changed, to be printed: the budget's
-        gains (``eta``, ``kp``), or a budget newly on (from ``anchor.coef``) or off (the fixed
-        ``anchor.coef`` from here). A changed ``anchor.budget`` is a new scale for the same
-        controller, which carries its weight on; it is reported by the caller's config diff.
+        """Restore :meth:`state_dict`; returns what a resume changed, to be printed: the budget
+        (the dual carries on: a weight, whatever the budget it held), its gains, or a budget newly
+        on (the dual starting at ``anchor.coef``) or off (the fixed ``anchor.coef`` from here).
 
         Raises:
             ValueError: a controller state no tether wrote (from the controller).
@@ -288,10 +297,18 @@ class TextAnchor:
         self.position = int(state["position"])
         saved = state.get("controller")
         if self.controller is None:
-            return ["anchor.budget is off: the fixed anchor.coef from here"] if saved is not None else []
+            return ["anchor.budget off: the fixed anchor.coef from here"] if saved is not None else []
         if saved is None:
-            return [f"anchor.budget newly on: its weight starts at anchor.coef={self.settings.coef:g}"]
-        return [f"anchor.budget {c}" for c in self.controller.load_state_dict(saved)]
+            return [f"anchor.budget newly on: its dual starts at anchor.coef={self.settings.coef:g}"]
+        changes = []
+        if state.get("budget") not in (None, self.settings.budget):
+            changes.append(f"anchor.budget {state['budget']:g} -> {self.settings.budget:g} nats per token")
+        # the controller names its settings by field (eta, kp): here they are anchor.budget_*
+        for c in self.controller.load_state_dict(saved):
+            changes.append(
+                re.sub(r"\b(eta|kp) ", r"anchor.budget_\1 ", c.replace("the controller's", "anchor.budget's"))
+            )
+        return changes
 
 
 def text_anchor(run) -> TextAnchor | None:
@@ -318,13 +335,20 @@ def text_anchor(run) -> TextAnchor | None:
     )
 
 
-def restore_anchor(anchor: TextAnchor, saved: dict) -> None:
+def restore_anchor(anchor: TextAnchor | None, saved: dict | None) -> None:
     """Carry a checkpoint's anchor on (:meth:`TextAnchor.load_state_dict`) and print what the
-    resume changed, with the weight the next step takes."""
+    resume changed, with the weight it goes on from (a budget's dual: the next weight is that
+    plus the proportional term on the next batch's forward KL). The anchor newly on (no
+    ``saved``) starts at batch 0; newly off (no ``anchor``): said."""
+    if anchor is None or saved is None:
+        if anchor is None and saved is not None:
+            log.warning("tether: resuming with the text anchor off (anchor.coef=0, no anchor.budget)")
+        return
     changes = anchor.load_state_dict(saved)
     if changes:
-        log.warning(
-            "tether: resuming with %s; the anchor's weight for the next step: %g",
-            "; ".join(changes),
-            anchor.coef,
+        going_on = (
+            f"the fixed weight {anchor.coef:g}"
+            if anchor.controller is None
+            else f"the budget's dual {anchor.controller.dual:g} (last weight {anchor.coef:g})"
         )
+        log.warning("tether: resuming with %s; the anchor goes on from %s", "; ".join(changes), going_on)

@@ -234,7 +234,7 @@ class OnPolicyTrainer:
             )
         )
         self.rollouts = run.sampler  # one turn, or tool turns with rollout.env (models/rollouts.py)
-        # anchor.coef > 0: a batch of human text in every optimizer step's loss (trainers/anchor.py)
+        # anchor.coef > 0 or anchor.budget: human text in every optimizer step's loss (trainers/anchor.py)
         self.anchor = text_anchor(run)
 
     def trainer_state(self, step: int):
@@ -455,8 +455,7 @@ class OnPolicyTrainer:
         self.leash.counts.update(state["leash_counts"])
         if self.attribution is not None and "kl_attribution" in state:  # a run from before it: none
             self.attribution.load_state_dict(state["kl_attribution"])
-        if self.anchor is not None and "anchor" in state:  # resumed with the anchor newly on: from batch 0
-            restore_anchor(self.anchor, state["anchor"])
+        restore_anchor(self.anchor, state.get("anchor"))
         restore_optimization(self, state, next_step)  # the optimizer, and its schedule resumed
 
     def restore_controller(self, saved: dict) -> None:

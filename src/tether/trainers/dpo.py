@@ -276,7 +276,7 @@ class DPOTrainer:
             self.optimizer, c.optim.lr_scheduler, c.optim.warmup_steps, self.schedule_steps
         )
         self.last_experience: Experience | None = None
-        # anchor.coef > 0: a batch of human text in every optimizer step's loss (trainers/anchor.py)
+        # anchor.coef > 0 or anchor.budget: human text in every optimizer step's loss (trainers/anchor.py)
         self.anchor = text_anchor(run)
 
     def trainer_state(self, step: int):
@@ -432,8 +432,7 @@ class DPOTrainer:
         (:func:`tether.trainers.common.restore_optimization`)."""
         self.generator.set_state(state["generator"])
         self.position = state["position"]
-        if self.anchor is not None and "anchor" in state:  # resumed with the anchor newly on: from batch 0
-            restore_anchor(self.anchor, state["anchor"])
+        restore_anchor(self.anchor, state.get("anchor"))
         restore_optimization(self, state, next_step)  # the optimizer, and its schedule resumed
 
     # ---- the step --------------------------------------------------------------------------
