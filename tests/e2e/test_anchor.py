@@ -187,19 +187,26 @@ def test_a_budget_anchor_resumed_carries_its_weight_on(
     tiny_model_dir, prompt_file, anchor_file, tmp_path, caplog
 ):
     # the controller's weight and dual are checkpointed: a resumed run equals the uninterrupted
-    # one; a resume with changed gains says so, with the weight it goes on from
-    budget = ["anchor.budget=0.002", "anchor.budget_eta=2"]
+    # one; a resume with changed settings says so, with what the anchor goes on from. Each resume
+    # goes on from a copy of one 2-step run.
+    import shutil
 
-    def run(out, steps, resumed):
-        quiet = ["train.checkpoint_every=1", "eval.n_prompts=0", "eval.every=0", f"train.steps={steps}"]
-        args = _tiny_args(tiny_model_dir, prompt_file, out) + _anchor(anchor_file, "optim.lr=3e-2", *budget)
-        assert main(args + quiet) == 0
-        if resumed:
-            assert main(["train", "--resume", str(out), *resumed]) == 0
+    quiet = ["train.checkpoint_every=1", "eval.n_prompts=0", "eval.every=0"]
+    args = _tiny_args(tiny_model_dir, prompt_file, tmp_path / "x") + quiet
+    args += _anchor(anchor_file, "optim.lr=3e-2", "anchor.budget=0.002", "anchor.budget_eta=2")
+
+    def trained(out, steps):
+        assert main([*args, f"train.output_dir={out}", f"train.steps={steps}"]) == 0
+
+    def rows(out):
         return [{k: v for k, v in r.items() if k != "kl/reference_forwards"} for r in metric_rows(out)]
 
-    whole = run(tmp_path / "whole", 3, [])
-    assert run(tmp_path / "cut", 2, ["train.steps=3"]) == whole
+    trained(tmp_path / "whole", 3)
+    trained(tmp_path / "two", 2)
+    resumed = shutil.copytree(tmp_path / "two", tmp_path / "cut")
+    assert main(["train", "--resume", str(resumed), "train.steps=3"]) == 0
+    whole = rows(tmp_path / "whole")
+    assert rows(resumed) == whole
     assert len({r["anchor/coef"] for r in whole}) > 1  # the weight moved: the test reads a state
     for changed, said in (
         (["anchor.budget_kp=1"], "anchor.budget's settings changed (anchor.budget_kp 4 -> 1)"),
@@ -207,8 +214,9 @@ def test_a_budget_anchor_resumed_carries_its_weight_on(
         (["anchor.budget=null"], "anchor.budget off: the fixed anchor.coef from here"),
         (["anchor.budget=null", "anchor.coef=0"], "resuming with the text anchor off"),
     ):
+        out = shutil.copytree(tmp_path / "two", tmp_path / "-".join(changed))
         caplog.clear()
-        run(tmp_path / "-".join(changed), 2, ["train.steps=3", *changed])
+        assert main(["train", "--resume", str(out), "train.steps=3", *changed]) == 0
         assert said in caplog.text, (changed, caplog.text)
 
 
