@@ -310,8 +310,14 @@ def _loop(session: Session, *, start: int, stop: list[str]) -> tuple[int, int]:
             raise FloatingPointError(
                 f"step {step}: {e}. The settings that scale the gradients: optim.lr={c.optim.lr:g}, "
                 f"rollout.temperature={c.rollout.temperature:g}, "
-                f"optim.max_grad_norm={c.optim.max_grad_norm}; "
-                "lower optim.lr (or raise rollout.temperature), then "
+                f"optim.max_grad_norm={c.optim.max_grad_norm}"
+                + (
+                    f", the text anchor's weight (anchor/coef, held to anchor.budget={c.anchor.budget:g} "
+                    "nats per token: a budget far under the text's forward KL raises it without bound)"
+                    if c.anchor.budget is not None
+                    else ""
+                )
+                + "; lower optim.lr (or raise rollout.temperature), then "
                 + resume_hint(w.run_dir).replace(
                     "continue with:", "continue (the last checkpoint is kept) with:"
                 )

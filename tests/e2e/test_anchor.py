@@ -211,6 +211,10 @@ def test_a_budget_anchor_resumed_carries_its_weight_on(
     for changed, said in (
         (["anchor.budget_kp=1"], "anchor.budget's settings changed (anchor.budget_kp 4 -> 1)"),
         (["anchor.budget=0.004"], "anchor.budget 0.002 -> 0.004 nats per token"),
+        (
+            ["anchor.coef=3"],
+            "anchor.coef 0.5 -> 3, which under anchor.budget is only where a new dual starts",
+        ),
         (["anchor.budget=null"], "anchor.budget off: the fixed anchor.coef from here"),
         (["anchor.budget=null", "anchor.coef=0"], "resuming with the text anchor off"),
     ):

@@ -421,3 +421,19 @@ def test_settings_that_turn_the_kl_attribution_off_say_so():
         c = load_config(None, overrides).for_run()
         assert any(words in w for w in c.placement.warnings), (overrides, c.placement.warnings)
     assert not any("kl_tokens.jsonl" in w for w in load_config(None, []).for_run().placement.warnings)
+
+
+def test_anchor_settings_given_while_the_anchor_is_off_are_said_to_do_nothing():
+    def said(*overrides):
+        return [w for w in load_config(None, list(overrides)).placement.warnings if "anchor" in w]
+
+    assert said() == []
+    (w,) = said("anchor.texts=my.txt", "anchor.budget_kp=5")
+    assert (
+        w.startswith("anchor.texts, anchor.budget_kp set while the text anchor is off")
+        and "anchor.budget" in w
+    )
+    assert said("anchor.texts=my.txt", "anchor.budget=0.03") == []  # on: nothing to say
+    assert (
+        said("anchor.budget_eta=2", "anchor.coef=1") == []
+    )  # on (a fixed weight): the gains are unused, not wrong

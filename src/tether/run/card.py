@@ -92,7 +92,8 @@ def _anchor_row(a: dict, last: dict) -> str:
     if a.get("budget") is not None:
         weight = (
             f"a weight held to `anchor.budget={a['budget']:g}` nats per token (its dual from `anchor.coef="
-            f"{a.get('coef', 0):g}`; at the last step {number(last.get('anchor/coef'))})"
+            f"{a.get('coef', 0):g}`; its mean over the last step's optimizer steps "
+            f"{number(last.get('anchor/coef'))})"
         )
     return (
         f"| text anchor | {weight} x the exact {kind} on human text "

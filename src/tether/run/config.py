@@ -1348,9 +1348,9 @@ class AnchorConfig:
     anchor.coef (0 allowed), logged as anchor/coef. None = a fixed weight, anchor.coef. Needs
     anchor.kind=forward_kl."""
     budget_eta: float = 1.0
-    """The anchor budget's dual step per optimizer step: the weight rises by budget_eta x
-    (anchor/forward_kl / anchor.budget - 1) each step (weight per unit of relative error, so the
-    same gains fit any budget)."""
+    """The anchor budget's dual step per optimizer step: the dual (the weight the controller
+    settles at) moves by budget_eta x (anchor/forward_kl / anchor.budget - 1) each step, at least
+    0 (weight per unit of relative error, so the same gains fit any budget)."""
     budget_kp: float = 4.0
     """The anchor budget's proportional gain: the weight is the dual plus budget_kp x
     (anchor/forward_kl / anchor.budget - 1), at least 0 (weight per unit of relative error)."""
@@ -1395,6 +1395,10 @@ class AnchorConfig:
     def on(self) -> bool:
         """Whether the anchor acts (``coef > 0``, or a budget whose weight may rise from 0)."""
         return self.coef > 0 or self.budget is not None
+
+
+ANCHOR_DEFAULTS = {f.name: f.default for f in dataclasses.fields(AnchorConfig)}
+"""Each ``anchor.*`` field's default (to tell a field set while the anchor is off)."""
 
 
 @dataclass
@@ -1966,6 +1970,15 @@ class Config:
                     + (f" (kl.tokens_every={k.tokens_every} does nothing)" if k.tokens_every else "")
                     + "; leave kl.exact and kl.attribution on (the defaults) to see where the KL went"
                 )
+        a = self.anchor
+        unused = [
+            f"anchor.{n}" for n in ("texts", "budget_eta", "budget_kp") if getattr(a, n) != ANCHOR_DEFAULTS[n]
+        ]
+        if not a.on and unused:
+            self.placement.warnings.append(
+                f"{', '.join(unused)} set while the text anchor is off (anchor.coef=0, no anchor.budget): "
+                "it does nothing; set anchor.budget (e.g. 0.03) or anchor.coef to turn the anchor on"
+            )
         if self.train.tensorboard:
             self.placement.warnings.append(
                 "train.tensorboard=true is deprecated: it now means train.report_to=tensorboard "

@@ -128,7 +128,8 @@ def plot_training(
         ys = [r.get(key) for r in history]
         pts = [(s, y) for s, y in zip(steps, ys) if isinstance(y, (int, float))]
         if pts and not key.startswith("eval/"):  # an eval/ panel: drawn as held out, below
-            ax.plot(*zip(*pts), marker=".", lw=1, label="training batch")
+            series = "the anchor's text batches" if key.startswith("anchor/") else "training batch"
+            ax.plot(*zip(*pts), marker=".", lw=1, label=series)
         if key in _HELD_OUT:
             _held_out(ax, history, _HELD_OUT[key])
             if ax.has_data():

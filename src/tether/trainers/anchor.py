@@ -284,6 +284,7 @@ class TextAnchor:
         if self.controller is not None:
             state["controller"] = self.controller.state_dict()
             state["budget"] = self.settings.budget
+            state["coef"] = self.settings.coef
         return state
 
     def load_state_dict(self, state: dict) -> list[str]:
@@ -303,6 +304,11 @@ class TextAnchor:
         changes = []
         if state.get("budget") not in (None, self.settings.budget):
             changes.append(f"anchor.budget {state['budget']:g} -> {self.settings.budget:g} nats per token")
+        if state.get("coef") not in (None, self.settings.coef):
+            changes.append(
+                f"anchor.coef {state['coef']:g} -> {self.settings.coef:g}, which under anchor.budget is only "
+                "where a new dual starts: the checkpoint's dual carries on"
+            )
         # the controller names its settings by field (eta, kp): here they are anchor.budget_*
         for c in self.controller.load_state_dict(saved):
             changes.append(
