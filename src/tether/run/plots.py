@@ -77,20 +77,16 @@ def _held_out(ax, history: list[dict], key: str) -> None:
         ax.axhline(refs[-1], ls="--", c="gray", label="reference (held out)")
 
 
+def _empty_note(ax, text: str) -> None:
+    """A panel with nothing to draw: why, in gray at its centre."""
+    ax.text(0.5, 0.5, text, transform=ax.transAxes, ha="center", va="center", color="gray", fontsize=8)
+
+
 def _anchor(ax, history: list[dict], budget: float | None) -> None:
     """The text anchor's panel: its budget (a dashed line) and its weight (``anchor/coef``, a
     second axis), or a note that the run had no anchor."""
     if not ax.has_data():
-        ax.text(
-            0.5,
-            0.5,
-            "no text anchor\n(anchor.coef, anchor.budget)",
-            transform=ax.transAxes,
-            ha="center",
-            va="center",
-            color="gray",
-            fontsize=8,
-        )
+        _empty_note(ax, "no text anchor\n(anchor.coef, anchor.budget)")
         return
     if budget is not None:
         ax.axhline(budget, ls="--", c="gray", label="anchor.budget")
@@ -135,15 +131,8 @@ def plot_training(
             if ax.has_data():
                 ax.legend(fontsize=7)
             else:
-                ax.text(
-                    0.5,
-                    0.5,
-                    "no periodic evaluation\n(eval.every, eval.fluency_model, eval.capability_texts)",
-                    transform=ax.transAxes,
-                    ha="center",
-                    va="center",
-                    color="gray",
-                    fontsize=8,
+                _empty_note(
+                    ax, "no periodic evaluation\n(eval.every, eval.fluency_model, eval.capability_texts)"
                 )
         if key == "objective/scores":
             for ekey, elabel in (
