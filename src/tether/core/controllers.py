@@ -126,8 +126,12 @@ class Controller:
         """Go on from another kind of controller's beta (a resume that changed kl.controller)."""
         self.kl_coef = kl_coef
 
-    def load_state_dict(self, saved: dict) -> list[str]:
-        """Carry a checkpoint's controller on (a resume); returns the changes, to be printed.
+    def load_state_dict(
+        self, saved: dict, *, names: Mapping[str, str] | None = None, whose: str = "the controller's"
+    ) -> list[str]:
+        """Carry a checkpoint's controller on (a resume); returns the changes, to be printed, each
+        setting under its name in ``names`` (field -> the name a user set it by; the field's own
+        name where absent) and the settings as ``whose`` (``"anchor.budget's"`` for the anchor's).
 
         The same kind: the :attr:`state` fields are the checkpoint's, the settings the resumed
         config's (``--resume RUN kl.budget=...`` takes effect), and each setting that differs is
@@ -141,8 +145,9 @@ class Controller:
             self.adopt(float(saved["kl_coef"]))
             return [f"kl.controller changed ({kind} -> {self.name})"]
         own = [f.name for f in fields(self) if f.name in saved]  # type: ignore[arg-type]
+        names = names or {}
         changed = [
-            f"{name} {saved[name]:g} -> {getattr(self, name):g}"
+            f"{names.get(name, name)} {saved[name]:g} -> {getattr(self, name):g}"
             for name in own
             if name not in self.state and saved[name] != getattr(self, name) and saved[name] is not None
         ]
@@ -150,7 +155,7 @@ class Controller:
             if name in saved:
                 setattr(self, name, saved[name])
         self.resumed(saved, changed=bool(changed))
-        return [f"the controller's settings changed ({', '.join(changed)})"] if changed else []
+        return [f"{whose} settings changed ({', '.join(changed)})"] if changed else []
 
     def resumed(self, saved: dict, *, changed: bool) -> None:
         """After :meth:`load_state_dict` of the same kind: what this controller does with a

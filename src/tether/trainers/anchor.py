@@ -33,7 +33,6 @@ from __future__ import annotations
 import logging
 import math
 import random
-import re
 from dataclasses import dataclass
 
 import torch
@@ -309,12 +308,8 @@ class TextAnchor:
                 f"anchor.coef {state['coef']:g} -> {self.settings.coef:g}, which under anchor.budget is only "
                 "where a new dual starts: the checkpoint's dual carries on"
             )
-        # the controller names its settings by field (eta, kp): here they are anchor.budget_*
-        for c in self.controller.load_state_dict(saved):
-            changes.append(
-                re.sub(r"\b(eta|kp) ", r"anchor.budget_\1 ", c.replace("the controller's", "anchor.budget's"))
-            )
-        return changes
+        names = {"eta": "anchor.budget_eta", "kp": "anchor.budget_kp"}
+        return changes + self.controller.load_state_dict(saved, names=names, whose="anchor.budget's")
 
 
 def text_anchor(run) -> TextAnchor | None:
